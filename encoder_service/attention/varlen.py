@@ -1,0 +1,56 @@
+"""torch.nn.attention.varlen.varlen_attn: FlashAttention over packed sequences, CUDA only.
+
+Takes ``cu_seqlens`` on the device and ``max_seqlen`` as a host int, so no sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..device import host_to_device
+from ..metadata import AttentionMetadata
+from .base import AttentionBackend
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+
+
+class VarlenBackend(AttentionBackend):
+    name = "varlen"
+    priority = 10
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        try:
+            from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+        except ImportError:
+            return f"torch {torch.__version__} has no torch.nn.attention.varlen (needs torch >= 2.9)"
+        return None
+
+    @classmethod
+    def supports_device(cls, device: torch.device) -> bool:
+        return device.type == "cuda"
+
+    @classmethod
+    def supports_dtype(cls, dtype: torch.dtype) -> bool:
+        return dtype in (torch.float16, torch.bfloat16)
+
+    @classmethod
+    def supports_head_size(cls, head_dim: int) -> bool:
+        return head_dim % 8 == 0 and head_dim <= 256
+
+    def prepare(self, meta: AttentionMetadata) -> _Prepared:
+        return _Prepared(host_to_device(meta.cu_seqlens, self.device), meta.max_seqlen)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prepared: _Prepared) -> torch.Tensor:
+        from torch.nn.attention.varlen import varlen_attn
+
+        # Positional only: keyword names moved between torch releases; the default scale is
+        # head_dim ** -0.5 of the unpadded head_dim, which is what we need.
+        cu, n = prepared.cu_seqlens, prepared.max_seqlen
+        return varlen_attn(q, k, v, cu, cu, n, n)

@@ -1,0 +1,69 @@
+"""Typed errors raised anywhere below the API layer.
+
+Each carries the gRPC status name it maps to; the API layer turns them into statuses in one place
+(``encoder_service.api.errors``). Layers below the API never import grpc.
+"""
+
+from __future__ import annotations
+
+
+class EncoderError(Exception):
+    """Base of every error the service reports to a caller."""
+
+    code = "INTERNAL"
+
+    def __init__(self, message: str, *, image_index: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.image_index = image_index
+
+    def with_image(self, image_index: int) -> EncoderError:
+        """The same error, tagged with the index of the image in the caller's request."""
+        if self.image_index is None:
+            self.image_index = image_index
+        return self
+
+    def __str__(self) -> str:
+        if self.image_index is None:
+            return self.message
+        return f"image {self.image_index}: {self.message}"
+
+
+class InvalidInput(EncoderError, ValueError):
+    """Malformed input: bad grid, bad patches, bad image bytes, bad option."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class NotFound(EncoderError, KeyError):
+    """A referenced content hash is not cached."""
+
+    code = "NOT_FOUND"
+
+    def __str__(self) -> str:  # KeyError would otherwise repr() the message
+        return EncoderError.__str__(self)
+
+
+class ResourceExhausted(EncoderError):
+    """Over a configured limit: message size, image size, batch tokens, queue depth."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class PermissionDenied(EncoderError):
+    code = "PERMISSION_DENIED"
+
+
+class Unavailable(EncoderError):
+    """Starting, draining, or a dependency (a sink) is down."""
+
+    code = "UNAVAILABLE"
+
+
+class BackendUnavailable(EncoderError, RuntimeError):
+    """A configured attention backend cannot run here (missing library, wrong device, dtype, head_dim).
+
+    Raised at load time, never during a request.
+    """
+
+    code = "FAILED_PRECONDITION"

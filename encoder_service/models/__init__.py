@@ -1,0 +1,56 @@
+"""Vision models: ``load_vision_model`` is the public entry point (see DESIGN.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import InvalidInput
+from .base import ModelSpec, VisionModel
+from .presets import PRESETS, make_checkpoint
+
+__all__ = ["PRESETS", "ModelSpec", "VisionModel", "load_vision_model", "make_checkpoint"]
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise InvalidInput(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}") from None
+
+
+def load_vision_model(path_or_preset: str | Path, device: str | torch.device = "cpu",
+                      dtype: torch.dtype | str = torch.float32, attn_backend: str = "auto",
+                      seed: int = 0) -> VisionModel:
+    """Loads the vision tower of a transformers-format checkpoint directory, or a built-in preset
+    (random weights from ``seed``; see ``PRESETS``)."""
+    device = torch.device(device)
+    dtype = parse_dtype(dtype)
+    path = Path(path_or_preset)
+    if path.is_dir():
+        from .loader import read_checkpoint
+        from .registry import loader_for
+
+        ckpt = read_checkpoint(path)
+        model_type = ckpt.config.get("model_type")
+        return loader_for(model_type)(ckpt, model_id=str(path_or_preset), device=device, dtype=dtype,
+                                      attn_backend=attn_backend)
+    name = str(path_or_preset)
+    if name in PRESETS:
+        from .presets import random_vision_state
+        from .qwen2_5_vl import Qwen2_5_VisionConfig
+        from .qwen2_5_vl_loading import build
+
+        preset = PRESETS[name]
+        state = {k: v.to(dtype) for k, v in random_vision_state(preset, seed).items()}
+        return build(Qwen2_5_VisionConfig.from_dict(preset.vision_config), state,
+                     model_id=f"{name}@seed{seed}", preprocess_config=preset.preprocessor_config,
+                     device=device, dtype=dtype, attn_backend=attn_backend)
+    raise InvalidInput(f"{str(path_or_preset)!r} is neither a checkpoint directory nor a preset; "
+                       f"presets: {', '.join(PRESETS)}")

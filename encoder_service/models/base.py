@@ -1,0 +1,139 @@
+"""What every loaded vision model offers the engine: the public API of DESIGN.md.
+
+``load_vision_model`` returns a ``VisionModel``. The engine calls only what is here; model families
+implement ``_forward`` (the torch module) and their preprocessing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..errors import InvalidInput
+
+Grid = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Static facts about a loaded model that the API reports and the engine plans with."""
+
+    model_id: str
+    model_type: str
+    hidden_size: int  # output (LLM) hidden size of each embedding row
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    in_channels: int
+    # Fingerprint inputs for cache_namespace: anything that changes the embedding of the same bytes.
+    fingerprint: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size
+
+    @property
+    def merge_unit(self) -> int:
+        return self.spatial_merge_size * self.spatial_merge_size
+
+
+def validate_grid(grid: Sequence[int], spec: ModelSpec) -> Grid:
+    """Checks one [t, h, w] grid (Python ints) against the model's merge rules."""
+    if isinstance(grid, (str, bytes)) or len(grid) != 3:
+        raise InvalidInput(f"grid_thw must be [t, h, w], got {list(grid) if not isinstance(grid, str) else grid!r}")
+    try:
+        t, h, w = (int(x) for x in grid)
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(f"grid_thw must hold integers, got {list(grid)!r}") from exc
+    if t < 1:
+        raise InvalidInput(f"grid t must be >= 1, got t={t}")
+    m = spec.spatial_merge_size
+    if h < m or w < m or h % m or w % m:
+        raise InvalidInput(
+            f"grid h and w must be positive multiples of the spatial merge size {m}, got h={h}, w={w}"
+        )
+    return t, h, w
+
+
+def validate_batch(pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]],
+                   spec: ModelSpec) -> list[Grid]:
+    """Checks a batch before any device work: grids legal, patch count and width matching."""
+    if len(grids) == 0:
+        raise InvalidInput("empty batch: no images (grid_thw is empty)")
+    checked = []
+    for i, g in enumerate(grids):
+        try:
+            checked.append(validate_grid(g, spec))
+        except InvalidInput as exc:
+            raise exc.with_image(i) from None
+    if pixel_values.ndim != 2:
+        raise InvalidInput(f"pixel_values must be 2-D [patches, {spec.patch_dim}], got shape "
+                           f"{tuple(pixel_values.shape)}")
+    if pixel_values.shape[1] != spec.patch_dim:
+        raise InvalidInput(f"wrong patch width: pixel_values has {pixel_values.shape[1]} values per patch, "
+                           f"the model needs {spec.patch_dim}")
+    expected = sum(t * h * w for t, h, w in checked)
+    if pixel_values.shape[0] != expected:
+        raise InvalidInput(f"patch count does not match the grids: pixel_values has {pixel_values.shape[0]} "
+                           f"patches, grids {[list(g) for g in checked]} need {expected}")
+    return checked
+
+
+class VisionModel:
+    """A loaded vision tower with its preprocessing. Subclasses set ``module`` and ``spec``."""
+
+    spec: ModelSpec
+    module: torch.nn.Module
+    device: torch.device
+    dtype: torch.dtype
+    attn_backend: str
+
+    # --- sizes -------------------------------------------------------------------------------
+    def num_patches(self, grid: Sequence[int]) -> int:
+        t, h, w = grid
+        return int(t) * int(h) * int(w)
+
+    def num_tokens(self, grid: Sequence[int]) -> int:
+        return self.num_patches(grid) // self.spec.merge_unit
+
+    @property
+    def hidden_size(self) -> int:
+        return self.spec.hidden_size
+
+    @property
+    def patch_dim(self) -> int:
+        return self.spec.patch_dim
+
+    @property
+    def cache_namespace(self) -> str:
+        """Fingerprint of everything that changes an embedding besides the input bytes."""
+        payload = {
+            "model_id": self.spec.model_id,
+            "model_type": self.spec.model_type,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            **self.spec.fingerprint,
+        }
+        digest = hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+        return f"{self.spec.model_type}:{digest[:24]}"
+
+    # --- the public API ----------------------------------------------------------------------
+    def preprocess(self, image_bytes: bytes, max_image_pixels: int | None = None
+                   ) -> tuple[np.ndarray, Grid]:
+        """Encoded image bytes -> (patches [t*h*w, patch_dim] float32, (t, h, w))."""
+        raise NotImplementedError
+
+    def validate(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]) -> list[Grid]:
+        return validate_batch(pixel_values, grids, self.spec)
+
+    def encode(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]
+               ) -> list[torch.Tensor]:
+        """Patches of several images (concatenated) -> one [num_tokens_i, hidden] tensor per image.
+
+        Returned tensors live on the model's device in the model's dtype.
+        """
+        raise NotImplementedError

@@ -1,0 +1,82 @@
+"""Reads a transformers-format checkpoint directory, taking only the vision tower's tensors.
+
+Each safetensors file is memory-mapped and only the tensors under a vision prefix are read, one
+by one: the LLM's weights (most of the bytes) are never copied into memory. With an index file,
+shards that hold no vision tensor are not even opened.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..errors import InvalidInput
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass
+class CheckpointFiles:
+    root: Path
+    config: dict
+    preprocessor_config: dict | None
+    # tensor name -> file that holds it
+    weight_map: dict[str, Path] = field(default_factory=dict)
+
+
+def read_checkpoint(path: str | Path) -> CheckpointFiles:
+    root = Path(path)
+    if not root.is_dir():
+        raise InvalidInput(f"checkpoint {str(root)!r} is not a directory")
+    config_file = root / "config.json"
+    if not config_file.is_file():
+        raise InvalidInput(f"checkpoint {str(root)!r} has no config.json")
+    config = json.loads(config_file.read_text())
+    pre_file = root / "preprocessor_config.json"
+    preprocessor = json.loads(pre_file.read_text()) if pre_file.is_file() else None
+
+    index = root / INDEX_FILE
+    weight_map: dict[str, Path] = {}
+    if index.is_file():
+        for name, fname in json.loads(index.read_text())["weight_map"].items():
+            weight_map[name] = root / fname
+    else:
+        files = sorted(root.glob("*.safetensors"))
+        if not files:
+            raise InvalidInput(f"checkpoint {str(root)!r} has no *.safetensors files")
+        for f in files:
+            with safe_open(f, framework="pt") as handle:  # reads the header only
+                for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    weight_map[name] = f
+    return CheckpointFiles(root, config, preprocessor, weight_map)
+
+
+def vision_prefix(names: Sequence[str], prefixes: Sequence[str]) -> str:
+    """The first prefix under which the checkpoint stores tensors."""
+    for prefix in prefixes:
+        if any(n.startswith(prefix) for n in names):
+            return prefix
+    raise InvalidInput(f"checkpoint holds no vision tensors (looked for prefixes {list(prefixes)})")
+
+
+def load_tensors(ckpt: CheckpointFiles, prefixes: Sequence[str], dtype: torch.dtype
+                 ) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Tensors under the first matching prefix (prefix stripped), and the full names read."""
+    prefix = vision_prefix(list(ckpt.weight_map), prefixes)
+    by_file: dict[Path, list[str]] = {}
+    for name, f in ckpt.weight_map.items():
+        if name.startswith(prefix):
+            by_file.setdefault(f, []).append(name)
+    state: dict[str, torch.Tensor] = {}
+    read: list[str] = []
+    for f, names in by_file.items():
+        with safe_open(f, framework="pt") as handle:
+            for name in names:
+                state[name[len(prefix):]] = handle.get_tensor(name).to(dtype)
+                read.append(name)
+    return state, read

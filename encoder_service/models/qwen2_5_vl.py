@@ -1,0 +1,228 @@
+"""Qwen2.5-VL vision tower: patch embedding, 2-D rotary, window attention with full-attention
+blocks, RMSNorm, SwiGLU MLP, patch merger. Batches many images of different sizes in one forward.
+
+Parameter names follow the checkpoints (``patch_embed.proj``, ``blocks.N.attn.qkv``, ...), so a
+state dict loads as is after stripping ``visual.`` / ``model.visual.``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import AttentionBackend, select_backend
+from ..device import host_to_device
+from ..metadata import BatchMetadata, SpatialConfig, build_metadata
+from .base import Grid, ModelSpec, VisionModel
+from .layers import RMSNorm, activation, apply_rotary
+
+MODEL_TYPE = "qwen2_5_vl"
+
+
+@dataclass(frozen=True)
+class Qwen2_5_VisionConfig:
+    depth: int = 32
+    hidden_size: int = 1280
+    intermediate_size: int = 3420
+    num_heads: int = 16
+    in_channels: int = 3
+    out_hidden_size: int = 3584
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    window_size: int = 112
+    fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
+    hidden_act: str = "silu"
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Qwen2_5_VisionConfig:
+        rope = d.get("rope_parameters") or {}
+        return cls(
+            depth=int(d.get("depth", d.get("num_hidden_layers", cls.depth))),
+            hidden_size=int(d.get("hidden_size", cls.hidden_size)),
+            intermediate_size=int(d.get("intermediate_size", cls.intermediate_size)),
+            num_heads=int(d.get("num_heads", d.get("num_attention_heads", cls.num_heads))),
+            in_channels=int(d.get("in_channels", d.get("in_chans", cls.in_channels))),
+            out_hidden_size=int(d.get("out_hidden_size", cls.out_hidden_size)),
+            patch_size=int(d.get("patch_size", d.get("spatial_patch_size", cls.patch_size))),
+            temporal_patch_size=int(d.get("temporal_patch_size", cls.temporal_patch_size)),
+            spatial_merge_size=int(d.get("spatial_merge_size", cls.spatial_merge_size)),
+            window_size=int(d.get("window_size", cls.window_size)),
+            fullatt_block_indexes=tuple(int(i) for i in d.get("fullatt_block_indexes", cls.fullatt_block_indexes)),
+            hidden_act=str(d.get("hidden_act", cls.hidden_act)),
+            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", cls.rope_theta))),
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "depth": self.depth, "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_heads": self.num_heads, "in_channels": self.in_channels, "in_chans": self.in_channels,
+            "out_hidden_size": self.out_hidden_size, "patch_size": self.patch_size,
+            "temporal_patch_size": self.temporal_patch_size, "spatial_merge_size": self.spatial_merge_size,
+            "window_size": self.window_size, "fullatt_block_indexes": list(self.fullatt_block_indexes),
+            "hidden_act": self.hidden_act, "tokens_per_second": 2,
+            "rope_parameters": {"rope_type": "axial", "rope_theta": self.rope_theta},
+        }
+
+
+class PatchEmbed(nn.Module):
+    """Conv3d with kernel == stride over each flattened patch is exactly a matrix product."""
+
+    def __init__(self, cfg: Qwen2_5_VisionConfig) -> None:
+        super().__init__()
+        kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+        # Kept Conv3d-shaped so checkpoints load unchanged; applied as one GEMM.
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel, stride=kernel, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.proj.weight
+        return F.linear(x.to(w.dtype), w.view(w.shape[0], -1))
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, cfg: Qwen2_5_VisionConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.head_dim = cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                backend: AttentionBackend, prepared: Any) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        q, k = apply_rotary(q, k, cos, sin)
+        out = backend.forward(q, k, v, prepared)
+        return self.proj(out.reshape(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Qwen2_5_VisionConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
+        self.act = activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, cfg: Qwen2_5_VisionConfig) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = VisionAttention(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, backend, prepared) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, backend, prepared)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, cfg: Qwen2_5_VisionConfig) -> None:
+        super().__init__()
+        self.merged_dim = cfg.hidden_size * cfg.spatial_merge_size**2
+        self.ln_q = RMSNorm(cfg.hidden_size, 1e-6)
+        self.mlp = nn.Sequential(
+            nn.Linear(self.merged_dim, self.merged_dim), nn.GELU(), nn.Linear(self.merged_dim, cfg.out_hidden_size)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.merged_dim))
+
+
+class Qwen2_5_VisionTower(nn.Module):
+    def __init__(self, cfg: Qwen2_5_VisionConfig) -> None:
+        super().__init__()
+        if cfg.head_dim % 4:
+            raise ValueError(f"head_dim {cfg.head_dim} must be a multiple of 4 for the 2-D rotary embedding")
+        self.cfg = cfg
+        self.unit = cfg.spatial_merge_size**2
+        self.patch_embed = PatchEmbed(cfg)
+        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
+        self.merger = PatchMerger(cfg)
+        half = cfg.head_dim // 2
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32) / half))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.full_blocks = frozenset(cfg.fullatt_block_indexes)
+
+    def rotary(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # [N, 2] (h, w) -> [N, 2, head_dim/4] -> [N, head_dim/2] -> [N, head_dim], float32.
+        freqs = (position_ids[..., None].float() * self.inv_freq).flatten(1)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+    def forward(self, pixel_values: torch.Tensor, meta: BatchMetadata, backend: AttentionBackend) -> torch.Tensor:
+        device = pixel_values.device
+        # Every host->device copy of the batch's metadata happens here, once, without a sync.
+        window_index = host_to_device(meta.window_index, device)
+        reverse_index = host_to_device(meta.reverse_window_index, device)
+        position_ids = host_to_device(meta.position_ids, device)
+        plans = {True: backend.prepare(meta.full), False: backend.prepare(meta.window)}
+
+        x = self.patch_embed(pixel_values)
+        n, dim = x.shape
+        x = x.view(n // self.unit, self.unit, dim)[window_index].view(n, dim)
+        cos, sin = self.rotary(position_ids)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, backend, plans[i in self.full_blocks])
+        return self.merger(x)[reverse_index]
+
+
+class Qwen2_5_VLVisionModel(VisionModel):
+    """A loaded Qwen2.5-VL vision tower with its preprocessing (the public API)."""
+
+    def __init__(self, cfg: Qwen2_5_VisionConfig, module: Qwen2_5_VisionTower, *, model_id: str,
+                 preprocess_config: dict | None, device: torch.device, dtype: torch.dtype,
+                 attn_backend: str) -> None:
+        from ..preprocess import Qwen2VLPreprocessConfig
+
+        self.cfg = cfg
+        self.module = module
+        self.device = device
+        self.dtype = dtype
+        self.preprocess_config = Qwen2VLPreprocessConfig.from_dict(preprocess_config or {})
+        backend_cls = select_backend(attn_backend, device, dtype, cfg.head_dim)
+        self.attn_backend = backend_cls.name
+        self.backend = backend_cls(cfg.num_heads, cfg.head_dim, device, dtype)
+        self.spatial = SpatialConfig(cfg.spatial_merge_size, cfg.patch_size, cfg.window_size)
+        self.spec = ModelSpec(
+            model_id=model_id, model_type=MODEL_TYPE, hidden_size=cfg.out_hidden_size,
+            patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
+            spatial_merge_size=cfg.spatial_merge_size, in_channels=cfg.in_channels,
+            fingerprint={"vision_config": cfg.to_dict(), "preprocess": self.preprocess_config.fingerprint()},
+        )
+
+    def preprocess(self, image_bytes: bytes, max_image_pixels: int | None = None) -> tuple[np.ndarray, Grid]:
+        from ..preprocess import preprocess_qwen2_vl
+
+        return preprocess_qwen2_vl(image_bytes, self.preprocess_config, max_image_pixels)
+
+    @torch.inference_mode()
+    def encode(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        checked = self.validate(pixel_values, grids)
+        meta = build_metadata(checked, self.spatial)
+        if isinstance(pixel_values, np.ndarray):
+            x = host_to_device(pixel_values, self.device)
+        elif pixel_values.device.type == "cpu" and self.device.type != "cpu":
+            x = pixel_values.pin_memory().to(self.device, non_blocking=True)
+        else:
+            x = pixel_values.to(self.device)
+        out = self.module(x.to(self.dtype), meta, self.backend)
+        return list(out.split(meta.tokens_per_image))

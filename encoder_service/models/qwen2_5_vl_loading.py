@@ -1,0 +1,52 @@
+"""Builds a Qwen2.5-VL vision model from a checkpoint or from random weights."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import InvalidInput
+from .loader import CheckpointFiles, load_tensors
+from .qwen2_5_vl import Qwen2_5_VisionConfig, Qwen2_5_VisionTower, Qwen2_5_VLVisionModel
+
+VISION_PREFIXES = ("model.visual.", "visual.")
+
+
+def load(ckpt: CheckpointFiles, *, model_id: str, device: torch.device, dtype: torch.dtype,
+         attn_backend: str) -> Qwen2_5_VLVisionModel:
+    vision_cfg = ckpt.config.get("vision_config")
+    if vision_cfg is None:
+        raise InvalidInput(f"config.json of {model_id!r} has no vision_config")
+    cfg = Qwen2_5_VisionConfig.from_dict(vision_cfg)
+    state, read = load_tensors(ckpt, VISION_PREFIXES, dtype)
+    model = build(cfg, state, model_id=model_id, preprocess_config=ckpt.preprocessor_config,
+                  device=device, dtype=dtype, attn_backend=attn_backend)
+    model.tensors_read = read
+    return model
+
+
+def build(cfg: Qwen2_5_VisionConfig, state: dict[str, torch.Tensor], *, model_id: str,
+          preprocess_config: dict | None, device: torch.device, dtype: torch.dtype,
+          attn_backend: str) -> Qwen2_5_VLVisionModel:
+    with torch.device("meta"):
+        module = Qwen2_5_VisionTower(cfg)
+    expected = set(module.state_dict())
+    missing = sorted(expected - set(state))
+    if missing:
+        raise InvalidInput(f"checkpoint {model_id!r} lacks vision tensors: {', '.join(missing[:8])}"
+                           + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    unexpected = sorted(set(state) - expected)
+    if unexpected:
+        raise InvalidInput(f"checkpoint {model_id!r} has vision tensors this model does not know: "
+                           f"{', '.join(unexpected[:8])}")
+    for name, tensor in module.state_dict().items():
+        if state[name].shape != tensor.shape:
+            raise InvalidInput(f"tensor {name} of {model_id!r} has shape {tuple(state[name].shape)}, "
+                               f"config implies {tuple(tensor.shape)}")
+    module.load_state_dict(state, assign=True)
+    # Non-persistent buffers (inv_freq) are not in the state dict: rebuild them for real.
+    half = cfg.head_dim // 2
+    module.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32) / half))
+    module = module.to(device=device).eval().requires_grad_(False)
+    module.inv_freq = module.inv_freq.float()
+    return Qwen2_5_VLVisionModel(cfg, module, model_id=model_id, preprocess_config=preprocess_config,
+                                 device=device, dtype=dtype, attn_backend=attn_backend)
