@@ -1,0 +1,224 @@
+"""Qwen2-VL / Qwen2.5-VL image preprocessing: bytes -> flat patches + grid.
+
+Matches transformers' ``Qwen2VLImageProcessorPil`` bit for bit (same Pillow resize, same float
+rounding), so embeddings computed from our patches equal those from transformers' pipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from encoder_service.errors import InvalidInput
+from encoder_service.preprocess.decode import MAX_ASPECT_RATIO, open_image, to_rgb
+
+# transformers' OPENAI_CLIP_MEAN / OPENAI_CLIP_STD, the Qwen2-VL processor defaults.
+_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+_NUM_CHANNELS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen2VLPreprocessConfig:
+    """Preprocessing settings, read from a checkpoint's ``preprocessor_config.json``.
+
+    Defaults are transformers' ``Qwen2VLImageProcessor`` class defaults, so a config file that
+    omits a key means what it means to transformers.
+    """
+
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    image_mean: tuple[float, ...] = _CLIP_MEAN
+    image_std: tuple[float, ...] = _CLIP_STD
+    rescale_factor: float = 1 / 255
+    do_resize: bool = True
+    do_rescale: bool = True
+    do_normalize: bool = True
+    do_convert_rgb: bool = True
+    resample: int = int(Image.Resampling.BICUBIC)
+
+    def __post_init__(self) -> None:
+        for name in ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InvalidInput(f"preprocessor config: {name} must be a positive int, got {value!r}")
+        if self.min_pixels > self.max_pixels:
+            raise InvalidInput(f"preprocessor config: min_pixels {self.min_pixels} > max_pixels {self.max_pixels}")
+        for name in ("image_mean", "image_std"):
+            if len(getattr(self, name)) != _NUM_CHANNELS:
+                raise InvalidInput(f"preprocessor config: {name} needs {_NUM_CHANNELS} values")
+        if any(s == 0 for s in self.image_std):
+            raise InvalidInput("preprocessor config: image_std has a zero")
+        if self.resample not in {int(r) for r in Image.Resampling}:
+            raise InvalidInput(f"preprocessor config: resample {self.resample!r} is not a Pillow filter")
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any]) -> Qwen2VLPreprocessConfig:
+        """Build from a ``preprocessor_config.json`` dict; unknown keys are ignored.
+
+        Pixel bounds come, in transformers' order of precedence, from top-level ``min_pixels`` /
+        ``max_pixels`` (old Qwen2-VL files), else ``size.shortest_edge`` / ``size.longest_edge``
+        (new files; the names are historical: they are pixel counts, not edges).
+        """
+        kwargs: dict[str, Any] = {}
+        size = config.get("size")
+        if size is not None:
+            if not isinstance(size, Mapping):
+                raise InvalidInput(f"preprocessor config: size must be a mapping, got {size!r}")
+            # Some Qwen2-VL files spell the size keys min_pixels/max_pixels; accept them as aliases.
+            for key, alias, field in (
+                ("shortest_edge", "min_pixels", "min_pixels"),
+                ("longest_edge", "max_pixels", "max_pixels"),
+            ):
+                value = size.get(key, size.get(alias))
+                if value is not None:
+                    kwargs[field] = value
+            # transformers replaces its default size wholesale with the given one, so a size with
+            # one bound and no top-level override would fail there at call time; fail here instead.
+            for field in ("min_pixels", "max_pixels"):
+                if field not in kwargs and config.get(field) is None:
+                    raise InvalidInput(
+                        f"preprocessor config: size needs both shortest_edge and longest_edge, got {dict(size)}"
+                    )
+        for field in ("min_pixels", "max_pixels"):
+            if config.get(field) is not None:
+                kwargs[field] = config[field]
+
+        for field in ("patch_size", "temporal_patch_size", "merge_size", "resample"):
+            if config.get(field) is not None:
+                kwargs[field] = config[field]
+        for field in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
+            if config.get(field) is not None:
+                kwargs[field] = bool(config[field])
+        if config.get("rescale_factor") is not None:
+            kwargs["rescale_factor"] = float(config["rescale_factor"])
+        for field in ("image_mean", "image_std"):
+            value = config.get(field)
+            if value is None:
+                continue
+            # transformers broadcasts a scalar to every channel; store the broadcast form so the
+            # fingerprint of equivalent configs is equal.
+            values = [value] * _NUM_CHANNELS if isinstance(value, (int, float)) else list(value)
+            kwargs[field] = tuple(float(v) for v in values)
+        return cls(**kwargs)
+
+    @property
+    def factor(self) -> int:
+        """Side of one merged token in pixels: resized sides are multiples of it."""
+        return self.patch_size * self.merge_size
+
+    @property
+    def patch_dim(self) -> int:
+        return _NUM_CHANNELS * self.temporal_patch_size * self.patch_size * self.patch_size
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Every field, JSON-ready; part of the cache key (any change changes the patches)."""
+        return {
+            f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in dataclasses.fields(self)
+        }
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Target (height, width): multiples of ``factor``, area within [min, max] pixels, aspect kept.
+
+    The float expressions are written in the same order as Qwen's reference (divide by beta, then by
+    factor; Python's round-half-to-even) because a one-ulp difference can move a side by a whole
+    ``factor``, i.e. change the token count.
+    """
+    if height <= 0 or width <= 0:
+        raise InvalidInput(f"image size must be positive, got {height}x{width}")
+    aspect = max(height, width) / min(height, width)
+    if aspect > MAX_ASPECT_RATIO:
+        raise InvalidInput(f"image aspect ratio {aspect:.1f} is over the limit of {MAX_ASPECT_RATIO}")
+    new_h = round(height / factor) * factor
+    new_w = round(width / factor) * factor
+    if new_h * new_w > max_pixels:
+        shrink = math.sqrt((height * width) / max_pixels)
+        # Floor so the area ends at or under the bound; never below one factor per side.
+        new_h = max(factor, math.floor(height / shrink / factor) * factor)
+        new_w = max(factor, math.floor(width / shrink / factor) * factor)
+    elif new_h * new_w < min_pixels:
+        grow = math.sqrt(min_pixels / (height * width))
+        new_h = math.ceil(height * grow / factor) * factor
+        new_w = math.ceil(width * grow / factor) * factor
+    return new_h, new_w
+
+
+def _value_table(cfg: Qwen2VLPreprocessConfig) -> np.ndarray:
+    """float32 [channel, uint8 value] -> the value after rescale and normalize.
+
+    transformers computes ``float32(u8 * rescale_factor in float64)`` then ``(x - mean) / std`` in
+    float32, elementwise. Each output depends only on (channel, byte), so evaluating those exact
+    operations on the 256 possible bytes and indexing gives bit-identical results without the
+    image-sized float64 temporary.
+    """
+    values = np.arange(256, dtype=np.uint8)
+    if cfg.do_rescale:
+        scaled = (values.astype(np.float64) * cfg.rescale_factor).astype(np.float32)
+    else:
+        scaled = values.astype(np.float32)
+    table = np.broadcast_to(scaled, (_NUM_CHANNELS, 256))
+    if cfg.do_normalize:
+        mean = np.asarray(cfg.image_mean, dtype=np.float32)[:, None]
+        std = np.asarray(cfg.image_std, dtype=np.float32)[:, None]
+        table = (table - mean) / std
+    return np.ascontiguousarray(table, dtype=np.float32)
+
+
+def patchify(pixels: np.ndarray, cfg: Qwen2VLPreprocessConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """uint8 HWC RGB (sides multiples of ``cfg.factor``) -> float32 [gh*gw, patch_dim], (1, gh, gw).
+
+    Row order: merge-window by merge-window (row-major over windows), and within a window the
+    ``merge_size**2`` patches row-major, so the ViT's patch merger sees each window's patches
+    adjacent. Column order: channel, temporal, patch row, patch column. A still image fills the
+    temporal patch with copies of itself, hence one temporal step in the grid.
+    """
+    height, width, channels = pixels.shape
+    p, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
+    if height % (p * m) or width % (p * m):
+        raise InvalidInput(f"image {width}x{height} is not a multiple of {p * m} pixels per side (do_resize is off)")
+    grid_h, grid_w = height // p, width // p
+    # (win_row, row_in_win, y, win_col, col_in_win, x, c) -> (win_row, win_col, row_in_win,
+    # col_in_win, c, y, x). Done on bytes: 4x less to move than on floats.
+    windows = pixels.reshape(grid_h // m, m, p, grid_w // m, m, p, channels)
+    patches_u8 = windows.transpose(0, 3, 1, 4, 6, 2, 5).reshape(grid_h * grid_w, channels, p * p)
+    table = _value_table(cfg)
+    patches = table[np.arange(channels)[:, None], patches_u8]  # [n, c, p*p] float32
+    flat = np.broadcast_to(patches[:, :, None, :], (grid_h * grid_w, channels, tp, p * p))
+    return flat.reshape(grid_h * grid_w, channels * tp * p * p), (1, int(grid_h), int(grid_w))
+
+
+def preprocess_qwen2_vl_image(
+    image: Image.Image, cfg: Qwen2VLPreprocessConfig
+) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """Decoded PIL image -> (float32 [t*h*w, patch_dim], (t, h, w)), as transformers would."""
+    if cfg.do_convert_rgb:
+        image = to_rgb(image)
+    elif image.mode != "RGB":
+        # transformers would hand the model 1 or 4 channels here and fail later; say why now.
+        raise InvalidInput(f"image mode {image.mode} is not RGB and do_convert_rgb is off")
+    if cfg.do_resize:
+        height, width = smart_resize(image.height, image.width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+        # transformers' PIL backend resizes the uint8 image with Pillow (reducing_gap=None, the
+        # configured filter, BICUBIC by default), then rescales; resizing floats would differ.
+        image = image.resize((width, height), resample=cfg.resample)
+    return patchify(np.asarray(image), cfg)
+
+
+def preprocess_qwen2_vl(
+    data: bytes, cfg: Qwen2VLPreprocessConfig, max_image_pixels: int | None = None
+) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """Encoded image bytes -> (float32 [t*h*w, patch_dim], (t, h, w) in patches, Python ints).
+
+    Equal to ``Qwen2VLImageProcessorPil(**config)(PIL.Image.open(io.BytesIO(data)))`` except that
+    EXIF orientation is applied first (see ``decode``).
+    """
+    return preprocess_qwen2_vl_image(open_image(data, max_image_pixels), cfg)
