@@ -1,0 +1,55 @@
+"""Client of the encoder-service vision encoder (gRPC). Needs grpcio, protobuf and numpy; no torch.
+
+Usage::
+
+    import numpy as np
+    from encoder_client import EncoderClient, HashRef, EncoderClientError
+
+    with EncoderClient("encoder:50051", timeout_s=30, retries=3) as client:
+        info = client.model_info()                  # ModelInfo: hidden_size, dtype, cache_namespace...
+        images = [
+            open("cat.jpg", "rb").read(),           # encoded image bytes
+            "dog.png",                              # a path: the client reads the file
+            (patches, (1, 36, 36)),                 # preprocessed patches [t*h*w, patch_dim] + grid
+        ]
+        results = client.encode(images, output_dtype="bfloat16")   # request order, always
+        for r in results:
+            print(r.index, r.embedding.shape, r.content_hash[:12], r.cache_hit, r.latency_ms)
+        # A cached embedding can be fetched again by its hash, without resending pixels:
+        again = client.encode([HashRef(results[0].content_hash)])
+        print(client.lookup([r.content_hash for r in results]))   # [True, True, True]
+        print(client.health())                                     # "SERVING"
+
+    # asyncio:
+    async with AsyncEncoderClient("encoder:50051") as client:
+        results = await client.encode([b"..."])
+
+Every failed RPC raises ``EncoderClientError`` with ``.code`` (grpc.StatusCode) and ``.details``
+(the server's message, verbatim); bad arguments raise ValueError/TypeError before anything is
+sent. Calls are retried with exponential backoff and jitter on UNAVAILABLE only, and an Encode
+stream only if none of its response had arrived. bf16 embeddings are returned as float32 (exact)
+unless ``bf16_as="uint16"`` asks for the raw bit patterns. ``content_hash(image, namespace)``
+computes the server's cache key locally, for ``lookup`` before sending pixels.
+
+Command line: ``encoder-client encode --target HOST:PORT FILE...``, ``encoder-client info``,
+``encoder-client lookup``, ``encoder-client health`` (see ``encoder-client --help``).
+"""
+
+from encoder_client._request import content_hash
+from encoder_client.aio import AsyncEncoderClient
+from encoder_client.client import EncoderClient
+from encoder_client.dtypes import bf16_bits_to_float32
+from encoder_client.errors import EncoderClientError
+from encoder_client.types import EncodedImage, HashRef, ImageInput, ModelInfo
+
+__all__ = [
+    "AsyncEncoderClient",
+    "EncodedImage",
+    "EncoderClient",
+    "EncoderClientError",
+    "HashRef",
+    "ImageInput",
+    "ModelInfo",
+    "bf16_bits_to_float32",
+    "content_hash",
+]

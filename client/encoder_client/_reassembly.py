@@ -1,0 +1,148 @@
+"""Reassembly of the Encode stream: chunks of several images, interleaved, in completion order."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from encoder_client._proto.encoder.v1 import encoder_pb2
+from encoder_client.dtypes import bf16_bits_to_float32, dtype_name, wire_numpy_dtype
+from encoder_client.errors import EncoderClientError
+from encoder_client.types import EncodedImage
+
+
+def _malformed(message: str) -> EncoderClientError:
+    # The server broke the contract; INTERNAL, as for any server-side bug, with the client's words.
+    return EncoderClientError(grpc.StatusCode.INTERNAL, f"malformed Encode response: {message}")
+
+
+@dataclass
+class _Partial:
+    first: encoder_pb2.EmbeddingChunk  # fixes the image's header fields
+    rows: np.ndarray  # [num_tokens, hidden_size], wire numpy dtype, filled by token_offset
+    filled: np.ndarray  # [num_tokens] bool: which rows have arrived (catches overlaps and gaps)
+    rows_received: int = 0
+    result: EncodedImage | None = None
+
+
+class Reassembler:
+    """Feed chunks in arrival order; ``results()`` gives the images in request order.
+
+    Each chunk says where its rows go (token_offset), so arrival order within and across images
+    does not matter; an image is done when its ``last`` chunk has come and every row is filled.
+    """
+
+    def __init__(self, num_images: int, *, bf16_as: str, started_s: float) -> None:
+        self._num_images = num_images
+        self._bf16_as = bf16_as
+        self._started_s = started_s
+        self._partials: dict[int, _Partial] = {}
+        self.chunks_received = 0
+
+    def add(self, chunk: encoder_pb2.EmbeddingChunk) -> EncodedImage | None:
+        """Take one chunk; returns the image it completed, if it completed one."""
+        self.chunks_received += 1
+        index = chunk.image_index
+        if index >= self._num_images:
+            raise _malformed(f"image_index {index} but the request has {self._num_images} images")
+        part = self._partials.get(index)
+        if part is None:
+            part = self._start(chunk)
+            self._partials[index] = part
+        elif (chunk.num_tokens, chunk.hidden_size, chunk.dtype) != (
+            part.first.num_tokens, part.first.hidden_size, part.first.dtype
+        ):
+            raise _malformed(f"image {index}: chunks disagree on num_tokens/hidden_size/dtype")
+        if part.result is not None:
+            raise _malformed(f"image {index}: chunk after its last chunk")
+        self._place(part, chunk)
+        if not chunk.last:
+            return None
+        # One image's chunks travel in order on one stream, so its last chunk must complete it.
+        if part.rows_received != part.first.num_tokens:
+            raise _malformed(
+                f"image {index}: last chunk came with {part.rows_received} of {part.first.num_tokens} rows"
+            )
+        part.result = self._finish(index, part, chunk)
+        return part.result
+
+    def results(self) -> list[EncodedImage]:
+        """Every image, in request order; raises if the stream ended before one was complete."""
+        out = []
+        for index in range(self._num_images):
+            part = self._partials.get(index)
+            if part is None or part.result is None:
+                raise _malformed(f"stream ended before image {index} was complete")
+            out.append(part.result)
+        return out
+
+    def _start(self, chunk: encoder_pb2.EmbeddingChunk) -> _Partial:
+        try:
+            np_dtype = wire_numpy_dtype(chunk.dtype)
+        except ValueError:
+            raise _malformed(f"image {chunk.image_index}: unsupported dtype {chunk.dtype}") from None
+        if chunk.hidden_size == 0 and chunk.num_tokens > 0:
+            raise _malformed(f"image {chunk.image_index}: hidden_size 0")
+        return _Partial(
+            first=chunk,
+            rows=np.empty((chunk.num_tokens, chunk.hidden_size), dtype=np_dtype),
+            filled=np.zeros(chunk.num_tokens, dtype=bool),
+        )
+
+    def _place(self, part: _Partial, chunk: encoder_pb2.EmbeddingChunk) -> None:
+        row_bytes = part.rows.dtype.itemsize * part.first.hidden_size
+        if not chunk.data:
+            return
+        if row_bytes == 0 or len(chunk.data) % row_bytes:
+            raise _malformed(f"image {chunk.image_index}: {len(chunk.data)} bytes is not whole rows")
+        n = len(chunk.data) // row_bytes
+        start = chunk.token_offset
+        if start + n > part.first.num_tokens:
+            raise _malformed(
+                f"image {chunk.image_index}: rows {start}..{start + n} "
+                f"past num_tokens {part.first.num_tokens}"
+            )
+        if part.filled[start:start + n].any():
+            raise _malformed(f"image {chunk.image_index}: rows {start}..{start + n} sent twice")
+        part.filled[start:start + n] = True
+        part.rows[start:start + n] = np.frombuffer(chunk.data, dtype=part.rows.dtype).reshape(n, -1)
+        part.rows_received += n
+
+    def _finish(self, index: int, part: _Partial, last: encoder_pb2.EmbeddingChunk) -> EncodedImage:
+        rows = part.rows
+        if part.first.dtype == encoder_pb2.DTYPE_BFLOAT16 and self._bf16_as == "float32":
+            rows = bf16_bits_to_float32(rows)
+        # Native byte order for the caller (a no-op view on little-endian hosts).
+        rows = rows.astype(rows.dtype.newbyteorder("="), copy=False)
+        timing = None
+        if last.HasField("timing"):
+            t = last.timing
+            timing = {"queue_ms": t.queue_ms, "preprocess_ms": t.preprocess_ms, "forward_ms": t.forward_ms}
+        return EncodedImage(
+            index=index,
+            embedding=rows,
+            content_hash=part.first.content_hash or last.content_hash,
+            grid_thw=tuple(part.first.grid_thw),
+            num_tokens=part.first.num_tokens,
+            hidden_size=part.first.hidden_size,
+            cache_hit=part.first.cache_hit,
+            dtype=dtype_name(part.first.dtype),
+            timing=timing,
+            latency_ms=(time.monotonic() - self._started_s) * 1000.0,
+        )
+
+
+def check_lookup_response(
+    request: encoder_pb2.LookupRequest, response: encoder_pb2.LookupResponse
+) -> list[bool]:
+    """The cached flags, one per requested hash (a short answer would misalign every flag after it)."""
+    if len(response.cached) != len(request.content_hashes):
+        raise EncoderClientError(
+            grpc.StatusCode.INTERNAL,
+            f"malformed Lookup response: {len(response.cached)} flags "
+            f"for {len(request.content_hashes)} hashes",
+        )
+    return list(response.cached)

@@ -1,0 +1,159 @@
+"""The asyncio client (grpc.aio); same behaviour and arguments as EncoderClient."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+
+from encoder_client._proto.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from encoder_client._reassembly import Reassembler, check_lookup_response
+from encoder_client._request import build_request, check_images_sequence
+from encoder_client._rpc import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_RETRIES,
+    DEFAULT_TIMEOUT_S,
+    HEALTH_CHECK_METHOD,
+    RetryPolicy,
+    build_channel_options,
+    deadline_after,
+    decode_health_response,
+    encode_health_request,
+    remaining_s,
+)
+from encoder_client.dtypes import BF16_AS
+from encoder_client.errors import EncoderClientError
+from encoder_client.types import EncodedImage, ImageInput, ModelInfo
+
+_Resp = TypeVar("_Resp")
+
+
+class AsyncEncoderClient:
+    """asyncio client of the VisionEncoder service; see EncoderClient for the arguments.
+
+    Create it inside a running event loop and use it from that loop (grpc.aio channels belong to
+    one loop); ``async with AsyncEncoderClient(...) as client:`` closes the channel.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        retries: int = DEFAULT_RETRIES,
+        backoff_base_s: float = 0.1,
+        backoff_max_s: float = 5.0,
+        credentials: grpc.ChannelCredentials | None = None,
+        metadata: Sequence[tuple[str, str]] | None = None,
+        channel_options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self._retry = RetryPolicy(retries, backoff_base_s, backoff_max_s)
+        self._metadata = tuple(metadata) if metadata else None
+        options = build_channel_options(max_message_bytes, channel_options)
+        self._channel = (
+            grpc.aio.secure_channel(target, credentials, options=options)
+            if credentials is not None
+            else grpc.aio.insecure_channel(target, options=options)
+        )
+        self._stub = encoder_pb2_grpc.VisionEncoderStub(self._channel)
+        self._health_check = self._channel.unary_unary(
+            HEALTH_CHECK_METHOD,
+            request_serializer=encode_health_request,
+            response_deserializer=decode_health_response,
+        )
+
+    async def __aenter__(self) -> AsyncEncoderClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def encode(
+        self,
+        images: Sequence[ImageInput],
+        *,
+        output_dtype: str | None = None,
+        max_chunk_bytes: int | None = None,
+        timeout_s: float | None = None,
+        bf16_as: str = "float32",
+        request_id: str | None = None,
+    ) -> list[EncodedImage]:
+        """Encode images; one EncodedImage per image, in request order (see EncoderClient.encode)."""
+        if bf16_as not in BF16_AS:
+            raise ValueError(f"bf16_as must be one of {', '.join(BF16_AS)}, got {bf16_as!r}")
+        check_images_sequence(images)
+        kwargs = {"output_dtype": output_dtype, "max_chunk_bytes": max_chunk_bytes, "request_id": request_id}
+        if any(isinstance(image, (str, os.PathLike)) for image in images):
+            # Reading files would block the event loop.
+            request = await asyncio.to_thread(build_request, images, **kwargs)
+        else:
+            request = build_request(images, **kwargs)
+        if not request.images:
+            return []
+        deadline = deadline_after(self._timeout(timeout_s))
+        started = time.monotonic()
+        attempt = 0
+        while True:
+            reassembler = Reassembler(len(request.images), bf16_as=bf16_as, started_s=started)
+            call = self._stub.Encode(request, timeout=remaining_s(deadline), metadata=self._metadata)
+            try:
+                async for chunk in call:
+                    reassembler.add(chunk)
+                return reassembler.results()
+            except grpc.RpcError as err:
+                # Only a stream that failed before its first chunk is retried: no duplicated work.
+                delay = None
+                if reassembler.chunks_received == 0:
+                    delay = self._retry.retry_delay_s(err, attempt, deadline)
+                if delay is None:
+                    raise EncoderClientError.from_rpc_error(err) from err
+            except BaseException:
+                call.cancel()  # includes asyncio cancellation: stop the server's work too
+                raise
+            await asyncio.sleep(delay)
+            attempt += 1
+
+    async def lookup(self, content_hashes: Sequence[str], *, timeout_s: float | None = None) -> list[bool]:
+        """Which of content_hashes the server caches now (a hint: entries may be evicted later)."""
+        if isinstance(content_hashes, str):
+            raise TypeError("content_hashes must be a list of strings")
+        request = encoder_pb2.LookupRequest(content_hashes=list(content_hashes))
+        response = await self._unary(self._stub.Lookup, request, timeout_s)
+        return check_lookup_response(request, response)
+
+    async def model_info(self, *, timeout_s: float | None = None) -> ModelInfo:
+        """What the server runs, including the cache_namespace for computing content hashes."""
+        msg = await self._unary(self._stub.GetModelInfo, encoder_pb2.GetModelInfoRequest(), timeout_s)
+        return ModelInfo.from_proto(msg)
+
+    async def health(self, service: str = "", *, timeout_s: float | None = None) -> str:
+        """grpc.health.v1 Check status name; see EncoderClient.health."""
+        return await self._unary(self._health_check, service, timeout_s)
+
+    def _timeout(self, timeout_s: float | None) -> float | None:
+        return self.timeout_s if timeout_s is None else timeout_s
+
+    async def _unary(self, method: Callable[..., Awaitable[_Resp]], request: Any,
+                     timeout_s: float | None) -> _Resp:
+        deadline = deadline_after(self._timeout(timeout_s))
+        attempt = 0
+        while True:
+            try:
+                return await method(request, timeout=remaining_s(deadline), metadata=self._metadata)
+            except grpc.RpcError as err:
+                delay = self._retry.retry_delay_s(err, attempt, deadline)
+                if delay is None:
+                    raise EncoderClientError.from_rpc_error(err) from err
+            await asyncio.sleep(delay)
+            attempt += 1

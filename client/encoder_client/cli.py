@@ -1,0 +1,117 @@
+"""``encoder-client``: encode files, show the model, look up hashes, check health."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from encoder_client.client import EncoderClient
+from encoder_client.errors import EncoderClientError
+from encoder_client.types import EncodedImage
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = ("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *rows])
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _encode(args: argparse.Namespace, client: EncoderClient) -> int:
+    output_dtype = None if args.dtype == "model" else args.dtype
+    # Read once: --repeat measures the service (cache hits on repeats), not the disk.
+    images = [Path(f).read_bytes() for f in args.files]
+    header = ["image", "tokens", "hidden", "hash", "cache hit", "ms"]
+    if args.repeat > 1:
+        header = ["run", *header]
+    rows: list[list[str]] = []
+    results: list[EncodedImage] = []
+    for run in range(args.repeat):
+        results = client.encode(images, output_dtype=output_dtype, bf16_as=args.bf16_as)
+        for name, r in zip(args.files, results, strict=True):
+            row = [name, str(r.num_tokens), str(r.hidden_size), r.content_hash[:12],
+                   "yes" if r.cache_hit else "no", f"{r.latency_ms:.1f}"]
+            rows.append([str(run + 1), *row] if args.repeat > 1 else row)
+    print(_table(rows, header))
+    if args.out is not None:
+        arrays = {f"image_{r.index}": r.embedding for r in results}
+        # Fixed-width unicode, not object arrays, so np.load works without allow_pickle.
+        arrays["hashes"] = np.array([r.content_hash for r in results], dtype=str)
+        np.savez(args.out, **arrays)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _info(args: argparse.Namespace, client: EncoderClient) -> int:
+    for key, value in asdict(client.model_info()).items():
+        print(f"{key}: {value}")
+    return 0
+
+
+def _lookup(args: argparse.Namespace, client: EncoderClient) -> int:
+    for content_hash, cached in zip(args.hashes, client.lookup(args.hashes), strict=True):
+        print(f"{content_hash}  {'cached' if cached else 'not cached'}")
+    return 0
+
+
+def _health(args: argparse.Namespace, client: EncoderClient) -> int:
+    status = client.health(args.service)
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="encoder-client", description="Client of the encoder-service vision encoder.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--target", required=True, help="HOST:PORT of the encoder service")
+        p.add_argument("--timeout", type=float, default=60.0, help="deadline per call, seconds (default 60)")
+        p.add_argument("--retries", type=int, default=3, help="retries on UNAVAILABLE (default 3)")
+        return p
+
+    p = add("encode", "encode image files and print one row per image")
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("--dtype", choices=["model", "float32", "float16", "bfloat16"], default="model",
+                   help="output dtype (default: the model's)")
+    p.add_argument("--bf16-as", choices=["float32", "uint16"], default="float32",
+                   help="how bf16 embeddings are returned/saved (default float32, exact)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="send the same request N times (cache hits after the first)")
+    p.add_argument("--out", type=Path, help="write an .npz: image_0, image_1, ... and hashes")
+    p.set_defaults(run=_encode)
+    p = add("info", "print the server's ModelInfo")
+    p.set_defaults(run=_info)
+    p = add("lookup", "which content hashes the server caches")
+    p.add_argument("hashes", nargs="+", metavar="HASH")
+    p.set_defaults(run=_lookup)
+    p = add("health", "grpc.health.v1 check; exit 0 only when SERVING")
+    p.add_argument("--service", default="", help="service name to check (default: the server as a whole)")
+    p.set_defaults(run=_health)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "repeat", 1) < 1:
+        print("encoder-client: error: --repeat must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        with EncoderClient(args.target, timeout_s=args.timeout, retries=args.retries) as client:
+            return args.run(args, client)
+    except EncoderClientError as err:
+        message = f"{err.code.name}: {err.details}"
+    except (OSError, ValueError, TypeError) as err:
+        message = str(err)
+    # One line, whatever the server's message held, so scripts can log it as is.
+    print(f"encoder-client: error: {' '.join(message.split())}", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""The synchronous client (one grpc channel, thread-safe like the channel it wraps)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from encoder_client._proto.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from encoder_client._reassembly import Reassembler, check_lookup_response
+from encoder_client._request import build_request
+from encoder_client._rpc import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_RETRIES,
+    DEFAULT_TIMEOUT_S,
+    HEALTH_CHECK_METHOD,
+    RetryPolicy,
+    build_channel_options,
+    deadline_after,
+    decode_health_response,
+    encode_health_request,
+    remaining_s,
+)
+from encoder_client.dtypes import BF16_AS
+from encoder_client.errors import EncoderClientError
+from encoder_client.types import EncodedImage, ImageInput, ModelInfo
+
+_Resp = TypeVar("_Resp")
+
+
+class EncoderClient:
+    """Client of the VisionEncoder service.
+
+    ``timeout_s`` is the default deadline of each call (None: no deadline), retries included;
+    ``retries`` is how many times a call is sent again after UNAVAILABLE (never after any other
+    code, and never once part of a response has arrived). ``credentials`` makes the channel a
+    secure one; ``metadata`` is sent with every call (e.g. an auth token).
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        retries: int = DEFAULT_RETRIES,
+        backoff_base_s: float = 0.1,
+        backoff_max_s: float = 5.0,
+        credentials: grpc.ChannelCredentials | None = None,
+        metadata: Sequence[tuple[str, str]] | None = None,
+        channel_options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self._retry = RetryPolicy(retries, backoff_base_s, backoff_max_s)
+        self._metadata = tuple(metadata) if metadata else None
+        options = build_channel_options(max_message_bytes, channel_options)
+        self._channel = (
+            grpc.secure_channel(target, credentials, options=options)
+            if credentials is not None
+            else grpc.insecure_channel(target, options=options)
+        )
+        self._stub = encoder_pb2_grpc.VisionEncoderStub(self._channel)
+        self._health_check = self._channel.unary_unary(
+            HEALTH_CHECK_METHOD,
+            request_serializer=encode_health_request,
+            response_deserializer=decode_health_response,
+        )
+
+    def __enter__(self) -> EncoderClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def encode(
+        self,
+        images: Sequence[ImageInput],
+        *,
+        output_dtype: str | None = None,
+        max_chunk_bytes: int | None = None,
+        timeout_s: float | None = None,
+        bf16_as: str = "float32",
+        request_id: str | None = None,
+    ) -> list[EncodedImage]:
+        """Encode images; one EncodedImage per image, in request order.
+
+        ``output_dtype`` None means the model's dtype. bf16 embeddings come back as float32
+        (exact) or, with ``bf16_as="uint16"``, as their raw bit patterns. ``timeout_s`` None means
+        the client's default.
+        """
+        if bf16_as not in BF16_AS:
+            raise ValueError(f"bf16_as must be one of {', '.join(BF16_AS)}, got {bf16_as!r}")
+        request = build_request(
+            images, output_dtype=output_dtype, max_chunk_bytes=max_chunk_bytes, request_id=request_id
+        )
+        if not request.images:
+            return []
+        deadline = deadline_after(self._timeout(timeout_s))
+        started = time.monotonic()
+        attempt = 0
+        while True:
+            reassembler = Reassembler(len(request.images), bf16_as=bf16_as, started_s=started)
+            call = self._stub.Encode(request, timeout=remaining_s(deadline), metadata=self._metadata)
+            try:
+                for chunk in call:
+                    reassembler.add(chunk)
+                return reassembler.results()
+            except grpc.RpcError as err:
+                # Once a chunk has arrived the server has done work for us; a retry would
+                # duplicate it, so only a stream that failed before its first chunk is retried.
+                delay = None
+                if reassembler.chunks_received == 0:
+                    delay = self._retry.retry_delay_s(err, attempt, deadline)
+                if delay is None:
+                    raise EncoderClientError.from_rpc_error(err) from err
+            except BaseException:
+                call.cancel()  # stop the server's work for a response nobody will read
+                raise
+            time.sleep(delay)
+            attempt += 1
+
+    def lookup(self, content_hashes: Sequence[str], *, timeout_s: float | None = None) -> list[bool]:
+        """Which of content_hashes the server caches now (a hint: entries may be evicted later)."""
+        if isinstance(content_hashes, str):
+            raise TypeError("content_hashes must be a list of strings")
+        request = encoder_pb2.LookupRequest(content_hashes=list(content_hashes))
+        response = self._unary(self._stub.Lookup, request, timeout_s)
+        return check_lookup_response(request, response)
+
+    def model_info(self, *, timeout_s: float | None = None) -> ModelInfo:
+        """What the server runs, including the cache_namespace for computing content hashes."""
+        return ModelInfo.from_proto(self._unary(self._stub.GetModelInfo, encoder_pb2.GetModelInfoRequest(),
+                                                timeout_s))
+
+    def health(self, service: str = "", *, timeout_s: float | None = None) -> str:
+        """grpc.health.v1 Check: "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN" or "UNKNOWN".
+
+        Needs no grpcio-health-checking on the client (the two messages are encoded by hand); a
+        server without the health service raises EncoderClientError(UNIMPLEMENTED).
+        """
+        return self._unary(self._health_check, service, timeout_s)
+
+    def _timeout(self, timeout_s: float | None) -> float | None:
+        return self.timeout_s if timeout_s is None else timeout_s
+
+    def _unary(self, method: Callable[..., _Resp], request: Any, timeout_s: float | None) -> _Resp:
+        deadline = deadline_after(self._timeout(timeout_s))
+        attempt = 0
+        while True:
+            try:
+                return method(request, timeout=remaining_s(deadline), metadata=self._metadata)
+            except grpc.RpcError as err:
+                delay = self._retry.retry_delay_s(err, attempt, deadline)
+                if delay is None:
+                    raise EncoderClientError.from_rpc_error(err) from err
+            time.sleep(delay)
+            attempt += 1
+

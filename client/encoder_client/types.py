@@ -1,0 +1,87 @@
+"""Values the client takes and returns."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Union
+
+import numpy as np
+
+from encoder_client._proto.encoder.v1 import encoder_pb2
+from encoder_client.dtypes import dtype_name
+
+
+@dataclass(frozen=True)
+class HashRef:
+    """A reference to an embedding the server already caches, by its content hash.
+
+    The server never trusts a caller's hash as a cache key for new data; a HashRef only looks up
+    an existing entry (NOT_FOUND if it was never computed or has been evicted).
+    """
+
+    content_hash: str
+
+
+# bytes: an encoded image (JPEG/PNG/...); str/PathLike: a file holding one; (patches, grid):
+# preprocessed patches [t*h*w, patch_dim] with their grid (t, h, w); HashRef: a cached entry;
+# an encoder_pb2.Image is passed through as is.
+ImageInput = Union[
+    bytes, bytearray, memoryview, str, "os.PathLike[str]",
+    tuple[np.ndarray, tuple[int, int, int]], HashRef, encoder_pb2.Image,
+]
+
+
+@dataclass
+class EncodedImage:
+    """One image's embedding, reassembled from its chunks.
+
+    ``dtype`` is the wire dtype the server produced ("float32", "float16" or "bfloat16");
+    ``embedding.dtype`` is the numpy dtype returned: the same, except bf16, which comes back as
+    float32 (exact widening) or, with ``bf16_as="uint16"``, as raw bit patterns. ``timing`` is the
+    server's account (``queue_ms``, ``preprocess_ms``, ``forward_ms``) when it sent one;
+    ``latency_ms`` is what the client observed, from the start of the request (first attempt)
+    until this image's last chunk.
+    """
+
+    index: int
+    embedding: np.ndarray
+    content_hash: str
+    grid_thw: tuple[int, ...]
+    num_tokens: int
+    hidden_size: int
+    cache_hit: bool
+    dtype: str
+    timing: dict[str, float] | None
+    latency_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the server runs (GetModelInfo); ``dtype`` is a name, e.g. "bfloat16"."""
+
+    model_id: str
+    model_type: str
+    hidden_size: int
+    dtype: str
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    patch_dim: int
+    attention_backend: str
+    device: str
+    cache_namespace: str
+    max_batch_tokens: int
+    max_message_bytes: int
+    max_image_pixels: int
+    version: str
+
+    @classmethod
+    def from_proto(cls, msg: encoder_pb2.ModelInfo) -> ModelInfo:
+        values: dict[str, Any] = {f.name: getattr(msg, f.name) for f in fields(cls)}
+        try:
+            values["dtype"] = dtype_name(msg.dtype)
+        except ValueError:
+            # A newer server may know dtypes this client does not; do not fail the whole call.
+            values["dtype"] = f"dtype({msg.dtype})"
+        return cls(**values)

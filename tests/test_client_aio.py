@@ -1,0 +1,97 @@
+"""AsyncEncoderClient against the fake VisionEncoder (each test runs its own event loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from encoder_client import AsyncEncoderClient, EncoderClientError, HashRef
+from encoder_client.testing import (
+    FAKE_NAMESPACE,
+    Failure,
+    FakeVisionEncoder,
+    fake_embedding,
+    float32_to_bf16_bits,
+    serve_fake,
+)
+
+FAST_RETRY = {"backoff_base_s": 0.01, "backoff_max_s": 0.02}
+
+
+@pytest.fixture
+def fake() -> FakeVisionEncoder:
+    return FakeVisionEncoder()
+
+
+@pytest.fixture
+def target(fake: FakeVisionEncoder) -> Iterator[str]:
+    with serve_fake(fake) as t:
+        yield t
+
+
+def test_async_encode_reassembles_in_request_order_and_decodes_bf16(target: str, tmp_path: Path) -> None:
+    path = tmp_path / "a.png"
+    path.write_bytes(b"png bytes")
+    patches = np.ones((4, 6), np.float32)
+
+    async def run():
+        async with AsyncEncoderClient(target) as client:
+            return await client.encode([b"one", path, (patches, (1, 2, 2))], output_dtype="bfloat16",
+                                       max_chunk_bytes=16)
+
+    results = asyncio.run(run())
+    assert [r.index for r in results] == [0, 1, 2]
+    for r in results:
+        bits = float32_to_bf16_bits(fake_embedding(r.content_hash))
+        np.testing.assert_array_equal(r.embedding, (bits.astype(np.uint32) << 16).view(np.float32))
+        assert r.dtype == "bfloat16" and r.embedding.dtype == np.float32
+
+
+def test_async_retries_unavailable_only(target: str, fake: FakeVisionEncoder) -> None:
+    fake.fail_next += [Failure(grpc.StatusCode.UNAVAILABLE, "starting")] * 2
+    fake.fail_next.append(Failure(grpc.StatusCode.INVALID_ARGUMENT, "image 0: empty image"))
+
+    async def run():
+        async with AsyncEncoderClient(target, retries=5, **FAST_RETRY) as client:
+            with pytest.raises(EncoderClientError) as info:
+                await client.encode([b"img"])
+            return info.value
+
+    err = asyncio.run(run())
+    # Two UNAVAILABLE retried, then INVALID_ARGUMENT raised as is, without a further try.
+    assert (err.code, err.details) == (grpc.StatusCode.INVALID_ARGUMENT, "image 0: empty image")
+    assert fake.encode_calls == 3
+
+
+def test_async_deadline(target: str, fake: FakeVisionEncoder) -> None:
+    fake.delay_s = 5.0
+
+    async def run():
+        async with AsyncEncoderClient(target) as client:
+            with pytest.raises(EncoderClientError) as info:
+                await client.encode([b"slow"], timeout_s=0.3)
+            return info.value
+
+    start = time.monotonic()
+    assert asyncio.run(run()).code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - start < 2.0
+
+
+def test_async_lookup_model_info_health(target: str) -> None:
+    async def run():
+        async with AsyncEncoderClient(target) as client:
+            (r,) = await client.encode([b"img"])
+            (hit,) = await client.encode([HashRef(r.content_hash)])
+            return (r, hit, await client.lookup([r.content_hash, "f" * 64]), await client.model_info(),
+                    await client.health())
+
+    r, hit, cached, info, health = asyncio.run(run())
+    assert hit.cache_hit and hit.content_hash == r.content_hash
+    assert cached == [True, False]
+    assert info.cache_namespace == FAKE_NAMESPACE
+    assert health == "SERVING"

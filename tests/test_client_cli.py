@@ -1,0 +1,81 @@
+"""The encoder-client command line against the fake VisionEncoder."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from encoder_client import hashing
+from encoder_client.cli import main
+from encoder_client.testing import FAKE_NAMESPACE, Failure, FakeVisionEncoder, fake_embedding, serve_fake
+
+
+@pytest.fixture
+def fake() -> FakeVisionEncoder:
+    return FakeVisionEncoder()
+
+
+@pytest.fixture
+def target(fake: FakeVisionEncoder) -> Iterator[str]:
+    with serve_fake(fake) as t:
+        yield t
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> list[Path]:
+    paths = [tmp_path / "a.jpg", tmp_path / "b.png"]
+    for i, p in enumerate(paths):
+        p.write_bytes(f"image {i}".encode())
+    return paths
+
+
+def test_encode_prints_a_row_per_image_and_writes_npz(
+    target: str, files: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "emb.npz"
+    assert main(["encode", "--target", target, *map(str, files), "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["image", "tokens", "hidden", "hash", "cache", "hit", "ms"]
+    hashes = [hashing.hash_encoded(FAKE_NAMESPACE, p.read_bytes()) for p in files]
+    for line, path, h in zip(lines[1:3], files, hashes, strict=True):
+        cells = line.split()
+        assert cells[:5] == [str(path), str(fake_embedding(h).shape[0]), "8", h[:12], "no"]
+        assert float(cells[5]) > 0
+    with np.load(out) as npz:
+        assert sorted(npz.files) == ["hashes", "image_0", "image_1"]
+        assert list(npz["hashes"]) == hashes
+        np.testing.assert_array_equal(npz["image_1"], fake_embedding(hashes[1]))
+
+
+def test_encode_repeat_shows_cache_hits_after_the_first_run(
+    target: str, files: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["encode", "--target", target, str(files[0]), "--repeat", "3", "--dtype", "bfloat16"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [(r[0], r[5]) for r in rows] == [("1", "no"), ("2", "yes"), ("3", "yes")]
+
+
+def test_info_and_lookup(target: str, files: list[Path], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["info", "--target", target]) == 0
+    out = capsys.readouterr().out
+    assert f"cache_namespace: {FAKE_NAMESPACE}" in out and "hidden_size: 8" in out
+    assert main(["encode", "--target", target, str(files[0])]) == 0
+    h = hashing.hash_encoded(FAKE_NAMESPACE, files[0].read_bytes())
+    capsys.readouterr()
+    assert main(["lookup", "--target", target, h, "0" * 64]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"{h}  cached", f"{'0' * 64}  not cached"]
+    assert main(["health", "--target", target]) == 0
+
+
+def test_failure_exits_non_zero_with_one_line(
+    target: str, fake: FakeVisionEncoder, files: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake.fail_next.append(Failure(grpc.StatusCode.INVALID_ARGUMENT, "image 0: not an image\n(bad magic)"))
+    assert main(["encode", "--target", target, str(files[0])]) == 1
+    err = capsys.readouterr().err
+    assert err == "encoder-client: error: INVALID_ARGUMENT: image 0: not an image (bad magic)\n"
+    assert main(["encode", "--target", target, "/nonexistent.jpg"]) == 1
+    assert capsys.readouterr().err.count("\n") == 1

@@ -1,0 +1,106 @@
+"""Stream reassembly, bf16 widening and the hand-built health codec, without a server."""
+
+from __future__ import annotations
+
+import random
+import struct
+
+import grpc
+import numpy as np
+import pytest
+from encoder_client import EncoderClientError, bf16_bits_to_float32
+from encoder_client._proto.encoder.v1 import encoder_pb2
+from encoder_client._reassembly import Reassembler
+from encoder_client._rpc import RetryPolicy, decode_health_response, encode_health_request
+from encoder_client.testing import float32_to_bf16_bits
+
+HIDDEN = 4
+
+
+def _chunks(index: int, emb: np.ndarray, rows_per_chunk: int, dtype: int = encoder_pb2.DTYPE_FLOAT32):
+    out = []
+    n = emb.shape[0]
+    for off in range(0, n, rows_per_chunk):
+        out.append(encoder_pb2.EmbeddingChunk(
+            image_index=index, content_hash=f"h{index}", grid_thw=[1, 2, 2], num_tokens=n,
+            hidden_size=emb.shape[1], dtype=dtype, token_offset=off,
+            data=emb[off:off + rows_per_chunk].astype("<f4").tobytes(), last=off + rows_per_chunk >= n,
+        ))
+    return out
+
+
+def test_shuffled_chunks_of_several_images_come_back_in_request_order() -> None:
+    rng = np.random.default_rng(0)
+    embs = [rng.standard_normal((n, HIDDEN)).astype(np.float32) for n in (7, 1, 12)]
+    per_image = [_chunks(i, e, rows_per_chunk=2) for i, e in enumerate(embs)]
+    # Middle chunks in any order, across and within images; each image's last chunk ends it.
+    middles = [c for chunks in per_image for c in chunks[:-1]]
+    lasts = [chunks[-1] for chunks in per_image]
+    random.Random(1).shuffle(middles)
+    random.Random(2).shuffle(lasts)
+    r = Reassembler(3, bf16_as="float32", started_s=0.0)
+    for chunk in middles + lasts:
+        r.add(chunk)
+    results = r.results()
+    assert [x.index for x in results] == [0, 1, 2]
+    for x, e in zip(results, embs, strict=True):
+        np.testing.assert_array_equal(x.embedding, e)
+        assert x.num_tokens == e.shape[0] and x.hidden_size == HIDDEN and x.dtype == "float32"
+
+
+def _malformed(chunks: list[encoder_pb2.EmbeddingChunk], num_images: int = 1) -> str:
+    r = Reassembler(num_images, bf16_as="float32", started_s=0.0)
+    with pytest.raises(EncoderClientError) as info:
+        for chunk in chunks:
+            r.add(chunk)
+        r.results()
+    assert info.value.code == grpc.StatusCode.INTERNAL
+    return info.value.details
+
+
+def test_malformed_streams_are_internal_errors() -> None:
+    emb = np.ones((4, HIDDEN), np.float32)
+    good = _chunks(0, emb, 2)
+    assert "image_index 3" in _malformed([encoder_pb2.EmbeddingChunk(image_index=3)])
+    assert "stream ended before image 0" in _malformed(good[:1])
+    assert "last chunk came with 2 of 4 rows" in _malformed(good[1:])
+    assert "sent twice" in _malformed([good[0], good[0]])
+    torn = encoder_pb2.EmbeddingChunk()
+    torn.CopyFrom(good[0])
+    torn.data = torn.data[:-1]
+    assert "not whole rows" in _malformed([torn])
+    assert "stream ended before image 1" in _malformed(good, num_images=2)
+
+
+def test_bf16_widening_matches_a_bytewise_reference() -> None:
+    values = np.array([0.0, -0.0, 1.0, -2.5, 3.1415927, 1e-30, 6.5e4, np.inf, -np.inf], np.float32)
+    bits = float32_to_bf16_bits(values)
+    # Reference: a bf16 is the high two bytes of a little-endian float32.
+    reference = np.array([struct.unpack("<f", b"\0\0" + struct.pack("<H", int(b)))[0] for b in bits],
+                         np.float32)
+    np.testing.assert_array_equal(bf16_bits_to_float32(bits), reference)
+    finite = np.isfinite(values)
+    np.testing.assert_allclose(reference[finite], values[finite], rtol=2**-8)
+
+
+def test_health_messages_are_encoded_like_protobuf() -> None:
+    assert encode_health_request("") == b""
+    assert encode_health_request("encoder.v1.VisionEncoder") == b"\x0a\x18encoder.v1.VisionEncoder"
+    assert decode_health_response(b"") == "UNKNOWN"
+    assert decode_health_response(b"\x08\x01") == "SERVING"
+    # Unknown fields (varint, bytes, fixed32/64) are skipped.
+    assert decode_health_response(b"\x10\x05\x1a\x02ab\x08\x02\x25\0\0\0\0\x29" + b"\0" * 8) == "NOT_SERVING"
+    health_pb2 = pytest.importorskip("grpc_health.v1.health_pb2")
+    req = health_pb2.HealthCheckRequest.FromString(encode_health_request("svc"))
+    assert req.service == "svc"
+    resp = health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+    assert decode_health_response(resp.SerializeToString()) == "SERVICE_UNKNOWN"
+
+
+def test_backoff_grows_exponentially_with_jitter_and_stops_after_the_retries() -> None:
+    policy = RetryPolicy(retries=4, backoff_base_s=0.1, backoff_max_s=0.5)
+    for attempt, ceiling in enumerate([0.1, 0.2, 0.4, 0.5]):
+        delays = {policy.delay_s(attempt) for _ in range(20)}
+        assert all(ceiling / 2 <= d <= ceiling for d in delays)
+        assert len(delays) > 1  # jittered
+    assert policy.delay_s(4) is None

@@ -1,0 +1,236 @@
+"""EncoderClient against the fake VisionEncoder on a real loopback gRPC server."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from encoder_client import EncoderClient, EncoderClientError, HashRef, ModelInfo, content_hash, hashing
+from encoder_client._proto.encoder.v1 import encoder_pb2
+from encoder_client.testing import (
+    FAKE_NAMESPACE,
+    Failure,
+    FakeVisionEncoder,
+    fake_embedding,
+    float32_to_bf16_bits,
+    serve_fake,
+)
+
+FAST_RETRY = {"backoff_base_s": 0.01, "backoff_max_s": 0.02}
+
+
+@pytest.fixture
+def fake() -> FakeVisionEncoder:
+    return FakeVisionEncoder()
+
+
+@pytest.fixture
+def target(fake: FakeVisionEncoder) -> Iterator[str]:
+    with serve_fake(fake) as t:
+        yield t
+
+
+@pytest.fixture
+def client(target: str) -> Iterator[EncoderClient]:
+    with EncoderClient(target, timeout_s=10, retries=3, **FAST_RETRY) as c:
+        yield c
+
+
+def test_interleaved_chunks_of_several_images_come_back_in_request_order(
+    client: EncoderClient, fake: FakeVisionEncoder
+) -> None:
+    images = [b"first", b"second image", b"third", b"fourth"]
+    # 40 bytes = one float32 row of hidden 8 per chunk: every image arrives in several chunks,
+    # and the fake sends them round-robin, last image first.
+    results = client.encode(images, output_dtype="float32", max_chunk_bytes=40)
+    assert fake.requests[-1].max_chunk_bytes == 40
+    assert [r.index for r in results] == [0, 1, 2, 3]
+    for r, data in zip(results, images, strict=True):
+        expected_hash = hashing.hash_encoded(FAKE_NAMESPACE, data)
+        assert r.content_hash == expected_hash
+        np.testing.assert_array_equal(r.embedding, fake_embedding(expected_hash))
+        assert r.embedding.dtype == np.float32 and r.dtype == "float32"
+        assert (r.num_tokens, r.hidden_size) == r.embedding.shape
+        assert r.grid_thw == (1, 2, 2)
+        assert r.timing == {"queue_ms": 1.0, "preprocess_ms": 2.0, "forward_ms": 3.0}
+        assert r.latency_ms > 0
+        assert not r.cache_hit
+
+
+def test_bf16_comes_back_as_exact_float32_or_raw_bits(client: EncoderClient) -> None:
+    (r,) = client.encode([b"img"], output_dtype="bfloat16", max_chunk_bytes=16)
+    reference = fake_embedding(r.content_hash)
+    bits = float32_to_bf16_bits(reference)
+    # numpy reference: put the 16 bits in the high half of a float32.
+    widened = (bits.astype(np.uint32) << 16).view(np.float32)
+    assert r.dtype == "bfloat16" and r.embedding.dtype == np.float32
+    np.testing.assert_array_equal(r.embedding, widened)
+    np.testing.assert_allclose(r.embedding, reference, rtol=2**-8)
+    (raw,) = client.encode([b"img"], output_dtype="bfloat16", bf16_as="uint16")
+    assert raw.embedding.dtype == np.uint16
+    np.testing.assert_array_equal(raw.embedding, bits)
+
+
+def test_float16_and_model_dtype(client: EncoderClient, fake: FakeVisionEncoder) -> None:
+    (r,) = client.encode([b"img"], output_dtype="float16")
+    assert r.embedding.dtype == np.float16 and r.dtype == "float16"
+    np.testing.assert_array_equal(r.embedding, fake_embedding(r.content_hash).astype(np.float16))
+    client.encode([b"img"])
+    assert fake.requests[-1].output_dtype == encoder_pb2.DTYPE_UNSPECIFIED
+
+
+def test_each_kind_of_input_becomes_the_right_image_message(
+    client: EncoderClient, fake: FakeVisionEncoder, tmp_path: Path
+) -> None:
+    path = tmp_path / "cat.jpg"
+    path.write_bytes(b"\xff\xd8 jpeg bytes")
+    patches = np.arange(4 * 6, dtype=np.float32).reshape(4, 6)
+    half = patches.astype(np.float16)
+    pixels = np.arange(4 * 3, dtype=np.uint8).reshape(4, 3)
+    (cached,) = client.encode([b"already cached"])
+    images = [b"raw bytes", path, str(path), (patches, (1, 2, 2)), (half, [1, 2, 2]),
+              (pixels, (1, 2, 2)), (patches.astype(np.float64), (1, 2, 2)), HashRef(cached.content_hash)]
+    results = client.encode(images)
+    sent = fake.requests[-1].images
+    assert [m.WhichOneof("source") for m in sent] == ["encoded"] * 3 + ["patches"] * 4 + ["content_hash"]
+    assert sent[0].encoded == b"raw bytes"
+    assert sent[1].encoded == sent[2].encoded == path.read_bytes()
+    for msg, array, dtype in [(sent[3], patches, encoder_pb2.DTYPE_FLOAT32),
+                              (sent[4], half, encoder_pb2.DTYPE_FLOAT16),
+                              (sent[5], pixels, encoder_pb2.DTYPE_UINT8),
+                              (sent[6], patches, encoder_pb2.DTYPE_FLOAT32)]:  # float64 goes as float32
+        assert list(msg.patches.grid_thw) == [1, 2, 2]
+        assert msg.patches.dtype == dtype
+        assert msg.patches.data == array.astype(array.dtype.newbyteorder("<")).tobytes()
+    assert sent[7].content_hash == cached.content_hash
+    # The client's local hash is the server's cache key, for every kind of input.
+    for image, r in zip(images, results, strict=True):
+        assert content_hash(image, FAKE_NAMESPACE) == r.content_hash
+    assert results[7].cache_hit and results[6].content_hash == results[3].content_hash
+
+
+def test_bad_inputs_are_refused_before_anything_is_sent(client: EncoderClient, fake: FakeVisionEncoder) -> None:
+    patches = np.zeros((4, 6), np.float32)
+    with pytest.raises(ValueError, match="image 1: patches have 4 rows but grid"):
+        client.encode([b"ok", (patches, (1, 2, 3))])
+    with pytest.raises(ValueError, match="three positive integers"):
+        client.encode([(patches, (4, 1))])
+    with pytest.raises(TypeError, match="image 0: patches dtype int64"):
+        client.encode([(patches.astype(np.int64), (1, 2, 2))])
+    with pytest.raises(TypeError, match="wrap a single image in a list"):
+        client.encode(b"not a list")
+    with pytest.raises(ValueError, match="output_dtype"):
+        client.encode([b"x"], output_dtype="int8")
+    with pytest.raises(FileNotFoundError):
+        client.encode(["/nonexistent/cat.jpg"])
+    assert client.encode([]) == []
+    assert fake.encode_calls == 0
+
+
+def test_unavailable_is_retried_until_success(target: str, fake: FakeVisionEncoder) -> None:
+    fake.fail_next += [Failure(grpc.StatusCode.UNAVAILABLE, "starting")] * 2
+    with EncoderClient(target, retries=2, **FAST_RETRY) as client:
+        (r,) = client.encode([b"img"])
+    assert fake.encode_calls == 3
+    assert r.num_tokens == fake_embedding(r.content_hash).shape[0]
+
+
+def test_unavailable_after_the_retries_are_spent_is_raised(target: str, fake: FakeVisionEncoder) -> None:
+    fake.fail_next += [Failure(grpc.StatusCode.UNAVAILABLE, "draining")] * 3
+    with EncoderClient(target, retries=1, **FAST_RETRY) as client, pytest.raises(EncoderClientError) as info:
+        client.encode([b"img"])
+    assert (info.value.code, info.value.details) == (grpc.StatusCode.UNAVAILABLE, "draining")
+    assert fake.encode_calls == 2
+
+
+def test_a_stream_that_already_sent_chunks_is_not_retried(client: EncoderClient, fake: FakeVisionEncoder) -> None:
+    fake.fail_next.append(Failure(grpc.StatusCode.UNAVAILABLE, "draining", after_chunks=1))
+    with pytest.raises(EncoderClientError) as info:
+        client.encode([b"a", b"b"], max_chunk_bytes=32)
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    assert fake.encode_calls == 1
+
+
+@pytest.mark.parametrize(("code", "details"), [
+    (grpc.StatusCode.INVALID_ARGUMENT, "image 1: not a decodable image (PNG header truncated)"),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full: 512 images waiting"),
+    (grpc.StatusCode.INTERNAL, "internal error"),
+])
+def test_other_errors_are_raised_at_once_with_the_servers_message(
+    client: EncoderClient, fake: FakeVisionEncoder, code: grpc.StatusCode, details: str
+) -> None:
+    fake.fail_next.append(Failure(code, details))
+    with pytest.raises(EncoderClientError) as info:
+        client.encode([b"a", b"b"])
+    assert (info.value.code, info.value.details) == (code, details)
+    assert str(info.value) == f"{code.name}: {details}"
+    assert fake.encode_calls == 1
+
+
+def test_an_unknown_hash_is_not_found(client: EncoderClient) -> None:
+    with pytest.raises(EncoderClientError) as info:
+        client.encode([HashRef("ab" * 32)])
+    assert info.value.code == grpc.StatusCode.NOT_FOUND
+    assert info.value.details == "image 0: content_hash is not cached"
+
+
+def test_deadline_exceeded(client: EncoderClient, fake: FakeVisionEncoder) -> None:
+    fake.delay_s = 5.0
+    start = time.monotonic()
+    with pytest.raises(EncoderClientError) as info:
+        client.encode([b"slow"], timeout_s=0.3)
+    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - start < 2.0
+
+
+def test_retries_never_extend_the_deadline(target: str, fake: FakeVisionEncoder) -> None:
+    fake.fail_next += [Failure(grpc.StatusCode.UNAVAILABLE, "starting")] * 100
+    with EncoderClient(target, retries=100, backoff_base_s=0.05, backoff_max_s=0.1) as client:
+        start = time.monotonic()
+        with pytest.raises(EncoderClientError) as info:
+            client.encode([b"img"], timeout_s=0.5)
+    assert info.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert time.monotonic() - start < 1.0
+    assert 1 < fake.encode_calls < 100
+
+
+def test_unreachable_server_is_unavailable() -> None:
+    client = EncoderClient("127.0.0.1:1", timeout_s=5, retries=1, **FAST_RETRY)
+    with client, pytest.raises(EncoderClientError) as info:
+        client.model_info()
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_message_limits_come_from_max_message_bytes(target: str) -> None:
+    with EncoderClient(target, max_message_bytes=1024, retries=0) as client:
+        with pytest.raises(EncoderClientError) as info:
+            client.encode([b"x" * 4096])
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert client.encode([b"x" * 512])  # a small request and reply still pass
+
+
+def test_lookup_model_info_health_and_metadata(target: str, fake: FakeVisionEncoder) -> None:
+    with EncoderClient(target, metadata=[("authorization", "Bearer t0k")]) as client:
+        (r,) = client.encode([b"img"])
+        assert client.lookup([r.content_hash, "0" * 64]) == [True, False]
+        assert client.lookup([]) == []
+        info = client.model_info()
+        assert isinstance(info, ModelInfo)
+        assert (info.hidden_size, info.dtype, info.cache_namespace) == (8, "float32", FAKE_NAMESPACE)
+        assert client.health() == "SERVING"
+        # A second encode of the same image is a cache hit with the same embedding.
+        (again,) = client.encode([b"img"])
+        assert again.cache_hit and again.content_hash == r.content_hash
+        np.testing.assert_array_equal(again.embedding, r.embedding)
+    assert fake.metadata[-1]["authorization"] == "Bearer t0k"
+
+
+def test_health_on_a_server_without_the_health_service_is_unimplemented() -> None:
+    with serve_fake(health=False) as target, EncoderClient(target) as client, \
+            pytest.raises(EncoderClientError) as info:
+        client.health()
+    assert info.value.code == grpc.StatusCode.UNIMPLEMENTED
