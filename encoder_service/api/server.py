@@ -1,0 +1,121 @@
+"""Server life cycle: bind, load and warm the model, serve, drain on SIGTERM, exit.
+
+Health (grpc.health.v1) says NOT_SERVING from the start until the model is loaded and a warm-up
+forward ran, SERVING after, NOT_SERVING again while draining. Reflection is on, so grpcurl works
+without the proto files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from encoder_client._proto.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from .. import metrics
+from ..config import ServiceConfig
+from ..engine import Engine
+from .servicer import VisionEncoderServicer
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["VisionEncoder"].full_name
+
+
+def _grpc_options(config: ServiceConfig) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        # gRPC turns SO_REUSEPORT on by default: two servers could then share a port unnoticed.
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def _load_model(config: ServiceConfig):
+    import torch  # noqa: F401  (imported here: the model loader pulls in torch; keep --help fast)
+
+    from ..models import load_vision_model
+
+    return load_vision_model(config.model_or_default, device=config.device, dtype=config.dtype,
+                             attn_backend=config.attn_backend)
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
+async def serve(config: ServiceConfig) -> int:
+    """Runs until SIGTERM/SIGINT; returns the process exit code."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    server = grpc.aio.server(options=_grpc_options(config))
+    servicer = VisionEncoderServicer(config)
+    health_servicer = health.aio.HealthServicer()
+    encoder_pb2_grpc.add_VisionEncoderServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    address = f"{config.host}:{config.port}"
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        log.error("cannot bind %s: %s", address, exc)
+        return 1
+    await server.start()
+    log.info("encoder-service listening on %s:%d (NOT_SERVING until the model is warm)", config.host, port)
+    if config.metrics_port >= 0:
+        metrics_port = metrics.start_metrics_server(config.metrics_port, config.host)
+        log.info("metrics on http://%s:%d/metrics", config.host, metrics_port)
+
+    if config.uses_default_model:
+        log.info("no --model given: serving the built-in %s preset (random weights) on %s",
+                 config.model_or_default, config.device)
+    engine: Engine | None = None
+    try:
+        load = asyncio.ensure_future(loop.run_in_executor(None, _load_model, config))
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({load, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not load.done():  # SIGTERM while loading: nothing in flight to drain
+            log.info("stopping before the model finished loading")
+            await server.stop(0)
+            return 0
+        stopped.cancel()
+        model = load.result()
+        engine = Engine(model, config)
+        warmup_s = await engine.start()
+    except Exception:
+        log.exception("could not load and warm up the model %r", config.model_or_default)
+        await server.stop(0)
+        if engine is not None:
+            await engine.stop()
+        return 1
+
+    d = engine.describe()
+    log.info("model %s (%s) on %s, dtype %s, attention backend %s, hidden %d, patch_dim %d; "
+             "cache %s, max-batch-tokens %d, max-queue-images %d; warm-up forward %.0f ms",
+             d.model_id, d.model_type, d.device, d.dtype, d.attn_backend, d.hidden_size, d.patch_dim,
+             _gib(config.cache_bytes), config.max_batch_tokens, config.max_queue_images, warmup_s * 1000)
+    servicer.engine = engine
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("SERVING")
+
+    await stop.wait()
+    log.info("draining: NOT_SERVING, refusing new requests, up to %.1f s for in-flight ones",
+             config.grace_period_s)
+    servicer.draining = True
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(config.grace_period_s)
+    await engine.stop()
+    log.info("stopped")
+    return 0

@@ -1,0 +1,74 @@
+"""The VisionEncoder gRPC service: checks requests, hands them to the engine, streams the results."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+
+import grpc
+from encoder_client._proto.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+
+from .. import __version__
+from ..config import ServiceConfig
+from ..engine import Engine
+from ..errors import ResourceExhausted, Unavailable
+from . import dtypes
+from .errors import map_errors
+from .streaming import embedding_chunks
+from .validation import parse_encode_request
+
+log = logging.getLogger(__name__)
+
+MAX_LOOKUP_HASHES = 65536
+
+
+class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
+    """Serves once ``engine`` is set (model loaded and warmed); UNAVAILABLE before and while draining."""
+
+    def __init__(self, config: ServiceConfig) -> None:
+        self.config = config
+        self.engine: Engine | None = None
+        self.draining = False
+
+    def _ready_engine(self) -> Engine:
+        if self.draining:
+            raise Unavailable("server is draining (shutting down); retry on another replica")
+        if self.engine is None:
+            raise Unavailable("server is starting: the model is not loaded and warmed up yet")
+        return self.engine
+
+    @map_errors
+    async def Encode(self, request: encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext) -> None:
+        engine = self._ready_engine()
+        plan = parse_encode_request(request, engine, self.config.max_chunk_bytes)
+        request_id = request.request_id or uuid.uuid4().hex
+        model_dtype = engine.describe().dtype
+        # aclosing: a cancelled or failed stream releases its cache pins and queue slots right away.
+        async with contextlib.aclosing(engine.encode(plan.images)) as results:
+            async for result in results:
+                for chunk in embedding_chunks(result, request_id=request_id, out_dtype=plan.output_dtype,
+                                              model_dtype=model_dtype, max_chunk_bytes=plan.max_chunk_bytes):
+                    await context.write(chunk)
+
+    @map_errors
+    async def Lookup(self, request: encoder_pb2.LookupRequest,
+                     context: grpc.aio.ServicerContext) -> encoder_pb2.LookupResponse:
+        engine = self._ready_engine()
+        if len(request.content_hashes) > MAX_LOOKUP_HASHES:
+            raise ResourceExhausted(f"lookup of {len(request.content_hashes)} hashes; at most "
+                                    f"{MAX_LOOKUP_HASHES} per call")
+        return encoder_pb2.LookupResponse(cached=engine.lookup(list(request.content_hashes)))
+
+    @map_errors
+    async def GetModelInfo(self, request: encoder_pb2.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> encoder_pb2.ModelInfo:
+        d = self._ready_engine().describe()
+        c = self.config
+        return encoder_pb2.ModelInfo(
+            model_id=d.model_id, model_type=d.model_type, hidden_size=d.hidden_size,
+            dtype=dtypes.ENUM_BY_NAME[d.dtype], patch_size=d.patch_size,
+            temporal_patch_size=d.temporal_patch_size, spatial_merge_size=d.spatial_merge_size,
+            patch_dim=d.patch_dim, attention_backend=d.attn_backend, device=d.device,
+            cache_namespace=d.cache_namespace, max_batch_tokens=c.max_batch_tokens,
+            max_message_bytes=c.max_message_bytes, max_image_pixels=c.max_image_pixels, version=__version__)

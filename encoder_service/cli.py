@@ -1,0 +1,59 @@
+"""``encoder-service``: ``serve`` runs the gRPC server; ``make-checkpoint`` writes a preset's
+random-weight checkpoint (transformers format) for trying the loader out."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from .config import ENV_PREFIX, add_serve_arguments, build_config
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="encoder-service",
+        description="Vision-encoder microservice for EPD (encode/prefill/decode) disaggregated serving.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = sub.add_parser(
+        "serve", help="run the gRPC server",
+        description="Serve a vision tower over gRPC (encoder.v1.VisionEncoder, grpc.health.v1, reflection). "
+                    f"Every option can also be set as an environment variable {ENV_PREFIX}<OPTION> "
+                    f"(e.g. {ENV_PREFIX}CACHE_BYTES); a flag wins over the environment.")
+    add_serve_arguments(serve)
+    make = sub.add_parser("make-checkpoint", help="write a preset's random-weight checkpoint directory")
+    make.add_argument("--preset", required=True, help="preset name, e.g. tiny-qwen2.5-vl or qwen2.5-vl-7b")
+    make.add_argument("--out", required=True, help="output directory")
+    make.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
+    return parser
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "make-checkpoint":
+        _setup_logging("INFO")
+        from .models.presets import make_checkpoint
+
+        path = make_checkpoint(args.preset, args.out, seed=args.seed)
+        print(path)
+        return 0
+    try:
+        config = build_config(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    _setup_logging(config.log_level)
+    from .api import serve  # imports grpc and the engine only when serving
+
+    return asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""The one configuration object of the server, built once at start-up from flags and environment.
+
+Every option is a flag ``--some-option`` and an environment variable ``ENCODER_SERVICE_SOME_OPTION``;
+a flag given on the command line wins over the environment, the environment over the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+ENV_PREFIX = "ENCODER_SERVICE_"
+DEFAULT_PRESET = "tiny-qwen2.5-vl"
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    model: str = ""  # empty = the built-in tiny preset on the CPU
+    device: str = "cpu"
+    dtype: str = "float32"
+    attn_backend: str = "auto"
+    host: str = "0.0.0.0"
+    port: int = 50051
+    cache_bytes: int = 1 * GiB
+    max_batch_tokens: int = 16384
+    max_queue_images: int = 256
+    max_message_bytes: int = 64 * MiB
+    max_image_pixels: int = 64 * MiB
+    max_chunk_bytes: int = 4 * MiB
+    batch_wait_ms: float = 1.0
+    preprocess_threads: int = 2
+    grace_period_s: float = 30.0
+    metrics_port: int = -1  # -1 = no metrics endpoint; 0 = any free port (logged)
+    log_level: str = "INFO"
+
+    @property
+    def model_or_default(self) -> str:
+        return self.model or DEFAULT_PRESET
+
+    @property
+    def uses_default_model(self) -> bool:
+        return not self.model
+
+
+# (field, type, help). The order here is the order of --help.
+_OPTIONS: list[tuple[str, type, str]] = [
+    ("model", str, "checkpoint directory (transformers format) or a built-in preset name "
+                   f"(e.g. {DEFAULT_PRESET}, qwen2.5-vl-7b: random weights). Default: the tiny random "
+                   f"{DEFAULT_PRESET} preset on the CPU, for trying the service out."),
+    ("device", str, "torch device the vision tower runs on: cpu, cuda, cuda:1, ..."),
+    ("dtype", str, "model dtype: float32, float16 or bfloat16. Embeddings are cached in it and "
+                   "streamed in it unless a request asks for another output_dtype."),
+    ("attn_backend", str, "attention backend: auto (first one that works here), sdpa, varlen, "
+                          "flashinfer, aiter."),
+    ("host", str, "address the gRPC server binds to (127.0.0.1 for loopback only)."),
+    ("port", int, "gRPC port; 0 picks a free one (the log says which)."),
+    ("cache_bytes", int, "embedding cache size in bytes (sum of the cached tensors' nbytes, kept on "
+                         "the CPU); least recently used entries are evicted beyond it. 0 disables caching."),
+    ("max_batch_tokens", int, "most patches in one forward pass; concurrent requests are batched up to "
+                              "it. One image with more patches than this is rejected (RESOURCE_EXHAUSTED)."),
+    ("max_queue_images", int, "most images admitted and waiting for a forward pass; a request that "
+                              "would exceed it is rejected at once with RESOURCE_EXHAUSTED."),
+    ("max_message_bytes", int, "largest gRPC message accepted or sent, in bytes (RESOURCE_EXHAUSTED over it)."),
+    ("max_image_pixels", int, "largest encoded image accepted, in pixels as read from its header "
+                              "(guards against decompression bombs)."),
+    ("max_chunk_bytes", int, "default (and upper bound) of the embedding bytes in one streamed chunk; "
+                             "a request may ask for less."),
+    ("batch_wait_ms", float, "how long the device worker waits for more images before starting a forward "
+                             "that is not full (0 = run what is queued right away)."),
+    ("preprocess_threads", int, "threads decoding and patchifying images (CPU work kept off the event loop)."),
+    ("grace_period_s", float, "on SIGTERM: seconds in-flight requests get to finish before the server exits."),
+    ("metrics_port", int, "port of the Prometheus /metrics HTTP endpoint; 0 picks a free one, -1 disables it."),
+    ("log_level", str, "DEBUG, INFO, WARNING or ERROR."),
+]
+
+_CHOICES = {
+    "dtype": ("float32", "float16", "bfloat16"),
+    "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
+}
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds one flag per ServiceConfig field; defaults stay None so the environment can fill them."""
+    defaults = ServiceConfig()
+    for name, typ, help_text in _OPTIONS:
+        flag = "--" + name.replace("_", "-")
+        env = ENV_PREFIX + name.upper()
+        default = getattr(defaults, name)
+        shown = repr(default) if default != "" else "none"
+        if name == "log_level":
+            typ = str.upper
+        parser.add_argument(flag, dest=name, type=typ, default=None, metavar=name.upper(),
+                            choices=_CHOICES.get(name),
+                            help=f"{help_text} [env {env}; default {shown}]")
+
+
+def build_config(args: argparse.Namespace | None = None,
+                 environ: Mapping[str, str] | None = None) -> ServiceConfig:
+    """Flags over environment over defaults; raises ValueError on a bad environment value."""
+    environ = os.environ if environ is None else environ
+    types = {name: typ for name, typ, _ in _OPTIONS}
+    values: dict[str, object] = {}
+    for f in fields(ServiceConfig):
+        flag_value = getattr(args, f.name, None) if args is not None else None
+        if flag_value is not None:
+            values[f.name] = flag_value
+            continue
+        env_value = environ.get(ENV_PREFIX + f.name.upper())
+        if env_value is not None and env_value != "":
+            try:
+                value = types[f.name](env_value)
+            except ValueError as exc:
+                raise ValueError(f"{ENV_PREFIX}{f.name.upper()}={env_value!r}: {exc}") from None
+            if f.name == "log_level":
+                value = str(value).upper()
+            choices = _CHOICES.get(f.name)
+            if choices and value not in choices:
+                raise ValueError(f"{ENV_PREFIX}{f.name.upper()}={env_value!r}: choose from {', '.join(choices)}")
+            values[f.name] = value
+    config = ServiceConfig(**values)
+    _check(config)
+    return config
+
+
+def _check(c: ServiceConfig) -> None:
+    problems = []
+    if c.cache_bytes < 0:
+        problems.append("cache-bytes must be >= 0")
+    if c.max_batch_tokens < 1:
+        problems.append("max-batch-tokens must be >= 1")
+    if c.max_queue_images < 1:
+        problems.append("max-queue-images must be >= 1")
+    if c.max_message_bytes < 64 * 1024:
+        problems.append("max-message-bytes must be >= 65536")
+    if c.max_chunk_bytes < 1:
+        problems.append("max-chunk-bytes must be >= 1")
+    if c.max_image_pixels < 1:
+        problems.append("max-image-pixels must be >= 1")
+    if c.batch_wait_ms < 0:
+        problems.append("batch-wait-ms must be >= 0")
+    if c.preprocess_threads < 1:
+        problems.append("preprocess-threads must be >= 1")
+    if c.grace_period_s < 0:
+        problems.append("grace-period-s must be >= 0")
+    if not 0 <= c.port <= 65535:
+        problems.append("port must be in 0..65535")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def parse_serve_args(argv: Sequence[str] | None = None,
+                     environ: Mapping[str, str] | None = None) -> ServiceConfig:
+    """Convenience for tests and embedding: argv of ``serve`` (without the subcommand) -> config."""
+    parser = argparse.ArgumentParser(prog="encoder-service serve")
+    add_serve_arguments(parser)
+    return build_config(parser.parse_args(argv), environ)

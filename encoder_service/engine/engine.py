@@ -1,0 +1,372 @@
+"""The engine: from a request's images to their embeddings, as each becomes ready.
+
+Lives on the event loop. Per image: cache hit (served at once), join of an in-flight computation
+of the same content (in-flight de-duplication), or a new job. A job is prepared (decode/patchify or
+convert, then validated) in a small thread pool, queued for the device worker once every image of
+its request validated, batched with other requests' images, and cached when its forward returns.
+A job lives while some request still waits for it; the last one leaving removes it from the queue
+and frees its admission slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from encoder_client.hashing import hash_encoded, hash_patches
+
+from .. import metrics
+from ..config import ServiceConfig
+from ..errors import EncoderError, InvalidInput, NotFound, ResourceExhausted, Unavailable
+from ..models.base import validate_grid
+from .admission import Admission
+from .batch_queue import BatchQueue, WorkItem
+from .cache import CacheEntry, EmbeddingCache
+from .convert import dtype_name, patches_to_float32
+from .types import EngineStats, Grid, ImageInput, ImageResult, ModelDescription, Timing
+from .worker import BatchOutcome, DeviceWorker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Job:
+    """One uncached image being computed; shared by every request that asked for the same key."""
+
+    key: str
+    refs: int = 1  # requests (image slots) still waiting for it
+    state: str = "preparing"  # preparing -> prepared -> queued -> running -> done | failed | abandoned
+    pixels: np.ndarray | None = None
+    grid: Grid | None = None
+    item: WorkItem | None = None
+    holds_slot: bool = True  # an admission slot, until it enters a forward or is dropped
+    stored: bool = False  # whether the cache took it (then each remaining ref holds a pin)
+    timing: Timing = field(default_factory=Timing)
+    prepared: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    def __post_init__(self) -> None:
+        for fut in (self.prepared, self.done):  # an error nobody waits for is not worth a warning
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
+@dataclass(eq=False)
+class _Wait:
+    """One image slot of one request waiting for a job; leaves it exactly once."""
+
+    image: ImageInput
+    job: _Job
+    left: bool = False
+
+    def leave(self, engine: Engine) -> None:
+        if not self.left:
+            self.left = True
+            engine._leave(self.job)
+
+
+def _retag(exc: BaseException, index: int) -> BaseException:
+    """A copy of a typed error naming this request's image index (jobs are shared across requests)."""
+    if isinstance(exc, EncoderError):
+        return type(exc)(exc.message, image_index=index)
+    return exc
+
+
+class Engine:
+    def __init__(self, model, config: ServiceConfig) -> None:
+        self.model = model
+        self.config = config
+        self.stats = EngineStats()
+        self.cache = EmbeddingCache(config.cache_bytes, on_evict=self._count_eviction)
+        self._admission = Admission(config.max_queue_images)
+        self._queue = BatchQueue()
+        self._inflight: dict[str, _Job] = {}
+        self._pool = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="preprocess")
+        self._worker: DeviceWorker | None = None
+        self._closed = False
+        self.namespace = model.cache_namespace
+
+    # --- life cycle ------------------------------------------------------------------------------
+    async def start(self) -> float:
+        """Starts the device worker and waits for its warm-up forward; returns the warm-up seconds."""
+        loop = asyncio.get_running_loop()
+        self._worker = DeviceWorker(
+            self.model, self._queue, max_batch_patches=self.config.max_batch_tokens,
+            batch_wait_s=self.config.batch_wait_ms / 1000.0, loop=loop,
+            on_batch_start=self._on_batch_start, on_batch_done=self._on_batch_done)
+        m = self.model.spec.spatial_merge_size
+        return await asyncio.wrap_future(self._worker.start((1, 2 * m, 2 * m)))
+
+    async def stop(self) -> None:
+        """Stops taking work; jobs still queued fail UNAVAILABLE; waits for the running forward."""
+        if self._closed:
+            return
+        self._closed = True
+        for item in self._queue.close():
+            job: _Job = item.job
+            job.state = "failed"
+            self._inflight.pop(job.key, None)
+            if not job.done.done():
+                job.done.set_exception(Unavailable("server is shutting down"))
+        if self._worker is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._worker.join)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # --- plain facts ---------------------------------------------------------------------------------
+    def describe(self) -> ModelDescription:
+        m = self.model
+        return ModelDescription(
+            model_id=m.spec.model_id, model_type=m.spec.model_type, hidden_size=m.spec.hidden_size,
+            dtype=dtype_name(m.dtype), patch_size=m.spec.patch_size,
+            temporal_patch_size=m.spec.temporal_patch_size, spatial_merge_size=m.spec.spatial_merge_size,
+            patch_dim=m.spec.patch_dim, attn_backend=str(m.attn_backend), device=str(m.device),
+            cache_namespace=self.namespace)
+
+    @property
+    def queued_images(self) -> int:
+        return self._admission.waiting
+
+    def check_grid(self, grid: Sequence[int]) -> Grid:
+        """A patches grid checked against the model's rules and the batch limit (before queueing)."""
+        checked = validate_grid(grid, self.model.spec)
+        self._check_size(checked)
+        return checked
+
+    def _check_size(self, grid: Grid) -> None:
+        n = self.model.num_patches(grid)
+        if n > self.config.max_batch_tokens:
+            raise ResourceExhausted(
+                f"image has {n} patches (grid {list(grid)}), more than --max-batch-tokens "
+                f"{self.config.max_batch_tokens} allows in one forward pass; send a smaller image")
+
+    def lookup(self, content_hashes: Sequence[str]) -> list[bool]:
+        return [h in self.cache for h in content_hashes]
+
+    # --- encode ----------------------------------------------------------------------------------------
+    async def encode(self, images: Sequence[ImageInput]) -> AsyncIterator[ImageResult]:
+        """Yields one result per image in completion order (cache hits first).
+
+        Every image is validated before any is queued. A result's cache pin is held until the
+        consumer asks for the next one, i.e. until it has been streamed.
+        """
+        if self._closed:
+            raise Unavailable("server is draining")
+        if not images:
+            raise InvalidInput("no images in the request")
+        for image in images:
+            metrics.IMAGES.labels(source=image.kind).inc()
+        keys = await asyncio.get_running_loop().run_in_executor(self._pool, self._keys, images)
+
+        # Everything from here to the first await runs atomically on the loop: admission counts
+        # exactly the jobs this request creates.
+        for image, key in zip(images, keys):
+            if image.kind == "content_hash" and key not in self.cache and key not in self._inflight:
+                raise NotFound(f"content_hash {key} is not cached (evicted or never encoded); "
+                               "send the image itself", image_index=image.index)
+        new_keys = {k for k in keys if k not in self.cache and k not in self._inflight}
+        self._admission.admit(len(new_keys))
+
+        hits: list[tuple[ImageInput, CacheEntry]] = []
+        waits: list[_Wait] = []
+        try:
+            for image, key in zip(images, keys):
+                entry = self.cache.acquire(key)
+                if entry is not None:
+                    hits.append((image, entry))
+                    self._count_hit()
+                    continue
+                job = self._inflight.get(key)
+                if job is not None:
+                    job.refs += 1
+                    if key not in new_keys:
+                        self.stats.inflight_joins += 1
+                        metrics.INFLIGHT_JOINS.inc()
+                else:
+                    job = _Job(key)
+                    self._inflight[key] = job
+                    new_keys.discard(key)  # from here on the job holds (and frees) its slot
+                    self.stats.cache_misses += 1
+                    metrics.CACHE_MISSES.inc()
+                    asyncio.get_running_loop().create_task(self._prepare(job, image))
+                waits.append(_Wait(image, job))
+        finally:
+            self._admission.release(len(new_keys))  # slots of jobs not created (only on a bug)
+
+        released_hits = 0
+        try:
+            await self._await_prepared(waits)
+            for wait in waits:
+                self._enqueue(wait.job)
+            for image, entry in hits:
+                yield ImageResult(image.index, entry.key, entry.grid, entry.embedding, cache_hit=True)
+                self.cache.release(entry.key)  # streamed: unpin now, not at the end of the request
+                released_hits += 1
+            async for result in self._completed(waits):
+                yield result
+        finally:
+            for _, entry in hits[released_hits:]:
+                self.cache.release(entry.key)
+            for wait in waits:
+                wait.leave(self)
+
+    def _keys(self, images: Sequence[ImageInput]) -> list[str]:
+        """Server-computed content hashes (thread pool: hashing megabytes is CPU work)."""
+        keys = []
+        for image in images:
+            if image.kind == "encoded":
+                keys.append(hash_encoded(self.namespace, image.data))
+            elif image.kind == "patches":
+                keys.append(hash_patches(self.namespace, image.grid, image.dtype_enum, image.data))
+            else:  # a caller's hash is only a reference to look up, never a key we store under
+                keys.append(image.content_hash)
+        return keys
+
+    async def _await_prepared(self, waits: list[_Wait]) -> None:
+        futures = {w.job.prepared for w in waits}
+        if futures:
+            # asyncio.wait, not gather: a cancelled request must not cancel futures others share.
+            await asyncio.wait(futures)
+        for wait in sorted(waits, key=lambda w: w.image.index):
+            exc = wait.job.prepared.exception()
+            if exc is not None:
+                raise _retag(exc, wait.image.index) from None
+
+    async def _completed(self, waits: list[_Wait]) -> AsyncIterator[ImageResult]:
+        by_future: dict[asyncio.Future, list[_Wait]] = {}
+        for wait in waits:
+            by_future.setdefault(wait.job.done, []).append(wait)
+        pending = set(by_future)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in sorted(done, key=lambda f: by_future[f][0].image.index):
+                for wait in by_future[fut]:
+                    exc = fut.exception()
+                    if exc is not None:
+                        raise _retag(exc, wait.image.index)
+                    job = wait.job
+                    yield ImageResult(wait.image.index, job.key, job.grid, fut.result(), cache_hit=False,
+                                      timing=job.timing)
+                    wait.leave(self)  # streamed: unpin now, not at the end of the request
+
+    # --- jobs ------------------------------------------------------------------------------------------
+    async def _prepare(self, job: _Job, image: ImageInput) -> None:
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        try:
+            pixels, grid = await loop.run_in_executor(self._pool, self._prepare_sync, image)
+        except Exception as exc:
+            if job.state == "preparing":
+                job.state = "failed"
+                self._drop(job)  # a later request for the same bytes gets its own attempt
+            job.prepared.set_exception(exc)
+            return
+        job.timing.preprocess_ms = (time.perf_counter() - started) * 1000.0
+        if image.kind == "encoded":
+            metrics.PREPROCESS_SECONDS.observe(job.timing.preprocess_ms / 1000.0)
+        if job.state != "preparing":  # abandoned while it was being prepared
+            return
+        job.pixels, job.grid, job.state = pixels, grid, "prepared"
+        job.prepared.set_result(None)
+
+    def _prepare_sync(self, image: ImageInput) -> tuple[np.ndarray, Grid]:
+        m = self.model
+        if image.kind == "encoded":
+            pixels, grid = m.preprocess(image.data, self.config.max_image_pixels)
+            grid = tuple(int(x) for x in grid)
+            self._check_size(grid)
+            pixels = np.asarray(pixels, dtype=np.float32)
+        else:
+            grid = image.grid
+            pixels = patches_to_float32(image.data, image.patch_dtype, m.spec.patch_dim)
+        m.validate(pixels, [list(grid)])
+        if not pixels.flags.writeable:
+            pixels = pixels.copy()
+        return pixels, grid
+
+    def _enqueue(self, job: _Job) -> None:
+        if job.state != "prepared":
+            return  # already queued by another request, or further along
+        if self._closed:
+            raise Unavailable("server is draining")
+        job.item = WorkItem(job.pixels, job.grid, job)
+        job.pixels = None  # the item holds them now; free them as soon as the forward is done
+        job.state = "queued"
+        self._queue.put(job.item)
+
+    def _leave(self, job: _Job) -> None:
+        """One waiting image slot is done with the job (streamed it, failed or was cancelled)."""
+        job.refs -= 1
+        if job.state == "done":
+            if job.stored:
+                self.cache.release(job.key)
+            return
+        if job.refs > 0 or job.state in ("running", "failed", "abandoned"):
+            return
+        # Nobody waits any more and no forward has taken it: drop it and free its slot.
+        if job.state == "queued" and not self._queue.remove(job.item):
+            return  # the worker took it a moment ago; its result will still be cached
+        job.state = "abandoned"
+        job.item = job.pixels = None
+        self.stats.abandoned += 1
+        self._drop(job)
+
+    def _drop(self, job: _Job) -> None:
+        if self._inflight.get(job.key) is job:
+            del self._inflight[job.key]
+        if job.holds_slot:
+            job.holds_slot = False
+            self._admission.release()
+
+    # --- worker callbacks (on the loop) ---------------------------------------------------------------
+    def _on_batch_start(self, items: list[WorkItem]) -> None:
+        now = time.perf_counter()
+        for item in items:
+            job: _Job = item.job
+            if job.state != "queued":
+                continue
+            job.state = "running"
+            job.timing.queue_ms = (now - item.enqueued_at) * 1000.0
+            metrics.QUEUE_SECONDS.observe(now - item.enqueued_at)
+            if job.holds_slot:
+                job.holds_slot = False
+                self._admission.release()
+
+    def _on_batch_done(self, outcome: BatchOutcome) -> None:
+        self.stats.forward_batches += 1
+        metrics.FORWARD_BATCHES.inc()
+        metrics.FORWARD_SECONDS.observe(outcome.forward_s)
+        forward_ms = outcome.forward_s * 1000.0
+        for i, item in enumerate(outcome.items):
+            job: _Job = item.job
+            job.item = None
+            if self._inflight.get(job.key) is job:
+                del self._inflight[job.key]
+            job.timing.forward_ms = forward_ms
+            if outcome.error is not None:
+                job.state = "failed"
+                job.done.set_exception(outcome.error)
+                continue
+            embedding: torch.Tensor = outcome.embeddings[i]
+            patches = item.num_patches
+            self.stats.images_encoded += 1
+            self.stats.patches_encoded += patches
+            metrics.IMAGES_ENCODED.inc()
+            metrics.PATCHES_ENCODED.inc(patches)
+            job.state = "done"
+            # Pin once per request still waiting: each unpins after streaming it.
+            job.stored = self.config.cache_bytes > 0 and self.cache.put(job.key, embedding, job.grid,
+                                                                        pins=job.refs)
+            job.done.set_result(embedding)
+
+    def _count_hit(self) -> None:
+        self.stats.cache_hits += 1
+        metrics.CACHE_HITS.inc()
+
+    def _count_eviction(self, entry: CacheEntry) -> None:
+        self.stats.evictions += 1
+        metrics.CACHE_EVICTIONS.inc()

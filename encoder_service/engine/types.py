@@ -1,0 +1,92 @@
+"""What goes into the engine and what comes out: plain Python, numpy and torch; no protobuf."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+Grid = tuple[int, int, int]
+InputKind = Literal["encoded", "patches", "content_hash"]
+
+# Wire dtypes of patches the engine accepts, with their numpy names; the model always gets float32.
+PATCH_DTYPES = ("float32", "float16", "bfloat16", "uint8")
+OUTPUT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """One image of a request, after the API checked its wire form.
+
+    ``encoded``: ``data`` holds the encoded file bytes.
+    ``patches``: ``data`` holds raw little-endian patches [t*h*w, patch_dim] in ``patch_dtype``,
+    ``grid`` the (t, h, w) and ``dtype_enum`` the wire enum value (part of the content hash).
+    ``content_hash``: ``content_hash`` names an entry the cache should hold.
+    """
+
+    index: int
+    kind: InputKind
+    data: bytes = b""
+    grid: Grid | None = None
+    patch_dtype: str = "float32"
+    dtype_enum: int = 0
+    content_hash: str = ""
+
+
+@dataclass
+class Timing:
+    queue_ms: float = 0.0
+    preprocess_ms: float = 0.0
+    forward_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class ImageResult:
+    """One image's embedding, ready to stream: a CPU tensor [num_tokens, hidden] in the model dtype."""
+
+    index: int
+    content_hash: str
+    grid: Grid
+    embedding: torch.Tensor
+    cache_hit: bool
+    timing: Timing = field(default_factory=Timing)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.embedding.shape[0])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.embedding.shape[1])
+
+
+@dataclass
+class EngineStats:
+    """Counters readable in-process (tests); the same events also feed the Prometheus metrics."""
+
+    forward_batches: int = 0
+    images_encoded: int = 0
+    patches_encoded: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    inflight_joins: int = 0
+    evictions: int = 0
+    abandoned: int = 0
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """Plain facts about the served model, for GetModelInfo and the start-up log."""
+
+    model_id: str
+    model_type: str
+    hidden_size: int
+    dtype: str
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    patch_dim: int
+    attn_backend: str
+    device: str
+    cache_namespace: str
