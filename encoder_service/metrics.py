@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from prometheus_client import Counter, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,8 @@ CACHE_MISSES = Counter(
     "encoder_service_cache_misses", "Images that needed a new forward pass.")
 CACHE_EVICTIONS = Counter(
     "encoder_service_cache_evictions", "Cache entries evicted to make room (LRU by bytes).")
+QUEUE_IMAGES = Gauge(
+    "encoder_service_queue_images", "Images admitted and waiting for a forward pass (bounded by --max-queue-images).")
 REJECTED = Counter(
     "encoder_service_rejected_requests", "Requests answered with an error, by gRPC status.", ["code"])
 

@@ -6,6 +6,7 @@ only grows: the caller can retry elsewhere, and latency stays bounded for the ad
 
 from __future__ import annotations
 
+from .. import metrics
 from ..errors import ResourceExhausted
 
 
@@ -27,6 +28,8 @@ class Admission:
                 f"queue full: {self.waiting} images waiting, {n} more would exceed --max-queue-images "
                 f"{self.max_waiting_images}; retry later or on another replica")
         self.waiting += n
+        metrics.QUEUE_IMAGES.set(self.waiting)
 
     def release(self, n: int = 1) -> None:
         self.waiting = max(0, self.waiting - n)
+        metrics.QUEUE_IMAGES.set(self.waiting)

@@ -1,0 +1,199 @@
+"""Shared fixtures. Add fixtures; keep the existing ones working."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+# --- a fake VisionModel for fast in-process engine tests ----------------------------------------------
+
+
+class FakeVisionModel:
+    """Deterministic stand-in for a VisionModel: patch_dim 4, merge 2, hidden 8.
+
+    Each token is the mean of its 4 merged patches times a fixed matrix. ``gate`` (a
+    threading.Event) lets a test hold the device worker inside a forward; ``batches`` records the
+    grids of every forward. Encoded "images" are ``b"img:T,H,W[:seed]"``; other bytes are not images.
+    """
+
+    def __init__(self) -> None:
+        from encoder_service.models.base import ModelSpec
+
+        self.spec = ModelSpec(model_id="fake", model_type="fake", hidden_size=8, patch_size=2,
+                              temporal_patch_size=1, spatial_merge_size=2, in_channels=1)
+        self.device = torch.device("cpu")
+        self.dtype = torch.float32
+        self.attn_backend = "none"
+        self.cache_namespace = "fake:ns"
+        self.weight = torch.arange(32, dtype=torch.float32).reshape(4, 8) / 32.0
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()  # set when a forward (not the warm-up) starts
+        self.batches: list[list[tuple[int, int, int]]] = []
+        self.warmups = 0
+
+    def num_patches(self, grid: Sequence[int]) -> int:
+        t, h, w = grid
+        return int(t) * int(h) * int(w)
+
+    def num_tokens(self, grid: Sequence[int]) -> int:
+        return self.num_patches(grid) // 4
+
+    def preprocess(self, data: bytes, max_image_pixels: int | None = None):
+        from encoder_service.errors import InvalidInput
+
+        if not data.startswith(b"img:"):
+            raise InvalidInput("not a decodable image: format not recognised")
+        parts = data[4:].decode().split(":")
+        grid = tuple(int(x) for x in parts[0].split(","))
+        seed = int(parts[1]) if len(parts) > 1 else 0
+        return self.patches(grid, seed), grid
+
+    @staticmethod
+    def patches(grid: Sequence[int], seed: int = 0) -> np.ndarray:
+        n = int(np.prod(grid))
+        return np.random.default_rng(seed).standard_normal((n, 4)).astype(np.float32)
+
+    def validate(self, pixel_values, grids):
+        from encoder_service.models.base import validate_batch
+
+        return validate_batch(pixel_values, grids, self.spec)
+
+    def reference(self, pixel_values: np.ndarray) -> torch.Tensor:
+        x = torch.as_tensor(np.asarray(pixel_values, dtype=np.float32))
+        return x.reshape(-1, 4, 4).mean(1) @ self.weight
+
+    def encode(self, pixel_values, grids):
+        grids = [tuple(int(v) for v in g) for g in grids]
+        if grids == [(1, 4, 4)] and float(torch.as_tensor(pixel_values).abs().sum()) == 0.0:
+            self.warmups += 1
+        else:
+            self.batches.append(grids)
+            self.entered.set()
+            self.gate.wait(30)
+        out = self.reference(torch.as_tensor(pixel_values).numpy())
+        return list(out.split([self.num_tokens(g) for g in grids]))
+
+
+@pytest.fixture
+def fake_model() -> FakeVisionModel:
+    return FakeVisionModel()
+
+
+# --- the real server as a subprocess -------------------------------------------------------------------
+
+
+@dataclass
+class RunningServer:
+    """An ``encoder-service serve`` subprocess on a loopback port, SERVING."""
+
+    proc: subprocess.Popen
+    log_path: Path
+    target: str = ""
+    metrics_url: str = ""
+    _log_file: object = field(default=None, repr=False)
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """A sample of the /metrics endpoint, e.g. metric("encoder_service_forward_batches_total")."""
+        body = urllib.request.urlopen(self.metrics_url, timeout=5).read().decode()
+        wanted = f"{name}{{{labels}}}" if labels else name
+        for line in body.splitlines():
+            if line.startswith(wanted + " "):
+                return float(line.split()[-1])
+        return 0.0
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        return self.proc.returncode
+
+
+def _wait_serving(server: RunningServer, timeout_s: float) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log_text()}")
+        text = server.log_text()
+        if not server.target:
+            m = re.search(r"listening on (\S+):(\d+)", text)
+            if m:
+                server.target = f"127.0.0.1:{m.group(2)}"
+        if not server.metrics_url:
+            m = re.search(r"metrics on (http://\S+/metrics)", text)
+            if m:
+                server.metrics_url = m.group(1)
+        if server.target and server.metrics_url:
+            with grpc.insecure_channel(server.target) as channel:
+                try:
+                    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+        time.sleep(0.1)
+    raise TimeoutError(f"server not SERVING after {timeout_s} s:\n{server.log_text()}")
+
+
+@pytest.fixture(scope="session")
+def start_encoder_server(tmp_path_factory) -> Iterator[Callable[..., RunningServer]]:
+    """Factory: ``start_encoder_server("--cache-bytes", "7000")`` -> a SERVING RunningServer.
+
+    Loopback, a free port, the tiny preset, metrics on a free port. Every server started is
+    stopped (SIGTERM, then SIGKILL) at the end of the session if a test did not stop it.
+    """
+    started: list[RunningServer] = []
+
+    def start(*flags: str, timeout_s: float = 120.0) -> RunningServer:
+        log_path = tmp_path_factory.mktemp("encoder-server") / "server.log"
+        log_file = open(log_path, "w")  # noqa: SIM115  (closed by RunningServer.stop)
+        cmd = [sys.executable, "-m", "encoder_service", "serve", "--host", "127.0.0.1", "--port", "0",
+               "--metrics-port", "0", "--grace-period-s", "20", *flags]
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT)
+        server = RunningServer(proc, log_path, _log_file=log_file)
+        started.append(server)
+        try:
+            _wait_serving(server, timeout_s)
+        except BaseException:
+            server.stop(signal.SIGKILL)
+            raise
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def encoder_server(start_encoder_server) -> RunningServer:
+    """One shared server per test module (tiny preset, limits small enough to test cheaply)."""
+    return start_encoder_server("--max-batch-tokens", "4096", "--max-message-bytes", str(8 << 20),
+                                "--max-image-pixels", "4000000")

@@ -1,0 +1,192 @@
+"""Engine in-process with a fake model: results, cache hits, in-flight de-duplication, batching."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+
+from encoder_service.config import ServiceConfig
+from encoder_service.engine import Engine, ImageInput
+from encoder_service.errors import InvalidInput, ResourceExhausted
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@contextlib.asynccontextmanager
+async def running_engine(model, **overrides):
+    engine = Engine(model, ServiceConfig(**{"batch_wait_ms": 0.0, **overrides}))
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        model.gate.set()
+        await engine.stop()
+
+
+def patches(index: int, grid=(1, 4, 4), seed: int = 0) -> ImageInput:
+    from conftest import FakeVisionModel
+
+    data = FakeVisionModel.patches(grid, seed).tobytes()
+    return ImageInput(index=index, kind="patches", data=data, grid=grid, patch_dtype="float32", dtype_enum=1)
+
+
+def encoded(index: int, grid=(1, 4, 4), seed: int = 0) -> ImageInput:
+    return ImageInput(index=index, kind="encoded", data=f"img:{','.join(map(str, grid))}:{seed}".encode())
+
+
+async def encode_all(engine, images):
+    return [r async for r in engine.encode(images)]
+
+
+async def until(condition, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.002)
+
+
+async def hold_worker(engine, model, seed: int = 999) -> asyncio.Task:
+    """Starts a request whose forward blocks on model.gate; returns once the worker is inside it."""
+    model.gate.clear()
+    model.entered.clear()
+    task = asyncio.create_task(encode_all(engine, [patches(0, seed=seed)]))
+    assert await asyncio.to_thread(model.entered.wait, 5)
+    return task
+
+
+def test_embedding_equals_the_model_on_the_same_patches(fake_model):
+    async def main():
+        async with running_engine(fake_model) as engine:
+            (r,) = await encode_all(engine, [patches(0, (2, 4, 6), seed=3)])
+            expected = fake_model.reference(fake_model.patches((2, 4, 6), 3))
+            assert r.grid == (2, 4, 6) and r.num_tokens == 12 and r.hidden_size == 8
+            torch.testing.assert_close(r.embedding, expected, rtol=0, atol=0)
+            assert r.embedding.device.type == "cpu"
+            # Stored tensors own their storage (a view would keep the whole batch output alive).
+            assert r.embedding.untyped_storage().nbytes() == r.embedding.nbytes
+            assert fake_model.warmups == 1
+
+    asyncio.run(main())
+
+
+def test_second_encode_of_same_image_is_a_cache_hit_and_runs_no_forward(fake_model):
+    async def main():
+        async with running_engine(fake_model) as engine:
+            (first,) = await encode_all(engine, [encoded(0)])
+            forwards = engine.stats.forward_batches
+            (second,) = await encode_all(engine, [encoded(0)])
+            assert not first.cache_hit and second.cache_hit
+            assert engine.stats.forward_batches == forwards == 1
+            assert first.content_hash == second.content_hash
+            torch.testing.assert_close(first.embedding, second.embedding, rtol=0, atol=0)
+            (by_hash,) = await encode_all(engine, [ImageInput(0, "content_hash", content_hash=first.content_hash)])
+            assert by_hash.cache_hit and engine.lookup([first.content_hash, "nope"]) == [True, False]
+
+    asyncio.run(main())
+
+
+def test_16_concurrent_requests_for_the_same_new_image_run_one_forward(fake_model):
+    async def main():
+        async with running_engine(fake_model) as engine:
+            fake_model.gate.clear()
+            tasks = [asyncio.create_task(encode_all(engine, [patches(0, seed=5)])) for _ in range(16)]
+            await until(lambda: engine.stats.inflight_joins == 15)
+            fake_model.gate.set()
+            results = [r for rs in await asyncio.gather(*tasks) for r in rs]
+            assert len(fake_model.batches) == 1 and engine.stats.forward_batches == 1
+            assert len({r.content_hash for r in results}) == 1
+            for r in results:
+                torch.testing.assert_close(r.embedding, results[0].embedding, rtol=0, atol=0)
+            assert engine.cache.peek(results[0].content_hash).pins == 0  # every stream unpinned
+
+    asyncio.run(main())
+
+
+def test_images_of_concurrent_requests_share_one_forward(fake_model):
+    async def main():
+        async with running_engine(fake_model) as engine:
+            blocker = await hold_worker(engine, fake_model)
+            tasks = [asyncio.create_task(encode_all(engine, [patches(0, seed=s)])) for s in (1, 2, 3)]
+            await until(lambda: engine.queued_images == 3)
+            fake_model.gate.set()
+            await asyncio.gather(blocker, *tasks)
+            assert fake_model.batches == [[(1, 4, 4)], [(1, 4, 4)] * 3]
+            assert engine.stats.forward_batches == 2 and engine.stats.images_encoded == 4
+
+    asyncio.run(main())
+
+
+def test_batches_stay_within_max_batch_tokens(fake_model):
+    async def main():
+        async with running_engine(fake_model, max_batch_tokens=40) as engine:
+            blocker = await hold_worker(engine, fake_model)
+            task = asyncio.create_task(encode_all(engine, [patches(i, seed=10 + i) for i in range(5)]))
+            await until(lambda: engine.queued_images == 5)
+            fake_model.gate.set()
+            await asyncio.gather(blocker, task)
+            assert [len(b) for b in fake_model.batches] == [1, 2, 2, 1]  # 16 patches each, 40 per forward
+            assert all(sum(t * h * w for t, h, w in b) <= 40 for b in fake_model.batches)
+
+    asyncio.run(main())
+
+
+def test_one_image_over_max_batch_tokens_is_rejected_naming_both_numbers(fake_model):
+    async def main():
+        async with running_engine(fake_model, max_batch_tokens=32) as engine:
+            with pytest.raises(ResourceExhausted, match=r"36 patches.*--max-batch-tokens 32"):
+                engine.check_grid([1, 6, 6])
+            with pytest.raises(ResourceExhausted, match=r"image 1: image has 36 patches.*32") as info:
+                await encode_all(engine, [encoded(0), encoded(1, (1, 6, 6))])
+            assert info.value.image_index == 1
+            assert fake_model.batches == [] and engine.queued_images == 0
+
+    asyncio.run(main())
+
+
+def test_a_bad_image_fails_its_request_before_anything_is_queued(fake_model):
+    async def main():
+        async with running_engine(fake_model) as engine:
+            bad = ImageInput(2, "encoded", data=b"\x89PNG truncated")
+            with pytest.raises(InvalidInput, match="image 2: not a decodable image"):
+                await encode_all(engine, [patches(0, seed=1), encoded(1, seed=2), bad])
+            assert fake_model.batches == [] and engine.queued_images == 0
+            assert engine.lookup([]) == [] and len(engine.cache) == 0
+            results = await encode_all(engine, [patches(0, seed=1), encoded(1, seed=2)])
+            assert sorted(r.index for r in results) == [0, 1]
+
+    asyncio.run(main())
+
+
+def test_cache_hits_stream_first_then_images_as_they_complete(fake_model):
+    async def main():
+        async with running_engine(fake_model) as engine:
+            await encode_all(engine, [patches(0, seed=7)])
+            results = await encode_all(engine, [patches(0, seed=8), patches(1, seed=7), encoded(2, seed=9)])
+            assert results[0].index == 1 and results[0].cache_hit
+            assert sorted(r.index for r in results[1:]) == [0, 2]
+            assert all(r.timing.forward_ms > 0 for r in results[1:])
+
+    asyncio.run(main())
+
+
+def test_patch_dtypes_are_converted_to_float32(fake_model):
+    async def main():
+        async with running_engine(fake_model) as engine:
+            x = fake_model.patches((1, 4, 4), 4)
+            bf16_bits = (torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy()).tobytes()
+            cases = {
+                "float16": (x.astype("<f2").tobytes(), 2, x.astype(np.float16).astype(np.float32)),
+                "bfloat16": (bf16_bits, 3, torch.from_numpy(x).to(torch.bfloat16).float().numpy()),
+                "uint8": (np.arange(64, dtype=np.uint8).tobytes(), 4, np.arange(64, dtype=np.float32)),
+            }
+            for name, (data, enum, as_f32) in cases.items():
+                image = ImageInput(0, "patches", data=data, grid=(1, 4, 4), patch_dtype=name, dtype_enum=enum)
+                (r,) = await encode_all(engine, [image])
+                torch.testing.assert_close(r.embedding, fake_model.reference(as_f32.reshape(-1, 4)),
+                                           rtol=0, atol=0, msg=name)
+
+    asyncio.run(main())
