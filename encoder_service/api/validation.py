@@ -68,10 +68,14 @@ def _parse_patches(index: int, patches: encoder_pb2.Patches, engine: Engine) -> 
     expected = num_patches * patch_dim * itemsize
     got = len(patches.data)
     if got != expected:
-        hint = ""
-        if got % (num_patches * itemsize) == 0:
-            hint = (f" (that is {got // (num_patches * itemsize)} values per patch; "
-                    f"the model's patch width is {patch_dim})")
+        row_bytes = patch_dim * itemsize
+        if got % row_bytes == 0:
+            hint = f": that is {got // row_bytes} patches of width {patch_dim}, the grid has {num_patches}"
+        elif got % (num_patches * itemsize) == 0:
+            hint = (f": that is {got // (num_patches * itemsize)} values per patch, "
+                    f"the model's patch width is {patch_dim}")
+        else:
+            hint = ""
         raise InvalidInput(
             f"patches data has {got} bytes; grid {list(grid)} x patch width {patch_dim} x {itemsize} bytes "
             f"({dtype}) needs {expected}{hint}")
