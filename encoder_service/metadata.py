@@ -58,7 +58,7 @@ class AttentionMetadata:
     def batch_offsets(self, num_heads: int, head_dim: int) -> np.ndarray:
         """Element offsets of each sequence in a packed [tokens, heads, head_dim] tensor, padded like
         ``sequence_lengths`` (+1 entry) with the total: what cuDNN's ragged layout asks for."""
-        offsets = np.zeros(len(self.sequence_lengths) + 1, dtype=np.int64)
+        offsets = np.zeros(len(self.sequence_lengths) + 1, dtype=np.int64)  # caller narrows after a range check
         n = self.num_sequences
         offsets[: n + 1] = self.cu_seqlens.astype(np.int64) * num_heads * head_dim
         offsets[n + 1 :] = offsets[n]
@@ -206,3 +206,84 @@ def build_metadata(grids: Sequence[Sequence[int]], spatial: SpatialConfig,
     window = attention_metadata(np.concatenate(window_counts) * unit)
     pos = pos.reshape(-1, unit, 2)[window_index].reshape(-1, 2)
     return BatchMetadata(tuple(checked), total, tokens, full, pos, window, window_index, reverse)
+
+
+# --- raster-order layouts (Kimi-K2.5 / MoonViT) -------------------------------------------------
+# MoonViT keeps each frame's patches in raster order through the whole encoder and fuses the
+# kh x kw blocks only at the end, pooling them over the frames of a clip. Its extra host-side
+# arrays live here so that its forward, like Qwen's, never derives a shape from a device tensor.
+
+
+def raster_position_ids(grids: Sequence[Grid]) -> np.ndarray:
+    """int64 [total_patches, 2]: (h, w) of every patch, raster order, repeated for each frame."""
+    return np.concatenate([np.tile(_position_ids(h, w, 1), (t, 1)) for t, h, w in grids])
+
+
+@lru_cache(maxsize=1024)
+def bicubic_resample_matrix(out_size: int, in_size: int) -> np.ndarray:
+    """float32 [out_size, in_size]: one axis of ``F.interpolate(mode="bicubic", align_corners=False)``.
+
+    Bicubic resampling is separable, so a 2-D table resizes as ``Wh @ table @ Ww.T``: two small
+    GEMMs per grid instead of a 16-tap gather per patch. Same formula as PyTorch's kernel (Keys
+    cubic with A = -0.75, source index ``(i + 0.5) * in / out - 0.5``, taps clamped to the border),
+    evaluated in float64; a tap clamped onto the same source cell adds its weight there.
+    """
+    a = -0.75
+    out = np.arange(out_size, dtype=np.float64)
+    src = (out + 0.5) * (in_size / out_size) - 0.5
+    base = np.floor(src)
+    frac = src - base
+    x1 = frac + 1.0  # distance to tap base - 1
+    x2 = 1.0 - frac  # distance to tap base + 1
+    weights = np.stack([
+        ((a * x1 - 5 * a) * x1 + 8 * a) * x1 - 4 * a,
+        ((a + 2) * frac - (a + 3)) * frac * frac + 1,
+        ((a + 2) * x2 - (a + 3)) * x2 * x2 + 1,
+        ((a * (x2 + 1) - 5 * a) * (x2 + 1) + 8 * a) * (x2 + 1) - 4 * a,
+    ], axis=1)
+    taps = np.clip(base[:, None].astype(np.int64) + np.arange(-1, 3)[None, :], 0, in_size - 1)
+    matrix = np.zeros((out_size, in_size), dtype=np.float64)
+    np.add.at(matrix, (np.repeat(np.arange(out_size), 4), taps.reshape(-1)), weights.reshape(-1))
+    result = matrix.astype(np.float32)
+    result.flags.writeable = False
+    return result
+
+
+@lru_cache(maxsize=1024)
+def _temporal_pool_rows(t: int, h: int, w: int, kh: int, kw: int) -> np.ndarray:
+    """int64 [(h/kh)*(w/kw)*kh*kw, t]: for each merged token's kh*kw slots, the patch of each frame."""
+    idx = np.arange(t * h * w, dtype=np.int64).reshape(t, h // kh, kh, w // kw, kw)
+    # (t, bh, kh, bw, kw) -> (bh, bw, kh, kw, t): one row per slot, frames along the last axis.
+    rows = idx.transpose(1, 3, 2, 4, 0).reshape(-1, t)
+    rows.flags.writeable = False
+    return rows
+
+
+@dataclass(frozen=True)
+class TemporalPoolIndex:
+    """Gather plan of a temporal-pooling patch merger over a batch in raster order.
+
+    ``index[r, f]`` is the patch that slot ``r`` (merged token ``r // (kh*kw)``, kernel position
+    ``r % (kh*kw)``, kh-major) takes from frame ``f``; images with fewer frames than the longest
+    point their missing frames at ``total_patches`` (a zero row the model appends). Averaging
+    over the frames divides by ``frames[r]``.
+    """
+
+    index: np.ndarray  # int64 [total_slots, max_frames]
+    frames: np.ndarray  # float32 [total_slots]
+    max_frames: int
+
+
+def temporal_pool_index(grids: Sequence[Grid], kernel_h: int, kernel_w: int) -> TemporalPoolIndex:
+    total = sum(t * h * w for t, h, w in grids)
+    max_t = max(t for t, _, _ in grids)
+    parts, frames = [], []
+    base = 0
+    for t, h, w in grids:
+        rows = _temporal_pool_rows(t, h, w, kernel_h, kernel_w) + base
+        if t < max_t:
+            rows = np.concatenate([rows, np.full((len(rows), max_t - t), total, dtype=np.int64)], axis=1)
+        parts.append(rows)
+        frames.append(np.full(len(rows), t, dtype=np.float32))
+        base += t * h * w
+    return TemporalPoolIndex(np.concatenate(parts), np.concatenate(frames), max_t)

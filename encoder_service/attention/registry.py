@@ -10,6 +10,11 @@ from .base import AttentionBackend
 BACKENDS: dict[str, str] = {
     "sdpa": "encoder_service.attention.sdpa:SDPABackend",
     "varlen": "encoder_service.attention.varlen:VarlenBackend",
+    "flashinfer": "encoder_service.attention.flashinfer:FlashInferBackend",
+    "flashinfer-fa3": "encoder_service.attention.flashinfer:FlashInferRaggedBackend",
+    "flashinfer-fa2": "encoder_service.attention.flashinfer:FlashInferFA2Backend",
+    "flashinfer-cudnn": "encoder_service.attention.flashinfer:FlashInferCuDNNBackend",
+    "aiter": "encoder_service.attention.aiter:AiterBackend",
 }
 
 

@@ -38,9 +38,8 @@ def load_vision_model(path_or_preset: str | Path, device: str | torch.device = "
         from .registry import loader_for
 
         ckpt = read_checkpoint(path)
-        model_type = ckpt.config.get("model_type")
-        return loader_for(model_type)(ckpt, model_id=str(path_or_preset), device=device, dtype=dtype,
-                                      attn_backend=attn_backend)
+        return loader_for(ckpt.config.get("model_type"))(ckpt, model_id=str(path_or_preset), device=device,
+                                                         dtype=dtype, attn_backend=attn_backend)
     name = str(path_or_preset)
     if name in PRESETS:
         from .presets import random_vision_state

@@ -130,10 +130,45 @@ class VisionModel:
     def validate(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]) -> list[Grid]:
         return validate_batch(pixel_values, grids, self.spec)
 
+    def encode_packed(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]
+                      ) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """The forward of one batch: all images' embeddings in one [sum(tokens), hidden] tensor on the
+        model's device, and the token count of each image. Enqueues device work; never waits on it."""
+        raise NotImplementedError
+
     def encode(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]
                ) -> list[torch.Tensor]:
         """Patches of several images (concatenated) -> one [num_tokens_i, hidden] tensor per image.
 
         Returned tensors live on the model's device in the model's dtype.
         """
-        raise NotImplementedError
+        packed, tokens = self.encode_packed(pixel_values, grids)
+        return list(packed.split(tokens))
+
+    def encode_async(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]
+                     ) -> PendingEmbeddings:
+        """Enqueues the whole batch (H2D, forward, D2H into pinned host memory) without one host
+        sync; ``.wait()`` on the result is the batch's single explicit wait."""
+        packed, tokens = self.encode_packed(pixel_values, grids)
+        if packed.device.type == "cpu":
+            return PendingEmbeddings(packed, tokens, None)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return PendingEmbeddings(host, tokens, done)
+
+
+class PendingEmbeddings:
+    """Embeddings of a batch on their way to host memory."""
+
+    def __init__(self, host: torch.Tensor, tokens: tuple[int, ...], done: torch.cuda.Event | None) -> None:
+        self._host = host
+        self._tokens = tokens
+        self._done = done
+
+    def wait(self) -> list[torch.Tensor]:
+        """One CPU tensor [num_tokens_i, hidden] per image, once the copy has landed."""
+        if self._done is not None:
+            self._done.synchronize()
+        return list(self._host.split(self._tokens))

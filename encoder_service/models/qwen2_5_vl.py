@@ -20,7 +20,7 @@ from ..attention import AttentionBackend, select_backend
 from ..device import host_to_device
 from ..metadata import BatchMetadata, SpatialConfig, build_metadata
 from .base import Grid, ModelSpec, VisionModel
-from .layers import RMSNorm, activation, apply_rotary
+from .layers import RMSNorm, activation, apply_rotary, rms_norm
 
 MODEL_TYPE = "qwen2_5_vl"
 
@@ -95,18 +95,8 @@ class PatchEmbed(nn.Module):
 class VisionAttention(nn.Module):
     def __init__(self, cfg: Qwen2_5_VisionConfig) -> None:
         super().__init__()
-        self.num_heads = cfg.num_heads
-        self.head_dim = cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                backend: AttentionBackend, prepared: Any) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        q, k = apply_rotary(q, k, cos, sin)
-        out = backend.forward(q, k, v, prepared)
-        return self.proj(out.reshape(n, -1))
 
 
 class MLP(nn.Module):
@@ -115,23 +105,46 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
-        self.act = activation(cfg.hidden_act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+def pre_attention(x: torch.Tensor, norm_w: torch.Tensor, qkv_w: torch.Tensor, qkv_b: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor, num_heads: int, eps: float
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RMSNorm, fused QKV projection, rotary: everything of a block before attention."""
+    qkv = F.linear(rms_norm(x, norm_w, eps), qkv_w, qkv_b)
+    q, k, v = qkv.view(x.shape[0], 3, num_heads, -1).unbind(1)
+    q, k = apply_rotary(q, k, cos, sin)
+    return q, k, v
+
+
+def post_attention(x: torch.Tensor, attn: torch.Tensor, proj_w: torch.Tensor, proj_b: torch.Tensor,
+                   norm_w: torch.Tensor, gate_w: torch.Tensor, gate_b: torch.Tensor, up_w: torch.Tensor,
+                   up_b: torch.Tensor, down_w: torch.Tensor, down_b: torch.Tensor, eps: float, act: str
+                   ) -> torch.Tensor:
+    """Output projection, residual, RMSNorm, gated MLP, residual: everything of a block after attention."""
+    x = x + F.linear(attn.reshape(x.shape[0], -1), proj_w, proj_b)
+    h = rms_norm(x, norm_w, eps)
+    return x + F.linear(activation(act)(F.linear(h, gate_w, gate_b)) * F.linear(h, up_w, up_b), down_w, down_b)
 
 
 class VisionBlock(nn.Module):
     def __init__(self, cfg: Qwen2_5_VisionConfig) -> None:
         super().__init__()
+        self.num_heads = cfg.num_heads
+        self.eps = cfg.rms_norm_eps
+        self.act = cfg.hidden_act
         self.norm1 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = VisionAttention(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, backend, prepared) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, backend, prepared)
-        return x + self.mlp(self.norm2(x))
+    def forward(self, x, cos, sin, backend, prepared, pre=pre_attention, post=post_attention) -> torch.Tensor:
+        # The halves are free functions so one compiled graph serves every block (see compile()).
+        a, m = self.attn, self.mlp
+        q, k, v = pre(x, self.norm1.weight, a.qkv.weight, a.qkv.bias, cos, sin, self.num_heads, self.eps)
+        out = backend.forward(q, k, v, prepared)
+        return post(x, out, a.proj.weight, a.proj.bias, self.norm2.weight, m.gate_proj.weight, m.gate_proj.bias,
+                    m.up_proj.weight, m.up_proj.bias, m.down_proj.weight, m.down_proj.bias, self.eps, self.act)
 
 
 class PatchMerger(nn.Module):
@@ -161,6 +174,15 @@ class Qwen2_5_VisionTower(nn.Module):
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32) / half))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.full_blocks = frozenset(cfg.fullatt_block_indexes)
+        self._pre, self._post = pre_attention, post_attention
+
+    def compile(self) -> None:
+        """torch.compile the non-attention halves of the blocks (dynamic token count: one graph each).
+
+        Attention stays outside the graph: its kernels are the backends' business.
+        """
+        self._pre = torch.compile(pre_attention, dynamic=True, fullgraph=True)
+        self._post = torch.compile(post_attention, dynamic=True, fullgraph=True)
 
     def rotary(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # [N, 2] (h, w) -> [N, 2, head_dim/4] -> [N, head_dim/2] -> [N, head_dim], float32.
@@ -181,7 +203,7 @@ class Qwen2_5_VisionTower(nn.Module):
         x = x.view(n // self.unit, self.unit, dim)[window_index].view(n, dim)
         cos, sin = self.rotary(position_ids)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, backend, plans[i in self.full_blocks])
+            x = block(x, cos, sin, backend, plans[i in self.full_blocks], self._pre, self._post)
         return self.merger(x)[reverse_index]
 
 
@@ -215,7 +237,8 @@ class Qwen2_5_VLVisionModel(VisionModel):
         return preprocess_qwen2_vl(image_bytes, self.preprocess_config, max_image_pixels)
 
     @torch.inference_mode()
-    def encode(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    def encode_packed(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]
+                      ) -> tuple[torch.Tensor, tuple[int, ...]]:
         checked = self.validate(pixel_values, grids)
         meta = build_metadata(checked, self.spatial)
         if isinstance(pixel_values, np.ndarray):
@@ -224,5 +247,4 @@ class Qwen2_5_VLVisionModel(VisionModel):
             x = pixel_values.pin_memory().to(self.device, non_blocking=True)
         else:
             x = pixel_values.to(self.device)
-        out = self.module(x.to(self.dtype), meta, self.backend)
-        return list(out.split(meta.tokens_per_image))
+        return self.module(x.to(self.dtype), meta, self.backend), meta.tokens_per_image

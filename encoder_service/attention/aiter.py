@@ -1,0 +1,48 @@
+"""AMD Aiter varlen flash attention (package ``amd-aiter``; PyPI's ``aiter`` is unrelated).
+
+Unverified on hardware: no ROCm machine is available to this project. Kept as small as the call.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from ..device import host_to_device, is_rocm
+from ..metadata import AttentionMetadata
+from .base import AttentionBackend
+
+
+class AiterBackend(AttentionBackend):
+    name = "aiter"
+    priority = 20
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if not is_rocm():
+            return f"aiter needs a ROCm build of torch; this torch ({torch.__version__}) is not one"
+        if importlib.util.find_spec("aiter") is None:
+            return "the amd-aiter package is not installed"
+        import aiter
+
+        if not hasattr(aiter, "flash_attn_varlen_func"):
+            return "the installed 'aiter' package has no flash_attn_varlen_func (install amd-aiter, not PyPI's aiter)"
+        return None
+
+    @classmethod
+    def supports_device(cls, device: torch.device) -> bool:
+        return device.type == "cuda"  # ROCm devices are "cuda" in torch
+
+    @classmethod
+    def supports_dtype(cls, dtype: torch.dtype) -> bool:
+        return dtype in (torch.float16, torch.bfloat16)
+
+    def prepare(self, meta: AttentionMetadata):
+        return host_to_device(meta.cu_seqlens, self.device), meta.max_seqlen
+
+    def forward(self, q, k, v, prepared) -> torch.Tensor:
+        import aiter
+
+        cu, n = prepared
+        return aiter.flash_attn_varlen_func(q, k, v, cu, cu, n, n, softmax_scale=self.scale, causal=False)

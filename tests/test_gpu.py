@@ -1,0 +1,99 @@
+"""GPU checks (run on the GPU machine: pytest -m gpu). Skipped without CUDA."""
+
+import numpy as np
+import pytest
+import torch
+
+from encoder_service.attention.registry import BACKENDS, backend_class
+from encoder_service.metadata import attention_metadata
+from encoder_service.models import load_vision_model
+from encoder_service.models.presets import PRESETS, Preset, random_vision_state
+from encoder_service.models.qwen2_5_vl import Qwen2_5_VisionConfig
+from encoder_service.models.qwen2_5_vl_loading import build
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DEVICE = torch.device("cuda")
+GRIDS = [[1, 36, 36], [1, 10, 14], [2, 12, 8], [1, 2, 2], [1, 16, 44]]
+
+
+def cuda_backends(head_dim=80):
+    if not torch.cuda.is_available():
+        return []
+    return [n for n in BACKENDS if n != "sdpa"
+            and backend_class(n).unsupported_reason(DEVICE, torch.bfloat16, head_dim) is None]
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.fixture(scope="module")
+def short_7b_state():
+    """Real Qwen2.5-VL-7B vision sizes (head_dim 80), 4 blocks, so the forward is quick."""
+    vc = {**PRESETS["qwen2.5-vl-7b"].vision_config, "depth": 4, "fullatt_block_indexes": [1, 3]}
+    preset = Preset("short-7b", "qwen2_5_vl", vc, PRESETS["qwen2.5-vl-7b"].preprocessor_config, 3584)
+    return Qwen2_5_VisionConfig.from_dict(vc), random_vision_state(preset, seed=0)
+
+
+def short_7b(state, backend):
+    cfg, weights = state
+    return build(cfg, {k: v.to(torch.bfloat16) for k, v in weights.items()}, model_id="short-7b",
+                 preprocess_config=None, device=DEVICE, dtype=torch.bfloat16, attn_backend=backend)
+
+
+def test_cuda_backends_are_available_here():
+    # A GPU run that silently tested nothing would look green.
+    assert "varlen" in cuda_backends(), cuda_backends()
+
+
+@pytest.mark.parametrize("name", cuda_backends())
+@pytest.mark.parametrize("head_dim", [80, 72, 64])
+def test_backend_matches_sdpa_on_random_inputs(name, head_dim):
+    cls = backend_class(name)
+    if cls.unsupported_reason(DEVICE, torch.bfloat16, head_dim):
+        pytest.skip(cls.unsupported_reason(DEVICE, torch.bfloat16, head_dim))
+    torch.manual_seed(0)
+    lengths = [64, 1, 5184, 37, 256, 1024, 3]  # 7 sequences: bucketed to 8 for cuDNN
+    heads = 16
+    q, k, v = (torch.randn(sum(lengths), heads, head_dim, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+    meta = attention_metadata(lengths)
+    ref_backend = backend_class("sdpa")(heads, head_dim, DEVICE, torch.bfloat16)
+    ref = ref_backend.forward(q, k, v, ref_backend.prepare(meta))
+    backend = cls(heads, head_dim, DEVICE, torch.bfloat16)
+    out = backend.forward(q, k, v, backend.prepare(meta))
+    assert out.shape == ref.shape
+    assert rel_err(out, ref) <= 2e-2
+
+
+@pytest.mark.parametrize("name", ["sdpa", *cuda_backends()])
+def test_full_forward_runs_without_a_host_sync_and_matches_sdpa(name, short_7b_state):
+    rng = np.random.default_rng(0)
+    n = sum(t * h * w for t, h, w in GRIDS)
+    pixels = rng.standard_normal((n, 1176), dtype=np.float32)
+    ref = [e.float() for e in short_7b(short_7b_state, "sdpa").encode_async(pixels, GRIDS).wait()]
+    model = short_7b(short_7b_state, name)
+    model.encode_async(pixels, GRIDS).wait()  # warm-up: kernel compilation, cuDNN graphs, plans
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pending = model.encode_async(pixels, GRIDS)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    out = pending.wait()
+    assert [tuple(o.shape) for o in out] == [(t * h * w // 4, 3584) for t, h, w in GRIDS]
+    for i, (a, b) in enumerate(zip(out, ref)):
+        assert torch.isfinite(a.float()).all()
+        assert rel_err(a, b) <= 2e-2, f"{name} image {i}: {rel_err(a, b):.3e}"
+
+
+def test_tiny_preset_bf16_forward_under_sync_debug_mode():
+    model = load_vision_model("tiny-qwen2.5-vl", device="cuda", dtype="bfloat16", attn_backend="auto")
+    pixels = np.random.default_rng(1).standard_normal((64 + 96, 1176), dtype=np.float32)
+    model.encode_async(pixels, [[1, 8, 8], [1, 8, 12]]).wait()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pending = model.encode_async(pixels, [[1, 8, 8], [1, 8, 12]])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert [tuple(o.shape) for o in pending.wait()] == [(16, 48), (24, 48)]
