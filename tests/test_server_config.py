@@ -1,0 +1,69 @@
+"""ServiceConfig from flags and ENCODER_SERVICE_* variables; the CLI's help and make-checkpoint."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import fields
+
+import pytest
+
+from encoder_service.cli import main
+from encoder_service.config import ServiceConfig, parse_serve_args
+
+SERVE_FLAGS = ["--model", "--device", "--dtype", "--attn-backend", "--host", "--port", "--cache-bytes",
+               "--max-batch-tokens", "--max-queue-images", "--max-message-bytes", "--max-image-pixels",
+               "--grace-period-s", "--log-level", "--metrics-port"]
+
+
+def test_defaults_serve_the_tiny_preset_on_the_cpu():
+    config = parse_serve_args([], environ={})
+    assert config == ServiceConfig()
+    assert config.uses_default_model and config.model_or_default == "tiny-qwen2.5-vl"
+    assert config.device == "cpu" and config.max_chunk_bytes == 4 << 20
+
+
+def test_environment_fills_options_and_flags_win():
+    env = {"ENCODER_SERVICE_CACHE_BYTES": "1234", "ENCODER_SERVICE_PORT": "7000",
+           "ENCODER_SERVICE_DTYPE": "bfloat16", "ENCODER_SERVICE_LOG_LEVEL": "debug",
+           "ENCODER_SERVICE_GRACE_PERIOD_S": "2.5", "ENCODER_SERVICE_MODEL": "/ckpt"}
+    config = parse_serve_args(["--port", "7001"], environ=env)
+    assert (config.cache_bytes, config.port, config.dtype, config.log_level, config.grace_period_s,
+            config.model) == (1234, 7001, "bfloat16", "DEBUG", 2.5, "/ckpt")
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"ENCODER_SERVICE_CACHE_BYTES": "lots"}, "ENCODER_SERVICE_CACHE_BYTES='lots'"),
+    ({"ENCODER_SERVICE_DTYPE": "float64"}, "choose from float32, float16, bfloat16"),
+    ({"ENCODER_SERVICE_MAX_BATCH_TOKENS": "0"}, "max-batch-tokens must be >= 1"),
+])
+def test_bad_environment_values_are_named(env, message):
+    with pytest.raises(ValueError, match=message):
+        parse_serve_args([], environ=env)
+
+
+def test_every_option_has_a_flag_an_environment_variable_and_help(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in SERVE_FLAGS:
+        assert flag in text
+    for f in fields(ServiceConfig):
+        assert f"ENCODER_SERVICE_{f.name.upper()}" in text
+
+
+def test_bad_flag_value_exits_with_usage_error():
+    proc = subprocess.run([sys.executable, "-m", "encoder_service", "serve", "--max-queue-images", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "max-queue-images must be >= 1" in proc.stderr
+
+
+def test_make_checkpoint_writes_a_loadable_checkpoint(tmp_path, capsys):
+    assert main(["make-checkpoint", "--preset", "tiny-qwen2.5-vl", "--out", str(tmp_path / "ckpt"),
+                 "--seed", "1"]) == 0
+    out = capsys.readouterr().out.strip()
+    from encoder_service.models import load_vision_model
+
+    model = load_vision_model(out)
+    assert model.spec.model_type == "qwen2_5_vl" and model.spec.hidden_size == 48
