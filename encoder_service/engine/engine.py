@@ -86,6 +86,7 @@ class Engine:
         self._admission = Admission(config.max_queue_images)
         self._queue = BatchQueue()
         self._inflight: dict[str, _Job] = {}
+        self._tasks: set[asyncio.Task] = set()
         self._pool = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="preprocess")
         self._worker: DeviceWorker | None = None
         self._closed = False
@@ -183,16 +184,17 @@ class Engine:
                 job = self._inflight.get(key)
                 if job is not None:
                     job.refs += 1
-                    if key not in new_keys:
-                        self.stats.inflight_joins += 1
-                        metrics.INFLIGHT_JOINS.inc()
+                    self.stats.inflight_joins += 1
+                    metrics.INFLIGHT_JOINS.inc()
                 else:
                     job = _Job(key)
                     self._inflight[key] = job
                     new_keys.discard(key)  # from here on the job holds (and frees) its slot
                     self.stats.cache_misses += 1
                     metrics.CACHE_MISSES.inc()
-                    asyncio.get_running_loop().create_task(self._prepare(job, image))
+                    task = asyncio.get_running_loop().create_task(self._prepare(job, image))
+                    self._tasks.add(task)  # the loop keeps only weak references to tasks
+                    task.add_done_callback(self._tasks.discard)
                 waits.append(_Wait(image, job))
         finally:
             self._admission.release(len(new_keys))  # slots of jobs not created (only on a bug)
