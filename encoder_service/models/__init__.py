@@ -43,11 +43,21 @@ def load_vision_model(path_or_preset: str | Path, device: str | torch.device = "
     name = str(path_or_preset)
     if name in PRESETS:
         from .presets import random_vision_state
-        from .qwen2_5_vl import Qwen2_5_VisionConfig
-        from .qwen2_5_vl_loading import build
 
         preset = PRESETS[name]
         state = {k: v.to(dtype) for k, v in random_vision_state(preset, seed).items()}
+        if preset.model_type == "kimi_k25":
+            from .kimi_k25 import KimiK25VisionConfig
+            from .kimi_k25_loading import build as build_kimi
+            from .kimi_k25_loading import checkpoint_config
+
+            cfg = KimiK25VisionConfig.from_config(checkpoint_config(preset.vision_config, preset.text_hidden_size))
+            return build_kimi(cfg, state, model_id=f"{name}@seed{seed}",
+                              preprocess_config=preset.preprocessor_config, device=device, dtype=dtype,
+                              attn_backend=attn_backend)
+        from .qwen2_5_vl import Qwen2_5_VisionConfig
+        from .qwen2_5_vl_loading import build
+
         return build(Qwen2_5_VisionConfig.from_dict(preset.vision_config), state,
                      model_id=f"{name}@seed{seed}", preprocess_config=preset.preprocessor_config,
                      device=device, dtype=dtype, attn_backend=attn_backend)

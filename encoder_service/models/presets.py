@@ -29,6 +29,24 @@ QWEN2_VL_PREPROCESSOR = {
 }
 
 
+# Defaults of transformers' Kimi_K25ImageProcessor (size and max_patches count patches, not pixels).
+KIMI_K25_PREPROCESSOR = {
+    "image_processor_type": "Kimi_K25ImageProcessor",
+    "size": {"max_height": 512, "max_width": 512},
+    "max_patches": 16384,
+    "patch_size": 14,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "rescale_factor": 1 / 255,
+    "do_resize": True,
+    "do_rescale": True,
+    "do_normalize": True,
+    "do_convert_rgb": True,
+    "resample": 3,
+}
+
+
 @dataclass(frozen=True)
 class Preset:
     name: str
@@ -64,6 +82,32 @@ PRESETS: dict[str, Preset] = {
             preprocessor_config=QWEN2_VL_PREPROCESSOR,
             text_hidden_size=3584,
         ),
+        Preset(
+            name="tiny-kimi-k2.5",
+            model_type="kimi_k25",
+            # head_dim 72 as in the real model, so GPU backends see the real head size.
+            vision_config={
+                "num_hidden_layers": 3, "hidden_size": 144, "intermediate_size": 96, "num_attention_heads": 2,
+                "patch_size": 14, "pos_emb_height": 8, "pos_emb_width": 8, "pos_emb_time": 4,
+                "merge_kernel_size": [2, 2], "hidden_act": "gelu_pytorch_tanh",
+                "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0},
+            },
+            # A small patch budget keeps CPU tests and demos quick.
+            preprocessor_config={**KIMI_K25_PREPROCESSOR, "max_patches": 1024},
+            text_hidden_size=64,
+        ),
+        Preset(
+            name="kimi-k2.5",
+            model_type="kimi_k25",
+            vision_config={
+                "num_hidden_layers": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_attention_heads": 16,
+                "patch_size": 14, "pos_emb_height": 64, "pos_emb_width": 64, "pos_emb_time": 4,
+                "merge_kernel_size": [2, 2], "hidden_act": "gelu_pytorch_tanh",
+                "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0},
+            },
+            preprocessor_config=KIMI_K25_PREPROCESSOR,
+            text_hidden_size=7168,
+        ),
     ]
 }
 
@@ -79,6 +123,12 @@ def get_preset(name: str) -> Preset:
 
 def random_vision_state(preset: Preset, seed: int = 0) -> dict[str, torch.Tensor]:
     """Deterministic random weights (float32, CPU) for the preset's vision tower, prefix-free."""
+    if preset.model_type == "kimi_k25":
+        from .kimi_k25 import KimiK25VisionConfig
+        from .kimi_k25_loading import checkpoint_config, random_state
+
+        config = checkpoint_config(preset.vision_config, preset.text_hidden_size)
+        return random_state(KimiK25VisionConfig.from_config(config), seed)
     from .qwen2_5_vl import Qwen2_5_VisionConfig, Qwen2_5_VisionTower
 
     cfg = Qwen2_5_VisionConfig.from_dict(preset.vision_config)
@@ -101,11 +151,19 @@ def random_vision_state(preset: Preset, seed: int = 0) -> dict[str, torch.Tensor
     return state
 
 
-def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, prefix: str = "model.visual.") -> Path:
-    """Writes config.json, preprocessor_config.json and model.safetensors with random vision weights."""
+def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, prefix: str = "model.visual.",
+                    layout: str = "original") -> Path:
+    """Writes config.json, preprocessor_config.json and model.safetensors with random vision weights.
+
+    ``layout`` (Kimi-K2.5 only): "original" (fused ``wqkv``) or "transformers" (split q/k/v).
+    """
     p = get_preset(preset)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if p.model_type == "kimi_k25":
+        from .kimi_k25_loading import write_checkpoint
+
+        return write_checkpoint(p, out, seed, layout)
     config = {
         "model_type": p.model_type,
         "architectures": ["Qwen2_5_VLForConditionalGeneration"],

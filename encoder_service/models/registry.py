@@ -6,6 +6,7 @@ import importlib
 
 MODELS: dict[str, str] = {
     "qwen2_5_vl": "encoder_service.models.qwen2_5_vl_loading:load",
+    "kimi_k25": "encoder_service.models.kimi_k25_loading:load",
 }
 
 

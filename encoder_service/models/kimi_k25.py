@@ -1,0 +1,409 @@
+"""Kimi-K2.5 vision tower (MoonViT-3d) and its projector: Conv2d patch embedding, learnable 2-D
+position table resized bicubically to each grid plus a fixed sin-cos embedding per frame, 2-D rotary
+on interleaved pairs, pre-LayerNorm blocks with fused QKV and a GELU-tanh MLP, final LayerNorm,
+temporal-pooling patch merger (kh x kw blocks averaged over the frames of a clip), MLP projector
+into the LLM's hidden size.
+
+Parameter names and the q/k row order are those of the original Kimi-K2.5 checkpoint
+(``vision_tower.encoder.blocks.N.wqkv`` with interleaved rotary pairs, ``mm_projector.proj.0``),
+so it loads as is; ``kimi_k25_loading`` converts transformers' split, rotate-half layout to it.
+
+Patches stay in raster order inside each frame (as the image processor emits them) until the
+merger; attention spans all frames of a clip (one sequence per image). Everything shaped by the
+grids (position ids, resize matrices, merge gather, ``cu_seqlens``) comes from host metadata.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import AttentionBackend, select_backend
+from ..device import host_to_device
+from ..errors import InvalidInput
+from ..metadata import (
+    SpatialConfig,
+    bicubic_resample_matrix,
+    build_metadata,
+    raster_position_ids,
+    temporal_pool_index,
+)
+from .base import Grid, ModelSpec, VisionModel, validate_batch
+from .layers import activation
+
+MODEL_TYPE = "kimi_k25"
+# Rope2DPosEmbRepeated(head_dim, 512, 512) in the original MoonViT-3d: its frequency table stops at
+# 512 patches per side and grids beyond it fail there. transformers computes any size, but nothing
+# was trained past it and the image processor never emits more (size.max_height = 512 patches).
+ROPE_MAX_SIDE = 512
+
+
+@dataclass(frozen=True)
+class KimiK25VisionConfig:
+    num_layers: int = 27
+    hidden_size: int = 1152
+    intermediate_size: int = 4304
+    num_heads: int = 16
+    patch_size: int = 14
+    in_channels: int = 3
+    pos_emb_height: int = 64
+    pos_emb_width: int = 64
+    pos_emb_time: int = 4
+    merge_kernel_size: tuple[int, int] = (2, 2)
+    hidden_act: str = "gelu_pytorch_tanh"
+    rope_theta: float = 10000.0
+    layer_norm_eps: float = 1e-5
+    projection_hidden_size: int = 1152  # the projector's input (per patch, before the kh*kw concat)
+    projection_layer_norm_eps: float = 1e-5
+    text_hidden_size: int = 7168  # the projector's output: the LLM's hidden size
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def merge_unit(self) -> int:
+        return self.merge_kernel_size[0] * self.merge_kernel_size[1]
+
+    @classmethod
+    def from_config(cls, config: dict) -> KimiK25VisionConfig:
+        """From a checkpoint's top-level config.json, in either schema seen in the wild.
+
+        transformers' ``Kimi_K25Config``: ``vision_config.{num_hidden_layers, hidden_size,
+        num_attention_heads, pos_emb_height, ...}``, top-level ``projection_hidden_size`` /
+        ``projection_layer_norm_eps`` and ``text_config.hidden_size``. The original remote-code
+        config (moonshotai/Kimi-K2.5): ``vision_config.{vt_num_hidden_layers, vt_hidden_size,
+        vt_num_attention_heads, vt_intermediate_size, init_pos_emb_height, init_pos_emb_width,
+        init_pos_emb_time, mm_hidden_size, projector_ln_eps, text_hidden_size}``.
+        """
+        v = config.get("vision_config")
+        if not isinstance(v, dict):
+            raise InvalidInput("config.json of a kimi_k25 checkpoint has no vision_config")
+
+        def pick(*names: str, default: Any = None, where: dict = v) -> Any:
+            for name in names:
+                if where.get(name) is not None:
+                    return where[name]
+            return default
+
+        hidden = int(pick("hidden_size", "vt_hidden_size", default=cls.hidden_size))
+        text = config.get("text_config") or {}
+        kernel = pick("merge_kernel_size", default=cls.merge_kernel_size)
+        kernel = (int(kernel), int(kernel)) if isinstance(kernel, int) else tuple(int(k) for k in kernel)
+        rope = v.get("rope_parameters") or {}
+        return cls(
+            num_layers=int(pick("num_hidden_layers", "vt_num_hidden_layers", default=cls.num_layers)),
+            hidden_size=hidden,
+            intermediate_size=int(pick("intermediate_size", "vt_intermediate_size",
+                                       default=cls.intermediate_size)),
+            num_heads=int(pick("num_attention_heads", "vt_num_attention_heads", default=cls.num_heads)),
+            patch_size=int(pick("patch_size", default=cls.patch_size)),
+            pos_emb_height=int(pick("pos_emb_height", "init_pos_emb_height", default=cls.pos_emb_height)),
+            pos_emb_width=int(pick("pos_emb_width", "init_pos_emb_width", default=cls.pos_emb_width)),
+            pos_emb_time=int(pick("pos_emb_time", "init_pos_emb_time", default=cls.pos_emb_time)),
+            merge_kernel_size=kernel,
+            hidden_act=str(pick("hidden_act", default=cls.hidden_act)),
+            rope_theta=float(rope.get("rope_theta", cls.rope_theta)),
+            projection_hidden_size=int(pick("projection_hidden_size", where=config)
+                                       or pick("mm_hidden_size", default=hidden)),
+            projection_layer_norm_eps=float(pick("projection_layer_norm_eps", where=config)
+                                            or pick("projector_ln_eps", default=cls.projection_layer_norm_eps)),
+            text_hidden_size=int(pick("hidden_size", where=text)
+                                 or pick("text_hidden_size", default=None)
+                                 or pick("hidden_size", where=config, default=cls.text_hidden_size)),
+        )
+
+    def check(self) -> None:
+        if self.head_dim * self.num_heads != self.hidden_size or self.head_dim % 4:
+            raise InvalidInput(f"kimi_k25: hidden_size {self.hidden_size} / {self.num_heads} heads must give a "
+                               "head_dim that is a multiple of 4 (2-D rotary on interleaved pairs)")
+        if self.merge_kernel_size[0] != self.merge_kernel_size[1]:
+            raise InvalidInput(f"kimi_k25: merge_kernel_size {list(self.merge_kernel_size)} is not square")
+        if self.projection_hidden_size != self.hidden_size:
+            raise InvalidInput(f"kimi_k25: projection_hidden_size {self.projection_hidden_size} differs from the "
+                               f"vision hidden_size {self.hidden_size}")
+
+    def to_dict(self) -> dict:
+        """transformers' ``Kimi_K25VisionConfig`` field names (plus the projector's sizes)."""
+        return {
+            "num_hidden_layers": self.num_layers, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_attention_heads": self.num_heads,
+            "patch_size": self.patch_size, "pos_emb_height": self.pos_emb_height,
+            "pos_emb_width": self.pos_emb_width, "pos_emb_time": self.pos_emb_time,
+            "merge_kernel_size": list(self.merge_kernel_size), "hidden_act": self.hidden_act,
+            "rope_parameters": {"rope_type": "axial", "rope_theta": self.rope_theta},
+            "projection_hidden_size": self.projection_hidden_size,
+            "projection_layer_norm_eps": self.projection_layer_norm_eps,
+            "text_hidden_size": self.text_hidden_size,
+        }
+
+
+def time_sincos_table(dim: int, num_frames: int) -> torch.Tensor:
+    """float32 [num_frames, dim]: frame f -> [sin(f * w_i), cos(f * w_i)], w_i = 10000^(-2i/dim).
+
+    ``get_1d_sincos_pos_embed`` of the original (numpy float32). Frame 0 is [0.., 1..], not zero:
+    the original adds it to every frame of a multi-frame clip and adds nothing to a single image.
+    """
+    omega = np.arange(dim // 2, dtype=np.float32)
+    omega /= dim / 2.0
+    omega = 1.0 / 10000**omega
+    out = np.einsum("m,d->md", np.arange(num_frames, dtype=np.float32), omega)
+    return torch.from_numpy(np.concatenate([np.sin(out), np.cos(out)], axis=1).astype(np.float32))
+
+
+class PosEmbed(nn.Module):
+    """The learnable (H, W, D) table; ``weight`` is ``patch_embed.pos_emb.weight`` in the original."""
+
+    def __init__(self, cfg: KimiK25VisionConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(cfg.pos_emb_height, cfg.pos_emb_width, cfg.hidden_size))
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, cfg: KimiK25VisionConfig) -> None:
+        super().__init__()
+        # Conv2d-shaped so checkpoints load unchanged; kernel == stride, so applied as one GEMM on
+        # the flattened (C, P, P) patches.
+        self.proj = nn.Conv2d(cfg.in_channels, cfg.hidden_size, cfg.patch_size, stride=cfg.patch_size, bias=True)
+        self.pos_emb = PosEmbed(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.proj.weight
+        return F.linear(x.to(w.dtype), w.view(w.shape[0], -1), self.proj.bias)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: KimiK25VisionConfig) -> None:
+        super().__init__()
+        self.fc0 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.fc1 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.act = activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc1(self.act(self.fc0(x)))
+
+
+def apply_rotary_interleaved(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates pairs (2i, 2i+1) of [tokens, heads, head_dim] by float32 angles [tokens, head_dim/2].
+
+    The real form of the original's complex product ``view_as_complex(x) * freqs_cis``, in float32.
+    """
+    cos, sin = cos[:, None, :], sin[:, None, :]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        pairs = x.float().unflatten(-1, (-1, 2))
+        re, im = pairs[..., 0], pairs[..., 1]
+        return torch.stack((re * cos - im * sin, re * sin + im * cos), dim=-1).flatten(-2).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+class EncoderBlock(nn.Module):
+    def __init__(self, cfg: KimiK25VisionConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.head_dim = cfg.head_dim
+        self.norm0 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.wqkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
+        self.wo = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                backend: AttentionBackend, prepared: Any) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.wqkv(self.norm0(x)).view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        q, k = apply_rotary_interleaved(q, k, cos, sin)
+        x = x + self.wo(backend.forward(q, k, v, prepared).reshape(n, -1))
+        return x + self.mlp(self.norm1(x))
+
+
+class Encoder(nn.Module):
+    def __init__(self, cfg: KimiK25VisionConfig) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(EncoderBlock(cfg) for _ in range(cfg.num_layers))
+        self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+
+class Projector(nn.Module):
+    """``mm_projector`` (PatchMergerMLP): LayerNorm per patch, concat kh*kw patches, Linear-GELU-Linear."""
+
+    def __init__(self, cfg: KimiK25VisionConfig) -> None:
+        super().__init__()
+        merged = cfg.projection_hidden_size * cfg.merge_unit
+        self.merged_dim = merged
+        self.pre_norm = nn.LayerNorm(cfg.projection_hidden_size, eps=cfg.projection_layer_norm_eps)
+        # Exact GELU here, GELU-tanh in the blocks: as in the original (nn.GELU() vs PytorchGELUTanh).
+        self.proj = nn.Sequential(nn.Linear(merged, merged), nn.GELU(), nn.Linear(merged, cfg.text_hidden_size))
+
+    def forward(self, slots: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.pre_norm(slots).reshape(-1, self.merged_dim))
+
+
+@dataclass(frozen=True)
+class KimiBatchMetadata:
+    """Host arrays of one batch (all numpy); built before any device work."""
+
+    grids: tuple[Grid, ...]
+    attention: Any  # AttentionMetadata: one sequence per image, all its frames
+    position_ids: np.ndarray  # int64 [patches, 2] raster (h, w)
+    pool: Any  # TemporalPoolIndex
+    tokens_per_image: tuple[int, ...]
+
+
+class KimiK25VisionTower(nn.Module):
+    """``vision_tower`` + ``mm_projector`` of the original checkpoint, under those two names."""
+
+    def __init__(self, cfg: KimiK25VisionConfig) -> None:
+        super().__init__()
+        cfg.check()
+        self.cfg = cfg
+        self.vision_tower = nn.Module()
+        self.vision_tower.patch_embed = PatchEmbed(cfg)
+        self.vision_tower.encoder = Encoder(cfg)
+        self.mm_projector = Projector(cfg)
+        self.register_buffer("inv_freq", self.rope_inv_freq(cfg), persistent=False)
+        self.register_buffer("time_table", time_sincos_table(cfg.hidden_size, cfg.pos_emb_time), persistent=False)
+
+    @staticmethod
+    def rope_inv_freq(cfg: KimiK25VisionConfig) -> torch.Tensor:
+        # The original's Rope2DPosEmb: theta^(-4i/head_dim), i < head_dim/4, shared by both axes.
+        d = cfg.head_dim
+        return 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 4, dtype=torch.float32)[: d // 4] / d))
+
+    def rotary(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Pair 2i rotates by w * f_i, pair 2i+1 by h * f_i (x before y, as the original's freqs_cis).
+        hw = position_ids.float()
+        angles = torch.stack((hw[:, 1:2] * self.inv_freq, hw[:, 0:1] * self.inv_freq), dim=-1).flatten(1)
+        return angles.cos(), angles.sin()
+
+    def position_embedding(self, grids: Sequence[Grid]) -> torch.Tensor:
+        """[patches, D]: the table resized to each (h, w), plus the frame's sin-cos row when t > 1."""
+        table = self.vision_tower.patch_embed.pos_emb.weight
+        side_h, side_w, dim = table.shape
+        device = table.device
+        resized: dict[tuple[int, int], torch.Tensor] = {}
+        parts = []
+        for t, h, w in grids:
+            if (h, w) not in resized:
+                if (h, w) == (side_h, side_w):
+                    pos = table.reshape(h * w, dim)  # the original skips the resize at the table's size
+                else:
+                    # Copies: the cached matrices are read-only and torch wants writable memory.
+                    wh = host_to_device(bicubic_resample_matrix(h, side_h).copy(), device).to(table.dtype)
+                    ww = host_to_device(bicubic_resample_matrix(w, side_w).copy(), device).to(table.dtype)
+                    rows = (wh @ table.reshape(side_h, side_w * dim)).view(h, side_w, dim)
+                    pos = torch.matmul(ww, rows).reshape(h * w, dim)
+                resized[(h, w)] = pos
+            pos = resized[(h, w)]
+            if t > 1:
+                pos = (pos.unsqueeze(0) + self.time_table[:t, None, :].to(pos.dtype)).reshape(t * h * w, dim)
+            parts.append(pos)
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def forward(self, pixel_values: torch.Tensor, meta: KimiBatchMetadata, backend: AttentionBackend
+                ) -> torch.Tensor:
+        device = pixel_values.device
+        position_ids = host_to_device(meta.position_ids, device)
+        pool_index = host_to_device(meta.pool.index, device)
+        prepared = backend.prepare(meta.attention)
+
+        tower = self.vision_tower
+        x = tower.patch_embed(pixel_values)
+        x = x + self.position_embedding(meta.grids).to(x.dtype)
+        cos, sin = self.rotary(position_ids)
+        for block in tower.encoder.blocks:
+            x = block(x, cos, sin, backend, prepared)
+        x = tower.encoder.final_layernorm(x)
+
+        if meta.pool.max_frames == 1:
+            slots = x[pool_index[:, 0]]  # images only: the merger is a pure reordering
+        else:
+            frames = host_to_device(meta.pool.frames, device).to(x.dtype)
+            padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
+            slots = padded[pool_index].sum(dim=1) / frames[:, None]
+        return self.mm_projector(slots)
+
+
+class KimiK25VisionModel(VisionModel):
+    """A loaded Kimi-K2.5 vision tower + projector with its preprocessing (the public API)."""
+
+    def __init__(self, cfg: KimiK25VisionConfig, module: KimiK25VisionTower, *, model_id: str,
+                 preprocess_config: dict | None, device: torch.device, dtype: torch.dtype,
+                 attn_backend: str) -> None:
+        from ..preprocess.kimi_k25 import KimiK25PreprocessConfig
+
+        self.cfg = cfg
+        self.module = module
+        self.device = device
+        self.dtype = dtype
+        self.preprocess_config = KimiK25PreprocessConfig.from_dict(preprocess_config or {})
+        backend_cls = select_backend(attn_backend, device, dtype, cfg.head_dim)
+        self.attn_backend = backend_cls.name
+        self.backend = backend_cls(cfg.num_heads, cfg.head_dim, device, dtype)
+        self.kernel = cfg.merge_kernel_size[0]
+        self.spatial = SpatialConfig(self.kernel, cfg.patch_size)
+        self.spec = ModelSpec(
+            model_id=model_id, model_type=MODEL_TYPE, hidden_size=cfg.text_hidden_size,
+            patch_size=cfg.patch_size, temporal_patch_size=1, spatial_merge_size=self.kernel,
+            in_channels=cfg.in_channels,
+            fingerprint={"vision_config": cfg.to_dict(), "preprocess": self.preprocess_config.fingerprint()},
+        )
+
+    def num_tokens(self, grid: Sequence[int]) -> int:
+        # The merger averages the frames of a clip: tokens do not grow with t.
+        _, h, w = grid
+        return int(h) * int(w) // self.spec.merge_unit
+
+    def preprocess(self, image_bytes: bytes, max_image_pixels: int | None = None) -> tuple[np.ndarray, Grid]:
+        from ..preprocess.kimi_k25 import preprocess_kimi_k25
+
+        return preprocess_kimi_k25(image_bytes, self.preprocess_config, max_image_pixels)
+
+    def validate(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]) -> list[Grid]:
+        checked = validate_batch(pixel_values, grids, self.spec)
+        for i, (t, h, w) in enumerate(checked):
+            if t > self.cfg.pos_emb_time:
+                raise InvalidInput(f"grid [{t}, {h}, {w}] has {t} frames; the temporal position embedding of "
+                                   f"this model covers at most {self.cfg.pos_emb_time} (pos_emb_time)",
+                                   image_index=i)
+            if h > ROPE_MAX_SIDE or w > ROPE_MAX_SIDE:
+                raise InvalidInput(f"grid [{t}, {h}, {w}] has a side over {ROPE_MAX_SIDE} patches, the most "
+                                   "the 2-D rotary embedding covers", image_index=i)
+        return checked
+
+    def metadata(self, grids: Sequence[Grid]) -> KimiBatchMetadata:
+        base = build_metadata(grids, self.spatial, merge_temporal=True)
+        return KimiBatchMetadata(
+            grids=base.grids, attention=base.full, position_ids=raster_position_ids(base.grids),
+            pool=temporal_pool_index(base.grids, self.kernel, self.kernel),
+            tokens_per_image=tuple(h * w // self.spec.merge_unit for _, h, w in base.grids),
+        )
+
+    @torch.inference_mode()
+    def encode_packed(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]
+                      ) -> tuple[torch.Tensor, tuple[int, ...]]:
+        # transformers' processor returns [patches, C, P, P]; the wire format is [patches, C*P*P].
+        if pixel_values.ndim == 4:
+            pixel_values = pixel_values.reshape(pixel_values.shape[0], -1)
+        meta = self.metadata(self.validate(pixel_values, grids))
+        if isinstance(pixel_values, np.ndarray):
+            x = host_to_device(pixel_values, self.device)
+        elif pixel_values.device.type == "cpu" and self.device.type != "cpu":
+            x = pixel_values.pin_memory().to(self.device, non_blocking=True)
+        else:
+            x = pixel_values.to(self.device)
+        return self.module(x.to(self.dtype), meta, self.backend), meta.tokens_per_image
+
+    def encode(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]
+               ) -> list[torch.Tensor]:
+        packed, tokens = self.encode_packed(pixel_values, grids)
+        return list(packed.split(tokens))

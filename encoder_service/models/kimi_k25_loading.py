@@ -1,0 +1,233 @@
+"""Builds a Kimi-K2.5 vision model from a checkpoint (vision tower + projector only) or from weights.
+
+Two weight layouts exist in the wild; both load into the original one (``kimi_k25.py``):
+
+original (moonshotai/Kimi-K2.5, remote code ``MoonViT3dPretrainedModel`` + ``PatchMergerMLP``;
+the same names are the source patterns of transformers' ``conversion_mapping.py`` entry
+``"kimi_k25"``)::
+
+    vision_tower.patch_embed.proj.{weight,bias}          Conv2d(3, D, 14, stride 14)
+    vision_tower.patch_embed.pos_emb.weight              [pos_emb_height, pos_emb_width, D]
+    vision_tower.encoder.blocks.N.norm0 / norm1          LayerNorms before attention / MLP
+    vision_tower.encoder.blocks.N.wqkv.{weight,bias}     fused q|k|v, rotary pairs interleaved
+    vision_tower.encoder.blocks.N.wo                     attention output
+    vision_tower.encoder.blocks.N.mlp.fc0 / fc1          MLP in / out
+    vision_tower.encoder.final_layernorm
+    mm_projector.pre_norm, mm_projector.proj.0 / proj.2  projector LayerNorm, Linear, (GELU), Linear
+
+transformers (``Kimi_K25Model`` as ``save_pretrained`` writes it without the reverse mapping; the
+target patterns of that same conversion entry, under ``model.`` or bare)::
+
+    vision_tower.patch_embed.proj, vision_tower.patch_embed.pos_emb.position_embeddings
+    vision_tower.layers.N.norm1 / norm2, .attn.{q_proj,k_proj,v_proj,proj}, .mlp.fc1 / fc2
+    vision_tower.final_layernorm
+    mm_projector.pre_norm, mm_projector.in_proj / out_proj
+
+transformers' ``WeightConverter(wqkv -> q/k/v, [Chunk(dim=0), PermuteForRope(...)])`` also moves each
+head's q/k rows from interleaved pairs (2i, 2i+1) to rotate-half order (i, i + head_dim/2); loading
+that layout undoes the permutation so a single rotary implementation serves both.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ..errors import InvalidInput
+from .kimi_k25 import KimiK25VisionConfig, KimiK25VisionModel, KimiK25VisionTower, time_sincos_table
+from .loader import CheckpointFiles, load_tensors
+
+# Each prefix group is tried in order; the first under which the checkpoint stores tensors wins.
+VISION_PREFIXES = ("model.vision_tower.", "vision_tower.")
+PROJECTOR_PREFIXES = ("model.mm_projector.", "mm_projector.")
+
+# transformers name (after the vision_tower. / mm_projector. prefix) -> original name.
+_SPLIT_RENAMES = [
+    (r"^patch_embed\.pos_emb\.position_embeddings$", "patch_embed.pos_emb.weight"),
+    (r"^layers\.(\d+)\.norm1\.", r"encoder.blocks.\1.norm0."),
+    (r"^layers\.(\d+)\.norm2\.", r"encoder.blocks.\1.norm1."),
+    (r"^layers\.(\d+)\.attn\.proj\.", r"encoder.blocks.\1.wo."),
+    (r"^layers\.(\d+)\.mlp\.fc1\.", r"encoder.blocks.\1.mlp.fc0."),
+    (r"^layers\.(\d+)\.mlp\.fc2\.", r"encoder.blocks.\1.mlp.fc1."),
+    (r"^final_layernorm\.", "encoder.final_layernorm."),
+]
+_PROJECTOR_RENAMES = [(r"^in_proj\.", "proj.0."), (r"^out_proj\.", "proj.2.")]
+
+
+def rope_rows_to_rotate_half(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Per head, rows (2i, 2i+1) -> (i, i + half): transformers' ``PermuteForRope`` (inverse=False)."""
+    rows = t.shape[0]
+    return t.reshape(num_heads, rows // num_heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+def rope_rows_to_interleaved(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverse of ``rope_rows_to_rotate_half``: ``PermuteForRope(inverse=True)``."""
+    rows = t.shape[0]
+    return t.reshape(num_heads, 2, rows // num_heads // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+def is_split_layout(names: list[str]) -> bool:
+    return any(".q_proj." in n for n in names)
+
+
+def split_to_original(vision: dict[str, torch.Tensor], projector: dict[str, torch.Tensor],
+                      cfg: KimiK25VisionConfig) -> dict[str, torch.Tensor]:
+    """transformers' layout (prefix-free groups) -> the module's state dict."""
+    state: dict[str, torch.Tensor] = {}
+    qkv: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in vision.items():
+        m = re.match(r"^layers\.(\d+)\.attn\.([qkv])_proj\.(weight|bias)$", name)
+        if m:
+            i, which, kind = m.groups()
+            if which in "qk":
+                tensor = rope_rows_to_interleaved(tensor, cfg.num_heads)
+            qkv.setdefault(f"vision_tower.encoder.blocks.{i}.wqkv.{kind}", {})[which] = tensor
+            continue
+        for pattern, repl in _SPLIT_RENAMES:
+            name, n = re.subn(pattern, repl, name)
+            if n:
+                break
+        state["vision_tower." + name] = tensor
+    for name, parts in qkv.items():
+        if set(parts) != {"q", "k", "v"}:
+            raise InvalidInput(f"checkpoint has {sorted(parts)} of q_proj/k_proj/v_proj for {name}, needs all three")
+        state[name] = torch.cat([parts["q"], parts["k"], parts["v"]])
+    for name, tensor in projector.items():
+        for pattern, repl in _PROJECTOR_RENAMES:
+            name = re.sub(pattern, repl, name)
+        state["mm_projector." + name] = tensor
+    return state
+
+
+def original_to_split(state: dict[str, torch.Tensor], cfg: KimiK25VisionConfig,
+                      prefix: str = "model.") -> dict[str, torch.Tensor]:
+    """The module's state dict -> transformers' layout (what ``from_pretrained`` holds after its
+    conversion). Used to write test checkpoints and to load transformers' reference in parity tests."""
+    out: dict[str, torch.Tensor] = {}
+    inverse_vision = [
+        (r"^vision_tower\.patch_embed\.pos_emb\.weight$", "vision_tower.patch_embed.pos_emb.position_embeddings"),
+        (r"^vision_tower\.encoder\.blocks\.(\d+)\.norm1\.", r"vision_tower.layers.\1.norm2."),
+        (r"^vision_tower\.encoder\.blocks\.(\d+)\.norm0\.", r"vision_tower.layers.\1.norm1."),
+        (r"^vision_tower\.encoder\.blocks\.(\d+)\.wo\.", r"vision_tower.layers.\1.attn.proj."),
+        (r"^vision_tower\.encoder\.blocks\.(\d+)\.mlp\.fc1\.", r"vision_tower.layers.\1.mlp.fc2."),
+        (r"^vision_tower\.encoder\.blocks\.(\d+)\.mlp\.fc0\.", r"vision_tower.layers.\1.mlp.fc1."),
+        (r"^vision_tower\.encoder\.final_layernorm\.", "vision_tower.final_layernorm."),
+        (r"^mm_projector\.proj\.0\.", "mm_projector.in_proj."),
+        (r"^mm_projector\.proj\.2\.", "mm_projector.out_proj."),
+    ]
+    for name, tensor in state.items():
+        m = re.match(r"^vision_tower\.encoder\.blocks\.(\d+)\.wqkv\.(weight|bias)$", name)
+        if m:
+            i, kind = m.groups()
+            q, k, v = tensor.chunk(3)
+            for which, part in (("q", rope_rows_to_rotate_half(q, cfg.num_heads)),
+                                ("k", rope_rows_to_rotate_half(k, cfg.num_heads)), ("v", v)):
+                out[f"{prefix}vision_tower.layers.{i}.attn.{which}_proj.{kind}"] = part.contiguous()
+            continue
+        for pattern, repl in inverse_vision:
+            name, n = re.subn(pattern, repl, name)
+            if n:
+                break
+        out[prefix + name] = tensor
+    return out
+
+
+def load(ckpt: CheckpointFiles, *, model_id: str, device: torch.device, dtype: torch.dtype,
+         attn_backend: str) -> KimiK25VisionModel:
+    cfg = KimiK25VisionConfig.from_config(ckpt.config)
+    vision, read_v = load_tensors(ckpt, VISION_PREFIXES, dtype)
+    projector, read_p = load_tensors(ckpt, PROJECTOR_PREFIXES, dtype)
+    if is_split_layout(list(vision)):
+        state = split_to_original(vision, projector, cfg)
+    else:
+        state = {"vision_tower." + k: v for k, v in vision.items()}
+        state.update({"mm_projector." + k: v for k, v in projector.items()})
+    model = build(cfg, state, model_id=model_id, preprocess_config=ckpt.preprocessor_config,
+                  device=device, dtype=dtype, attn_backend=attn_backend)
+    model.tensors_read = read_v + read_p
+    return model
+
+
+def build(cfg: KimiK25VisionConfig, state: dict[str, torch.Tensor], *, model_id: str,
+          preprocess_config: dict | None, device: torch.device, dtype: torch.dtype,
+          attn_backend: str) -> KimiK25VisionModel:
+    """A model from a state dict in the original layout (names as ``KimiK25VisionTower``'s)."""
+    with torch.device("meta"):
+        module = KimiK25VisionTower(cfg)
+    expected = set(module.state_dict())
+    missing = sorted(expected - set(state))
+    if missing:
+        raise InvalidInput(f"checkpoint {model_id!r} lacks vision tensors: {', '.join(missing[:8])}"
+                           + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    unexpected = sorted(set(state) - expected)
+    if unexpected:
+        raise InvalidInput(f"checkpoint {model_id!r} has vision tensors this model does not know: "
+                           f"{', '.join(unexpected[:8])}")
+    for name, tensor in module.state_dict().items():
+        if state[name].shape != tensor.shape:
+            raise InvalidInput(f"tensor {name} of {model_id!r} has shape {tuple(state[name].shape)}, "
+                               f"config implies {tuple(tensor.shape)}")
+    module.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
+    # Non-persistent buffers are not in the state dict: rebuild them for real, in float32 (angles
+    # and the frame table are computed at full precision whatever the weights' dtype).
+    module.inv_freq = KimiK25VisionTower.rope_inv_freq(cfg)
+    module.time_table = time_sincos_table(cfg.hidden_size, cfg.pos_emb_time)
+    module = module.to(device=device).eval().requires_grad_(False)
+    return KimiK25VisionModel(cfg, module, model_id=model_id, preprocess_config=preprocess_config,
+                              device=device, dtype=dtype, attn_backend=attn_backend)
+
+
+def checkpoint_config(vision_config: dict, text_hidden_size: int) -> dict:
+    """A transformers-format ``Kimi_K25Config`` dict (vision and projector parts) for a preset."""
+    return {
+        "model_type": "kimi_k25",
+        "architectures": ["Kimi_K25ForConditionalGeneration"],
+        "vision_config": {**vision_config, "model_type": "kimi_k25_vision"},
+        "text_config": {"model_type": "deepseek_v3", "hidden_size": text_hidden_size},
+        "projection_hidden_size": vision_config["hidden_size"],
+        "projection_layer_norm_eps": 1e-5,
+    }
+
+
+def random_state(cfg: KimiK25VisionConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Deterministic random weights (float32, CPU) in the original layout, full names."""
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in KimiK25VisionTower(cfg).state_dict().items()}
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for name in sorted(shapes):
+        shape = shapes[name]
+        t = torch.randn(shape, generator=gen)
+        if name.endswith("pos_emb.weight"):
+            pass  # unit scale, as the original initialises it: a wrong resize must show
+        elif len(shape) >= 2:
+            # 1/sqrt(fan_in) keeps attention scores O(1): with tiny weights attention would be
+            # uniform and a wrong rotary could not show in a parity test.
+            t *= shape[1:].numel() ** -0.5
+        elif "norm" in name and name.endswith(".weight"):
+            t = 1.0 + 0.1 * t
+        else:
+            t *= 0.1
+        state[name] = t
+    return state
+
+
+def write_checkpoint(preset, out: Path, seed: int, layout: str = "original") -> Path:
+    """``make_checkpoint`` for a Kimi-K2.5 preset: original keys (``vision_tower.``, ``mm_projector.``)
+    or transformers' (``model.vision_tower.``, split q/k/v)."""
+    if layout not in ("original", "transformers"):
+        raise InvalidInput(f"unknown checkpoint layout {layout!r}; layouts: original, transformers")
+    config = checkpoint_config(preset.vision_config, preset.text_hidden_size)
+    cfg = KimiK25VisionConfig.from_config(config)
+    state = random_state(cfg, seed)
+    if layout == "transformers":
+        state = original_to_split(state, cfg)
+    (out / "config.json").write_text(json.dumps({**config, "_preset": preset.name, "_seed": seed}, indent=2))
+    (out / "preprocessor_config.json").write_text(json.dumps(preset.preprocessor_config, indent=2))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    return out

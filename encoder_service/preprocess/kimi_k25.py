@@ -1,0 +1,233 @@
+"""Kimi-K2.5 image preprocessing: bytes -> raster-order patches + grid, equal to transformers'
+``Kimi_K25ImageProcessor``.
+
+That processor (torchvision backend, CPU) does: ``navit_resize`` (scale down, never up, to fit the
+patch budget and the per-side patch limit), a bicubic antialiased resize of the uint8 image
+(``tvF.resize`` -> ``F.interpolate(uint8, mode="bicubic", antialias=True)``: PyTorch's fixed-point
+uint8 kernel), zero padding at the bottom/right to a multiple of ``merge_size * patch_size`` (28),
+``(x - 127.5) / 127.5`` in float32 (mean and std 0.5, fused with the 1/255 rescale), and patches in
+raster order, each flattened as (C, P, P). The resize is re-implemented here in numpy, integer for
+integer (int16 weights, dynamic precision, horizontal pass then vertical, uint8 in between), so the
+server needs neither torchvision nor torch for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from encoder_service.errors import InvalidInput
+from encoder_service.preprocess.decode import decode_image
+
+_NUM_CHANNELS = 3
+_BICUBIC = 3  # PILImageResampling.BICUBIC: the only filter the Kimi processor is used with
+
+
+@dataclasses.dataclass(frozen=True)
+class KimiK25PreprocessConfig:
+    """Preprocessing settings; defaults are transformers' ``Kimi_K25ImageProcessor`` class defaults."""
+
+    max_patches: int = 16384  # patch budget of the resized image (before padding)
+    max_side_patches: int = 512  # size.max_height == size.max_width, counted in patches
+    patch_size: int = 14
+    merge_size: int = 2
+    image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    rescale_factor: float = 1 / 255
+    do_resize: bool = True
+    do_rescale: bool = True
+    do_normalize: bool = True
+    resample: int = _BICUBIC
+
+    def __post_init__(self) -> None:
+        for name in ("max_patches", "max_side_patches", "patch_size", "merge_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InvalidInput(f"preprocessor config: {name} must be a positive int, got {value!r}")
+        for name in ("image_mean", "image_std"):
+            if len(getattr(self, name)) != _NUM_CHANNELS:
+                raise InvalidInput(f"preprocessor config: {name} needs {_NUM_CHANNELS} values")
+        if any(s == 0 for s in self.image_std):
+            raise InvalidInput("preprocessor config: image_std has a zero")
+        if self.resample != _BICUBIC:
+            raise InvalidInput(f"preprocessor config: resample {self.resample!r} is not supported for Kimi-K2.5 "
+                               "(only 3, bicubic)")
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any]) -> KimiK25PreprocessConfig:
+        """From ``preprocessor_config.json``: transformers' keys (``max_patches``, ``size.max_height``,
+        ``merge_size``) or the original remote-code ones under ``media_proc_cfg``
+        (``in_patch_limit``, ``patch_limit_on_one_side``, ``merge_kernel_size``)."""
+        config = dict(config.get("media_proc_cfg") or {}) | {k: v for k, v in config.items()
+                                                              if k != "media_proc_cfg"}
+        kwargs: dict[str, Any] = {}
+        size = config.get("size")
+        if size is not None:
+            if not isinstance(size, Mapping) or size.get("max_height") != size.get("max_width"):
+                raise InvalidInput(f"preprocessor config: size must have equal max_height and max_width, got {size!r}")
+            if size.get("max_height") is not None:
+                kwargs["max_side_patches"] = int(size["max_height"])
+        for field, names in (("max_patches", ("max_patches", "in_patch_limit")),
+                             ("max_side_patches", ("patch_limit_on_one_side",)),
+                             ("patch_size", ("patch_size",)),
+                             ("merge_size", ("merge_size", "merge_kernel_size")),
+                             ("resample", ("resample",))):
+            for name in names:
+                if config.get(name) is not None:
+                    value = config[name]
+                    kwargs[field] = int(value[0] if isinstance(value, (list, tuple)) else value)
+                    break
+        for field in ("do_resize", "do_rescale", "do_normalize"):
+            if config.get(field) is not None:
+                kwargs[field] = bool(config[field])
+        if config.get("rescale_factor") is not None:
+            kwargs["rescale_factor"] = float(config["rescale_factor"])
+        for field in ("image_mean", "image_std"):
+            value = config.get(field)
+            if value is not None:
+                values = [value] * _NUM_CHANNELS if isinstance(value, (int, float)) else list(value)
+                kwargs[field] = tuple(float(v) for v in values)
+        return cls(**kwargs)
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
+                for f in dataclasses.fields(self)}
+
+
+def navit_resize(height: int, width: int, patch_size: int, merge_size: int, max_patches: int,
+                 max_side_patches: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((resized_h, resized_w), (padded_h, padded_w)) in pixels; transformers' ``navit_resize``.
+
+    The scale is the tightest of: the patch budget (counted with floor-divided sides), the per-side
+    patch limit, and 1 (never upscale); sides are truncated, then padded up to a multiple of
+    ``merge_size * patch_size``. Float expressions in the reference's order: one ulp can move a side.
+    """
+    patches_h = max(1.0, height // patch_size)
+    patches_w = max(1.0, width // patch_size)
+    scale = min(1.0, math.sqrt(max_patches / (patches_h * patches_w)),
+                (max_side_patches * patch_size) / height, (max_side_patches * patch_size) / width)
+    new_h = min(max(1, int(height * scale)), max_side_patches * patch_size)
+    new_w = min(max(1, int(width * scale)), max_side_patches * patch_size)
+    factor = merge_size * patch_size
+    return (new_h, new_w), ((factor - new_h % factor) % factor + new_h, (factor - new_w % factor) % factor + new_w)
+
+
+def _bicubic_aa(x: float) -> float:
+    # Keys cubic with a = -0.5, as PIL and PyTorch's antialiased kernels use.
+    a = -0.5
+    x = abs(x)
+    if x < 1.0:
+        return ((a + 2) * x - (a + 3)) * x * x + 1
+    if x < 2.0:
+        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return 0.0
+
+
+def _aa_int16_weights(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(first source index [out], int weights [out, taps], precision bits) of one axis.
+
+    PyTorch's ``_compute_index_ranges_weights`` (double) + ``_compute_index_ranges_int16_weights``:
+    the filter widens by the downscale factor, weights are normalised per output, then scaled to
+    int16 with the most precision bits that keep the largest weight under 2^15.
+    """
+    scale = in_size / out_size
+    support = 2.0 * scale if scale >= 1.0 else 2.0
+    taps = math.ceil(support) * 2 + 1
+    invscale = 1.0 / scale if scale >= 1.0 else 1.0
+    starts = np.zeros(out_size, dtype=np.int64)
+    weights = np.zeros((out_size, taps), dtype=np.float64)
+    wt_max = 0.0
+    for i in range(out_size):
+        center = scale * (i + 0.5)
+        xmin = max(int(center - support + 0.5), 0)
+        xsize = min(max(min(int(center + support + 0.5), in_size) - xmin, 0), taps)
+        ws = [_bicubic_aa((j + xmin - center + 0.5) * invscale) for j in range(xsize)]
+        total = sum(ws)  # left to right, as the C++ loop accumulates
+        if total != 0.0:
+            ws = [w / total for w in ws]
+            wt_max = max(wt_max, *ws)
+        starts[i] = xmin
+        weights[i, :xsize] = ws
+    precision = 0
+    while precision < 22:  # PyTorch's cap; the int16 bound below is what usually stops it
+        if int(0.5 + wt_max * (1 << (precision + 1))) >= (1 << 15):
+            break
+        precision += 1
+    scaled = weights * (1 << precision)
+    # C's (int) truncates toward zero: round half away from zero.
+    ints = np.where(scaled < 0, np.trunc(-0.5 + scaled), np.trunc(0.5 + scaled)).astype(np.int64)
+    return starts, ints, precision
+
+
+def _resample_axis(image: np.ndarray, out_size: int, axis: int) -> np.ndarray:
+    """One separable uint8 pass along ``axis`` (0: rows/height, 1: columns/width) of [H, W, C]."""
+    in_size = image.shape[axis]
+    starts, weights, precision = _aa_int16_weights(in_size, out_size)
+    # int32 is enough: |weights| sum to about 2^precision <= 2^22, times 255 stays under 2^31.
+    src = np.moveaxis(image, axis, 0).astype(np.int32)
+    acc = np.full((out_size, *src.shape[1:]), 1 << (precision - 1), dtype=np.int32)
+    weights = weights.astype(np.int32)
+    for k in range(weights.shape[1]):
+        idx = np.minimum(starts + k, in_size - 1)  # weights past a row's xsize are zero
+        acc += weights[:, k].reshape(-1, 1, 1) * src[idx]
+    out = np.clip(acc >> precision, 0, 255).astype(np.uint8)
+    return np.moveaxis(out, 0, axis)
+
+
+def resize_bicubic_antialias(image: np.ndarray, height: int, width: int) -> np.ndarray:
+    """uint8 [H, W, C] -> uint8 [height, width, C], equal to PyTorch's
+    ``F.interpolate(uint8, size, mode="bicubic", antialias=True)`` (what ``tvF.resize`` calls).
+
+    Width first, then height, each pass skipped when its size does not change.
+    """
+    if image.shape[1] != width:
+        image = _resample_axis(image, width, axis=1)
+    if image.shape[0] != height:
+        image = _resample_axis(image, height, axis=0)
+    return image
+
+
+def preprocess_kimi_k25_image(image: Image.Image, cfg: KimiK25PreprocessConfig
+                              ) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """RGB image -> (float32 [h*w, 3*P*P] raster-order patches, (1, h, w) in patches)."""
+    pixels = np.asarray(image.convert("RGB") if image.mode != "RGB" else image, dtype=np.uint8)
+    height, width = pixels.shape[:2]
+    if cfg.do_resize:
+        (new_h, new_w), (pad_h, pad_w) = navit_resize(height, width, cfg.patch_size, cfg.merge_size,
+                                                      cfg.max_patches, cfg.max_side_patches)
+        pixels = resize_bicubic_antialias(pixels, new_h, new_w)
+        padded = np.zeros((pad_h, pad_w, _NUM_CHANNELS), dtype=np.uint8)
+        padded[:new_h, :new_w] = pixels
+        pixels = padded
+    p = cfg.patch_size
+    if pixels.shape[0] % p or pixels.shape[1] % p:
+        raise InvalidInput(f"image of {pixels.shape[1]}x{pixels.shape[0]} pixels is not a multiple of the "
+                           f"patch size {p} (do_resize is off)")
+    x = pixels.astype(np.float32)
+    if cfg.do_rescale and cfg.do_normalize:
+        # transformers fuses the rescale into mean and std (mean / rescale_factor, in float32).
+        inv = np.float32(1.0 / cfg.rescale_factor)
+        x = (x - np.asarray(cfg.image_mean, np.float32) * inv) / (np.asarray(cfg.image_std, np.float32) * inv)
+    elif cfg.do_rescale:
+        x = x * np.float32(cfg.rescale_factor)
+    elif cfg.do_normalize:
+        x = (x - np.asarray(cfg.image_mean, np.float32)) / np.asarray(cfg.image_std, np.float32)
+    gh, gw = x.shape[0] // p, x.shape[1] // p
+    # [gh, P, gw, P, C] -> [gh, gw, C, P, P]: raster order of patches, each flattened (C, P, P).
+    patches = x.reshape(gh, p, gw, p, _NUM_CHANNELS).transpose(0, 2, 4, 1, 3).reshape(gh * gw, -1)
+    return np.ascontiguousarray(patches, dtype=np.float32), (1, gh, gw)
+
+
+def preprocess_kimi_k25(data: bytes, cfg: KimiK25PreprocessConfig, max_image_pixels: int | None = None
+                        ) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """Encoded image bytes -> (float32 [h*w, 3*P*P], (1, h, w) in patches, Python ints)."""
+    return preprocess_kimi_k25_image(decode_image(data, max_image_pixels), cfg)
