@@ -1,6 +1,7 @@
 """Image decode, resize, normalize, patchify. numpy + Pillow only: no torch here."""
 
 from encoder_service.preprocess.decode import SUPPORTED_FORMATS, decode_image
+from encoder_service.preprocess.kimi_k25 import KimiK25PreprocessConfig, preprocess_kimi_k25
 from encoder_service.preprocess.qwen2_vl import (
     Qwen2VLPreprocessConfig,
     preprocess_qwen2_vl,
@@ -10,8 +11,10 @@ from encoder_service.preprocess.qwen2_vl import (
 
 __all__ = [
     "SUPPORTED_FORMATS",
+    "KimiK25PreprocessConfig",
     "Qwen2VLPreprocessConfig",
     "decode_image",
+    "preprocess_kimi_k25",
     "preprocess_qwen2_vl",
     "preprocess_qwen2_vl_image",
     "smart_resize",

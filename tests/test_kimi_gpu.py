@@ -1,0 +1,72 @@
+"""Kimi-K2.5 on the GPU (pytest -m gpu on the GPU machine): every CUDA backend against sdpa, with the
+whole forward under ``torch.cuda.set_sync_debug_mode("error")`` (no hidden device sync). Skipped
+without CUDA."""
+
+import numpy as np
+import pytest
+import torch
+
+from encoder_service.attention.registry import BACKENDS, backend_class
+from encoder_service.models.kimi_k25 import KimiK25VisionConfig
+from encoder_service.models.kimi_k25_loading import build, checkpoint_config, random_state
+from encoder_service.models.presets import PRESETS
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DEVICE = torch.device("cuda")
+HEAD_DIM = 72
+# Several sizes, a clip of 3 frames next to images, the table's own size (64 x 64), a long thin grid.
+GRIDS = [[1, 36, 36], [1, 10, 14], [3, 12, 8], [1, 2, 2], [1, 64, 64], [1, 16, 44]]
+
+
+def cuda_backends():
+    if not torch.cuda.is_available():
+        return []
+    return [n for n in BACKENDS if n != "sdpa"
+            and backend_class(n).unsupported_reason(DEVICE, torch.bfloat16, HEAD_DIM) is None]
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.fixture(scope="module")
+def short_k25():
+    """Real Kimi-K2.5 vision sizes (head_dim 72, 64 x 64 table), 4 blocks, so the forward is quick."""
+    preset = PRESETS["kimi-k2.5"]
+    config = checkpoint_config({**preset.vision_config, "num_hidden_layers": 4}, preset.text_hidden_size)
+    cfg = KimiK25VisionConfig.from_config(config)
+    return cfg, random_state(cfg, seed=0)
+
+
+def _model(state, backend):
+    cfg, weights = state
+    return build(cfg, {k: v.to(torch.bfloat16) for k, v in weights.items()}, model_id="short-k25",
+                 preprocess_config=None, device=DEVICE, dtype=torch.bfloat16, attn_backend=backend)
+
+
+def _pixels():
+    n = sum(t * h * w for t, h, w in GRIDS)
+    return np.random.default_rng(0).standard_normal((n, 588), dtype=np.float32)
+
+
+def test_cuda_backends_are_available_here():
+    assert "varlen" in cuda_backends(), cuda_backends()
+
+
+@pytest.mark.parametrize("name", ["sdpa", *cuda_backends()])
+def test_forward_has_no_device_sync_and_matches_sdpa(short_k25, name):
+    pixels = _pixels()
+    reference = [o.float() for o in _model(short_k25, "sdpa").encode(pixels, GRIDS)]
+    model = _model(short_k25, name)
+    model.encode(pixels, GRIDS)  # warm-up: lazy kernel/plan set-up may sync once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = model.encode(pixels, GRIDS)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert [o.shape[0] for o in out] == [h * w // 4 for _, h, w in GRIDS]
+    for i, (a, b) in enumerate(zip(out, reference)):
+        assert rel_err(a.float(), b) <= 2e-2, f"{name}, image {i}: relative error {rel_err(a.float(), b):.2e}"
