@@ -5,9 +5,15 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # shellcheck disable=SC1091
 source .venv/bin/activate
-if ! python -c "import encoder_service, encoder_client, transformers" >/dev/null 2>&1 || [ "${REINSTALL:-}" = 1 ]; then
-  python -m pip install -q --upgrade pip
-  python -m pip install -q "torch==2.13.0"
-  python -m pip install -q -e ./client
-  python -m pip install -q -e ".[test]"
+if [ ! -x .venv/bin/encoder-service ] || [ ! -x .venv/bin/encoder-client ] || [ "${REINSTALL:-}" = 1 ] \
+   || ! (cd / && python -c "import encoder_service, encoder_client, transformers") >/dev/null 2>&1; then
+  echo "installing into .venv (log: .venv/install.log)..."
+  if ! { python -m pip install --upgrade pip \
+         && python -m pip install "torch==2.13.0" \
+         && python -m pip install -e ./client \
+         && python -m pip install -e ".[test]"; } > .venv/install.log 2>&1; then
+    tail -40 .venv/install.log
+    echo "install failed; full log in .venv/install.log" >&2
+    exit 1
+  fi
 fi
