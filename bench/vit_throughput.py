@@ -24,11 +24,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from encoder_service.attention.registry import BACKENDS, backend_class  # noqa: E402
-from encoder_service.metadata import SpatialConfig, build_metadata  # noqa: E402
-from encoder_service.models.presets import PRESETS, random_vision_state  # noqa: E402
-from encoder_service.models.qwen2_5_vl import Qwen2_5_VisionConfig  # noqa: E402
-from encoder_service.models.qwen2_5_vl_loading import build  # noqa: E402
+from encoder_service.attention.registry import BACKENDS, backend_class
+from encoder_service.metadata import SpatialConfig, build_metadata
+from encoder_service.models.presets import PRESETS, random_vision_state
+from encoder_service.models.qwen2_5_vl import Qwen2_5_VisionConfig
+from encoder_service.models.qwen2_5_vl_loading import build
 
 MIXED_SIZES = [(224, 224), (448, 672), (1344, 1344), (896, 896), (336, 1008), (1120, 784), (560, 560),
                (1344, 448)]
@@ -104,8 +104,10 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", default="a,b,c")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--compile", choices=["off", "on", "both"], default="both",
+    parser.add_argument("--compile", choices=["off", "on", "both"], default="on",
                         help="torch.compile of the non-attention parts of each block")
+    parser.add_argument("--mlp-pad", choices=["off", "on", "both"], default="on",
+                        help="zero-pad the MLP intermediate size to a multiple of 64 (VisionBlock.fuse_mlp)")
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -151,32 +153,34 @@ def main(argv=None) -> int:
         for c, (grids, pixels, _) in inputs.items():
             grid_t = torch.tensor(grids, device=device)
             with torch.inference_mode():
-                record("transformers (sdpa)", c, time_it(lambda: ref(pixels, grid_thw=grid_t), args.iters, args.warmup))
+                seconds = time_it(lambda p=pixels, g=grid_t: ref(p, grid_thw=g), args.iters, args.warmup)
+            record("transformers (sdpa)", c, seconds)
         del ref
         torch.cuda.empty_cache()
 
-    modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    modes = {"off": [False], "on": [True], "both": [False, True]}
     for name in names:
-        for compiled in modes:
-            model = build(cfg, dict(state), model_id=args.preset, preprocess_config=None, device=device,
-                          dtype=torch.bfloat16, attn_backend=name)
-            label = f"{name}{' +compile' if compiled else ''}"
-            if compiled:
-                model.module.compile()
-            try:
-                for c, (grids, pixels, _) in inputs.items():
-                    t0 = time.perf_counter()
-                    model.encode_packed(pixels, grids)
-                    torch.cuda.synchronize()
-                    first = time.perf_counter() - t0
-                    seconds = time_it(lambda: model.encode_packed(pixels, grids), args.iters, args.warmup)
-                    record(label, c, seconds, {"first_call_s": first, "backend": model.attn_backend,
-                                               "kernel": type(model.backend).__name__, "compiled": compiled})
-            except Exception as exc:  # report and go on: one failing contender must not lose the run
-                print(f"{label}: FAILED {type(exc).__name__}: {exc}", flush=True)
-                results.append({"contender": label, "error": f"{type(exc).__name__}: {exc}"})
-            del model
-            torch.cuda.empty_cache()
+        for compiled in modes[args.compile]:
+            for pad in modes[args.mlp_pad]:
+                model = build(cfg, dict(state), model_id=args.preset, preprocess_config=None, device=device,
+                              dtype=torch.bfloat16, attn_backend=name, compile=compiled, fuse_mlp=pad)
+                label = f"{name}{' +compile' if compiled else ''}{'' if pad else ' (MLP unpadded)'}"
+                try:
+                    for c, (grids, pixels, _) in inputs.items():
+                        t0 = time.perf_counter()
+                        model.encode_packed(pixels, grids)
+                        torch.cuda.synchronize()
+                        first = time.perf_counter() - t0
+                        seconds = time_it(lambda m=model, p=pixels, g=grids: m.encode_packed(p, g), args.iters,
+                                          args.warmup)
+                        record(label, c, seconds, {"first_call_s": first, "backend": model.attn_backend,
+                                                   "kernel": type(model.backend).__name__, "compiled": compiled,
+                                                   "mlp_padded": pad})
+                except Exception as exc:  # report and go on: one failing contender must not lose the run
+                    print(f"{label}: FAILED {type(exc).__name__}: {exc}", flush=True)
+                    results.append({"contender": label, "error": f"{type(exc).__name__}: {exc}"})
+                del model
+                torch.cuda.empty_cache()
 
     summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
                "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "gemm_tflops": ceiling,

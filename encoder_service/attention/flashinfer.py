@@ -1,9 +1,11 @@
 """FlashInfer attention: ragged prefill (FA2/FA3) and the cuDNN path, NVIDIA only.
 
-Which kernel ``flashinfer`` uses (measured on H100, bench/RESULTS.md): on Hopper the FA3 ragged
-kernel with head_dim zero-padded to 128 beats cuDNN at head_dim 72 and 80 (471 vs 364 TFLOP/s at
-80); elsewhere FA2 has no Hopper instructions and cuDNN wins, so ``flashinfer`` means FA3 ragged on
-sm90 and cuDNN on other GPUs. ``flashinfer-fa3`` and ``flashinfer-cudnn`` force one kernel.
+Which kernel ``flashinfer`` uses, from measurement inside the whole Qwen2.5-VL-7B forward on an H100
+(bench/RESULTS.md): the cuDNN kernel runs the unpadded head_dim (72, 80) and was faster end to end
+than FA3 ragged, whose kernel alone is quicker but which needs q, k, v zero-padded to 128 and the
+output sliced back (copies that cost more than the kernel saves). So ``flashinfer`` means cuDNN
+wherever cuDNN supports the head_dim (multiples of 8 up to 128) and ragged FA3 (Hopper) / FA2
+otherwise. ``flashinfer-fa3``, ``flashinfer-fa2`` and ``flashinfer-cudnn`` force one kernel.
 
 Both paths take their metadata from the CPU: ragged ``plan()`` is fed pinned host indptrs (it
 copies them asynchronously), cuDNN gets device copies of the bucketed ``sequence_lengths`` and
@@ -81,7 +83,8 @@ class FlashInferRaggedBackend(_FlashInferBase):
     def unsupported_reason(cls, device, dtype, head_dim) -> str | None:
         reason = super().unsupported_reason(device, dtype, head_dim)
         if reason is None and cls.kernel == "fa3" and cls._capability(device)[0] != 9:
-            return f"the FA3 kernel needs a Hopper GPU (sm90); {device} is sm{''.join(map(str, cls._capability(device)))}"
+            major, minor = cls._capability(device)
+            return f"the FA3 kernel needs a Hopper GPU (sm90); {device} is sm{major}{minor}"
         return reason
 
     def __init__(self, num_heads, head_dim, device, dtype, kernel: str | None = None) -> None:
@@ -178,8 +181,8 @@ class FlashInferBackend(_FlashInferBase):
         return FlashInferRaggedBackend.supports_head_size(head_dim)
 
     def __new__(cls, num_heads, head_dim, device, dtype):
-        if torch.cuda.get_device_capability(device)[0] == 9:
-            return FlashInferRaggedBackend(num_heads, head_dim, device, dtype)
         if FlashInferCuDNNBackend.supports_head_size(head_dim):
             return FlashInferCuDNNBackend(num_heads, head_dim, device, dtype)
+        if torch.cuda.get_device_capability(device)[0] == 9:
+            return FlashInferRaggedBackend(num_heads, head_dim, device, dtype)
         return FlashInferFA2Backend(num_heads, head_dim, device, dtype)
