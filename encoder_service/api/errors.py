@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -31,21 +32,35 @@ def status_code(exc: EncoderError) -> grpc.StatusCode:
 def map_errors(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     """Decorates an async servicer method ``(self, request, context)``."""
 
+    method = handler.__name__
+
     @functools.wraps(handler)
     async def wrapper(self, request, context: grpc.aio.ServicerContext) -> T:
+        started = time.perf_counter()
+        code = "UNKNOWN"
+        metrics.REQUESTS_IN_FLIGHT.inc()
         try:
-            return await handler(self, request, context)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
+            result = await handler(self, request, context)
+            code = "OK"
+            return result
+        except asyncio.CancelledError:
+            code = "CANCELLED"  # the caller went away or its deadline passed
+            raise
+        except grpc.aio.AbortError:
             raise
         except EncoderError as exc:
-            code = status_code(exc)
-            metrics.REJECTED.labels(code=code.name).inc()
-            log.info("%s %s: %s", handler.__name__, code.name, exc)
-            await context.abort(code, str(exc))
+            status = status_code(exc)
+            code = status.name
+            log.info("%s %s: %s", method, code, exc)
+            await context.abort(status, str(exc))
         except Exception:
-            metrics.REJECTED.labels(code="INTERNAL").inc()
-            log.exception("%s failed", handler.__name__)
+            code = "INTERNAL"
+            log.exception("%s failed", method)
             await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+        finally:
+            metrics.REQUESTS_IN_FLIGHT.dec()
+            metrics.REQUESTS.labels(method=method, code=code).inc()
+            metrics.REQUEST_SECONDS.labels(method=method).observe(time.perf_counter() - started)
         raise AssertionError("unreachable: context.abort raises")
 
     return wrapper

@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import uuid
 
 import grpc
 from encoder_client._proto.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 
-from .. import __version__
+from .. import __version__, metrics
 from ..config import ServiceConfig
 from ..engine import Engine
 from ..errors import ResourceExhausted, Unavailable
 from . import dtypes
 from .errors import map_errors
+from .sink import PUSH_MAX_CHUNK_BYTES, SinkChannels, SinkPush, header_chunk
 from .streaming import embedding_chunks
-from .validation import parse_encode_request
+from .validation import EncodePlan, parse_encode_request
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,7 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
         self.config = config
         self.engine: Engine | None = None
         self.draining = False
+        self.sink_channels = SinkChannels(config.max_message_bytes)
 
     def _ready_engine(self) -> Engine:
         if self.draining:
@@ -40,16 +43,44 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
 
     @map_errors
     async def Encode(self, request: encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext) -> None:
+        started = time.perf_counter()
+        first_chunk = True
         engine = self._ready_engine()
-        plan = parse_encode_request(request, engine, self.config.max_chunk_bytes)
+        plan = parse_encode_request(request, engine, self.config.max_chunk_bytes,
+                                    self.config.allowed_sink_patterns)
         request_id = request.request_id or uuid.uuid4().hex
         model_dtype = engine.describe().dtype
+        if plan.sink is not None:
+            await self._encode_to_sink(engine, plan, request_id, model_dtype, context)
+            return
         # aclosing: a cancelled or failed stream releases its cache pins and queue slots right away.
         async with contextlib.aclosing(engine.encode(plan.images)) as results:
             async for result in results:
                 for chunk in embedding_chunks(result, request_id=request_id, out_dtype=plan.output_dtype,
                                               model_dtype=model_dtype, max_chunk_bytes=plan.max_chunk_bytes):
                     await context.write(chunk)
+                    if first_chunk:
+                        first_chunk = False
+                        metrics.FIRST_CHUNK_SECONDS.observe(time.perf_counter() - started)
+
+    async def _encode_to_sink(self, engine: Engine, plan: EncodePlan, request_id: str, model_dtype: str,
+                              context: grpc.aio.ServicerContext) -> None:
+        """Each image's chunks go to the sink; the caller gets its header once they are written,
+        and an OK status only after the sink acknowledged every image."""
+        push = SinkPush(plan.sink, self.sink_channels.get(plan.sink.target), len(plan.images),
+                        timeout_s=context.time_remaining())
+        max_chunk_bytes = min(plan.max_chunk_bytes, PUSH_MAX_CHUNK_BYTES)
+        try:
+            async with contextlib.aclosing(engine.encode(plan.images)) as results:
+                async for result in results:
+                    chunks = list(embedding_chunks(result, request_id=plan.sink.request_id,
+                                                   out_dtype=plan.output_dtype, model_dtype=model_dtype,
+                                                   max_chunk_bytes=max_chunk_bytes))
+                    await push.push(chunks)
+                    await context.write(header_chunk(chunks[-1], request_id))
+            await push.finish()
+        finally:
+            push.cancel()
 
     @map_errors
     async def Lookup(self, request: encoder_pb2.LookupRequest,

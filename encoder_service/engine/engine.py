@@ -101,7 +101,13 @@ class Engine:
             batch_wait_s=self.config.batch_wait_ms / 1000.0, loop=loop,
             on_batch_start=self._on_batch_start, on_batch_done=self._on_batch_done)
         m = self.model.spec.spatial_merge_size
-        return await asyncio.wrap_future(self._worker.start((1, 2 * m, 2 * m)))
+        warmup_s = await asyncio.wrap_future(self._worker.start((1, 2 * m, 2 * m)))
+        d = self.describe()
+        metrics.track_engine(model_id=d.model_id, model_type=d.model_type, attn_backend=d.attn_backend,
+                             device=self.model.device, dtype=d.dtype, cache=self.cache,
+                             cache_capacity_bytes=self.config.cache_bytes,
+                             queue_capacity_images=self.config.max_queue_images)
+        return warmup_s
 
     async def stop(self) -> None:
         """Stops taking work; jobs still queued fail UNAVAILABLE; waits for the running forward."""
@@ -160,7 +166,7 @@ class Engine:
         if not images:
             raise InvalidInput("no images in the request")
         for image in images:
-            metrics.IMAGES.labels(source=image.kind).inc()
+            metrics.IMAGES.labels(source=image.kind, model=self.model.spec.model_id).inc()
         keys = await asyncio.get_running_loop().run_in_executor(self._pool, self._keys, images)
 
         # Everything from here to the first await runs atomically on the loop: admission counts
@@ -342,6 +348,8 @@ class Engine:
         self.stats.forward_batches += 1
         metrics.FORWARD_BATCHES.inc()
         metrics.FORWARD_SECONDS.observe(outcome.forward_s)
+        metrics.BATCH_IMAGES.observe(len(outcome.items))
+        metrics.BATCH_TOKENS.observe(sum(item.num_patches for item in outcome.items))
         forward_ms = outcome.forward_s * 1000.0
         for i, item in enumerate(outcome.items):
             job: _Job = item.job
@@ -359,6 +367,7 @@ class Engine:
             self.stats.patches_encoded += patches
             metrics.IMAGES_ENCODED.inc()
             metrics.PATCHES_ENCODED.inc(patches)
+            metrics.TOKENS_ENCODED.inc(int(embedding.shape[0]))  # a shape: no device sync
             job.state = "done"
             # Pin once per request still waiting: each unpins after streaming it.
             job.stored = self.config.cache_bytes > 0 and self.cache.put(job.key, embedding, job.grid,
