@@ -36,6 +36,11 @@ class ServiceConfig:
     grace_period_s: float = 30.0
     metrics_port: int = -1  # -1 = no metrics endpoint; 0 = any free port (logged)
     log_level: str = "INFO"
+    allowed_sinks: str = ""  # comma-separated host:port glob patterns; empty = no sink allowed
+
+    @property
+    def allowed_sink_patterns(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in self.allowed_sinks.split(",") if p.strip())
 
     @property
     def model_or_default(self) -> str:
@@ -75,6 +80,9 @@ _OPTIONS: list[tuple[str, type, str]] = [
     ("grace_period_s", float, "on SIGTERM: seconds in-flight requests get to finish before the server exits."),
     ("metrics_port", int, "port of the Prometheus /metrics HTTP endpoint; 0 picks a free one, -1 disables it."),
     ("log_level", str, "DEBUG, INFO, WARNING or ERROR."),
+    ("allowed_sinks", str, "comma-separated host:port glob patterns (e.g. 'prefill-*.svc:9000,10.0.0.*:9000') "
+                           "of the EmbeddingSink targets a request may push to; any other target is "
+                           "PERMISSION_DENIED before a connection is tried. Empty: sinks are refused."),
 ]
 
 _CHOICES = {
@@ -146,6 +154,9 @@ def _check(c: ServiceConfig) -> None:
         problems.append("preprocess-threads must be >= 1")
     if c.grace_period_s < 0:
         problems.append("grace-period-s must be >= 0")
+    for pattern in c.allowed_sink_patterns:
+        if ":" not in pattern or "/" in pattern:
+            problems.append(f"allowed-sinks pattern {pattern!r} must be host:port (globs allowed)")
     if not 0 <= c.port <= 65535:
         problems.append("port must be in 0..65535")
     if problems:

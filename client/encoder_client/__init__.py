@@ -31,6 +31,12 @@ stream only if none of its response had arrived. bf16 embeddings are returned as
 unless ``bf16_as="uint16"`` asks for the raw bit patterns. ``content_hash(image, namespace)``
 computes the server's cache key locally, for ``lookup`` before sending pixels.
 
+EPD: ``client.encode(images, hash_first=True)`` sends pixels only for images the server does not
+cache; ``client.encode_to_sink(images, "decode-0:9000", sink_request_id="r1")`` has the encoder push
+the embeddings to a decode server, which receives them with ``EmbeddingSinkReceiver``
+(``encoder_client.sink``); ``RoutingEncoderClient(["enc-0:50051", ...] or "dns:///enc:50051")``
+spreads images over several encoders by content hash (``encoder_client.routing``).
+
 Command line: ``encoder-client encode --target HOST:PORT FILE...``, ``encoder-client info``,
 ``encoder-client lookup``, ``encoder-client health`` (see ``encoder-client --help``).
 """
@@ -40,16 +46,21 @@ from encoder_client.aio import AsyncEncoderClient
 from encoder_client.client import EncoderClient
 from encoder_client.dtypes import bf16_bits_to_float32
 from encoder_client.errors import EncoderClientError
+from encoder_client.routing import RoutingEncoderClient
+from encoder_client.sink import EmbeddingSinkReceiver, PushedImage
 from encoder_client.types import EncodedImage, HashRef, ImageInput, ModelInfo
 
 __all__ = [
     "AsyncEncoderClient",
+    "EmbeddingSinkReceiver",
     "EncodedImage",
     "EncoderClient",
     "EncoderClientError",
     "HashRef",
     "ImageInput",
     "ModelInfo",
+    "PushedImage",
+    "RoutingEncoderClient",
     "bf16_bits_to_float32",
     "content_hash",
 ]

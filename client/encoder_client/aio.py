@@ -28,6 +28,8 @@ from encoder_client._rpc import (
 )
 from encoder_client.dtypes import BF16_AS
 from encoder_client.errors import EncoderClientError
+from encoder_client.hash_first import HashFirstPlan, is_eviction_race
+from encoder_client.sink import PushedImage, collect_headers
 from encoder_client.types import EncodedImage, ImageInput, ModelInfo
 
 _Resp = TypeVar("_Resp")
@@ -64,6 +66,7 @@ class AsyncEncoderClient:
             else grpc.aio.insecure_channel(target, options=options)
         )
         self._stub = encoder_pb2_grpc.VisionEncoderStub(self._channel)
+        self._cache_namespace: str | None = None
         self._health_check = self._channel.unary_unary(
             HEALTH_CHECK_METHOD,
             request_serializer=encode_health_request,
@@ -88,8 +91,77 @@ class AsyncEncoderClient:
         timeout_s: float | None = None,
         bf16_as: str = "float32",
         request_id: str | None = None,
+        hash_first: bool = False,
     ) -> list[EncodedImage]:
         """Encode images; one EncodedImage per image, in request order (see EncoderClient.encode)."""
+        kwargs = {"output_dtype": output_dtype, "max_chunk_bytes": max_chunk_bytes, "timeout_s": timeout_s,
+                  "bf16_as": bf16_as, "request_id": request_id}
+        if not hash_first:
+            return await self._encode(images, **kwargs)
+        namespace = await self.cache_namespace()
+        plan = await asyncio.to_thread(HashFirstPlan.build, images, namespace)  # reads files, hashes
+        cached = await self.lookup(plan.lookup_hashes, timeout_s=timeout_s) if plan.lookup_indices else []
+        send, replaced = plan.to_send(cached)
+        try:
+            return await self._encode(send, **kwargs)
+        except EncoderClientError as err:
+            if not is_eviction_race(err, replaced):
+                raise
+            return await self._encode(plan.images, **kwargs)  # evicted since Lookup: send the pixels
+
+    async def encode_to_sink(
+        self,
+        images: Sequence[ImageInput],
+        sink_target: str,
+        *,
+        sink_request_id: str | None = None,
+        output_dtype: str | None = None,
+        max_chunk_bytes: int | None = None,
+        timeout_s: float | None = None,
+        request_id: str | None = None,
+    ) -> list[PushedImage]:
+        """See EncoderClient.encode_to_sink: the server pushes the embeddings to sink_target."""
+        request = await asyncio.to_thread(build_request, images, output_dtype=output_dtype,
+                                          max_chunk_bytes=max_chunk_bytes, request_id=request_id)
+        request.sink.target = sink_target
+        request.sink.request_id = sink_request_id or request.request_id
+        if not request.images:
+            return []
+        deadline = deadline_after(self._timeout(timeout_s))
+        attempt = 0
+        while True:
+            chunks: list[encoder_pb2.EmbeddingChunk] = []
+            call = self._stub.Encode(request, timeout=remaining_s(deadline), metadata=self._metadata)
+            try:
+                async for chunk in call:
+                    chunks.append(chunk)
+                return collect_headers(chunks, len(request.images))
+            except grpc.RpcError as err:
+                delay = self._retry.retry_delay_s(err, attempt, deadline) if not chunks else None
+                if delay is None:
+                    raise EncoderClientError.from_rpc_error(err) from err
+            except BaseException:
+                call.cancel()
+                raise
+            await asyncio.sleep(delay)
+            attempt += 1
+
+    async def cache_namespace(self) -> str:
+        """The server's cache_namespace (asked once: it is fixed for a server's life)."""
+        if self._cache_namespace is None:
+            self._cache_namespace = (await self.model_info()).cache_namespace
+        return self._cache_namespace
+
+    async def _encode(
+        self,
+        images: Sequence[ImageInput],
+        *,
+        output_dtype: str | None,
+        max_chunk_bytes: int | None,
+        timeout_s: float | None,
+        bf16_as: str,
+        request_id: str | None,
+    ) -> list[EncodedImage]:
         if bf16_as not in BF16_AS:
             raise ValueError(f"bf16_as must be one of {', '.join(BF16_AS)}, got {bf16_as!r}")
         check_images_sequence(images)

@@ -25,6 +25,8 @@ from encoder_client._rpc import (
 )
 from encoder_client.dtypes import BF16_AS
 from encoder_client.errors import EncoderClientError
+from encoder_client.hash_first import HashFirstPlan, is_eviction_race
+from encoder_client.sink import PushedImage, collect_headers
 from encoder_client.types import EncodedImage, ImageInput, ModelInfo
 
 _Resp = TypeVar("_Resp")
@@ -63,6 +65,7 @@ class EncoderClient:
             else grpc.insecure_channel(target, options=options)
         )
         self._stub = encoder_pb2_grpc.VisionEncoderStub(self._channel)
+        self._cache_namespace: str | None = None
         self._health_check = self._channel.unary_unary(
             HEALTH_CHECK_METHOD,
             request_serializer=encode_health_request,
@@ -87,13 +90,69 @@ class EncoderClient:
         timeout_s: float | None = None,
         bf16_as: str = "float32",
         request_id: str | None = None,
+        hash_first: bool = False,
     ) -> list[EncodedImage]:
         """Encode images; one EncodedImage per image, in request order.
 
         ``output_dtype`` None means the model's dtype. bf16 embeddings come back as float32
         (exact) or, with ``bf16_as="uint16"``, as their raw bit patterns. ``timeout_s`` None means
-        the client's default.
+        the client's default. ``hash_first``: hash locally, ask Lookup, send pixels only for the
+        images the server does not cache (see ``encoder_client.hash_first``).
         """
+        kwargs = {"output_dtype": output_dtype, "max_chunk_bytes": max_chunk_bytes, "timeout_s": timeout_s,
+                  "bf16_as": bf16_as, "request_id": request_id}
+        if not hash_first:
+            return self._encode(images, **kwargs)
+        plan = HashFirstPlan.build(images, self.cache_namespace())
+        cached = self.lookup(plan.lookup_hashes, timeout_s=timeout_s) if plan.lookup_indices else []
+        send, replaced = plan.to_send(cached)
+        try:
+            return self._encode(send, **kwargs)
+        except EncoderClientError as err:
+            if not is_eviction_race(err, replaced):
+                raise
+            return self._encode(plan.images, **kwargs)  # evicted since Lookup: send the pixels
+
+    def encode_to_sink(
+        self,
+        images: Sequence[ImageInput],
+        sink_target: str,
+        *,
+        sink_request_id: str | None = None,
+        output_dtype: str | None = None,
+        max_chunk_bytes: int | None = None,
+        timeout_s: float | None = None,
+        request_id: str | None = None,
+    ) -> list[PushedImage]:
+        """Encode images and have the server push the embeddings to ``sink_target`` (an
+        EmbeddingSink, e.g. ``encoder_client.sink.EmbeddingSinkReceiver`` on a decode server), filed
+        under ``sink_request_id`` (default: the request id). Returns each image's header in request
+        order once the sink acknowledged every image; the data never comes back here."""
+        request = build_request(images, output_dtype=output_dtype, max_chunk_bytes=max_chunk_bytes,
+                                request_id=request_id)
+        request.sink.target = sink_target
+        request.sink.request_id = sink_request_id or request.request_id
+        if not request.images:
+            return []
+        chunks = self._call_encode(request, timeout_s, lambda call: list(call))
+        return collect_headers(chunks, len(request.images))
+
+    def cache_namespace(self) -> str:
+        """The server's cache_namespace (asked once: it is fixed for a server's life)."""
+        if self._cache_namespace is None:
+            self._cache_namespace = self.model_info().cache_namespace
+        return self._cache_namespace
+
+    def _encode(
+        self,
+        images: Sequence[ImageInput],
+        *,
+        output_dtype: str | None,
+        max_chunk_bytes: int | None,
+        timeout_s: float | None,
+        bf16_as: str,
+        request_id: str | None,
+    ) -> list[EncodedImage]:
         if bf16_as not in BF16_AS:
             raise ValueError(f"bf16_as must be one of {', '.join(BF16_AS)}, got {bf16_as!r}")
         request = build_request(
@@ -121,6 +180,32 @@ class EncoderClient:
                     raise EncoderClientError.from_rpc_error(err) from err
             except BaseException:
                 call.cancel()  # stop the server's work for a response nobody will read
+                raise
+            time.sleep(delay)
+            attempt += 1
+
+    def _call_encode(self, request: encoder_pb2.EncodeRequest, timeout_s: float | None,
+                     consume: Callable[[Any], _Resp]) -> _Resp:
+        """One Encode stream, retried on UNAVAILABLE while nothing of it has arrived."""
+        deadline = deadline_after(self._timeout(timeout_s))
+        attempt = 0
+        while True:
+            call = self._stub.Encode(request, timeout=remaining_s(deadline), metadata=self._metadata)
+            received = []
+
+            def counted(call=call, received=received):
+                for chunk in call:
+                    received.append(chunk)
+                    yield chunk
+
+            try:
+                return consume(counted())
+            except grpc.RpcError as err:
+                delay = self._retry.retry_delay_s(err, attempt, deadline) if not received else None
+                if delay is None:
+                    raise EncoderClientError.from_rpc_error(err) from err
+            except BaseException:
+                call.cancel()
                 raise
             time.sleep(delay)
             attempt += 1

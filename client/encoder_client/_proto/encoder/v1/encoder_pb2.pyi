@@ -63,7 +63,7 @@ class EncodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., output_dtype: _Optional[_Union[DType, str]] = ..., sink: _Optional[_Union[Sink, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class EmbeddingChunk(_message.Message):
-    __slots__ = ("request_id", "image_index", "content_hash", "grid_thw", "num_tokens", "hidden_size", "dtype", "token_offset", "data", "last", "cache_hit", "timing")
+    __slots__ = ("request_id", "image_index", "content_hash", "grid_thw", "num_tokens", "hidden_size", "dtype", "token_offset", "data", "last", "cache_hit", "timing", "num_images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class EmbeddingChunk(_message.Message):
     LAST_FIELD_NUMBER: _ClassVar[int]
     CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    NUM_IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     image_index: int
     content_hash: str
@@ -88,7 +89,8 @@ class EmbeddingChunk(_message.Message):
     last: bool
     cache_hit: bool
     timing: ServerTiming
-    def __init__(self, request_id: _Optional[str] = ..., image_index: _Optional[int] = ..., content_hash: _Optional[str] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., token_offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., cache_hit: _Optional[bool] = ..., timing: _Optional[_Union[ServerTiming, _Mapping]] = ...) -> None: ...
+    num_images: int
+    def __init__(self, request_id: _Optional[str] = ..., image_index: _Optional[int] = ..., content_hash: _Optional[str] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., token_offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., cache_hit: _Optional[bool] = ..., timing: _Optional[_Union[ServerTiming, _Mapping]] = ..., num_images: _Optional[int] = ...) -> None: ...
 
 class ServerTiming(_message.Message):
     __slots__ = ("queue_ms", "preprocess_ms", "forward_ms")

@@ -1,0 +1,144 @@
+"""The decode side of EPD: receive pushed image embeddings and run the LLM on them.
+
+A prefill/decode server that never holds the vision tower. It mounts ``EmbeddingSinkReceiver`` (from
+``encoder_client``: no torch needed for that part) on its gRPC server; the encoder service, started
+with ``--allowed-sinks <this host:port>``, pushes each request's image embeddings here. The server
+then splices them into ``inputs_embeds`` at the image placeholder tokens and runs the language
+model of a transformers Qwen2.5-VL checkpoint (the same one the encoder serves)::
+
+    python examples/epd_decode_server.py --model /ckpt --port 9000
+    encoder-service serve --model /ckpt --allowed-sinks 'localhost:9000,127.0.0.1:9000'
+
+A driver (a router, a test) then sends the images to the encoder with
+``Sink(target="127.0.0.1:9000", request_id=R)`` and the prompt to this server with the same R.
+The prompt's protocol is the example's own: one gRPC method ``/epd.example.Decode/Generate`` whose
+request is JSON ``{"request_id", "input_ids", "image_grid_thw", "max_new_tokens", "timeout_s"}`` and
+whose response is an ``.npz``: ``prefill_logits`` [seq, vocab] of the prompt, ``step_logits``
+[max_new_tokens, vocab] (the logits each greedy token was picked from) and ``tokens``.
+
+Copy ``splice_image_embeddings`` and ``mrope_position_ids``: they are what a real server needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import logging
+from collections.abc import Sequence
+
+import grpc
+import numpy as np
+import torch
+from encoder_client import EmbeddingSinkReceiver, EncodedImage
+
+log = logging.getLogger("epd_decode_server")
+
+GENERATE_METHOD = "/epd.example.Decode/Generate"
+
+
+def splice_image_embeddings(model, input_ids: torch.Tensor, images: Sequence[EncodedImage]) -> torch.Tensor:
+    """inputs_embeds [1, seq, hidden] of input_ids [1, seq], the image placeholder tokens replaced by
+    the images' embeddings in order (image i's num_tokens placeholders get image i's rows)."""
+    embed = model.get_input_embeddings()
+    inputs_embeds = embed(input_ids)
+    positions = (input_ids[0] == model.config.image_token_id).nonzero().flatten()
+    rows = torch.cat([torch.from_numpy(np.asarray(im.embedding)) for im in images]).to(inputs_embeds.dtype)
+    if rows.shape[0] != positions.numel():
+        raise ValueError(f"the prompt has {positions.numel()} image placeholders, the images "
+                         f"{rows.shape[0]} tokens ({[im.num_tokens for im in images]})")
+    inputs_embeds = inputs_embeds.clone()
+    inputs_embeds[0, positions] = rows
+    return inputs_embeds
+
+
+def mrope_position_ids(model, input_ids: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+    """Qwen2.5-VL's 3-D rotary positions [3, 1, seq]: they need only the ids and the grids."""
+    mm_token_type_ids = (input_ids == model.config.image_token_id).int()
+    position_ids, _ = model.model.get_rope_index(input_ids, mm_token_type_ids, image_grid_thw=image_grid_thw)
+    return position_ids
+
+
+@torch.no_grad()
+def greedy_decode(model, input_ids: list[int], image_grid_thw: list[list[int]], images: Sequence[EncodedImage],
+                  max_new_tokens: int) -> dict[str, np.ndarray]:
+    """Greedy tokens from the prompt with the images' embeddings spliced in (no KV cache: a tiny
+    example; a real server would keep one)."""
+    ids = torch.tensor([input_ids], dtype=torch.long)
+    grids = torch.tensor(image_grid_thw, dtype=torch.long)
+    embeds = splice_image_embeddings(model, ids, images)
+    embed = model.get_input_embeddings()
+    step_logits, tokens, prefill_logits = [], [], None
+    for _ in range(max_new_tokens):
+        out = model(inputs_embeds=embeds, position_ids=mrope_position_ids(model, ids, grids))
+        logits = out.logits[0].float()
+        if prefill_logits is None:
+            prefill_logits = logits.numpy().copy()
+        step_logits.append(logits[-1].numpy().copy())
+        token = int(logits[-1].argmax())
+        tokens.append(token)
+        next_id = torch.tensor([[token]], dtype=torch.long)
+        ids = torch.cat([ids, next_id], dim=1)
+        embeds = torch.cat([embeds, embed(next_id)], dim=1)
+    return {"prefill_logits": prefill_logits, "step_logits": np.stack(step_logits),
+            "tokens": np.array(tokens, dtype=np.int64)}
+
+
+def load_language_model(path: str):
+    """The checkpoint's LLM; the vision tower is dropped: here it would be dead weight."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model.model.visual = None
+    return model
+
+
+class DecodeServer:
+    def __init__(self, model, receiver: EmbeddingSinkReceiver) -> None:
+        self.model = model
+        self.receiver = receiver
+
+    async def generate(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        req = json.loads(request)
+        try:
+            # The prompt may arrive before, during or after the push: wait for this request's images.
+            images = await self.receiver.wait(req["request_id"], timeout_s=req.get("timeout_s", 60.0))
+        except Exception as exc:  # whatever it was, the driver should hear it
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"embeddings for {req['request_id']}: {exc}")
+        out = await asyncio.to_thread(greedy_decode, self.model, req["input_ids"], req["image_grid_thw"],
+                                      images, int(req.get("max_new_tokens", 1)))
+        buf = io.BytesIO()
+        np.savez(buf, **out)
+        return buf.getvalue()
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        method = grpc.unary_unary_rpc_method_handler(self.generate)
+        return grpc.method_handlers_generic_handler("epd.example.Decode", {"Generate": method})
+
+
+async def serve(model_path: str, host: str, port: int, max_buffered_bytes: int) -> None:
+    model = await asyncio.to_thread(load_language_model, model_path)
+    receiver = EmbeddingSinkReceiver(max_buffered_bytes=max_buffered_bytes, request_timeout_s=120)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)])
+    receiver.add_to_server(server)
+    server.add_generic_rpc_handlers((DecodeServer(model, receiver).handler(),))
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    print(f"decode server listening on {host}:{bound}", flush=True)
+    await server.wait_for_termination()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="transformers Qwen2.5-VL checkpoint directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9000, help="0 picks a free port (printed)")
+    parser.add_argument("--max-buffered-bytes", type=int, default=1 << 30)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    asyncio.run(serve(args.model, args.host, args.port, args.max_buffered_bytes))
+
+
+if __name__ == "__main__":
+    main()
