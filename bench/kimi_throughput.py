@@ -1,0 +1,109 @@
+"""Kimi-K2.5 vision tower + projector throughput: our backends against transformers' reference.
+
+    python bench/kimi_throughput.py --out kimi.json
+
+Same method as vit_throughput.py (random bf16 weights of the full-size preset, pixels already on the
+GPU, median of CUDA-event timings after warm-up). Cases: (a) 8 images of 1008x1008, (c) 64 of 448x448.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.vit_throughput import gemm_ceiling, time_it
+from encoder_service.attention.registry import BACKENDS, backend_class
+from encoder_service.models import load_vision_model
+from encoder_service.models.kimi_k25 import KimiK25VisionConfig
+from encoder_service.models.kimi_k25_loading import checkpoint_config, original_to_split
+from encoder_service.models.presets import PRESETS, random_vision_state
+
+CASES = {"a": ("8 x 1008x1008", [[1, 72, 72]] * 8), "c": ("64 x 448x448", [[1, 32, 32]] * 64)}
+
+
+def reference(preset, state):
+    from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config, Kimi_K25VisionConfig
+    from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25MultimodalProjection, Kimi_K25VisionModel
+
+    config = checkpoint_config(preset.vision_config, preset.text_hidden_size)
+    vcfg = Kimi_K25VisionConfig(**{k: v for k, v in config["vision_config"].items() if k != "model_type"})
+    vcfg._attn_implementation = "sdpa"
+    full = Kimi_K25Config(vision_config=vcfg, text_config=config["text_config"],
+                          projection_hidden_size=config["projection_hidden_size"],
+                          projection_layer_norm_eps=config["projection_layer_norm_eps"])
+    tower = Kimi_K25VisionModel._from_config(vcfg).eval()
+    projector = Kimi_K25MultimodalProjection(full).eval()
+    split = original_to_split(state, KimiK25VisionConfig.from_config(config), prefix="")
+    for module, prefix in ((tower, "vision_tower."), (projector, "mm_projector.")):
+        module.load_state_dict({k.removeprefix(prefix): v for k, v in split.items() if k.startswith(prefix)},
+                               strict=False)
+    tower.to("cuda", torch.bfloat16)
+    projector.to("cuda", torch.bfloat16)
+
+    def run(pixels, grid_t):
+        return projector(tower(pixels.view(-1, 3, 14, 14), grid_thw=grid_t).pooler_output)
+
+    return run
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    preset = PRESETS["kimi-k2.5"]
+    state = random_vision_state(preset)
+    rng = np.random.default_rng(0)
+    inputs = {}
+    for c, (_, grids) in CASES.items():
+        n = sum(t * h * w for t, h, w in grids)
+        pixels = torch.from_numpy(rng.standard_normal((n, 588), dtype=np.float32))
+        inputs[c] = (grids, pixels.to("cuda", torch.bfloat16))
+    ceiling = gemm_ceiling()
+    print(f"device: {torch.cuda.get_device_name()}  bf16 GEMM {ceiling:.0f} TFLOP/s", flush=True)
+    results = []
+
+    def record(label, c, seconds):
+        row = {"contender": label, "case": c, "case_name": CASES[c][0], "seconds": seconds,
+               "images_per_s": len(CASES[c][1]) / seconds}
+        results.append(row)
+        print(f"{label:24s} case {c}: {row['images_per_s']:8.1f} images/s {seconds * 1e3:8.1f} ms", flush=True)
+
+    ref = reference(preset, state)
+    for c, (grids, px) in inputs.items():
+        g = torch.tensor(grids, device="cuda")
+        with torch.inference_mode():
+            record("transformers (sdpa)", c, time_it(lambda p=px, g=g, f=ref: f(p, g), args.iters, args.warmup))
+    del ref
+    torch.cuda.empty_cache()
+    names = [n for n in BACKENDS if backend_class(n).unsupported_reason(torch.device("cuda"), torch.bfloat16, 72)
+             is None]
+    for name in names:
+        try:
+            model = load_vision_model("kimi-k2.5", device="cuda", dtype="bfloat16", attn_backend=name)
+            for c, (grids, px) in inputs.items():
+                record(name, c, time_it(lambda m=model, p=px, g=grids: m.encode_packed(p, g), args.iters,
+                                        args.warmup))
+            del model
+        except Exception as exc:  # one failing contender must not lose the run
+            print(f"{name}: FAILED {type(exc).__name__}: {exc}", flush=True)
+            results.append({"contender": name, "error": f"{type(exc).__name__}: {exc}"})
+        torch.cuda.empty_cache()
+    if args.out:
+        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                        "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
+                                        "gemm_tflops": ceiling, "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
