@@ -1,0 +1,137 @@
+"""Many encoders and hash-first: cache-affine rendezvous routing, failover, no pixels for cached images."""
+
+from __future__ import annotations
+
+import threading
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from encoder_client import EncoderClient, RoutingEncoderClient
+from encoder_client.routing import rendezvous_rank, resolve_targets
+
+GRID = (1, 4, 4)
+
+
+def patches(seed: int) -> tuple[np.ndarray, tuple[int, int, int]]:
+    return np.random.default_rng(seed).standard_normal((16, 1176), dtype=np.float32), GRID
+
+
+def images_by_source(server, source: str) -> float:
+    """encoder_service_images_total for one input kind (whatever other labels the series has)."""
+    body = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    return sum(float(line.split()[-1]) for line in body.splitlines()
+               if line.startswith("encoder_service_images_total{") and f'source="{source}"' in line)
+
+
+@pytest.fixture(scope="module")
+def three_encoders(start_encoder_server, tmp_path_factory):
+    tmp_path_factory.getbasetemp()  # created once here, not raced by the three starts
+    with ThreadPoolExecutor(3) as pool:
+        return list(pool.map(lambda _: start_encoder_server("--batch-wait-ms", "0"), range(3)))
+
+
+def test_rendezvous_moves_only_the_images_of_a_removed_target():
+    targets = ["a:1", "b:1", "c:1"]
+    hashes = [f"{i:064x}" for i in range(300)]
+    before = {h: rendezvous_rank(h, targets)[0] for h in hashes}
+    after = {h: rendezvous_rank(h, ["a:1", "c:1"])[0] for h in hashes}
+    moved = [h for h in hashes if before[h] != after[h]]
+    assert moved and all(before[h] == "b:1" for h in moved)
+    assert 60 < sum(t == "b:1" for t in before.values()) < 140  # about a third each
+
+
+def test_dns_name_resolves_to_every_address_and_unreachable_ones_are_skipped(three_encoders):
+    port = three_encoders[0].target.rsplit(":", 1)[1]
+    assert f"127.0.0.1:{port}" in resolve_targets(f"dns:///localhost:{port}")
+    # localhost may also resolve to ::1, where nothing listens: health says so and it is skipped.
+    with RoutingEncoderClient(f"dns:///localhost:{port}") as client:
+        results = client.encode([patches(1), patches(2)])
+        assert client.healthy_targets() == [f"127.0.0.1:{port}"]
+    assert [r.index for r in results] == [0, 1]
+
+
+def test_resending_fifty_images_hits_the_cache_and_stopping_an_encoder_loses_no_request(three_encoders):
+    targets = [s.target for s in three_encoders]
+    images = [patches(100 + i) for i in range(50)]
+    batches = [list(range(i, i + 5)) for i in range(0, 50, 5)]
+    with RoutingEncoderClient(targets, health_interval_s=0.5) as client:
+        first = {}
+        for batch in batches:
+            for i, r in zip(batch, client.encode([images[i] for i in batch]), strict=True):
+                first[i] = r
+        assert all(r.index == k for k, r in enumerate(client.encode([images[i] for i in range(5)])))
+        owners = {client.route(first[i].content_hash) for i in range(50)}
+        assert owners == set(targets)  # one request's images were split across every encoder
+
+        again = [r for batch in batches for r in client.encode([images[i] for i in batch])]
+        hit_ratio = sum(r.cache_hit for r in again) / len(again)
+        assert hit_ratio >= 0.95, hit_ratio
+        for k, r in enumerate(again):
+            np.testing.assert_array_equal(r.embedding, first[k].embedding)
+
+        # Third pass: one encoder is stopped while requests run; every request still completes.
+        victim = three_encoders[1]
+        done: list[list] = []
+        stopper = threading.Thread(target=victim.stop)
+
+        for n, batch in enumerate(batches * 2):
+            if n == 3:
+                stopper.start()
+            results = client.encode([images[i] for i in batch])
+            assert [r.content_hash for r in results] == [first[i].content_hash for i in batch]
+            for i, r in zip(batch, results, strict=True):
+                np.testing.assert_array_equal(r.embedding, first[i].embedding)
+            done.append(results)
+        stopper.join(60)
+        assert len(done) == 20 and victim.proc.poll() is not None
+        assert victim.target not in client.healthy_targets()
+        # Only the stopped encoder's share moved (about a third): the rest stayed hits throughout,
+        # and once the moved ones are encoded on their new owners, everything is a hit again.
+        moved = {i for i in range(50) if rendezvous_rank(first[i].content_hash, targets)[0] == victim.target}
+        assert 5 < len(moved) < 30
+        assert all(r.cache_hit for batch, results in zip(batches * 2, done, strict=True)
+                   for i, r in zip(batch, results, strict=True) if i not in moved)
+        for batch in batches:
+            client.encode([images[i] for i in batch])
+        final = [r for batch in batches for r in client.encode([images[i] for i in batch])]
+        assert sum(r.cache_hit for r in final) / len(final) >= 0.95
+
+
+def test_hash_first_sends_no_pixels_for_cached_images(three_encoders):
+    server = three_encoders[0]
+    images = [patches(500 + i) for i in range(4)]
+    with EncoderClient(server.target) as client:
+        sent_before = images_by_source(server, "patches")
+        first = client.encode(images, hash_first=True)
+        assert images_by_source(server, "patches") == sent_before + 4  # misses: pixels sent
+        refs_before = images_by_source(server, "content_hash")
+        again = client.encode(images, hash_first=True)
+        assert images_by_source(server, "patches") == sent_before + 4  # no pixel bytes this time
+        assert images_by_source(server, "content_hash") == refs_before + 4
+    assert all(r.cache_hit for r in again) and not any(r.cache_hit for r in first)
+    for a, b in zip(first, again, strict=True):
+        assert a.content_hash == b.content_hash
+        np.testing.assert_array_equal(a.embedding, b.embedding)
+
+
+def test_hash_first_resends_pixels_when_an_entry_is_evicted_after_lookup(three_encoders, monkeypatch):
+    server = three_encoders[0]
+    images = [patches(600), patches(601)]
+    with EncoderClient(server.target) as client:
+        # Lookup says "cached" for images the server never saw: exactly what eviction after Lookup looks like.
+        monkeypatch.setattr(client, "lookup", lambda hashes, **kw: [True] * len(hashes))
+        sent_before = images_by_source(server, "patches")
+        results = client.encode(images, hash_first=True)
+        assert images_by_source(server, "patches") == sent_before + 2
+    assert [r.index for r in results] == [0, 1] and not any(r.cache_hit for r in results)
+
+
+def test_no_healthy_encoder_is_unavailable():
+    from encoder_client import EncoderClientError
+
+    with RoutingEncoderClient(["127.0.0.1:1"], health_timeout_s=0.2) as client, \
+            pytest.raises(EncoderClientError) as exc:
+        client.encode([patches(1)])
+    assert exc.value.code.name == "UNAVAILABLE"

@@ -1,0 +1,242 @@
+"""Pushing embeddings to an EmbeddingSink: allowed targets only, retries, per-request failure, and
+the receiver a decode server mounts (reassembly, awaitables, byte bound, cleanup)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+from encoder_client import EmbeddingSinkReceiver, EncoderClient, EncoderClientError
+from encoder_client._proto.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+
+GRID = (1, 8, 8)
+
+
+def patches(seed: int, grid=GRID) -> tuple[np.ndarray, tuple[int, int, int]]:
+    n = int(np.prod(grid))
+    return np.random.default_rng(seed).standard_normal((n, 1176), dtype=np.float32), grid
+
+
+class SinkServer:
+    """A grpc.aio server with an EmbeddingSinkReceiver, on its own event loop thread."""
+
+    def __init__(self, port: int = 0, **receiver_kwargs) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.receiver, self.server, bound = self.call(self._start(port, receiver_kwargs))
+        self.target = f"127.0.0.1:{bound}"
+
+    async def _start(self, port: int, kwargs: dict):
+        receiver = EmbeddingSinkReceiver(**kwargs)
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        receiver.add_to_server(server)
+        bound = server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        return receiver, server, bound
+
+    def call(self, coro, timeout_s: float = 30.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def wait(self, request_id: str, timeout_s: float = 10.0):
+        return self.call(self.receiver.wait(request_id, timeout_s=timeout_s), timeout_s + 5)
+
+    def stop(self) -> None:
+        self.call(self.server.stop(0))
+        self.call(self.receiver.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture
+def sink():
+    servers: list[SinkServer] = []
+
+    def start(**kwargs) -> SinkServer:
+        servers.append(SinkServer(**kwargs))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def sink_encoder(start_encoder_server):
+    return start_encoder_server("--allowed-sinks", "127.0.0.1:*", "--max-chunk-bytes", "65536")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sink_metric(server, target: str) -> float:
+    import urllib.request
+
+    body = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    for line in body.splitlines():
+        if line.startswith("encoder_service_sink_push_failures_total{") and f'target="{target}"' in line:
+            return float(line.split()[-1])
+    return 0.0
+
+
+# --- the encoder side ------------------------------------------------------------------------------
+
+
+def test_a_sink_outside_allowed_sinks_is_denied_without_a_connection(sink_encoder):
+    connects: list[tuple] = []
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(0.1)
+    stop = threading.Event()
+
+    def accept_loop():
+        while not stop.is_set():
+            try:
+                conn, addr = listener.accept()
+            except TimeoutError:
+                continue
+            connects.append(addr)
+            conn.close()
+
+    thread = threading.Thread(target=accept_loop, daemon=True)
+    thread.start()
+    port = listener.getsockname()[1]
+    try:
+        with EncoderClient(sink_encoder.target, retries=0) as client:
+            # The allowed pattern is 127.0.0.1:*; "localhost" reaches the same socket but is not allowed.
+            for target in (f"localhost:{port}", f"dns:///127.0.0.1:{port}", f"127.0.0.1:{port}/x"):
+                with pytest.raises(EncoderClientError) as exc:
+                    client.encode_to_sink([patches(0)], target, sink_request_id="r")
+                assert exc.value.code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT)
+            with pytest.raises(EncoderClientError) as exc:
+                client.encode_to_sink([patches(0)], f"localhost:{port}", sink_request_id="r")
+            assert exc.value.code == grpc.StatusCode.PERMISSION_DENIED
+            assert f"localhost:{port}" in exc.value.details and "--allowed-sinks" in exc.value.details
+        time.sleep(0.5)
+        assert connects == []
+    finally:
+        stop.set()
+        thread.join(2)
+        listener.close()
+
+
+def test_pushed_embeddings_equal_the_streamed_ones(sink_encoder, sink):
+    s = sink()
+    images = [patches(1), patches(2, (1, 4, 6)), patches(1)]  # the third repeats the first
+    with EncoderClient(sink_encoder.target) as client:
+        streamed = client.encode(images)
+        headers = client.encode_to_sink(images, s.target, sink_request_id="same-as-stream",
+                                        max_chunk_bytes=4096)  # several chunks per image
+    received = s.wait("same-as-stream")
+    assert [h.index for h in headers] == [0, 1, 2]
+    assert all(h.cache_hit for h in headers)  # the streamed request cached them
+    for h, got, want in zip(headers, received, streamed, strict=True):
+        assert (h.content_hash, h.num_tokens, h.grid_thw) == (want.content_hash, want.num_tokens, want.grid_thw)
+        np.testing.assert_array_equal(got.embedding, want.embedding)
+    assert s.receiver.pending_requests == 0 and s.receiver.buffered_bytes == 0
+
+
+def test_a_sink_that_stays_down_fails_only_its_request_with_unavailable(sink_encoder):
+    down = f"127.0.0.1:{free_port()}"
+    before = sink_metric(sink_encoder, down)
+    with EncoderClient(sink_encoder.target, retries=0) as client, ThreadPoolExecutor(2) as pool:
+        failing = pool.submit(client.encode_to_sink, [patches(3)], down, sink_request_id="lost")
+        others = [client.encode([patches(10 + i)]) for i in range(3)]
+        with pytest.raises(EncoderClientError) as exc:
+            failing.result(30)
+    assert exc.value.code == grpc.StatusCode.UNAVAILABLE
+    assert f"sink {down} is unavailable" in exc.value.details
+    assert all(len(r) == 1 for r in others)
+    assert sink_metric(sink_encoder, down) == before + 1
+
+
+def test_a_sink_that_comes_back_within_the_retries_gets_the_push(sink_encoder, sink):
+    port = free_port()
+    started: list = []
+    timer = threading.Timer(0.3, lambda: started.append(sink(port=port)))
+    timer.start()
+    with EncoderClient(sink_encoder.target, retries=0) as client:
+        headers = client.encode_to_sink([patches(4), patches(5)], f"127.0.0.1:{port}", sink_request_id="late")
+    timer.join()
+    assert len(headers) == 2
+    assert [im.index for im in started[0].wait("late")] == [0, 1]
+
+
+def test_a_full_sink_buffer_fails_the_request_with_resource_exhausted(sink_encoder, sink):
+    s = sink(max_buffered_bytes=1000)  # one 16-token x 48 float32 image is 3072 bytes
+    with EncoderClient(sink_encoder.target, retries=0) as client, pytest.raises(EncoderClientError) as exc:
+        client.encode_to_sink([patches(6)], s.target, sink_request_id="big")
+    assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_buffered_bytes" in exc.value.details
+    assert s.receiver.buffered_bytes == 0
+
+
+# --- the receiver alone ------------------------------------------------------------------------------
+
+
+def chunk(request_id: str, index: int, num_images: int, rows: np.ndarray, offset: int = 0, last: bool = True):
+    return encoder_pb2.EmbeddingChunk(
+        request_id=request_id, image_index=index, num_images=num_images, content_hash=f"h{index}",
+        grid_thw=[1, 4, 4], num_tokens=4, hidden_size=rows.shape[1], dtype=encoder_pb2.DTYPE_FLOAT32,
+        token_offset=offset, data=rows.astype("<f4").tobytes(), last=last)
+
+
+def push(target: str, chunks) -> encoder_pb2.PushAck:
+    with grpc.insecure_channel(target) as channel:
+        return encoder_pb2_grpc.EmbeddingSinkStub(channel).Push(iter(chunks), timeout=10)
+
+
+def test_receiver_resolves_each_image_and_the_request_and_restarts_a_retried_push(sink):
+    s = sink()
+    a = np.arange(16, dtype=np.float32).reshape(4, 4)
+    b = -a
+
+    async def expect():
+        return s.receiver.expect("r1")
+
+    pending = s.call(expect())
+    first = asyncio.run_coroutine_threadsafe(pending.image(1), s.loop)
+    # A push that ends after image 1 and half of image 0: refused, the request stays pending.
+    with pytest.raises(grpc.RpcError) as exc:
+        push(s.target, [chunk("r1", 1, 2, b), chunk("r1", 0, 2, a[:2], last=False)])
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "1 of 2 images" in exc.value.details()
+    np.testing.assert_array_equal(first.result(5).embedding, b)  # image 1 was complete: resolved already
+    # The encoder's retry sends everything again; image 0 is reassembled from scratch.
+    ack = push(s.target, [chunk("r1", 0, 2, a[:2], last=False), chunk("r1", 1, 2, b),
+                          chunk("r1", 0, 2, a[2:], offset=2)])
+    assert ack.images == 2
+    images = s.wait("r1")
+    np.testing.assert_array_equal(images[0].embedding, a)
+    np.testing.assert_array_equal(images[1].embedding, b)
+    assert s.receiver.buffered_bytes == 0
+
+
+def test_receiver_drops_abandoned_requests_and_frees_their_bytes(sink):
+    s = sink(request_timeout_s=0.3)
+    push(s.target, [chunk("nobody-waits", 0, 1, np.ones((4, 4), np.float32))])
+    assert s.receiver.buffered_bytes == 64
+    deadline = time.monotonic() + 5
+    while s.receiver.pending_requests and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert s.receiver.pending_requests == 0 and s.receiver.buffered_bytes == 0
+    with pytest.raises(EncoderClientError) as exc:
+        s.wait("never-pushed", timeout_s=0.2)
+    assert exc.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_receiver_refuses_chunks_without_request_id_or_image_count(sink):
+    s = sink()
+    for bad in (chunk("", 0, 1, np.ones((4, 4), np.float32)), chunk("r", 0, 0, np.ones((4, 4), np.float32))):
+        with pytest.raises(grpc.RpcError) as exc:
+            push(s.target, [bad])
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
