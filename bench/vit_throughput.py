@@ -108,6 +108,8 @@ def main(argv=None) -> int:
                         help="torch.compile of the non-attention parts of each block")
     parser.add_argument("--mlp-pad", choices=["off", "on", "both"], default="on",
                         help="zero-pad the MLP intermediate size to a multiple of 64 (VisionBlock.fuse_mlp)")
+    parser.add_argument("--try-compile-mode", default=None,
+                        help="also time flashinfer-cudnn with this torch.compile mode, e.g. max-autotune-no-cudagraphs")
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -181,6 +183,25 @@ def main(argv=None) -> int:
                     results.append({"contender": label, "error": f"{type(exc).__name__}: {exc}"})
                 del model
                 torch.cuda.empty_cache()
+
+    if args.try_compile_mode:
+        torch._dynamo.reset()
+        label = f"flashinfer-cudnn +compile({args.try_compile_mode})"
+        try:
+            model = build(cfg, dict(state), model_id=args.preset, preprocess_config=None, device=device,
+                          dtype=torch.bfloat16, attn_backend="flashinfer-cudnn", compile=False)
+            model.module.compile(mode=args.try_compile_mode)
+            for c, (grids, pixels, _) in inputs.items():
+                t0 = time.perf_counter()
+                model.encode_packed(pixels, grids)
+                torch.cuda.synchronize()
+                first = time.perf_counter() - t0
+                seconds = time_it(lambda m=model, p=pixels, g=grids: m.encode_packed(p, g), args.iters,
+                                  args.warmup)
+                record(label, c, seconds, {"first_call_s": first})
+        except Exception as exc:
+            print(f"{label}: FAILED {type(exc).__name__}: {exc}", flush=True)
+            results.append({"contender": label, "error": f"{type(exc).__name__}: {exc}"})
 
     summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
                "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "gemm_tflops": ceiling,

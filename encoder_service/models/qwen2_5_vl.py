@@ -113,7 +113,16 @@ def pre_attention(x: torch.Tensor, norm_w: torch.Tensor, qkv_w: torch.Tensor, qk
     qkv = F.linear(rms_norm(x, norm_w, eps), qkv_w, qkv_b)
     q, k, v = qkv.view(x.shape[0], 3, num_heads, -1).unbind(1)
     q, k = apply_rotary(q, k, cos, sin)
-    return q, k, v
+    # Contiguous here, inside the compiled graph, where the copy fuses with the rotary kernel;
+    # kernels that want [T, H, D] packed (cuDNN) would otherwise copy it on their own.
+    return q, k, v.contiguous()
+
+
+def between_attentions(x, attn, post_args, pre_args, cos, sin, num_heads: int, eps: float, act: str):
+    """Block i after its attention and block i+1 before its own, as one graph: the residual add
+    then fuses with the next RMSNorm instead of a pass of its own over the activations."""
+    x = post_attention(x, attn, *post_args, eps, act)
+    return (x, *pre_attention(x, *pre_args, cos, sin, num_heads, eps))
 
 
 def post_attention(x: torch.Tensor, attn: torch.Tensor, proj_w: torch.Tensor, proj_b: torch.Tensor,
@@ -168,13 +177,12 @@ class VisionBlock(nn.Module):
         self.register_buffer("gate_up_b", gate_up_b, persistent=False)
         self.register_buffer("down_w", down_w, persistent=False)
 
-    def forward(self, x, cos, sin, backend, prepared, pre=pre_attention, post=post_attention) -> torch.Tensor:
-        # The halves are free functions so one compiled graph serves every block (see compile()).
-        a = self.attn
-        q, k, v = pre(x, self.norm1.weight, a.qkv.weight, a.qkv.bias, cos, sin, self.num_heads, self.eps)
-        out = backend.forward(q, k, v, prepared)
-        return post(x, out, a.proj.weight, a.proj.bias, self.norm2.weight, self.gate_up_w, self.gate_up_b,
-                    self.down_w, self.mlp.down_proj.bias, self.eps, self.act)
+    def pre_args(self) -> tuple[torch.Tensor, ...]:
+        return self.norm1.weight, self.attn.qkv.weight, self.attn.qkv.bias
+
+    def post_args(self) -> tuple[torch.Tensor, ...]:
+        return (self.attn.proj.weight, self.attn.proj.bias, self.norm2.weight, self.gate_up_w, self.gate_up_b,
+                self.down_w, self.mlp.down_proj.bias)
 
 
 class PatchMerger(nn.Module):
@@ -204,15 +212,19 @@ class Qwen2_5_VisionTower(nn.Module):
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32) / half))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.full_blocks = frozenset(cfg.fullatt_block_indexes)
-        self._pre, self._post = pre_attention, post_attention
+        self._pre, self._post, self._between = pre_attention, post_attention, between_attentions
 
-    def compile(self) -> None:
-        """torch.compile the non-attention halves of the blocks (dynamic token count: one graph each).
+    def compile(self, mode: str | None = None) -> None:
+        """torch.compile the parts between attentions (attention itself stays with the backends).
 
-        Attention stays outside the graph: its kernels are the backends' business.
+        Automatic dynamic shapes (``dynamic=None``): the first batch compiles with static sizes, the
+        first different token count recompiles once with only that dimension symbolic. Marking every
+        dimension dynamic up front (``dynamic=True``) measured 18% slower on the H100 (the hidden
+        sizes became symbolic too, bench/RESULTS.md).
         """
-        self._pre = torch.compile(pre_attention, dynamic=True, fullgraph=True)
-        self._post = torch.compile(post_attention, dynamic=True, fullgraph=True)
+        self._pre = torch.compile(pre_attention, fullgraph=True, mode=mode)
+        self._post = torch.compile(post_attention, fullgraph=True, mode=mode)
+        self._between = torch.compile(between_attentions, fullgraph=True, mode=mode)
 
     def rotary(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # [N, 2] (h, w) -> [N, 2, head_dim/4] -> [N, head_dim/2] -> [N, head_dim], float32.
@@ -232,8 +244,16 @@ class Qwen2_5_VisionTower(nn.Module):
         n, dim = x.shape
         x = x.view(n // self.unit, self.unit, dim)[window_index].view(n, dim)
         cos, sin = self.rotary(position_ids)
-        for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, backend, plans[i in self.full_blocks], self._pre, self._post)
+        heads, eps, act = self.cfg.num_heads, self.cfg.rms_norm_eps, self.cfg.hidden_act
+        blocks = list(self.blocks)
+        q, k, v = self._pre(x, *blocks[0].pre_args(), cos, sin, heads, eps)
+        for i, block in enumerate(blocks):
+            out = backend.forward(q, k, v, plans[i in self.full_blocks])
+            if i + 1 < len(blocks):
+                x, q, k, v = self._between(x, out, block.post_args(), blocks[i + 1].pre_args(), cos, sin,
+                                           heads, eps, act)
+            else:
+                x = self._post(x, out, *block.post_args(), eps, act)
         return self.merger(x)[reverse_index]
 
 
