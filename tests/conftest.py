@@ -197,3 +197,14 @@ def encoder_server(start_encoder_server) -> RunningServer:
     """One shared server per test module (tiny preset, limits small enough to test cheaply)."""
     return start_encoder_server("--max-batch-tokens", "4096", "--max-message-bytes", str(8 << 20),
                                 "--max-image-pixels", "4000000")
+
+
+# --- tools the operations tests run (scripts/ci_tools.sh installs them) ---------------------------------
+
+
+def find_tool(name: str) -> str | None:
+    """A program on PATH or beside this Python (the .venv's bin, also when the venv is not activated)."""
+    import os
+    import shutil
+
+    return shutil.which(name, path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 from dataclasses import fields
 from functools import cache
 
 import pytest
 import yaml
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, find_tool
 
 from encoder_service.config import ENV_PREFIX, ServiceConfig, build_config
 
@@ -30,10 +29,10 @@ def kustomize_command() -> list[str] | None:
     """``kustomize build`` if there is one, else ``kubectl kustomize`` (scripts/ci_tools.sh gets it)."""
     if os.environ.get("KUSTOMIZE"):
         return [os.environ["KUSTOMIZE"], "build"]
-    if shutil.which("kustomize"):
-        return ["kustomize", "build"]
-    if shutil.which("kubectl"):
-        return ["kubectl", "kustomize"]
+    if find_tool("kustomize"):
+        return [find_tool("kustomize"), "build"]
+    if find_tool("kubectl"):
+        return [find_tool("kubectl"), "kustomize"]
     return None
 
 

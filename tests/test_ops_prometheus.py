@@ -13,7 +13,6 @@ from __future__ import annotations
 import io
 import json
 import re
-import shutil
 import socket
 import subprocess
 import time
@@ -27,7 +26,7 @@ import grpc
 import numpy as np
 import pytest
 import yaml
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, find_tool
 from encoder_client import EncoderClient, EncoderClientError, HashRef
 from PIL import Image
 
@@ -146,7 +145,7 @@ class Prometheus:
 
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory, encoder_server_for_scraping) -> Iterator[Prometheus]:
-    binary = shutil.which("prometheus")
+    binary = find_tool("prometheus")
     if binary is None:
         pytest.skip("no prometheus binary on PATH (scripts/ci_tools.sh installs Debian's prometheus)")
     work = tmp_path_factory.mktemp("prometheus")

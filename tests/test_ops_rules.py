@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 
 import pytest
 import yaml
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, find_tool
 
 RULES_DIR = REPO_ROOT / "deploy" / "prometheus"
 REQUIRED_ALERTS = {"EncoderServiceInstanceDown", "EncoderServiceHighErrorRatio", "EncoderServiceLatencySLOFastBurn",
@@ -16,7 +15,7 @@ REQUIRED_ALERTS = {"EncoderServiceInstanceDown", "EncoderServiceHighErrorRatio",
 
 @pytest.fixture(scope="module")
 def promtool() -> str:
-    path = shutil.which("promtool")
+    path = find_tool("promtool")
     if path is None:
         pytest.skip("no promtool on PATH (scripts/ci_tools.sh installs Debian's prometheus)")
     return path
