@@ -135,3 +135,22 @@ def test_no_healthy_encoder_is_unavailable():
             pytest.raises(EncoderClientError) as exc:
         client.encode([patches(1)])
     assert exc.value.code.name == "UNAVAILABLE"
+
+
+def test_cli_encode_routes_over_several_targets_and_hash_first_skips_cached_pixels(tmp_path, capsys):
+    from encoder_client.cli import main
+    from encoder_client.testing import FakeVisionEncoder, serve_fake
+
+    files = []
+    for i in range(6):
+        files.append(tmp_path / f"{i}.png")
+        files[-1].write_bytes(f"image {i}".encode())
+    fakes = [FakeVisionEncoder(), FakeVisionEncoder()]
+    with serve_fake(fakes[0]) as t0, serve_fake(fakes[1]) as t1:
+        assert main(["encode", "--target", f"{t0},{t1}", "--repeat", "2", *map(str, files)]) == 0
+        assert all(len(f.requests) > 0 for f in fakes)  # the images were split over both
+        rows = capsys.readouterr().out.splitlines()[1:]
+        assert [r.split()[5] for r in rows] == ["no"] * 6 + ["yes"] * 6
+        pixels_sent = sum(im.WhichOneof("source") == "encoded" for f in fakes for r in f.requests for im in r.images)
+        assert pixels_sent == 6  # the repeat referenced every image by hash
+        assert main(["encode", "--target", t0, "--hash-first", str(files[0])]) == 0

@@ -12,6 +12,7 @@ import numpy as np
 
 from encoder_client.client import EncoderClient
 from encoder_client.errors import EncoderClientError
+from encoder_client.routing import RoutingEncoderClient
 from encoder_client.types import EncodedImage
 
 
@@ -21,7 +22,7 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def _encode(args: argparse.Namespace, client: EncoderClient) -> int:
+def _encode(args: argparse.Namespace, client: EncoderClient | RoutingEncoderClient) -> int:
     output_dtype = None if args.dtype == "model" else args.dtype
     # Read once: --repeat measures the service (cache hits on repeats), not the disk.
     images = [Path(f).read_bytes() for f in args.files]
@@ -30,8 +31,9 @@ def _encode(args: argparse.Namespace, client: EncoderClient) -> int:
         header = ["run", *header]
     rows: list[list[str]] = []
     results: list[EncodedImage] = []
+    kwargs = {} if isinstance(client, RoutingEncoderClient) else {"hash_first": args.hash_first}
     for run in range(args.repeat):
-        results = client.encode(images, output_dtype=output_dtype, bf16_as=args.bf16_as)
+        results = client.encode(images, output_dtype=output_dtype, bf16_as=args.bf16_as, **kwargs)
         for name, r in zip(args.files, results, strict=True):
             row = [name, str(r.num_tokens), str(r.hidden_size), r.content_hash[:12],
                    "yes" if r.cache_hit else "no", f"{r.latency_ms:.1f}"]
@@ -70,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def add(name: str, help_text: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("--target", required=True, help="HOST:PORT of the encoder service")
+        p.add_argument("--target", required=True,
+                       help="HOST:PORT of the encoder service (encode also takes several, comma-separated, "
+                            "or dns:///NAME:PORT: images are then routed by content hash)")
         p.add_argument("--timeout", type=float, default=60.0, help="deadline per call, seconds (default 60)")
         p.add_argument("--retries", type=int, default=3, help="retries on UNAVAILABLE (default 3)")
         return p
@@ -84,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=1,
                    help="send the same request N times (cache hits after the first)")
     p.add_argument("--out", type=Path, help="write an .npz: image_0, image_1, ... and hashes")
+    p.add_argument("--hash-first", action="store_true",
+                   help="ask Lookup first and send pixels only for images the server does not cache "
+                        "(always on with several targets)")
     p.set_defaults(run=_encode)
     p = add("info", "print the server's ModelInfo")
     p.set_defaults(run=_info)
@@ -102,6 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("encoder-client: error: --repeat must be >= 1", file=sys.stderr)
         return 2
     try:
+        if args.command == "encode" and ("," in args.target or args.target.startswith("dns:")):
+            with RoutingEncoderClient(args.target, timeout_s=args.timeout) as routing:
+                return args.run(args, routing)
         with EncoderClient(args.target, timeout_s=args.timeout, retries=args.retries) as client:
             return args.run(args, client)
     except EncoderClientError as err:

@@ -26,7 +26,7 @@ from .validation import SinkSpec
 
 log = logging.getLogger(__name__)
 
-SINK_RETRIES = 4
+SINK_RETRIES = 5
 SINK_BACKOFF_BASE_S = 0.1
 SINK_BACKOFF_MAX_S = 2.0
 # A decode server's gRPC receive limit is 4 MiB unless it raised it: a pushed chunk (data plus
@@ -45,7 +45,12 @@ class SinkChannels:
 
     def __init__(self, max_message_bytes: int) -> None:
         self._options = [("grpc.max_send_message_length", max_message_bytes),
-                         ("grpc.max_receive_message_length", max_message_bytes)]
+                         ("grpc.max_receive_message_length", max_message_bytes),
+                         # A channel that failed to connect fails calls fast until its reconnect
+                         # backoff ends (1 s growing to 120 s by default): keep it within our retries.
+                         ("grpc.initial_reconnect_backoff_ms", 100),
+                         ("grpc.min_reconnect_backoff_ms", 100),
+                         ("grpc.max_reconnect_backoff_ms", int(SINK_BACKOFF_MAX_S * 1000))]
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def get(self, target: str) -> grpc.aio.Channel:
