@@ -38,10 +38,10 @@ class AiterBackend(AttentionBackend):
     def supports_dtype(cls, dtype: torch.dtype) -> bool:
         return dtype in (torch.float16, torch.bfloat16)
 
-    def prepare(self, meta: AttentionMetadata):
+    def prepare_ragged(self, meta: AttentionMetadata):
         return host_to_device(meta.cu_seqlens, self.device), meta.max_seqlen
 
-    def forward(self, q, k, v, prepared) -> torch.Tensor:
+    def forward_ragged(self, q, k, v, prepared) -> torch.Tensor:
         import aiter
 
         cu, n = prepared

@@ -105,7 +105,7 @@ class FlashInferRaggedBackend(_FlashInferBase):
         self._next += 1
         return wrapper
 
-    def prepare(self, meta: AttentionMetadata):
+    def prepare_ragged(self, meta: AttentionMetadata):
         wrapper = self._wrapper()
         indptr = torch.from_numpy(meta.cu_seqlens).pin_memory()
         # sm_scale of the TRUE head_dim: the zero padding adds nothing to q.k but would change the
@@ -114,7 +114,7 @@ class FlashInferRaggedBackend(_FlashInferBase):
                      sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype)
         return wrapper
 
-    def forward(self, q, k, v, prepared) -> torch.Tensor:
+    def forward_ragged(self, q, k, v, prepared) -> torch.Tensor:
         pad = self.padded - self.head_dim
         if pad:
             q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
@@ -144,7 +144,7 @@ class FlashInferCuDNNBackend(_FlashInferBase):
     def supports_head_size(cls, head_dim: int) -> bool:
         return head_dim % 8 == 0 and head_dim <= 128
 
-    def prepare(self, meta: AttentionMetadata) -> _CuDNNPrepared:
+    def prepare_ragged(self, meta: AttentionMetadata) -> _CuDNNPrepared:
         from ..device import host_to_device
 
         seq = host_to_device(meta.sequence_lengths.reshape(-1, 1, 1, 1), self.device)
@@ -154,7 +154,7 @@ class FlashInferCuDNNBackend(_FlashInferBase):
         off = host_to_device(offsets.astype("int32"), self.device)
         return _CuDNNPrepared(seq, off, _bucket_seqlen(meta.max_seqlen))
 
-    def forward(self, q, k, v, prepared: _CuDNNPrepared) -> torch.Tensor:
+    def forward_ragged(self, q, k, v, prepared: _CuDNNPrepared) -> torch.Tensor:
         from flashinfer.cudnn.prefill import cudnn_batch_prefill_with_kv_cache
 
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

@@ -19,10 +19,10 @@ class SDPABackend(AttentionBackend):
     name = "sdpa"
     priority = 0
 
-    def prepare(self, meta: AttentionMetadata) -> list[tuple[int, int]]:
+    def prepare_ragged(self, meta: AttentionMetadata) -> list[tuple[int, int]]:
         return list(pairwise(meta.split_points()))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward_ragged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 prepared: list[tuple[int, int]]) -> torch.Tensor:
         out = torch.empty_like(q)
         for start, end in prepared:

@@ -44,10 +44,10 @@ class VarlenBackend(AttentionBackend):
     def supports_head_size(cls, head_dim: int) -> bool:
         return head_dim % 8 == 0 and head_dim <= 256
 
-    def prepare(self, meta: AttentionMetadata) -> _Prepared:
+    def prepare_ragged(self, meta: AttentionMetadata) -> _Prepared:
         return _Prepared(host_to_device(meta.cu_seqlens, self.device), meta.max_seqlen)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prepared: _Prepared) -> torch.Tensor:
+    def forward_ragged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prepared: _Prepared) -> torch.Tensor:
         from torch.nn.attention.varlen import varlen_attn
 
         # Positional only: keyword names moved between torch releases; the default scale is
