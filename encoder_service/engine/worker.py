@@ -1,6 +1,6 @@
 """The device worker: one thread that owns the model and runs every forward pass.
 
-The event loop never calls the model. The worker takes a batch, runs ``validate`` and ``encode``
+The event loop never calls the model. The worker takes a batch, runs ``validate`` and ``encode_async``
 once for it, copies each embedding to the CPU (the one device sync per batch, at its end), and
 hands the results back to the loop with ``call_soon_threadsafe``.
 """
@@ -33,15 +33,9 @@ class BatchOutcome:
     forward_s: float
 
 
-def _to_cpu_owned(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """CPU copies that own their storage: a view would keep the whole batch's output alive."""
-    if not outputs:
-        return []
-    if outputs[0].device.type == "cpu":
-        return [o.detach().contiguous().clone() for o in outputs]
-    # One device->host transfer for the batch rather than one per image.
-    host = torch.cat([o.detach() for o in outputs]).to("cpu")
-    return [part.clone() for part in torch.split(host, [int(o.shape[0]) for o in outputs])]
+def _owned(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies that own their storage: a view would keep the whole batch's (pinned) output alive."""
+    return [part.clone() for part in parts]
 
 
 class DeviceWorker:
@@ -82,10 +76,14 @@ class DeviceWorker:
 
     def _run_warmup(self) -> float:
         t, h, w = self._warmup_grid
-        pixels = torch.zeros(t * h * w, self._model.spec.patch_dim, dtype=torch.float32)
+        m = self._model.spec.spatial_merge_size
+        # Two token counts: a compiled model specialises on the first and recompiles once with a
+        # dynamic token dimension on the second; both belong to start-up, not to a first request.
+        grids = [(t, h, w), (t, h + 2 * m, w)]
         started = time.perf_counter()
-        with torch.inference_mode():
-            _to_cpu_owned(self._model.encode(pixels, [self._warmup_grid]))
+        for grid in grids:
+            pixels = torch.zeros(self._model.num_patches(grid), self._model.spec.patch_dim, dtype=torch.float32)
+            _owned(self._model.encode_async(pixels, [list(grid)]).wait())
         return time.perf_counter() - started
 
     def _forward(self, batch: list[WorkItem]) -> BatchOutcome:
@@ -94,9 +92,10 @@ class DeviceWorker:
             pixels = np.concatenate([item.pixels for item in batch]) if len(batch) > 1 else batch[0].pixels
             pixel_values = torch.from_numpy(np.ascontiguousarray(pixels))
             grids = [list(item.grid) for item in batch]
-            with torch.inference_mode():
-                self._model.validate(pixel_values, grids)
-                embeddings = _to_cpu_owned(self._model.encode(pixel_values, grids))
+            self._model.validate(pixel_values, grids)
+            # H2D, forward and D2H into pinned memory are queued without a host sync; wait() is the
+            # batch's single explicit wait.
+            embeddings = _owned(self._model.encode_async(pixel_values, grids).wait())
             if len(embeddings) != len(batch):
                 raise RuntimeError(f"model returned {len(embeddings)} embeddings for {len(batch)} images")
             error = None
