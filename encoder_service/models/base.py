@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..device import host_to_device
 from ..errors import InvalidInput
 
 Grid = tuple[int, int, int]
@@ -129,6 +130,14 @@ class VisionModel:
 
     def validate(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]) -> list[Grid]:
         return validate_batch(pixel_values, grids, self.spec)
+
+    def _pixels_to_device(self, pixel_values: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """One asynchronous host-to-device copy (from pinned memory) of a batch's pixels."""
+        if isinstance(pixel_values, np.ndarray):
+            return host_to_device(pixel_values, self.device)
+        if pixel_values.device.type == "cpu" and self.device.type != "cpu":
+            return pixel_values.pin_memory().to(self.device, non_blocking=True)
+        return pixel_values.to(self.device)
 
     def encode_packed(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]
                       ) -> tuple[torch.Tensor, tuple[int, ...]]:

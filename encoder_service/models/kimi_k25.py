@@ -395,15 +395,5 @@ class KimiK25VisionModel(VisionModel):
         if pixel_values.ndim == 4:
             pixel_values = pixel_values.reshape(pixel_values.shape[0], -1)
         meta = self.metadata(self.validate(pixel_values, grids))
-        if isinstance(pixel_values, np.ndarray):
-            x = host_to_device(pixel_values, self.device)
-        elif pixel_values.device.type == "cpu" and self.device.type != "cpu":
-            x = pixel_values.pin_memory().to(self.device, non_blocking=True)
-        else:
-            x = pixel_values.to(self.device)
+        x = self._pixels_to_device(pixel_values)
         return self.module(x.to(self.dtype), meta, self.backend), meta.tokens_per_image
-
-    def encode(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]
-               ) -> list[torch.Tensor]:
-        packed, tokens = self.encode_packed(pixel_values, grids)
-        return list(packed.split(tokens))

@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 
 from ..errors import InvalidInput
 from .kimi_k25 import KimiK25VisionConfig, KimiK25VisionModel, KimiK25VisionTower, time_sincos_table
-from .loader import CheckpointFiles, load_tensors
+from .loader import CheckpointFiles, check_state, load_tensors
 
 # Each prefix group is tried in order; the first under which the checkpoint stores tensors wins.
 VISION_PREFIXES = ("model.vision_tower.", "vision_tower.")
@@ -158,19 +158,7 @@ def build(cfg: KimiK25VisionConfig, state: dict[str, torch.Tensor], *, model_id:
     """A model from a state dict in the original layout (names as ``KimiK25VisionTower``'s)."""
     with torch.device("meta"):
         module = KimiK25VisionTower(cfg)
-    expected = set(module.state_dict())
-    missing = sorted(expected - set(state))
-    if missing:
-        raise InvalidInput(f"checkpoint {model_id!r} lacks vision tensors: {', '.join(missing[:8])}"
-                           + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
-    unexpected = sorted(set(state) - expected)
-    if unexpected:
-        raise InvalidInput(f"checkpoint {model_id!r} has vision tensors this model does not know: "
-                           f"{', '.join(unexpected[:8])}")
-    for name, tensor in module.state_dict().items():
-        if state[name].shape != tensor.shape:
-            raise InvalidInput(f"tensor {name} of {model_id!r} has shape {tuple(state[name].shape)}, "
-                               f"config implies {tuple(tensor.shape)}")
+    check_state(module, state, model_id)
     module.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
     # Non-persistent buffers are not in the state dict: rebuild them for real, in float32 (angles
     # and the frame table are computed at full precision whatever the weights' dtype).

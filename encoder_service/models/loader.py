@@ -84,3 +84,20 @@ def load_tensors(ckpt: CheckpointFiles, prefixes: Sequence[str], dtype: torch.dt
                 state[name[len(prefix):]] = handle.get_tensor(name).to(dtype)
                 read.append(name)
     return state, read
+
+
+def check_state(module: torch.nn.Module, state: dict[str, torch.Tensor], model_id: str) -> None:
+    """The checkpoint's tensors are exactly the module's, with the shapes its config implies."""
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise InvalidInput(f"checkpoint {model_id!r} lacks vision tensors: {', '.join(missing[:8])}"
+                           + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise InvalidInput(f"checkpoint {model_id!r} has vision tensors this model does not know: "
+                           f"{', '.join(unexpected[:8])}")
+    for name, tensor in expected.items():
+        if state[name].shape != tensor.shape:
+            raise InvalidInput(f"tensor {name} of {model_id!r} has shape {tuple(state[name].shape)}, "
+                               f"config implies {tuple(tensor.shape)}")

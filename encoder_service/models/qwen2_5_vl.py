@@ -291,10 +291,5 @@ class Qwen2_5_VLVisionModel(VisionModel):
                       ) -> tuple[torch.Tensor, tuple[int, ...]]:
         checked = self.validate(pixel_values, grids)
         meta = build_metadata(checked, self.spatial)
-        if isinstance(pixel_values, np.ndarray):
-            x = host_to_device(pixel_values, self.device)
-        elif pixel_values.device.type == "cpu" and self.device.type != "cpu":
-            x = pixel_values.pin_memory().to(self.device, non_blocking=True)
-        else:
-            x = pixel_values.to(self.device)
+        x = self._pixels_to_device(pixel_values)
         return self.module(x.to(self.dtype), meta, self.backend), meta.tokens_per_image

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InvalidInput
-from .loader import CheckpointFiles, load_tensors
+from .loader import CheckpointFiles, check_state, load_tensors
 from .qwen2_5_vl import Qwen2_5_VisionConfig, Qwen2_5_VisionTower, Qwen2_5_VLVisionModel
 
 VISION_PREFIXES = ("model.visual.", "visual.")
@@ -32,19 +32,7 @@ def build(cfg: Qwen2_5_VisionConfig, state: dict[str, torch.Tensor], *, model_id
     on an H100, bench/RESULTS.md; on the CPU the compile time outweighs the gain for tests)."""
     with torch.device("meta"):
         module = Qwen2_5_VisionTower(cfg)
-    expected = set(module.state_dict())
-    missing = sorted(expected - set(state))
-    if missing:
-        raise InvalidInput(f"checkpoint {model_id!r} lacks vision tensors: {', '.join(missing[:8])}"
-                           + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
-    unexpected = sorted(set(state) - expected)
-    if unexpected:
-        raise InvalidInput(f"checkpoint {model_id!r} has vision tensors this model does not know: "
-                           f"{', '.join(unexpected[:8])}")
-    for name, tensor in module.state_dict().items():
-        if state[name].shape != tensor.shape:
-            raise InvalidInput(f"tensor {name} of {model_id!r} has shape {tuple(state[name].shape)}, "
-                               f"config implies {tuple(tensor.shape)}")
+    check_state(module, state, model_id)
     module.load_state_dict(state, assign=True)
     # Non-persistent buffers (inv_freq) are not in the state dict: rebuild them for real.
     half = cfg.head_dim // 2
