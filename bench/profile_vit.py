@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -15,23 +14,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from encoder_service.bench import time_it
 from encoder_service.models.presets import PRESETS, random_vision_state
 from encoder_service.models.qwen2_5_vl import Qwen2_5_VisionConfig
 from encoder_service.models.qwen2_5_vl_loading import build
 
 
-def median_ms(fn, iters=5):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
+def median_ms(fn, iters=5) -> float:
+    return time_it(fn, iters, warmup=1) * 1e3
 
 
 def main() -> int:

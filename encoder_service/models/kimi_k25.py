@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import AttentionBackend, select_backend
+from ..attention import AttentionBackend
 from ..device import host_to_device
 from ..errors import InvalidInput
 from ..metadata import (
@@ -346,9 +346,7 @@ class KimiK25VisionModel(VisionModel):
         self.device = device
         self.dtype = dtype
         self.preprocess_config = KimiK25PreprocessConfig.from_dict(preprocess_config or {})
-        backend_cls = select_backend(attn_backend, device, dtype, cfg.head_dim)
-        self.attn_backend = backend_cls.name
-        self.backend = backend_cls(cfg.num_heads, cfg.head_dim, device, dtype)
+        self._attach_backend(attn_backend, cfg.num_heads, cfg.head_dim)
         self.kernel = cfg.merge_kernel_size[0]
         self.spatial = SpatialConfig(self.kernel, cfg.patch_size)
         self.spec = ModelSpec(

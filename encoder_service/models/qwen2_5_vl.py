@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import AttentionBackend, select_backend
+from ..attention import AttentionBackend
 from ..device import host_to_device
 from ..metadata import BatchMetadata, SpatialConfig, build_metadata
 from .base import Grid, ModelSpec, VisionModel
@@ -270,9 +270,7 @@ class Qwen2_5_VLVisionModel(VisionModel):
         self.device = device
         self.dtype = dtype
         self.preprocess_config = Qwen2VLPreprocessConfig.from_dict(preprocess_config or {})
-        backend_cls = select_backend(attn_backend, device, dtype, cfg.head_dim)
-        self.attn_backend = backend_cls.name
-        self.backend = backend_cls(cfg.num_heads, cfg.head_dim, device, dtype)
+        self._attach_backend(attn_backend, cfg.num_heads, cfg.head_dim)
         self.spatial = SpatialConfig(cfg.spatial_merge_size, cfg.patch_size, cfg.window_size)
         self.spec = ModelSpec(
             model_id=model_id, model_type=MODEL_TYPE, hidden_size=cfg.out_hidden_size,
