@@ -106,6 +106,11 @@ def main(argv=None) -> int:
                         help="torch.compile of the non-attention parts of each block")
     parser.add_argument("--mlp-pad", choices=["off", "on", "both"], default="on",
                         help="zero-pad the MLP intermediate size to a multiple of 64 (VisionBlock.fuse_mlp)")
+    parser.add_argument("--fused-windows", choices=["off", "on", "both"], default="on",
+                        help="window blocks: fused rotary + window attention Triton kernel (attention/fused_window.py)")
+    parser.add_argument("--fold-norms", choices=["off", "on", "both"], default="on",
+                        help="RMSNorms folded into the next GEMM, residual adds in the output GEMMs "
+                             "(models/qwen2_5_vl_folded.py)")
     parser.add_argument("--try-compile-mode", default=None,
                         help="also time flashinfer-cudnn with this torch.compile mode, e.g. max-autotune-no-cudagraphs")
     parser.add_argument("--no-transformers", action="store_true")
@@ -161,10 +166,14 @@ def main(argv=None) -> int:
     modes = {"off": [False], "on": [True], "both": [False, True]}
     for name in names:
         for compiled in modes[args.compile]:
-            for pad in modes[args.mlp_pad]:
+            variants = [(p, f, n) for p in modes[args.mlp_pad] for f in modes[args.fused_windows]
+                        for n in modes[args.fold_norms]]
+            for pad, fw, fold in variants:
                 model = build(cfg, dict(state), model_id=args.preset, preprocess_config=None, device=device,
-                              dtype=torch.bfloat16, attn_backend=name, compile=compiled, fuse_mlp=pad)
-                label = f"{name}{' +compile' if compiled else ''}{'' if pad else ' (MLP unpadded)'}"
+                              dtype=torch.bfloat16, attn_backend=name, compile=compiled, fuse_mlp=pad,
+                              fused_windows=fw, fold_norms=fold)
+                label = (f"{name}{' +compile' if compiled else ''}{'' if pad else ' (MLP unpadded)'}"
+                         f"{'' if fw else ' (windows unfused)'}{'' if fold else ' (norms unfolded)'}")
                 try:
                     for c, (grids, pixels, _) in inputs.items():
                         t0 = time.perf_counter()
@@ -175,7 +184,8 @@ def main(argv=None) -> int:
                                           args.warmup)
                         record(label, c, seconds, {"first_call_s": first, "backend": model.attn_backend,
                                                    "kernel": type(model.backend).__name__, "compiled": compiled,
-                                                   "mlp_padded": pad})
+                                                   "mlp_padded": pad, "fused_windows": fw,
+                                                   "folded_norms": fold})
                 except Exception as exc:  # report and go on: one failing contender must not lose the run
                     print(f"{label}: FAILED {type(exc).__name__}: {exc}", flush=True)
                     results.append({"contender": label, "error": f"{type(exc).__name__}: {exc}"})

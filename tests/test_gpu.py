@@ -1,5 +1,7 @@
 """GPU checks (run on the GPU machine: pytest -m gpu). Skipped without CUDA."""
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -36,10 +38,11 @@ def short_7b_state():
     return Qwen2_5_VisionConfig.from_dict(vc), random_vision_state(preset, seed=0)
 
 
-def short_7b(state, backend):
+def short_7b(state, backend, fused_windows=True, fold_norms=True):
     cfg, weights = state
     return build(cfg, {k: v.to(torch.bfloat16) for k, v in weights.items()}, model_id="short-7b",
-                 preprocess_config=None, device=DEVICE, dtype=torch.bfloat16, attn_backend=backend)
+                 preprocess_config=None, device=DEVICE, dtype=torch.bfloat16, attn_backend=backend,
+                 fused_windows=fused_windows, fold_norms=fold_norms)
 
 
 def test_cuda_backends_are_available_here():
@@ -71,7 +74,10 @@ def test_full_forward_runs_without_a_host_sync_and_matches_sdpa(name, short_7b_s
     rng = np.random.default_rng(0)
     n = sum(t * h * w for t, h, w in GRIDS)
     pixels = rng.standard_normal((n, 1176), dtype=np.float32)
-    ref = [e.float() for e in short_7b(short_7b_state, "sdpa").encode_async(pixels, GRIDS).wait()]
+    # The reference runs the reference block order with every block through sdpa (no fused kernel,
+    # no folded norms); every model under test runs the GPU defaults.
+    ref_model = short_7b(short_7b_state, "sdpa", fused_windows=False, fold_norms=False)
+    ref = [e.float() for e in ref_model.encode_async(pixels, GRIDS).wait()]
     model = short_7b(short_7b_state, name)
     model.encode_async(pixels, GRIDS).wait()  # warm-up: kernel compilation, cuDNN graphs, plans
     torch.cuda.synchronize()
@@ -85,6 +91,36 @@ def test_full_forward_runs_without_a_host_sync_and_matches_sdpa(name, short_7b_s
     for i, (a, b) in enumerate(zip(out, ref)):
         assert torch.isfinite(a.float()).all()
         assert rel_err(a, b) <= 2e-2, f"{name} image {i}: {rel_err(a, b):.3e}"
+
+
+@pytest.mark.parametrize("affine", [False, True])
+@pytest.mark.parametrize("head_dim", [80, 72, 64])
+def test_fused_window_kernel_matches_rotary_then_attention_per_window(head_dim, affine):
+    from encoder_service.attention import fused_window
+    from encoder_service.models.layers import apply_rotary
+
+    torch.manual_seed(0)
+    heads, lengths = 16, [64, 1, 37, 64, 16, 63, 2, 64]
+    tokens = sum(lengths)
+    qkv = torch.randn(tokens, 3 * heads * head_dim, device=DEVICE, dtype=torch.bfloat16) * 3
+    angles = torch.rand(tokens, head_dim // 2, device=DEVICE) * 40
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    plan = fused_window.plan(cu, max(lengths), DEVICE)
+    if affine:  # raw output of a GEMM with a folded RMSNorm: row scale, column shift, bias
+        scale = torch.rand(tokens, device=DEVICE) + 0.5
+        shift, bias = torch.randn(2, 3 * heads * head_dim, device=DEVICE)
+        out = fused_window.window_attention_rotary(qkv, cos, sin, plan, heads, (scale, shift, bias))
+        qkv = (scale[:, None] * (qkv.float() + shift) + bias).to(qkv.dtype)
+    else:
+        out = fused_window.window_attention_rotary(qkv, cos, sin, plan, heads)
+
+    q, k, v = qkv.view(tokens, 3, heads, head_dim).unbind(1)
+    q, k = apply_rotary(q, k, cos, sin)
+    ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        *(x[a:b].transpose(0, 1).float() for x in (q, k, v))).transpose(0, 1) for a, b in itertools.pairwise(cu)])
+    assert out.shape == (tokens, heads, head_dim)
+    assert rel_err(out, ref) <= 1e-2
 
 
 def test_tiny_preset_bf16_forward_under_sync_debug_mode():

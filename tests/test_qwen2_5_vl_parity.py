@@ -78,3 +78,19 @@ def test_each_image_is_encoded_as_if_alone(checkpoint):
     alone = model.encode(a, [[1, 8, 12]])[0]
     together = model.encode(np.concatenate([b, a]), [[2, 4, 4], [1, 8, 12]])[1]
     assert rel_err(together, alone) <= 1e-6
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_folded_norm_path_equals_transformers(checkpoint, reference, batch):
+    # The GPU's default path (RMSNorms folded into the GEMMs, biases deferred, residual adds inside
+    # the output GEMMs) is the same function: in float32 it agrees with the reference to rounding.
+    grids = BATCHES[batch]
+    model = load_vision_model(checkpoint)
+    model.module.fold_norms()
+    assert model.module.folded
+    n = sum(t * h * w for t, h, w in grids)
+    pixels = torch.from_numpy(np.random.default_rng(n).standard_normal((n, model.patch_dim), dtype=np.float32))
+    ours = torch.cat(model.encode(pixels, grids))
+    with torch.no_grad():
+        ref = reference(pixels, grid_thw=torch.tensor(grids)).pooler_output
+    assert rel_err(ours, ref) <= 1e-5, f"relative error {rel_err(ours, ref):.2e}"

@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import AttentionBackend
+from ..attention import AttentionBackend, fused_window
 from ..device import host_to_device
 from ..metadata import BatchMetadata, SpatialConfig, build_metadata
+from . import qwen2_5_vl_folded as folded
 from .base import Grid, ModelSpec, VisionModel
 from .layers import RMSNorm, activation, apply_rotary, rms_norm
 
@@ -107,10 +108,15 @@ class MLP(nn.Module):
 
 
 def pre_attention(x: torch.Tensor, norm_w: torch.Tensor, qkv_w: torch.Tensor, qkv_b: torch.Tensor,
-                  cos: torch.Tensor, sin: torch.Tensor, num_heads: int, eps: float
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """RMSNorm, fused QKV projection, rotary: everything of a block before attention."""
+                  cos: torch.Tensor, sin: torch.Tensor, num_heads: int, eps: float, rotate: bool = True
+                  ) -> tuple[torch.Tensor, ...]:
+    """RMSNorm, fused QKV projection, rotary: everything of a block before attention.
+
+    ``rotate=False`` stops after the projection and returns ``(qkv,)``, for the fused window kernel
+    that applies the rotary itself (attention/fused_window.py)."""
     qkv = F.linear(rms_norm(x, norm_w, eps), qkv_w, qkv_b)
+    if not rotate:
+        return (qkv,)
     q, k, v = qkv.view(x.shape[0], 3, num_heads, -1).unbind(1)
     q, k = apply_rotary(q, k, cos, sin)
     # Contiguous here, inside the compiled graph, where the copy fuses with the rotary kernel;
@@ -118,11 +124,12 @@ def pre_attention(x: torch.Tensor, norm_w: torch.Tensor, qkv_w: torch.Tensor, qk
     return q, k, v.contiguous()
 
 
-def between_attentions(x, attn, post_args, pre_args, cos, sin, num_heads: int, eps: float, act: str):
+def between_attentions(x, attn, post_args, pre_args, cos, sin, num_heads: int, eps: float, act: str,
+                       rotate: bool = True):
     """Block i after its attention and block i+1 before its own, as one graph: the residual add
     then fuses with the next RMSNorm instead of a pass of its own over the activations."""
     x = post_attention(x, attn, *post_args, eps, act)
-    return (x, *pre_attention(x, *pre_args, cos, sin, num_heads, eps))
+    return (x, *pre_attention(x, *pre_args, cos, sin, num_heads, eps, rotate))
 
 
 def post_attention(x: torch.Tensor, attn: torch.Tensor, proj_w: torch.Tensor, proj_b: torch.Tensor,
@@ -213,6 +220,12 @@ class Qwen2_5_VisionTower(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.full_blocks = frozenset(cfg.fullatt_block_indexes)
         self._pre, self._post, self._between = pre_attention, post_attention, between_attentions
+        # Window blocks use the fused rotary + window attention kernel where it can run (CUDA,
+        # half precision, windows <= 64 tokens); off only to measure what it buys.
+        self.fused_windows = True
+        # Set by fold_norms(): the blocks run the folded path (qwen2_5_vl_folded.py).
+        self.folded = False
+        self._folded_fns = (folded.rms_scale, folded.qkv_rotary, folded.swiglu)
 
     def compile(self, mode: str | None = None) -> None:
         """torch.compile the parts between attentions (attention itself stays with the backends).
@@ -225,6 +238,11 @@ class Qwen2_5_VisionTower(nn.Module):
         self._pre = torch.compile(pre_attention, fullgraph=True, mode=mode)
         self._post = torch.compile(post_attention, fullgraph=True, mode=mode)
         self._between = torch.compile(between_attentions, fullgraph=True, mode=mode)
+        self._folded_fns = tuple(torch.compile(f, fullgraph=True, mode=mode)
+                                 for f in (folded.rms_scale, folded.qkv_rotary, folded.swiglu))
+
+    def fold_norms(self) -> None:
+        folded.fold_norms(self)
 
     def rotary(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # [N, 2] (h, w) -> [N, 2, head_dim/4] -> [N, head_dim/2] -> [N, head_dim], float32.
@@ -238,20 +256,33 @@ class Qwen2_5_VisionTower(nn.Module):
         window_index = host_to_device(meta.window_index, device)
         reverse_index = host_to_device(meta.reverse_window_index, device)
         position_ids = host_to_device(meta.position_ids, device)
-        plans = {True: backend.prepare(meta.full), False: backend.prepare(meta.window)}
+        windows = None
+        if self.fused_windows and fused_window.unavailable_reason(device, pixel_values.dtype) is None:
+            windows = fused_window.plan(meta.window.cu_seqlens, meta.window.max_seqlen, device)
+        plans = {True: backend.prepare(meta.full)}
+        if windows is None:
+            plans[False] = backend.prepare(meta.window)
 
         x = self.patch_embed(pixel_values)
         n, dim = x.shape
         x = x.view(n // self.unit, self.unit, dim)[window_index].view(n, dim)
         cos, sin = self.rotary(position_ids)
+        if self.folded:
+            x = folded.run_blocks(self, x, cos, sin, backend, plans, windows)
+            return self.merger(x)[reverse_index]
         heads, eps, act = self.cfg.num_heads, self.cfg.rms_norm_eps, self.cfg.hidden_act
         blocks = list(self.blocks)
-        q, k, v = self._pre(x, *blocks[0].pre_args(), cos, sin, heads, eps)
+        # Window blocks whose windows fit the fused kernel take the raw projection and rotate inside it.
+        fused = [windows is not None and i not in self.full_blocks for i in range(len(blocks))]
+        qkv = self._pre(x, *blocks[0].pre_args(), cos, sin, heads, eps, not fused[0])
         for i, block in enumerate(blocks):
-            out = backend.forward(q, k, v, plans[i in self.full_blocks])
+            if fused[i]:
+                out = fused_window.window_attention_rotary(qkv[0], cos, sin, windows, heads)
+            else:
+                out = backend.forward(*qkv, plans[i in self.full_blocks])
             if i + 1 < len(blocks):
-                x, q, k, v = self._between(x, out, block.post_args(), blocks[i + 1].pre_args(), cos, sin,
-                                           heads, eps, act)
+                x, *qkv = self._between(x, out, block.post_args(), blocks[i + 1].pre_args(), cos, sin,
+                                        heads, eps, act, not fused[i + 1])
             else:
                 x = self._post(x, out, *block.post_args(), eps, act)
         return self.merger(x)[reverse_index]
