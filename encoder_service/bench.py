@@ -75,6 +75,27 @@ def time_it(fn, iters: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+def time_back_to_back(fn, iters: int, warmup: int) -> float:
+    """Seconds per call with ``iters`` calls enqueued back to back and one wait at the end: the
+    steady state of a server fed faster than it computes, where the host work of call i+1 (metadata,
+    launches) overlaps the device work of call i. The engine's worker runs batches this way."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def measure(fn, iters: int, warmup: int) -> tuple[float, float]:
+    """(median seconds of one call timed alone, seconds per call back to back)."""
+    return time_it(fn, iters, warmup), time_back_to_back(fn, iters, 1)
+
+
 def gemm_ceiling(iters: int = 20) -> float:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -143,23 +164,26 @@ def main(argv=None) -> int:
           f"{ceiling:.0f} TFLOP/s", flush=True)
     results = []
 
-    def record(contender, c, seconds, extra=None):
+    def record(contender, c, timings, extra=None):
         grids, _, flops = inputs[c]
+        seconds, b2b = timings
         row = {"contender": contender, "case": c, "case_name": cases[c][0], "images": len(grids),
                "patches": int(sum(t * h * w for t, h, w in grids)), "seconds": seconds,
-               "images_per_s": len(grids) / seconds, "tflops": flops / seconds / 1e12,
-               "share_of_gemm_ceiling": flops / seconds / 1e12 / ceiling, **(extra or {})}
+               "images_per_s": len(grids) / seconds, "b2b_seconds": b2b, "b2b_images_per_s": len(grids) / b2b,
+               "tflops": flops / seconds / 1e12, "share_of_gemm_ceiling": flops / seconds / 1e12 / ceiling,
+               "b2b_share_of_gemm_ceiling": flops / b2b / 1e12 / ceiling, **(extra or {})}
         results.append(row)
-        print(f"{contender:28s} case {c}: {row['images_per_s']:8.1f} images/s  {seconds * 1e3:8.1f} ms  "
-              f"{row['tflops']:6.0f} TFLOP/s ({100 * row['share_of_gemm_ceiling']:.0f}% of GEMM)", flush=True)
+        print(f"{contender:28s} case {c}: {row['images_per_s']:8.1f} images/s  {seconds * 1e3:8.1f} ms alone; "
+              f"back to back {row['b2b_images_per_s']:8.1f} images/s {b2b * 1e3:8.1f} ms "
+              f"({100 * row['b2b_share_of_gemm_ceiling']:.0f}% of GEMM ceiling)", flush=True)
 
     if not args.no_transformers:
         ref = transformers_reference({**preset.vision_config}, {k: v for k, v in state.items()})
         for c, (grids, pixels, _) in inputs.items():
             grid_t = torch.tensor(grids, device=device)
             with torch.inference_mode():
-                seconds = time_it(lambda p=pixels, g=grid_t: ref(p, grid_thw=g), args.iters, args.warmup)
-            record("transformers (sdpa)", c, seconds)
+                timings = measure(lambda p=pixels, g=grid_t: ref(p, grid_thw=g), args.iters, args.warmup)
+            record("transformers (sdpa)", c, timings)
         del ref
         torch.cuda.empty_cache()
 
@@ -180,9 +204,9 @@ def main(argv=None) -> int:
                         model.encode_packed(pixels, grids)
                         torch.cuda.synchronize()
                         first = time.perf_counter() - t0
-                        seconds = time_it(lambda m=model, p=pixels, g=grids: m.encode_packed(p, g), args.iters,
+                        timings = measure(lambda m=model, p=pixels, g=grids: m.encode_packed(p, g), args.iters,
                                           args.warmup)
-                        record(label, c, seconds, {"first_call_s": first, "backend": model.attn_backend,
+                        record(label, c, timings, {"first_call_s": first, "backend": model.attn_backend,
                                                    "kernel": type(model.backend).__name__, "compiled": compiled,
                                                    "mlp_padded": pad, "fused_windows": fw,
                                                    "folded_norms": fold})
@@ -204,9 +228,9 @@ def main(argv=None) -> int:
                 model.encode_packed(pixels, grids)
                 torch.cuda.synchronize()
                 first = time.perf_counter() - t0
-                seconds = time_it(lambda m=model, p=pixels, g=grids: m.encode_packed(p, g), args.iters,
+                timings = measure(lambda m=model, p=pixels, g=grids: m.encode_packed(p, g), args.iters,
                                   args.warmup)
-                record(label, c, seconds, {"first_call_s": first})
+                record(label, c, timings, {"first_call_s": first})
         except Exception as exc:
             print(f"{label}: FAILED {type(exc).__name__}: {exc}", flush=True)
             results.append({"contender": label, "error": f"{type(exc).__name__}: {exc}"})
@@ -214,14 +238,14 @@ def main(argv=None) -> int:
     summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
                "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "gemm_tflops": ceiling,
                "results": results}
-    print("\n| contender | case | images/s | ms | TFLOP/s | share of GEMM ceiling |")
-    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    print("\n| contender | case | images/s back to back | ms | images/s alone | ms | share of GEMM ceiling |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
         if "error" in r:
-            print(f"| {r['contender']} | - | failed: {r['error'][:60]} | | | |")
+            print(f"| {r['contender']} | - | failed: {r['error'][:60]} | | | | |")
         else:
-            print(f"| {r['contender']} | {r['case']} | {r['images_per_s']:.1f} | {r['seconds'] * 1e3:.1f} | "
-                  f"{r['tflops']:.0f} | {100 * r['share_of_gemm_ceiling']:.0f}% |")
+            print(f"| {r['contender']} | {r['case']} | {r['b2b_images_per_s']:.1f} | {r['b2b_seconds'] * 1e3:.1f} | "
+                  f"{r['images_per_s']:.1f} | {r['seconds'] * 1e3:.1f} | {100 * r['b2b_share_of_gemm_ceiling']:.0f}% |")
     if args.out:
         args.out.write_text(json.dumps(summary, indent=2))
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -188,5 +189,52 @@ def test_patch_dtypes_are_converted_to_float32(fake_model):
                 (r,) = await encode_all(engine, [image])
                 torch.testing.assert_close(r.embedding, fake_model.reference(as_f32.reshape(-1, 4)),
                                            rtol=0, atol=0, msg=name)
+
+    asyncio.run(main())
+
+
+class _TwoPhaseFake:
+    """Wraps the fake so that enqueueing a forward and waiting for it are separate, recorded steps."""
+
+    def __init__(self, model) -> None:
+        self._model = model
+        self.events: list[tuple[str, int]] = []
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def encode_async(self, pixel_values, grids):
+        pending = self._model.encode_async(pixel_values, grids)
+        n = len(self._model.batches)  # 0 for the warm-up forwards
+        self.events.append(("launch", n))
+
+        def wait():
+            self.events.append(("wait", n))
+            return pending.wait()
+
+        return SimpleNamespace(wait=wait)
+
+
+def test_next_batch_is_enqueued_before_waiting_for_the_one_in_flight(fake_model):
+    # Back-to-back batches keep the device busy: the worker enqueues batch i+1 (stacking, metadata,
+    # host-to-device copy) before it blocks on batch i's result.
+    model = _TwoPhaseFake(fake_model)
+
+    async def main():
+        async with running_engine(model, max_batch_tokens=16) as engine:
+            blocker = await hold_worker(engine, fake_model)
+            images = [patches(i, seed=20 + i) for i in range(3)]
+            task = asyncio.create_task(encode_all(engine, images))
+            await until(lambda: engine.queued_images == 3)
+            fake_model.gate.set()
+            await blocker
+            results = await task
+            assert len(fake_model.batches) == 4  # the blocker, then one image per forward
+            events = [e for e in model.events if e[1] > 0]
+            for i in (1, 2, 3):
+                assert events.index(("launch", i + 1)) < events.index(("wait", i)), events
+            for r in results:
+                expected = fake_model.reference(fake_model.patches((1, 4, 4), 20 + r.index))
+                torch.testing.assert_close(r.embedding, expected, rtol=0, atol=0)
 
     asyncio.run(main())

@@ -107,11 +107,11 @@ def test_fused_window_kernel_matches_rotary_then_attention_per_window(head_dim, 
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     cu = np.concatenate([[0], np.cumsum(lengths)])
     plan = fused_window.plan(cu, max(lengths), DEVICE)
-    if affine:  # raw output of a GEMM with a folded RMSNorm: row scale, column shift, bias
+    if affine:  # output of a GEMM with a folded RMSNorm: row scale, then bias
         scale = torch.rand(tokens, device=DEVICE) + 0.5
-        shift, bias = torch.randn(2, 3 * heads * head_dim, device=DEVICE)
-        out = fused_window.window_attention_rotary(qkv, cos, sin, plan, heads, (scale, shift, bias))
-        qkv = (scale[:, None] * (qkv.float() + shift) + bias).to(qkv.dtype)
+        bias = torch.randn(3 * heads * head_dim, device=DEVICE)
+        out = fused_window.window_attention_rotary(qkv, cos, sin, plan, heads, (scale, bias))
+        qkv = (scale[:, None] * qkv.float() + bias).to(qkv.dtype)
     else:
         out = fused_window.window_attention_rotary(qkv, cos, sin, plan, heads)
 
@@ -133,3 +133,14 @@ def test_tiny_preset_bf16_forward_under_sync_debug_mode():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert [tuple(o.shape) for o in pending.wait()] == [(16, 48), (24, 48)]
+
+
+def test_rstd_kernel_matches_the_reference_reduction():
+    from encoder_service.models._rms_kernel import rms_scale as triton_rms
+    from encoder_service.models.qwen2_5_vl_folded import rms_scale
+
+    torch.manual_seed(0)
+    for tokens, dim in ((41472, 1280), (37, 1152), (1, 80)):
+        x = torch.randn(tokens, dim, device=DEVICE, dtype=torch.bfloat16) * 4
+        pending = torch.randn(dim, device=DEVICE)
+        torch.testing.assert_close(triton_rms(x, pending, 1e-6), rms_scale(x, pending, 1e-6), rtol=1e-5, atol=0)

@@ -94,3 +94,33 @@ def test_folded_norm_path_equals_transformers(checkpoint, reference, batch):
     with torch.no_grad():
         ref = reference(pixels, grid_thw=torch.tensor(grids)).pooler_output
     assert rel_err(ours, ref) <= 1e-5, f"relative error {rel_err(ours, ref):.2e}"
+
+
+def test_folded_path_with_a_backend_taking_padded_head_dims_equals_transformers(checkpoint, reference):
+    # A backend with padded_head_dim (FlashInfer FA3 on Hopper) gets q, k, v zero-padded by the
+    # model's rotary graph and hands back a padded output, which the padded output projection reads.
+    import torch.nn.functional as F
+
+    from encoder_service.attention.sdpa import SDPABackend
+
+    class PaddedSDPA(SDPABackend):
+        def forward_ragged(self, q, k, v, prepared):
+            assert q.shape[-1] == self.padded_head_dim
+            out = torch.empty_like(q)
+            for start, end in prepared:
+                qs, ks, vs = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+                out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, scale=self.scale).squeeze(0).transpose(0, 1)
+            return out
+
+    grids = BATCHES["mixed_video_and_images"]
+    model = load_vision_model(checkpoint)
+    model.module.fold_norms()
+    model.module.fused_windows = False
+    model.backend = PaddedSDPA(model.cfg.num_heads, model.cfg.head_dim, torch.device("cpu"), torch.float32)
+    model.backend.padded_head_dim = model.cfg.head_dim + 8
+    n = sum(t * h * w for t, h, w in grids)
+    pixels = torch.from_numpy(np.random.default_rng(n).standard_normal((n, model.patch_dim), dtype=np.float32))
+    ours = torch.cat(model.encode(pixels, grids))
+    with torch.no_grad():
+        ref = reference(pixels, grid_thw=torch.tensor(grids)).pooler_output
+    assert rel_err(ours, ref) <= 1e-5, f"relative error {rel_err(ours, ref):.2e}"

@@ -56,6 +56,17 @@ class AttentionBackend(ABC):
         return None
 
     # --- per model, per batch, per layer -------------------------------------------------------
+    # A head_dim the kernel runs at, zero-padded from the model's, when it also takes q, k, v already
+    # padded (and then returns the output padded): a model that can write them padded for free
+    # (inside a compiled graph) skips the backend's own pad and slice copies.
+    padded_head_dim: int | None = None
+
+    @classmethod
+    def for_model(cls, num_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype, *,
+                  pads_head_dim: bool = False) -> AttentionBackend:
+        """The instance a model uses; ``pads_head_dim``: the model can hand over padded q, k, v."""
+        return cls(num_heads, head_dim, device, dtype)
+
     def __init__(self, num_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> None:
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -79,7 +90,7 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prepared: Any) -> torch.Tensor:
         """Non-causal attention within each sequence; returns ``[tokens, heads, head_dim]``."""
         if isinstance(prepared, _Uniform):
-            return _dense_uniform(q, k, v, prepared.seqlen)
+            return _dense_uniform(q, k, v, prepared.seqlen, self.scale)
         return self.forward_ragged(q, k, v, prepared)
 
     @abstractmethod
@@ -96,8 +107,9 @@ class _Uniform:
     seqlen: int
 
 
-def _dense_uniform(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlen: int) -> torch.Tensor:
+def _dense_uniform(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlen: int, scale: float) -> torch.Tensor:
     tokens, heads, dim = q.shape
-    # [T, H, D] -> [B, L, H, D] -> [B, H, L, D]: views; SDPA takes the strides as they are.
+    # [T, H, D] -> [B, L, H, D] -> [B, H, L, D]: views; SDPA takes the strides as they are. The scale is
+    # the model's head_dim's: q, k, v may come zero-padded (padded_head_dim).
     qb, kb, vb = (x.view(tokens // seqlen, seqlen, heads, dim).transpose(1, 2) for x in (q, k, v))
-    return F.scaled_dot_product_attention(qb, kb, vb).transpose(1, 2).reshape(tokens, heads, dim)
+    return F.scaled_dot_product_attention(qb, kb, vb, scale=scale).transpose(1, 2).reshape(tokens, heads, dim)

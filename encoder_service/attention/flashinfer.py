@@ -11,9 +11,10 @@ Both paths take their metadata from the CPU: ragged ``plan()`` is fed pinned hos
 copies them asynchronously), cuDNN gets device copies of the bucketed ``sequence_lengths`` and
 element batch offsets. Nothing here reads a device tensor on the host.
 
-A plan lives in a wrapper's workspace, so there is one wrapper per attention pattern of a batch
-(full and window); the engine finishes a batch before planning the next one, so a plan is never
-rewritten while kernels that read it are still queued.
+A plan lives in a wrapper's workspace (and its pinned host copy), so there is one wrapper per
+attention pattern of a batch (full and window) and per batch in flight: the engine's worker enqueues
+batch i+1 before waiting for batch i, and waits for batch i before planning batch i+2, so a ring of
+``PLANS_IN_FLIGHT`` wrappers never rewrites a plan that queued work still reads.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from .base import AttentionBackend
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 PADDED_HEAD_DIMS = (64, 128, 256)
+PLANS_IN_FLIGHT = 4  # 2 attention patterns x 2 batches in flight (module docstring)
 
 
 def _padded_head_dim(head_dim: int) -> int:
@@ -90,6 +92,7 @@ class FlashInferRaggedBackend(_FlashInferBase):
     def __init__(self, num_heads, head_dim, device, dtype, kernel: str | None = None) -> None:
         super().__init__(num_heads, head_dim, device, dtype)
         self.padded = _padded_head_dim(head_dim)
+        self.padded_head_dim = self.padded if self.padded != head_dim else None
         self.kernel_name = kernel or self.kernel
         self._wrappers: list[Any] = []
         self._next = 0
@@ -97,11 +100,11 @@ class FlashInferRaggedBackend(_FlashInferBase):
     def _wrapper(self):
         import flashinfer
 
-        # One wrapper (plan) per attention pattern of a batch: full and window alternate.
+        # A ring of wrappers (plans): see the module docstring.
         if not self._wrappers:
             self._wrappers = [flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
-                self.workspace, kv_layout="NHD", backend=self.kernel_name) for _ in range(2)]
-        wrapper = self._wrappers[self._next % 2]
+                self.workspace, kv_layout="NHD", backend=self.kernel_name) for _ in range(PLANS_IN_FLIGHT)]
+        wrapper = self._wrappers[self._next % PLANS_IN_FLIGHT]
         self._next += 1
         return wrapper
 
@@ -115,6 +118,8 @@ class FlashInferRaggedBackend(_FlashInferBase):
         return wrapper
 
     def forward_ragged(self, q, k, v, prepared) -> torch.Tensor:
+        if q.shape[-1] == self.padded:  # handed over padded (padded_head_dim): output stays padded
+            return prepared.run(q, k, v)
         pad = self.padded - self.head_dim
         if pad:
             q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))

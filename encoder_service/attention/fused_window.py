@@ -58,9 +58,9 @@ def window_attention_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
                             num_heads: int, affine: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """``qkv``: [tokens, 3 * heads * head_dim], the QKV projection's output (q, k, v blocks, each
     head-major). ``cos``/``sin``: float32 [tokens, head_dim] rotate-half tables (both halves equal;
-    only the first is read). ``affine``: (row_scale [tokens], col_shift [3 * hidden], bias [3 * hidden]),
-    all float32, when ``qkv`` is a raw GEMM output still to be mapped to row_scale * (qkv + col_shift) +
-    bias (a folded RMSNorm, models/qwen2_5_vl_folded.py). Returns [tokens, heads, head_dim]."""
+    only the first is read). ``affine``: (row_scale [tokens], bias [3 * hidden]), both float32, when
+    ``qkv`` is a GEMM output still to be mapped to row_scale * qkv + bias (a folded RMSNorm,
+    models/qwen2_5_vl_folded.py). Returns [tokens, heads, head_dim]."""
     from ._window_kernel import launch
 
     tokens, width = qkv.shape

@@ -64,13 +64,18 @@ class BatchQueue:
             self._cond.notify_all()
             return left
 
-    def take_batch(self, max_patches: int, wait_s: float = 0.0) -> list[WorkItem] | None:
+    def take_batch(self, max_patches: int, wait_s: float = 0.0, block: bool = True) -> list[WorkItem] | None:
         """Blocks until there is work; returns FIFO items up to ``max_patches`` (at least one).
 
         With ``wait_s`` > 0, waits up to that long for a batch that is not yet full to fill up:
         a short wait trades a little latency for fewer, larger forwards. None once closed.
+        ``block=False``: returns whatever is queued now without waiting, an empty list if nothing.
         """
         with self._cond:
+            if not block:
+                if self._closed:
+                    return None
+                return self._pop(max_patches)
             while True:
                 while not self._items and not self._closed:
                     self._cond.wait()
@@ -87,15 +92,18 @@ class BatchQueue:
                         return None
                 if self._items:  # items may have been removed (cancelled) during the wait
                     break
-            batch: list[WorkItem] = []
-            total = 0
-            while self._items:
-                n = self._items[0].num_patches
-                if batch and total + n > max_patches:
-                    break
-                batch.append(self._items.popleft())
-                total += n
-            return batch
+            return self._pop(max_patches)
+
+    def _pop(self, max_patches: int) -> list[WorkItem]:
+        batch: list[WorkItem] = []
+        total = 0
+        while self._items:
+            n = self._items[0].num_patches
+            if batch and total + n > max_patches:
+                break
+            batch.append(self._items.popleft())
+            total += n
+        return batch
 
     def _queued_patches(self) -> int:
         return sum(item.num_patches for item in self._items)

@@ -3,6 +3,10 @@
 The event loop never calls the model. The worker takes a batch, runs ``validate`` and ``encode_async``
 once for it, copies each embedding to the CPU (the one device sync per batch, at its end), and
 hands the results back to the loop with ``call_soon_threadsafe``.
+
+Two batches may be in flight: while the device computes one, the worker already stacks, validates
+and enqueues the next (its metadata, its host-to-device copy), and only then waits for the first.
+The device then never idles on the host between back-to-back batches.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,6 +36,13 @@ class BatchOutcome:
     error: BaseException | None
     started_at: float  # perf_counter at the start of the forward
     forward_s: float
+
+
+@dataclass
+class _InFlight:
+    batch: list[WorkItem]
+    started: float
+    pending: Any  # the model's PendingEmbeddings
 
 
 def _owned(parts: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -67,12 +79,23 @@ class DeviceWorker:
         except BaseException as exc:  # the server must not report SERVING with a broken model
             self._warmup.set_exception(exc)
             return
+        in_flight: _InFlight | None = None
         while True:
-            batch = self._queue.take_batch(self._max_batch_patches, self._batch_wait_s)
-            if batch is None:
+            # With a batch on the device, take only what is already queued, so that waiting for more
+            # work never delays the answer of the batch in flight.
+            batch = self._queue.take_batch(self._max_batch_patches, self._batch_wait_s, block=in_flight is None)
+            launched = None
+            if batch:
+                self._post(self._on_batch_start, batch)
+                launched = self._launch(batch)
+                if isinstance(launched, BatchOutcome):  # failed before reaching the device
+                    self._post(self._on_batch_done, launched)
+                    launched = None
+            if in_flight is not None:
+                self._post(self._on_batch_done, self._finish(in_flight))
+            in_flight = launched
+            if batch is None and in_flight is None:  # closed, nothing left to answer
                 return
-            self._post(self._on_batch_start, batch)
-            self._post(self._on_batch_done, self._forward(batch))
 
     def _run_warmup(self) -> float:
         t, h, w = self._warmup_grid
@@ -86,23 +109,35 @@ class DeviceWorker:
             _owned(self._model.encode_async(pixels, [list(grid)]).wait())
         return time.perf_counter() - started
 
-    def _forward(self, batch: list[WorkItem]) -> BatchOutcome:
+    def _launch(self, batch: list[WorkItem]) -> _InFlight | BatchOutcome:
+        """Enqueues the batch's device work without waiting for it."""
         started = time.perf_counter()
         try:
             pixels = np.concatenate([item.pixels for item in batch]) if len(batch) > 1 else batch[0].pixels
             pixel_values = torch.from_numpy(np.ascontiguousarray(pixels))
             grids = [list(item.grid) for item in batch]
             self._model.validate(pixel_values, grids)
-            # H2D, forward and D2H into pinned memory are queued without a host sync; wait() is the
-            # batch's single explicit wait.
-            embeddings = _owned(self._model.encode_async(pixel_values, grids).wait())
+            # H2D, forward and D2H into pinned memory are queued without a host sync; wait() in
+            # _finish is the batch's single explicit wait.
+            return _InFlight(batch, started, self._model.encode_async(pixel_values, grids))
+        except Exception as exc:
+            return self._failed(batch, started, exc)
+
+    def _finish(self, in_flight: _InFlight) -> BatchOutcome:
+        batch, started = in_flight.batch, in_flight.started
+        try:
+            embeddings = _owned(in_flight.pending.wait())
             if len(embeddings) != len(batch):
                 raise RuntimeError(f"model returned {len(embeddings)} embeddings for {len(batch)} images")
-            error = None
-        except Exception as exc:  # reported to the waiting requests; the worker keeps serving
-            log.exception("forward of a batch of %d images failed", len(batch))
-            embeddings, error = None, exc
-        return BatchOutcome(batch, embeddings, error, started, time.perf_counter() - started)
+        except Exception as exc:
+            return self._failed(batch, started, exc)
+        return BatchOutcome(batch, embeddings, None, started, time.perf_counter() - started)
+
+    @staticmethod
+    def _failed(batch: list[WorkItem], started: float, exc: Exception) -> BatchOutcome:
+        # Reported to the waiting requests; the worker keeps serving.
+        log.error("forward of a batch of %d images failed", len(batch), exc_info=exc)
+        return BatchOutcome(batch, None, exc, started, time.perf_counter() - started)
 
     def _post(self, fn: Callable, arg: object) -> None:
         # A closed loop (shutdown) leaves nobody to answer.
