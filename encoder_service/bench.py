@@ -187,53 +187,48 @@ def main(argv=None) -> int:
         del ref
         torch.cuda.empty_cache()
 
+    def time_model(label, make_model, extra=None):
+        """Times one of our contenders on every case; a failure is reported and the run goes on."""
+        model = None
+        try:
+            model = make_model()
+            for c, (grids, pixels, _) in inputs.items():
+                t0 = time.perf_counter()
+                model.encode_packed(pixels, grids)
+                torch.cuda.synchronize()
+                first = time.perf_counter() - t0
+                timings = measure(lambda m=model, p=pixels, g=grids: m.encode_packed(p, g), args.iters, args.warmup)
+                record(label, c, timings, {"first_call_s": first, "backend": model.attn_backend,
+                                           "kernel": type(model.backend).__name__, **(extra or {})})
+        except Exception as exc:  # one failing contender must not lose the run
+            print(f"{label}: FAILED {type(exc).__name__}: {exc}", flush=True)
+            results.append({"contender": label, "error": f"{type(exc).__name__}: {exc}"})
+        del model
+        torch.cuda.empty_cache()
+
     modes = {"off": [False], "on": [True], "both": [False, True]}
     for name in names:
         for compiled in modes[args.compile]:
             variants = [(p, f, n) for p in modes[args.mlp_pad] for f in modes[args.fused_windows]
                         for n in modes[args.fold_norms]]
             for pad, fw, fold in variants:
-                model = build(cfg, dict(state), model_id=args.preset, preprocess_config=None, device=device,
-                              dtype=torch.bfloat16, attn_backend=name, compile=compiled, fuse_mlp=pad,
-                              fused_windows=fw, fold_norms=fold)
                 label = (f"{name}{' +compile' if compiled else ''}{'' if pad else ' (MLP unpadded)'}"
                          f"{'' if fw else ' (windows unfused)'}{'' if fold else ' (norms unfolded)'}")
-                try:
-                    for c, (grids, pixels, _) in inputs.items():
-                        t0 = time.perf_counter()
-                        model.encode_packed(pixels, grids)
-                        torch.cuda.synchronize()
-                        first = time.perf_counter() - t0
-                        timings = measure(lambda m=model, p=pixels, g=grids: m.encode_packed(p, g), args.iters,
-                                          args.warmup)
-                        record(label, c, timings, {"first_call_s": first, "backend": model.attn_backend,
-                                                   "kernel": type(model.backend).__name__, "compiled": compiled,
-                                                   "mlp_padded": pad, "fused_windows": fw,
-                                                   "folded_norms": fold})
-                except Exception as exc:  # report and go on: one failing contender must not lose the run
-                    print(f"{label}: FAILED {type(exc).__name__}: {exc}", flush=True)
-                    results.append({"contender": label, "error": f"{type(exc).__name__}: {exc}"})
-                del model
-                torch.cuda.empty_cache()
+                time_model(label, lambda n=name, c=compiled, p=pad, f=fw, o=fold: build(
+                    cfg, dict(state), model_id=args.preset, preprocess_config=None, device=device,
+                    dtype=torch.bfloat16, attn_backend=n, compile=c, fuse_mlp=p, fused_windows=f, fold_norms=o),
+                    {"compiled": compiled, "mlp_padded": pad, "fused_windows": fw, "folded_norms": fold})
 
     if args.try_compile_mode:
         torch._dynamo.reset()
-        label = f"flashinfer-cudnn +compile({args.try_compile_mode})"
-        try:
+
+        def compiled_with_mode():
             model = build(cfg, dict(state), model_id=args.preset, preprocess_config=None, device=device,
                           dtype=torch.bfloat16, attn_backend="flashinfer-cudnn", compile=False)
             model.module.compile(mode=args.try_compile_mode)
-            for c, (grids, pixels, _) in inputs.items():
-                t0 = time.perf_counter()
-                model.encode_packed(pixels, grids)
-                torch.cuda.synchronize()
-                first = time.perf_counter() - t0
-                timings = measure(lambda m=model, p=pixels, g=grids: m.encode_packed(p, g), args.iters,
-                                  args.warmup)
-                record(label, c, timings, {"first_call_s": first})
-        except Exception as exc:
-            print(f"{label}: FAILED {type(exc).__name__}: {exc}", flush=True)
-            results.append({"contender": label, "error": f"{type(exc).__name__}: {exc}"})
+            return model
+
+        time_model(f"flashinfer-cudnn +compile({args.try_compile_mode})", compiled_with_mode)
 
     summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
                "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "gemm_tflops": ceiling,

@@ -81,7 +81,7 @@ def _window_attention_rotary(
 
 
 def _heads_per_program(num_heads: int) -> int:
-    # Measured on the H100 (bench/window_kernel.py --sweep): 8 heads per program, 4 warps, 2 stages
+    # Measured on the H100 (bench/kernels.py --sweep): 8 heads per program, 4 warps, 2 stages
     # ran at 1.9 TB/s against 1.0 for one head per program; more heads share one load of cos/sin.
     return next(h for h in (8, 4, 2, 1) if num_heads % h == 0)
 

@@ -61,12 +61,6 @@ class AttentionBackend(ABC):
     # (inside a compiled graph) skips the backend's own pad and slice copies.
     padded_head_dim: int | None = None
 
-    @classmethod
-    def for_model(cls, num_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype, *,
-                  pads_head_dim: bool = False) -> AttentionBackend:
-        """The instance a model uses; ``pads_head_dim``: the model can hand over padded q, k, v."""
-        return cls(num_heads, head_dim, device, dtype)
-
     def __init__(self, num_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> None:
         self.num_heads = num_heads
         self.head_dim = head_dim

@@ -132,12 +132,11 @@ class VisionModel:
     def validate(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]) -> list[Grid]:
         return validate_batch(pixel_values, grids, self.spec)
 
-    def _attach_backend(self, name: str, num_heads: int, head_dim: int, *, pads_head_dim: bool = False) -> None:
+    def _attach_backend(self, name: str, num_heads: int, head_dim: int) -> None:
         """Selects the attention backend once, at load time (fails there, with the reason)."""
         backend_cls = select_backend(name, self.device, self.dtype, head_dim)
         self.attn_backend = backend_cls.name
-        self.backend = backend_cls.for_model(num_heads, head_dim, self.device, self.dtype,
-                                             pads_head_dim=pads_head_dim)
+        self.backend = backend_cls(num_heads, head_dim, self.device, self.dtype)
 
     def _pixels_to_device(self, pixel_values: torch.Tensor | np.ndarray) -> torch.Tensor:
         """One asynchronous host-to-device copy (from pinned memory) of a batch's pixels."""

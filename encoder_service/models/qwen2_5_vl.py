@@ -301,7 +301,7 @@ class Qwen2_5_VLVisionModel(VisionModel):
         self.device = device
         self.dtype = dtype
         self.preprocess_config = Qwen2VLPreprocessConfig.from_dict(preprocess_config or {})
-        self._attach_backend(attn_backend, cfg.num_heads, cfg.head_dim, pads_head_dim=module.folded)
+        self._attach_backend(attn_backend, cfg.num_heads, cfg.head_dim)
         self.spatial = SpatialConfig(cfg.spatial_merge_size, cfg.patch_size, cfg.window_size)
         self.spec = ModelSpec(
             model_id=model_id, model_type=MODEL_TYPE, hidden_size=cfg.out_hidden_size,
