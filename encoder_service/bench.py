@@ -132,6 +132,8 @@ def main(argv=None) -> int:
     parser.add_argument("--fold-norms", choices=["off", "on", "both"], default="on",
                         help="RMSNorms folded into the next GEMM, residual adds in the output GEMMs "
                              "(models/qwen2_5_vl_folded.py)")
+    parser.add_argument("--fused-swiglu", choices=["off", "on", "both"], default="on",
+                        help="folded path: gate/up GEMM with SwiGLU in its epilogue (models/_swiglu_gemm.py)")
     parser.add_argument("--try-compile-mode", default=None,
                         help="also time flashinfer-cudnn with this torch.compile mode, e.g. max-autotune-no-cudagraphs")
     parser.add_argument("--no-transformers", action="store_true")
@@ -209,15 +211,18 @@ def main(argv=None) -> int:
     modes = {"off": [False], "on": [True], "both": [False, True]}
     for name in names:
         for compiled in modes[args.compile]:
-            variants = [(p, f, n) for p in modes[args.mlp_pad] for f in modes[args.fused_windows]
-                        for n in modes[args.fold_norms]]
-            for pad, fw, fold in variants:
+            variants = [(p, f, n, g) for p in modes[args.mlp_pad] for f in modes[args.fused_windows]
+                        for n in modes[args.fold_norms] for g in modes[args.fused_swiglu]]
+            for pad, fw, fold, sg in variants:
                 label = (f"{name}{' +compile' if compiled else ''}{'' if pad else ' (MLP unpadded)'}"
-                         f"{'' if fw else ' (windows unfused)'}{'' if fold else ' (norms unfolded)'}")
-                time_model(label, lambda n=name, c=compiled, p=pad, f=fw, o=fold: build(
+                         f"{'' if fw else ' (windows unfused)'}{'' if fold else ' (norms unfolded)'}"
+                         f"{'' if sg or not fold else ' (SwiGLU unfused)'}")
+                time_model(label, lambda n=name, c=compiled, p=pad, f=fw, o=fold, g=sg: build(
                     cfg, dict(state), model_id=args.preset, preprocess_config=None, device=device,
-                    dtype=torch.bfloat16, attn_backend=n, compile=c, fuse_mlp=p, fused_windows=f, fold_norms=o),
-                    {"compiled": compiled, "mlp_padded": pad, "fused_windows": fw, "folded_norms": fold})
+                    dtype=torch.bfloat16, attn_backend=n, compile=c, fuse_mlp=p, fused_windows=f, fold_norms=o,
+                    fused_swiglu=g),
+                    {"compiled": compiled, "mlp_padded": pad, "fused_windows": fw, "folded_norms": fold,
+                     "fused_swiglu": sg})
 
     if args.try_compile_mode:
         torch._dynamo.reset()

@@ -144,3 +144,33 @@ def test_rstd_kernel_matches_the_reference_reduction():
         x = torch.randn(tokens, dim, device=DEVICE, dtype=torch.bfloat16) * 4
         pending = torch.randn(dim, device=DEVICE)
         torch.testing.assert_close(triton_rms(x, pending, 1e-6), rms_scale(x, pending, 1e-6), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("m,k,n_inter", [(41472, 1280, 3456), (1000, 1280, 3456), (37, 136, 200), (1, 32, 64)])
+def test_fused_swiglu_gemm_matches_gemm_then_swiglu(m, k, n_inter):
+    # Ragged m, k and n_inter against the tiles (128 x 2*128 x 64) exercise the TMA edges.
+    from encoder_service.models._swiglu_gemm import gate_up_swiglu, unavailable_reason
+    from encoder_service.models.qwen2_5_vl_folded import swiglu
+
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(2 * n_inter, k, device=DEVICE, dtype=torch.bfloat16) * k**-0.5
+    shift = (torch.randn(2 * n_inter, device=DEVICE) * 0.1).to(torch.bfloat16)
+    scale = torch.rand(m, device=DEVICE) + 0.5
+    bias = torch.randn(2 * n_inter, device=DEVICE) * 0.1
+    assert unavailable_reason(x, w, "silu") is None
+    out = gate_up_swiglu(x, w, shift, scale, bias)
+    ref = swiglu(torch.nn.functional.linear(x, w, shift), scale, bias, "silu")
+    assert out.shape == (m, n_inter)
+    assert rel_err(out, ref) <= 1e-2
+
+
+def test_fused_swiglu_gemm_declines_what_it_cannot_take():
+    from encoder_service.models._swiglu_gemm import unavailable_reason
+
+    x = torch.randn(8, 64, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(128, 64, device=DEVICE, dtype=torch.bfloat16)
+    assert "gelu" in unavailable_reason(x, w, "gelu_pytorch_tanh")
+    assert "dtype" in unavailable_reason(x.float(), w.float(), "silu")
+    assert "intermediate" in unavailable_reason(x, w[:68], "silu")
+    assert "not on CUDA" in unavailable_reason(x.cpu(), w.cpu(), "silu")

@@ -223,6 +223,9 @@ class Qwen2_5_VisionTower(nn.Module):
         # Window blocks use the fused rotary + window attention kernel where it can run (CUDA,
         # half precision, windows <= 64 tokens); off only to measure what it buys.
         self.fused_windows = True
+        # Folded path only: the gate/up GEMM with SwiGLU in its epilogue (models/_swiglu_gemm.py)
+        # where it can run (Hopper, half precision, silu); off only to measure what it buys.
+        self.fused_swiglu = True
         # Set by fold_norms(): the blocks run the folded path (qwen2_5_vl_folded.py).
         self.folded = False
         self._folded_fns = (folded.rms_scale, folded.qkv_rotary, folded.swiglu)

@@ -59,16 +59,23 @@ def _padded_proj(block, padded: int) -> torch.Tensor:
     return cache[padded]
 
 
+def interleave(t: torch.Tensor) -> torch.Tensor:
+    """[gate; up] stacked along dim 0 -> alternating rows (or entries) gate 0, up 0, gate 1, ..."""
+    half = t.shape[0] // 2
+    return torch.stack((t[:half], t[half:]), dim=1).reshape(t.shape)
+
+
 def swiglu(acc, scale, bias, act: str):
-    gate, up = _affine(acc, scale, bias).chunk(2, dim=-1)
+    """SwiGLU of the folded gate/up GEMM's raw output, whose columns alternate gate j, up j."""
+    gate, up = _affine(acc, scale, bias).view(acc.shape[0], -1, 2).unbind(-1)
     return activation(act)(gate) * up
 
 
 @torch.no_grad()
 def fold_norms(tower) -> None:
-    """Folds each block's RMSNorm weights into the projection after it and precomputes the pending
-    biases. The norms' weights become ones, so the module still computes the same function on the
-    reference path; the checkpoint's own tensors are not modified."""
+    """Folds each block's RMSNorm weights into the projection after it, interleaves the gate and up
+    rows, and precomputes the pending biases. The tower runs only the folded path afterwards
+    (``tower.folded``); the checkpoint's own tensors are not modified."""
     dim = tower.cfg.hidden_size
     device = tower.inv_freq.device
     pending = torch.zeros(dim, dtype=torch.float32, device=device)
@@ -77,7 +84,16 @@ def fold_norms(tower) -> None:
         dtype = attn.qkv.weight.dtype
         qkv_w = (attn.qkv.weight.float() * n1.float()).to(dtype)
         attn.qkv.weight = torch.nn.Parameter(qkv_w, requires_grad=False)
-        block.gate_up_w.copy_(block.gate_up_w.float() * n2.float())  # the model's own fused buffer
+        # The model's own fused buffers, rewritten in place with the rows alternating gate j, up j:
+        # the fused SwiGLU GEMM (_swiglu_gemm.py) then finds both halves of a pair in one tile.
+        # gate_proj and up_proj become strided views of it, so they still hold their (folded) rows.
+        block.gate_up_w.copy_(interleave(block.gate_up_w.float() * n2.float()))
+        block.gate_up_b.copy_(interleave(block.gate_up_b))
+        mlp, inter = block.mlp, block.mlp.gate_proj.weight.shape[0]
+        for name, first in (("gate_proj", 0), ("up_proj", 1)):
+            layer = getattr(mlp, name)
+            layer.weight = torch.nn.Parameter(block.gate_up_w[first::2][:inter], requires_grad=False)
+            layer.bias = torch.nn.Parameter(block.gate_up_b[first::2][:inter], requires_grad=False)
         block.norm1.weight = torch.nn.Parameter(torch.ones_like(n1), requires_grad=False)
         block.norm2.weight = torch.nn.Parameter(torch.ones_like(n2), requires_grad=False)
 
@@ -101,8 +117,12 @@ def run_blocks(tower, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bac
     heads, eps, act = cfg.num_heads, cfg.rms_norm_eps, cfg.hidden_act
     rms, qkv_fn, swiglu_fn = tower._folded_fns
     padded = backend.padded_head_dim or 0
+    fused_mlp = False
     if x.is_cuda and fused_window.unavailable_reason(x.device, x.dtype) is None:
         from ._rms_kernel import rms_scale as rms  # Triton: twice inductor's speed for this reduction
+        from ._swiglu_gemm import gate_up_swiglu, unavailable_reason
+
+        fused_mlp = tower.fused_swiglu and unavailable_reason(x, tower.blocks[0].gate_up_w, act) is None
     for i, block in enumerate(tower.blocks):
         full = i in tower.full_blocks
         affine = (rms(x, block.pending_in, eps), block.qkv_bias)
@@ -115,6 +135,9 @@ def run_blocks(tower, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bac
             proj_w = _padded_proj(block, padded) if padded else block.attn.proj.weight
         x.addmm_(out.view(n, -1), proj_w.t())
         scale = rms(x, block.pending_mid, eps)
-        gate_up = F.linear(x, block.gate_up_w, block.gate_up_shift)
-        x.addmm_(swiglu_fn(gate_up, scale, block.gate_up_bias, act), block.down_w.t())
+        if fused_mlp:
+            h = gate_up_swiglu(x, block.gate_up_w, block.gate_up_shift, scale, block.gate_up_bias)
+        else:
+            h = swiglu_fn(F.linear(x, block.gate_up_w, block.gate_up_shift), scale, block.gate_up_bias, act)
+        x.addmm_(h, block.down_w.t())
     return (x.float() + tower.pending_out).to(x.dtype)

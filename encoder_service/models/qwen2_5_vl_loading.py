@@ -27,11 +27,12 @@ def load(ckpt: CheckpointFiles, *, model_id: str, device: torch.device, dtype: t
 def build(cfg: Qwen2_5_VisionConfig, state: dict[str, torch.Tensor], *, model_id: str,
           preprocess_config: dict | None, device: torch.device, dtype: torch.dtype,
           attn_backend: str, compile: bool | None = None, fuse_mlp: bool = True,
-          fused_windows: bool = True, fold_norms: bool | None = None) -> Qwen2_5_VLVisionModel:
-    """``fuse_mlp``: see ``VisionBlock.fuse_mlp``; ``fused_windows``: see ``Qwen2_5_VisionTower`` (both
-    off only to measure what they buy). ``fold_norms``: run the blocks with the RMSNorms folded into the
-    GEMMs (qwen2_5_vl_folded.py); None = on CUDA only, where it is faster, while the CPU keeps the
-    reference's exact order of operations.
+          fused_windows: bool = True, fold_norms: bool | None = None,
+          fused_swiglu: bool = True) -> Qwen2_5_VLVisionModel:
+    """``fuse_mlp``: see ``VisionBlock.fuse_mlp``; ``fused_windows`` and ``fused_swiglu``: see
+    ``Qwen2_5_VisionTower`` (all three off only to measure what they buy). ``fold_norms``: run the
+    blocks with the RMSNorms folded into the GEMMs (qwen2_5_vl_folded.py); None = on CUDA only, where
+    it is faster, while the CPU keeps the reference's exact order of operations.
     ``compile``: torch.compile the blocks' non-attention halves; None = on CUDA only (2.2x faster
     on an H100, bench/RESULTS.md; on the CPU the compile time outweighs the gain for tests)."""
     with torch.device("meta"):
@@ -46,6 +47,7 @@ def build(cfg: Qwen2_5_VisionConfig, state: dict[str, torch.Tensor], *, model_id
         block.fuse_mlp(multiple=64 if fuse_mlp else 1)
     module.inv_freq = module.inv_freq.float()
     module.fused_windows = fused_windows
+    module.fused_swiglu = fused_swiglu
     if fold_norms if fold_norms is not None else device.type == "cuda":
         module.fold_norms()
     if compile if compile is not None else device.type == "cuda":
