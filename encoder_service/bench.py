@@ -134,6 +134,8 @@ def main(argv=None) -> int:
                              "(models/qwen2_5_vl_folded.py)")
     parser.add_argument("--fused-swiglu", choices=["off", "on", "both"], default="on",
                         help="folded path: gate/up GEMM with SwiGLU in its epilogue (models/_swiglu_gemm.py)")
+    parser.add_argument("--cuda-graphs", choices=["off", "on", "both"], default="on",
+                        help="replay each batch composition as a CUDA graph (models/cuda_graphs.py)")
     parser.add_argument("--try-compile-mode", default=None,
                         help="also time flashinfer-cudnn with this torch.compile mode, e.g. max-autotune-no-cudagraphs")
     parser.add_argument("--no-transformers", action="store_true")
@@ -200,8 +202,10 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
                 first = time.perf_counter() - t0
                 timings = measure(lambda m=model, p=pixels, g=grids: m.encode_packed(p, g), args.iters, args.warmup)
+                graphs = getattr(model, "graphs", None)
                 record(label, c, timings, {"first_call_s": first, "backend": model.attn_backend,
-                                           "kernel": type(model.backend).__name__, **(extra or {})})
+                                           "kernel": type(model.backend).__name__,
+                                           "graph_replays": graphs.replays if graphs else 0, **(extra or {})})
         except Exception as exc:  # one failing contender must not lose the run
             print(f"{label}: FAILED {type(exc).__name__}: {exc}", flush=True)
             results.append({"contender": label, "error": f"{type(exc).__name__}: {exc}"})
@@ -211,18 +215,24 @@ def main(argv=None) -> int:
     modes = {"off": [False], "on": [True], "both": [False, True]}
     for name in names:
         for compiled in modes[args.compile]:
-            variants = [(p, f, n, g) for p in modes[args.mlp_pad] for f in modes[args.fused_windows]
-                        for n in modes[args.fold_norms] for g in modes[args.fused_swiglu]]
-            for pad, fw, fold, sg in variants:
+            variants = [(p, f, n, g, cg) for p in modes[args.mlp_pad] for f in modes[args.fused_windows]
+                        for n in modes[args.fold_norms] for g in modes[args.fused_swiglu]
+                        for cg in modes[args.cuda_graphs]]
+            for pad, fw, fold, sg, cg in variants:
                 label = (f"{name}{' +compile' if compiled else ''}{'' if pad else ' (MLP unpadded)'}"
                          f"{'' if fw else ' (windows unfused)'}{'' if fold else ' (norms unfolded)'}"
-                         f"{'' if sg or not fold else ' (SwiGLU unfused)'}")
-                time_model(label, lambda n=name, c=compiled, p=pad, f=fw, o=fold, g=sg: build(
-                    cfg, dict(state), model_id=args.preset, preprocess_config=None, device=device,
-                    dtype=torch.bfloat16, attn_backend=n, compile=c, fuse_mlp=p, fused_windows=f, fold_norms=o,
-                    fused_swiglu=g),
-                    {"compiled": compiled, "mlp_padded": pad, "fused_windows": fw, "folded_norms": fold,
-                     "fused_swiglu": sg})
+                         f"{'' if sg or not fold else ' (SwiGLU unfused)'}{'' if cg else ' (no CUDA graphs)'}")
+
+                def make(n=name, c=compiled, p=pad, f=fw, o=fold, g=sg, graphs=cg):
+                    model = build(cfg, dict(state), model_id=args.preset, preprocess_config=None, device=device,
+                                  dtype=torch.bfloat16, attn_backend=n, compile=c, fuse_mlp=p, fused_windows=f,
+                                  fold_norms=o, fused_swiglu=g)
+                    if not graphs:
+                        model.set_cuda_graphs(0)
+                    return model
+
+                time_model(label, make, {"compiled": compiled, "mlp_padded": pad, "fused_windows": fw,
+                                         "folded_norms": fold, "fused_swiglu": sg, "cuda_graphs": cg})
 
     if args.try_compile_mode:
         torch._dynamo.reset()

@@ -69,17 +69,25 @@ def test_backend_matches_sdpa_on_random_inputs(name, head_dim):
     assert rel_err(out, ref) <= 2e-2
 
 
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 @pytest.mark.parametrize("name", ["sdpa", *cuda_backends()])
-def test_full_forward_runs_without_a_host_sync_and_matches_sdpa(name, short_7b_state):
+def test_full_forward_runs_without_a_host_sync_and_matches_sdpa(name, graphs, short_7b_state):
     rng = np.random.default_rng(0)
     n = sum(t * h * w for t, h, w in GRIDS)
     pixels = rng.standard_normal((n, 1176), dtype=np.float32)
     # The reference runs the reference block order with every block through sdpa (no fused kernel,
-    # no folded norms); every model under test runs the GPU defaults.
+    # no folded norms, no CUDA graphs); every model under test runs the GPU defaults.
     ref_model = short_7b(short_7b_state, "sdpa", fused_windows=False, fold_norms=False)
+    ref_model.set_cuda_graphs(0)
     ref = [e.float() for e in ref_model.encode_async(pixels, GRIDS).wait()]
     model = short_7b(short_7b_state, name)
-    model.encode_async(pixels, GRIDS).wait()  # warm-up: kernel compilation, cuDNN graphs, plans
+    if not graphs:
+        model.set_cuda_graphs(0)
+    elif model.graphs is None:
+        pytest.skip(f"{name} plans cannot be captured (graph_safe is False)")
+    # Warm-up: kernel compilation, cuDNN graphs, plans; with graphs, the second call captures.
+    for _ in range(2):
+        model.encode_async(pixels, GRIDS).wait()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -87,6 +95,8 @@ def test_full_forward_runs_without_a_host_sync_and_matches_sdpa(name, short_7b_s
     finally:
         torch.cuda.set_sync_debug_mode(0)
     out = pending.wait()
+    if graphs:
+        assert model.graphs.replays >= 2, "the checked call should have been a graph replay"
     assert [tuple(o.shape) for o in out] == [(t * h * w // 4, 3584) for t, h, w in GRIDS]
     for i, (a, b) in enumerate(zip(out, ref)):
         assert torch.isfinite(a.float()).all()
@@ -174,3 +184,28 @@ def test_fused_swiglu_gemm_declines_what_it_cannot_take():
     assert "dtype" in unavailable_reason(x.float(), w.float(), "silu")
     assert "intermediate" in unavailable_reason(x, w[:68], "silu")
     assert "not on CUDA" in unavailable_reason(x.cpu(), w.cpu(), "silu")
+
+
+@pytest.mark.parametrize("name", ["sdpa", "flashinfer"])
+def test_cuda_graph_replays_read_each_batch_new_pixels(name, short_7b_state):
+    if name not in ("sdpa", *cuda_backends()):
+        pytest.skip(f"{name} does not run here")
+    rng = np.random.default_rng(3)
+    n = sum(t * h * w for t, h, w in GRIDS)
+    batches = [rng.standard_normal((n, 1176), dtype=np.float32) for _ in range(3)]
+    eager = short_7b(short_7b_state, name)
+    eager.set_cuda_graphs(0)
+    refs = [torch.cat(eager.encode(p, GRIDS)).float() for p in batches]
+    model = short_7b(short_7b_state, name)
+    outs = [torch.cat(model.encode(p, GRIDS)).float() for p in (*batches, batches[0])]
+    assert (model.graphs.captures, model.graphs.replays) == (1, 3)  # eager, capture + replay, replays
+    for out, ref in zip(outs, [*refs, refs[0]]):
+        assert rel_err(out, ref) <= 1e-2
+    assert rel_err(outs[1], refs[0]) > 0.1  # a replay that ignored its new pixels would match batch 0
+    # Another composition runs eagerly first, then gets its own graph.
+    other = [[1, 8, 8]]
+    pixels = rng.standard_normal((64, 1176), dtype=np.float32)
+    ref = torch.cat(eager.encode(pixels, other)).float()
+    for _ in range(3):
+        assert rel_err(torch.cat(model.encode(pixels, other)).float(), ref) <= 1e-2
+    assert (model.graphs.captures, len(model.graphs)) == (2, 2)

@@ -17,6 +17,7 @@ from .base import AttentionBackend
 class AiterBackend(AttentionBackend):
     name = "aiter"
     priority = 20
+    graph_safe = False  # never captured on hardware here: kept eager
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

@@ -60,6 +60,10 @@ class AttentionBackend(ABC):
     # padded (and then returns the output padded): a model that can write them padded for free
     # (inside a compiled graph) skips the backend's own pad and slice copies.
     padded_head_dim: int | None = None
+    # Whether what prepare() returns stays valid while later batches are prepared, so a forward
+    # can be captured in a CUDA graph and replayed (models/cuda_graphs.py). Backends whose plans
+    # live in reused wrappers (FlashInfer's ragged prefill) are not.
+    graph_safe: ClassVar[bool] = True
 
     def __init__(self, num_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> None:
         self.num_heads = num_heads

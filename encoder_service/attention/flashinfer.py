@@ -76,6 +76,7 @@ class FlashInferRaggedBackend(_FlashInferBase):
     name = "flashinfer-fa3"
     priority = 0  # reached through "flashinfer" in auto mode
     kernel: ClassVar[str] = "fa3"
+    graph_safe = False  # a plan is a ring slot that the 4th batch after it re-plans
 
     @classmethod
     def supports_head_size(cls, head_dim: int) -> bool:

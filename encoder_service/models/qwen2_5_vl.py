@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,6 +24,7 @@ from .base import Grid, ModelSpec, VisionModel
 from .layers import RMSNorm, activation, apply_rotary, rms_norm
 
 MODEL_TYPE = "qwen2_5_vl"
+DEFAULT_GRAPHS = 4  # batch compositions kept as CUDA graphs (models/cuda_graphs.py)
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,17 @@ class PatchMerger(nn.Module):
         return self.mlp(self.ln_q(x).view(-1, self.merged_dim))
 
 
+@dataclass
+class Staged:
+    """A batch's metadata on the device and its attention plans (Qwen2_5_VisionTower.stage)."""
+
+    window_index: torch.Tensor
+    reverse_index: torch.Tensor
+    position_ids: torch.Tensor
+    windows: Any  # fused_window.WindowPlan, or None where the fused kernel does not run
+    plans: dict[bool, Any]  # full attention (True) / window attention (False) -> backend plan
+
+
 class Qwen2_5_VisionTower(nn.Module):
     def __init__(self, cfg: Qwen2_5_VisionConfig) -> None:
         super().__init__()
@@ -254,22 +267,30 @@ class Qwen2_5_VisionTower(nn.Module):
         return emb.cos(), emb.sin()
 
     def forward(self, pixel_values: torch.Tensor, meta: BatchMetadata, backend: AttentionBackend) -> torch.Tensor:
-        device = pixel_values.device
-        # Every host->device copy of the batch's metadata happens here, once, without a sync.
-        window_index = host_to_device(meta.window_index, device)
-        reverse_index = host_to_device(meta.reverse_window_index, device)
-        position_ids = host_to_device(meta.position_ids, device)
+        return self.run(pixel_values, self.stage(meta, backend, pixel_values.device, pixel_values.dtype), backend)
+
+    def stage(self, meta: BatchMetadata, backend: AttentionBackend, device: torch.device, dtype: torch.dtype
+              ) -> Staged:
+        """Every host->device copy of the batch's metadata and every attention plan, once, without a
+        sync. What ``run`` reads depends only on the batch's grids, so a staged batch can be reused
+        for another batch of the same grids (models/cuda_graphs.py)."""
         windows = None
-        if self.fused_windows and fused_window.unavailable_reason(device, pixel_values.dtype) is None:
+        if self.fused_windows and fused_window.unavailable_reason(device, dtype) is None:
             windows = fused_window.plan(meta.window.cu_seqlens, meta.window.max_seqlen, device)
         plans = {True: backend.prepare(meta.full)}
         if windows is None:
             plans[False] = backend.prepare(meta.window)
+        return Staged(host_to_device(meta.window_index, device), host_to_device(meta.reverse_window_index, device),
+                      host_to_device(meta.position_ids, device), windows, plans)
 
+    def run(self, pixel_values: torch.Tensor, staged: Staged, backend: AttentionBackend) -> torch.Tensor:
+        """The forward on staged metadata: device work only, no host->device copies."""
+        windows, plans = staged.windows, staged.plans
         x = self.patch_embed(pixel_values)
         n, dim = x.shape
-        x = x.view(n // self.unit, self.unit, dim)[window_index].view(n, dim)
-        cos, sin = self.rotary(position_ids)
+        x = x.view(n // self.unit, self.unit, dim)[staged.window_index].view(n, dim)
+        cos, sin = self.rotary(staged.position_ids)
+        reverse_index = staged.reverse_index
         if self.folded:
             x = folded.run_blocks(self, x, cos, sin, backend, plans, windows)
             return self.merger(x)[reverse_index]
@@ -305,6 +326,10 @@ class Qwen2_5_VLVisionModel(VisionModel):
         self.dtype = dtype
         self.preprocess_config = Qwen2VLPreprocessConfig.from_dict(preprocess_config or {})
         self._attach_backend(attn_backend, cfg.num_heads, cfg.head_dim)
+        # Whole forwards as CUDA graphs, per batch composition (models/cuda_graphs.py), where the
+        # backend's plans can be captured; set_cuda_graphs(0) turns them off.
+        self.graphs = None
+        self.set_cuda_graphs(DEFAULT_GRAPHS)
         self.spatial = SpatialConfig(cfg.spatial_merge_size, cfg.patch_size, cfg.window_size)
         self.spec = ModelSpec(
             model_id=model_id, model_type=MODEL_TYPE, hidden_size=cfg.out_hidden_size,
@@ -312,6 +337,14 @@ class Qwen2_5_VLVisionModel(VisionModel):
             spatial_merge_size=cfg.spatial_merge_size, in_channels=cfg.in_channels,
             fingerprint={"vision_config": cfg.to_dict(), "preprocess": self.preprocess_config.fingerprint()},
         )
+
+    def set_cuda_graphs(self, capacity: int) -> None:
+        """Keep up to ``capacity`` batch compositions as CUDA graphs (0: none). CUDA only, and only
+        with a backend whose plans stay valid for replays (``graph_safe``)."""
+        from .cuda_graphs import GraphCache
+
+        usable = self.device.type == "cuda" and self.backend.graph_safe
+        self.graphs = GraphCache(capacity) if usable and capacity > 0 else None
 
     def preprocess(self, image_bytes: bytes, max_image_pixels: int | None = None) -> tuple[np.ndarray, Grid]:
         from ..preprocess import preprocess_qwen2_vl
@@ -322,6 +355,12 @@ class Qwen2_5_VLVisionModel(VisionModel):
     def encode_packed(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]
                       ) -> tuple[torch.Tensor, tuple[int, ...]]:
         checked = self.validate(pixel_values, grids)
-        meta = build_metadata(checked, self.spatial)
-        x = self._pixels_to_device(pixel_values)
-        return self.module(x.to(self.dtype), meta, self.backend), meta.tokens_per_image
+        x = self._pixels_to_device(pixel_values).to(self.dtype)
+        if self.graphs is None:
+            meta = build_metadata(checked, self.spatial)
+            return self.module(x, meta, self.backend), meta.tokens_per_image
+        key = tuple(tuple(g) for g in checked)
+        out = self.graphs.run(
+            key, x, lambda: self.module.stage(build_metadata(checked, self.spatial), self.backend, x.device, x.dtype),
+            lambda pixels, staged: self.module.run(pixels, staged, self.backend))
+        return out, tuple(t * h * w // self.module.unit for t, h, w in checked)
