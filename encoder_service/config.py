@@ -37,6 +37,7 @@ class ServiceConfig:
     metrics_port: int = -1  # -1 = no metrics endpoint; 0 = any free port (logged)
     log_level: str = "INFO"
     allowed_sinks: str = ""  # comma-separated host:port glob patterns; empty = no sink allowed
+    cuda_graphs: int = 4  # batch compositions kept as CUDA graphs; 0 = none
 
     @property
     def allowed_sink_patterns(self) -> tuple[str, ...]:
@@ -80,6 +81,9 @@ _OPTIONS: list[tuple[str, type, str]] = [
     ("grace_period_s", float, "on SIGTERM: seconds in-flight requests get to finish before the server exits."),
     ("metrics_port", int, "port of the Prometheus /metrics HTTP endpoint; 0 picks a free one, -1 disables it."),
     ("log_level", str, "DEBUG, INFO, WARNING or ERROR."),
+    ("cuda_graphs", int, "on CUDA: how many batch compositions (the grids of a batch's images) are kept as CUDA "
+                         "graphs, each captured the second time it is seen and replayed from then on; each "
+                         "holds its forward's activations in GPU memory. 0 runs every forward eagerly."),
     ("allowed_sinks", str, "comma-separated host:port glob patterns (e.g. 'prefill-*.svc:9000,10.0.0.*:9000') "
                            "of the EmbeddingSink targets a request may push to; any other target is "
                            "PERMISSION_DENIED before a connection is tried. Empty: sinks are refused."),
@@ -150,6 +154,8 @@ def _check(c: ServiceConfig) -> None:
         problems.append("max-image-pixels must be >= 1")
     if c.batch_wait_ms < 0:
         problems.append("batch-wait-ms must be >= 0")
+    if c.cuda_graphs < 0:
+        problems.append("cuda-graphs must be >= 0")
     if c.preprocess_threads < 1:
         problems.append("preprocess-threads must be >= 1")
     if c.grace_period_s < 0:

@@ -13,7 +13,7 @@ from encoder_service.config import ServiceConfig, parse_serve_args
 
 SERVE_FLAGS = ["--model", "--device", "--dtype", "--attn-backend", "--host", "--port", "--cache-bytes",
                "--max-batch-tokens", "--max-queue-images", "--max-message-bytes", "--max-image-pixels",
-               "--grace-period-s", "--log-level", "--metrics-port"]
+               "--grace-period-s", "--log-level", "--metrics-port", "--cuda-graphs"]
 
 
 def test_defaults_serve_the_tiny_preset_on_the_cpu():
@@ -36,6 +36,7 @@ def test_environment_fills_options_and_flags_win():
     ({"ENCODER_SERVICE_CACHE_BYTES": "lots"}, "ENCODER_SERVICE_CACHE_BYTES='lots'"),
     ({"ENCODER_SERVICE_DTYPE": "float64"}, "choose from float32, float16, bfloat16"),
     ({"ENCODER_SERVICE_MAX_BATCH_TOKENS": "0"}, "max-batch-tokens must be >= 1"),
+    ({"ENCODER_SERVICE_CUDA_GRAPHS": "-1"}, "cuda-graphs must be >= 0"),
 ])
 def test_bad_environment_values_are_named(env, message):
     with pytest.raises(ValueError, match=message):

@@ -40,8 +40,16 @@ def _load_model(config: ServiceConfig):
 
     from ..models import load_vision_model
 
-    return load_vision_model(config.model_or_default, device=config.device, dtype=config.dtype,
-                             attn_backend=config.attn_backend)
+    model = load_vision_model(config.model_or_default, device=config.device, dtype=config.dtype,
+                              attn_backend=config.attn_backend)
+    model.set_cuda_graphs(config.cuda_graphs)
+    if model.graphs is not None:
+        log.info("CUDA graphs: up to %d batch compositions, each captured the second time it is seen",
+                 model.graphs.capacity)
+    else:
+        log.info("CUDA graphs: off (cuda-graphs %d, device %s, attention backend %s)", config.cuda_graphs,
+                 config.device, model.attn_backend)
+    return model
 
 
 def _gib(n: int) -> str:

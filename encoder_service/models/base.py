@@ -132,6 +132,14 @@ class VisionModel:
     def validate(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]) -> list[Grid]:
         return validate_batch(pixel_values, grids, self.spec)
 
+    # Batch compositions replayed as CUDA graphs (models/cuda_graphs.py); None where the model
+    # runs every forward eagerly.
+    graphs = None
+
+    def set_cuda_graphs(self, capacity: int) -> None:
+        """Keep up to ``capacity`` batch compositions as CUDA graphs (0: none). Models without graph
+        support run eagerly whatever the capacity."""
+
     def _attach_backend(self, name: str, num_heads: int, head_dim: int) -> None:
         """Selects the attention backend once, at load time (fails there, with the reason)."""
         backend_cls = select_backend(name, self.device, self.dtype, head_dim)
