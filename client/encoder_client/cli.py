@@ -110,7 +110,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         if args.command == "encode" and ("," in args.target or args.target.startswith("dns:")):
-            with RoutingEncoderClient(args.target, timeout_s=args.timeout) as routing:
+            # A one-shot command would rather wait a few seconds for a busy encoder's health answer
+            # than route around it (refused connections still fail at once).
+            with RoutingEncoderClient(args.target, timeout_s=args.timeout,
+                                      health_timeout_s=min(5.0, args.timeout)) as routing:
                 return args.run(args, routing)
         with EncoderClient(args.target, timeout_s=args.timeout, retries=args.retries) as client:
             return args.run(args, client)
