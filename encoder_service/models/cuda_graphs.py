@@ -71,7 +71,9 @@ class GraphCache:
         static_pixels = pixels.clone()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            # thread_local: other threads of the server (request handlers pinning host memory)
+            # may keep making CUDA calls while this one captures.
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 out = forward(static_pixels, staged)
         except Exception as exc:  # a kernel that cannot be captured: this composition stays eager
             log.warning("CUDA graph capture failed for a batch of %s; it runs eagerly: %s: %s",
