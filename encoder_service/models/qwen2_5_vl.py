@@ -328,7 +328,6 @@ class Qwen2_5_VLVisionModel(VisionModel):
         self._attach_backend(attn_backend, cfg.num_heads, cfg.head_dim)
         # Whole forwards as CUDA graphs, per batch composition (models/cuda_graphs.py), where the
         # backend's plans can be captured; set_cuda_graphs(0) turns them off.
-        self.graphs = None
         self.set_cuda_graphs(DEFAULT_GRAPHS)
         self.spatial = SpatialConfig(cfg.spatial_merge_size, cfg.patch_size, cfg.window_size)
         self.spec = ModelSpec(
@@ -363,4 +362,4 @@ class Qwen2_5_VLVisionModel(VisionModel):
         out = self.graphs.run(
             key, x, lambda: self.module.stage(build_metadata(checked, self.spatial), self.backend, x.device, x.dtype),
             lambda pixels, staged: self.module.run(pixels, staged, self.backend))
-        return out, tuple(t * h * w // self.module.unit for t, h, w in checked)
+        return out, tuple(self.num_tokens(g) for g in checked)
