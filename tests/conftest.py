@@ -70,6 +70,18 @@ class FakeVisionModel:
         n = int(np.prod(grid))
         return np.random.default_rng(seed).standard_normal((n, 4)).astype(np.float32)
 
+    def decode(self, data: bytes, max_image_pixels: int | None = None):
+        """The CPU half: the fake's "decoded image" is its float32 patches as raw bytes."""
+        from encoder_service.preprocess.staged import RawPatches
+
+        pixels, grid = self.preprocess(data, max_image_pixels)
+        return RawPatches(pixels.tobytes(), "float32", grid)
+
+    def warmup_inputs(self):
+        from encoder_service.preprocess.staged import RawPatches
+
+        return [[RawPatches(bytes(self.num_patches(g) * 4 * 4), "float32", g)] for g in ((1, 4, 4), (1, 8, 4))]
+
     def validate(self, pixel_values, grids):
         from encoder_service.models.base import validate_batch
 
@@ -92,9 +104,17 @@ class FakeVisionModel:
         return list(out.split([self.num_tokens(g) for g in grids]))
 
     def encode_async(self, pixel_values, grids):
-        """The worker's entry point (VisionModel.encode_async): the CPU result, already waited for."""
+        """VisionModel.encode_async: the CPU result, already waited for."""
         out = self.encode(pixel_values, grids)
-        return SimpleNamespace(wait=lambda: out)
+        return SimpleNamespace(wait=lambda: out, device_seconds=lambda: None)
+
+    def encode_inputs_async(self, inputs):
+        """The worker's entry point (VisionModel.encode_inputs_async), with the real byte conversion."""
+        from encoder_service.preprocess.staged import host_tensor, patches_from_bytes
+
+        pixels = torch.cat([patches_from_bytes(host_tensor(item.host_bytes()), item, 4, torch.float32)
+                            for item in inputs])
+        return self.encode_async(pixels, [list(item.grid) for item in inputs])
 
 
 @pytest.fixture

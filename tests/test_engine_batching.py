@@ -203,8 +203,8 @@ class _TwoPhaseFake:
     def __getattr__(self, name):
         return getattr(self._model, name)
 
-    def encode_async(self, pixel_values, grids):
-        pending = self._model.encode_async(pixel_values, grids)
+    def encode_inputs_async(self, inputs):
+        pending = self._model.encode_inputs_async(inputs)
         n = len(self._model.batches)  # 0 for the warm-up forwards
         self.events.append(("launch", n))
 
@@ -212,7 +212,7 @@ class _TwoPhaseFake:
             self.events.append(("wait", n))
             return pending.wait()
 
-        return SimpleNamespace(wait=wait)
+        return SimpleNamespace(wait=wait, device_seconds=lambda: None)
 
 
 def test_next_batch_is_enqueued_before_waiting_for_the_one_in_flight(fake_model):

@@ -12,21 +12,21 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
+from ..preprocess.staged import StagedInput
 from .types import Grid
 
 
 @dataclass(eq=False)
 class WorkItem:
-    pixels: np.ndarray  # float32 [num_patches, patch_dim]
+    payload: StagedInput  # uint8 pixels of a decoded image, or a client's patch bytes
     grid: Grid
     job: Any  # the engine's bookkeeping object; opaque here
     enqueued_at: float = field(default_factory=time.perf_counter)
 
     @property
     def num_patches(self) -> int:
-        return int(self.pixels.shape[0])
+        t, h, w = self.grid
+        return t * h * w
 
 
 class BatchQueue:

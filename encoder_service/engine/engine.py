@@ -1,8 +1,8 @@
 """The engine: from a request's images to their embeddings, as each becomes ready.
 
 Lives on the event loop. Per image: cache hit (served at once), join of an in-flight computation
-of the same content (in-flight de-duplication), or a new job. A job is prepared (decode/patchify or
-convert, then validated) in a small thread pool, queued for the device worker once every image of
+of the same content (in-flight de-duplication), or a new job. A job is prepared (decoded to uint8
+pixels, or its patch bytes checked) in a thread pool, queued for the device worker once every image of
 its request validated, batched with other requests' images, and cached when its forward returns.
 A job lives while some request still waits for it; the last one leaving removes it from the queue
 and frees its admission slot.
@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from encoder_client.hashing import hash_encoded, hash_patches
 
@@ -25,10 +24,11 @@ from .. import metrics
 from ..config import ServiceConfig
 from ..errors import EncoderError, InvalidInput, NotFound, ResourceExhausted, Unavailable
 from ..models.base import validate_grid
+from ..preprocess.staged import StagedInput, check_patch_bytes
 from .admission import Admission
 from .batch_queue import BatchQueue, WorkItem
 from .cache import CacheEntry, EmbeddingCache
-from .convert import dtype_name, patches_to_float32
+from .convert import dtype_name
 from .types import EngineStats, Grid, ImageInput, ImageResult, ModelDescription, Timing
 from .worker import BatchOutcome, DeviceWorker
 
@@ -42,7 +42,7 @@ class _Job:
     key: str
     refs: int = 1  # requests (image slots) still waiting for it
     state: str = "preparing"  # preparing -> prepared -> queued -> running -> done | failed | abandoned
-    pixels: np.ndarray | None = None
+    payload: StagedInput | None = None  # what the device worker turns into patches
     grid: Grid | None = None
     item: WorkItem | None = None
     holds_slot: bool = True  # an admission slot, until it enters a forward or is dropped
@@ -266,7 +266,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         try:
-            pixels, grid = await loop.run_in_executor(self._pool, self._prepare_sync, image)
+            payload = await loop.run_in_executor(self._pool, self._prepare_sync, image)
         except Exception as exc:
             if job.state == "preparing":
                 job.state = "failed"
@@ -278,31 +278,25 @@ class Engine:
             metrics.PREPROCESS_SECONDS.observe(job.timing.preprocess_ms / 1000.0)
         if job.state != "preparing":  # abandoned while it was being prepared
             return
-        job.pixels, job.grid, job.state = pixels, grid, "prepared"
+        job.payload, job.grid, job.state = payload, payload.grid, "prepared"
         job.prepared.set_result(None)
 
-    def _prepare_sync(self, image: ImageInput) -> tuple[np.ndarray, Grid]:
-        m = self.model
+    def _prepare_sync(self, image: ImageInput) -> StagedInput:
+        """The CPU half of preprocessing (thread pool): decode to uint8 pixels, or check a client's
+        patch bytes. Resize, normalize and patchify run on the model's device, batched per forward."""
         if image.kind == "encoded":
-            pixels, grid = m.preprocess(image.data, self.config.max_image_pixels)
-            grid = tuple(int(x) for x in grid)
-            self._check_size(grid)
-            pixels = np.asarray(pixels, dtype=np.float32)
-        else:
-            grid = image.grid
-            pixels = patches_to_float32(image.data, image.patch_dtype, m.spec.patch_dim)
-        m.validate(pixels, [list(grid)])
-        if not pixels.flags.writeable:
-            pixels = pixels.copy()
-        return pixels, grid
+            decoded = self.model.decode(image.data, self.config.max_image_pixels)
+            self._check_size(decoded.grid)
+            return decoded
+        return check_patch_bytes(image.data, image.patch_dtype, image.grid, self.model.spec.patch_dim)
 
     def _enqueue(self, job: _Job) -> None:
         if job.state != "prepared":
             return  # already queued by another request, or further along
         if self._closed:
             raise Unavailable("server is draining")
-        job.item = WorkItem(job.pixels, job.grid, job)
-        job.pixels = None  # the item holds them now; free them as soon as the forward is done
+        job.item = WorkItem(job.payload, job.grid, job)
+        job.payload = None  # the item holds it now; freed as soon as the forward is done
         job.state = "queued"
         self._queue.put(job.item)
 
@@ -319,7 +313,7 @@ class Engine:
         if job.state == "queued" and not self._queue.remove(job.item):
             return  # the worker took it a moment ago; its result will still be cached
         job.state = "abandoned"
-        job.item = job.pixels = None
+        job.item = job.payload = None
         self.stats.abandoned += 1
         self._drop(job)
 

@@ -1,8 +1,9 @@
 """The device worker: one thread that owns the model and runs every forward pass.
 
-The event loop never calls the model. The worker takes a batch, runs ``validate`` and ``encode_async``
-once for it, copies each embedding to the CPU (the one device sync per batch, at its end), and
-hands the results back to the loop with ``call_soon_threadsafe``.
+The event loop never calls the model. The worker takes a batch, runs ``encode_inputs_async`` once
+for it (uint8 pixels or client patch bytes to the device, preprocessing and the forward there),
+copies each embedding to the CPU (the one device sync per batch, at its end), and hands the results
+back to the loop with ``call_soon_threadsafe``.
 
 Two batches may be in flight: while the device computes one, the worker already stacks, validates
 and enqueues the next (its metadata, its host-to-device copy), and only then waits for the first.
@@ -21,7 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from .batch_queue import BatchQueue, WorkItem
@@ -35,7 +35,7 @@ class BatchOutcome:
     embeddings: list[torch.Tensor] | None  # CPU tensors with their own storage, one per item
     error: BaseException | None
     started_at: float  # perf_counter at the start of the forward
-    forward_s: float
+    forward_s: float  # the device's time for the batch (preprocessing + forward + copy back) where known
 
 
 @dataclass
@@ -98,28 +98,18 @@ class DeviceWorker:
                 return
 
     def _run_warmup(self) -> float:
-        t, h, w = self._warmup_grid
-        m = self._model.spec.spatial_merge_size
-        # Two token counts: a compiled model specialises on the first and recompiles once with a
-        # dynamic token dimension on the second; both belong to start-up, not to a first request.
-        grids = [(t, h, w), (t, h + 2 * m, w)]
         started = time.perf_counter()
-        for grid in grids:
-            pixels = torch.zeros(self._model.num_patches(grid), self._model.spec.patch_dim, dtype=torch.float32)
-            _owned(self._model.encode_async(pixels, [list(grid)]).wait())
+        for batch in self._model.warmup_inputs():
+            _owned(self._model.encode_inputs_async(batch).wait())
         return time.perf_counter() - started
 
     def _launch(self, batch: list[WorkItem]) -> _InFlight | BatchOutcome:
-        """Enqueues the batch's device work without waiting for it."""
+        """Enqueues the batch's device work (preprocessing included) without waiting for it."""
         started = time.perf_counter()
         try:
-            pixels = np.concatenate([item.pixels for item in batch]) if len(batch) > 1 else batch[0].pixels
-            pixel_values = torch.from_numpy(np.ascontiguousarray(pixels))
-            grids = [list(item.grid) for item in batch]
-            self._model.validate(pixel_values, grids)
-            # H2D, forward and D2H into pinned memory are queued without a host sync; wait() in
-            # _finish is the batch's single explicit wait.
-            return _InFlight(batch, started, self._model.encode_async(pixel_values, grids))
+            # H2D of uint8, preprocessing, forward and D2H into pinned memory are queued without a
+            # host sync; wait() in _finish is the batch's single explicit wait.
+            return _InFlight(batch, started, self._model.encode_inputs_async([item.payload for item in batch]))
         except Exception as exc:
             return self._failed(batch, started, exc)
 
@@ -131,7 +121,11 @@ class DeviceWorker:
                 raise RuntimeError(f"model returned {len(embeddings)} embeddings for {len(batch)} images")
         except Exception as exc:
             return self._failed(batch, started, exc)
-        return BatchOutcome(batch, embeddings, None, started, time.perf_counter() - started)
+        # The device's own time where it has one: with two batches in flight, the wall time since
+        # launch also counts the wait for the batch ahead.
+        device_s = in_flight.pending.device_seconds()
+        forward_s = device_s if device_s is not None else time.perf_counter() - started
+        return BatchOutcome(batch, embeddings, None, started, forward_s)
 
     @staticmethod
     def _failed(batch: list[WorkItem], started: float, exc: Exception) -> BatchOutcome:

@@ -7,16 +7,28 @@ implement ``_forward`` (the torch module) and their preprocessing.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from PIL import Image
 
 from ..attention import select_backend
 from ..device import host_to_device
 from ..errors import InvalidInput
+from ..preprocess.staged import (
+    DecodedImage,
+    RawPatches,
+    StagedInput,
+    apply_table,
+    image_tensor,
+    patches_from_bytes,
+    resolve_mode,
+    stage_to_device,
+)
 
 Grid = tuple[int, int, int]
 
@@ -94,6 +106,10 @@ class VisionModel:
     device: torch.device
     dtype: torch.dtype
     attn_backend: str
+    # pil: resize on the CPU, bit-exact with transformers' PIL processor; torch: resize on the
+    # model's device, equal to its default torchvision-backed processor (preprocess/staged.py).
+    preprocess_mode: str = "pil"
+    _tables: dict[tuple[torch.device, torch.dtype], torch.Tensor] | None = None  # value tables by device
 
     # --- sizes -------------------------------------------------------------------------------
     def num_patches(self, grid: Sequence[int]) -> int:
@@ -118,16 +134,81 @@ class VisionModel:
             "model_id": self.spec.model_id,
             "model_type": self.spec.model_type,
             "dtype": str(self.dtype).removeprefix("torch."),
+            "preprocess_mode": self.preprocess_mode,
             **self.spec.fingerprint,
         }
         digest = hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
         return f"{self.spec.model_type}:{digest[:24]}"
 
     # --- the public API ----------------------------------------------------------------------
+    def set_preprocess_mode(self, mode: str) -> None:
+        """``auto`` (torch on an accelerator, pil on the CPU), ``pil`` or ``torch``."""
+        mode = resolve_mode(mode, self.device)
+        self._check_preprocess_mode(mode)
+        self.preprocess_mode = mode
+        self._tables = None
+
+    def decode(self, image_bytes: bytes, max_image_pixels: int | None = None) -> DecodedImage:
+        """The CPU half of preprocessing: bytes -> uint8 pixels, target size and grid."""
+        raise NotImplementedError
+
+    def _check_preprocess_mode(self, mode: str) -> None:
+        """Raises where the family's config cannot be reproduced in ``mode``."""
+
+    def _value_table(self) -> torch.Tensor:
+        """float32 [3, 256] on the CPU: rescale + normalize of each byte (preprocess/staged.py)."""
+        raise NotImplementedError
+
+    def _patchify(self, image: torch.Tensor) -> torch.Tensor:
+        """[C, H, W] normalized image -> [num_patches, patch_dim] in the model's patch order."""
+        raise NotImplementedError
+
+    def _table(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        if self._tables is None:
+            self._tables = {}
+        key = (device, dtype)
+        if key not in self._tables:  # once per device and dtype, at warm-up: not in a forward's path
+            self._tables[key] = self._value_table().to(dtype).to(device)
+        return self._tables[key]
+
+    def stage(self, inputs: Sequence[StagedInput], device: torch.device | None = None,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The device half of preprocessing for a batch: [sum(patches), patch_dim] on ``device`` in
+        ``dtype`` (the model's by default). One host-to-device copy of uint8 (or the client's patch
+        bytes), then resize / pad / normalize / patchify there; never waits on the device."""
+        device = self.device if device is None else device
+        dtype = self.dtype if dtype is None else dtype
+        parts = []
+        for raw, item in zip(stage_to_device(list(inputs), device), inputs):
+            if isinstance(item, RawPatches):
+                parts.append(patches_from_bytes(raw, item, self.spec.patch_dim, dtype))
+            else:
+                image = image_tensor(raw, item, self.preprocess_mode)
+                parts.append(self._patchify(apply_table(image, self._table(device, dtype))))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def warmup_inputs(self) -> list[list[StagedInput]]:
+        """Batches for the start-up forwards, through the same path as requests: two token counts
+        (a compiled model specialises on the first and recompiles once with a dynamic token
+        dimension on the second; both belong to start-up, not to a first request), images whose
+        sides need a resize, and client patches."""
+        factor = self.spec.patch_size * self.spec.spatial_merge_size
+        rng = np.random.default_rng(0)
+        images = []
+        for height, width in ((2 * factor + 3, 2 * factor + 5), (2 * factor + 3, 4 * factor + 5)):
+            buffer = io.BytesIO()
+            Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buffer, "PNG")
+            images.append(self.decode(buffer.getvalue()))
+        grid = images[0].grid
+        zeros = bytes(self.num_patches(grid) * self.spec.patch_dim * 4)
+        return [[images[0]], [images[1]], [RawPatches(zeros, "float32", grid), images[0]]]
+
     def preprocess(self, image_bytes: bytes, max_image_pixels: int | None = None
                    ) -> tuple[np.ndarray, Grid]:
-        """Encoded image bytes -> (patches [t*h*w, patch_dim] float32, (t, h, w))."""
-        raise NotImplementedError
+        """Encoded image bytes -> (patches [t*h*w, patch_dim] float32, (t, h, w)), both halves on
+        the CPU in the model's preprocess mode."""
+        item = self.decode(image_bytes, max_image_pixels)
+        return self.stage([item], torch.device("cpu"), torch.float32).numpy(), item.grid
 
     def validate(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]) -> list[Grid]:
         return validate_batch(pixel_values, grids, self.spec)
@@ -169,27 +250,57 @@ class VisionModel:
         packed, tokens = self.encode_packed(pixel_values, grids)
         return list(packed.split(tokens))
 
+    def encode_inputs_async(self, inputs: Sequence[StagedInput]) -> PendingEmbeddings:
+        """``encode_async`` of staged inputs (decoded images, client patches): preprocessing runs
+        on the device in the same stream, before the forward; still no host sync."""
+        started = None
+        if self.device.type == "cuda":
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
+        with torch.inference_mode():
+            pixel_values = self.stage(inputs)
+        packed, tokens = self.encode_packed(pixel_values, [list(item.grid) for item in inputs])
+        return PendingEmbeddings.to_host(packed, tokens, started)
+
     def encode_async(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]
                      ) -> PendingEmbeddings:
         """Enqueues the whole batch (H2D, forward, D2H into pinned host memory) without one host
         sync; ``.wait()`` on the result is the batch's single explicit wait."""
+        started = None
+        if self.device.type == "cuda":
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
         packed, tokens = self.encode_packed(pixel_values, grids)
-        if packed.device.type == "cpu":
-            return PendingEmbeddings(packed, tokens, None)
-        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-        host.copy_(packed, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return PendingEmbeddings(host, tokens, done)
+        return PendingEmbeddings.to_host(packed, tokens, started)
 
 
 class PendingEmbeddings:
     """Embeddings of a batch on their way to host memory."""
 
-    def __init__(self, host: torch.Tensor, tokens: tuple[int, ...], done: torch.cuda.Event | None) -> None:
+    def __init__(self, host: torch.Tensor, tokens: tuple[int, ...], done: torch.cuda.Event | None,
+                 started: torch.cuda.Event | None = None) -> None:
         self._host = host
         self._tokens = tokens
         self._done = done
+        self._started = started
+
+    @classmethod
+    def to_host(cls, packed: torch.Tensor, tokens: tuple[int, ...],
+                started: torch.cuda.Event | None) -> PendingEmbeddings:
+        """Queues the copy of a device result into pinned host memory (no wait)."""
+        if packed.device.type == "cpu":
+            return cls(packed, tokens, None)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        done = torch.cuda.Event(enable_timing=started is not None)
+        done.record()
+        return cls(host, tokens, done, started)
+
+    def device_seconds(self) -> float | None:
+        """The device's time from the batch's start to its copy back (after ``wait``), if timed."""
+        if self._started is None or self._done is None:
+            return None
+        return self._started.elapsed_time(self._done) / 1000.0
 
     def wait(self) -> list[torch.Tensor]:
         """One CPU tensor [num_tokens_i, hidden] per image, once the copy has landed."""

@@ -34,6 +34,7 @@ from ..metadata import (
     raster_position_ids,
     temporal_pool_index,
 )
+from ..preprocess.staged import DecodedImage
 from .base import Grid, ModelSpec, VisionModel, validate_batch
 from .layers import activation
 
@@ -361,10 +362,20 @@ class KimiK25VisionModel(VisionModel):
         _, h, w = grid
         return int(h) * int(w) // self.spec.merge_unit
 
-    def preprocess(self, image_bytes: bytes, max_image_pixels: int | None = None) -> tuple[np.ndarray, Grid]:
-        from ..preprocess.kimi_k25 import preprocess_kimi_k25
+    def decode(self, image_bytes: bytes, max_image_pixels: int | None = None) -> DecodedImage:
+        from ..preprocess.kimi_k25 import decode_kimi_k25
 
-        return preprocess_kimi_k25(image_bytes, self.preprocess_config, max_image_pixels)
+        return decode_kimi_k25(image_bytes, self.preprocess_config, self.preprocess_mode, max_image_pixels)
+
+    def _value_table(self) -> torch.Tensor:
+        from ..preprocess.kimi_k25 import value_table
+
+        return value_table(self.preprocess_config)
+
+    def _patchify(self, image: torch.Tensor) -> torch.Tensor:
+        from ..preprocess.kimi_k25 import patchify
+
+        return patchify(image, self.preprocess_config)
 
     def validate(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]) -> list[Grid]:
         checked = validate_batch(pixel_values, grids, self.spec)

@@ -19,12 +19,15 @@ from torch import nn
 from ..attention import AttentionBackend, fused_window
 from ..device import host_to_device
 from ..metadata import BatchMetadata, SpatialConfig, build_metadata
+from ..preprocess.staged import DecodedImage
 from . import qwen2_5_vl_folded as folded
-from .base import Grid, ModelSpec, VisionModel
+from .base import ModelSpec, VisionModel
 from .layers import RMSNorm, activation, apply_rotary, rms_norm
 
 MODEL_TYPE = "qwen2_5_vl"
-DEFAULT_GRAPHS = 4  # batch compositions kept as CUDA graphs (models/cuda_graphs.py)
+# Batch compositions kept as CUDA graphs (models/cuda_graphs.py). Off by default: under real traffic
+# compositions rarely repeat, and captures cost more than replays save (bench/RESULTS.md).
+DEFAULT_GRAPHS = 0
 
 
 @dataclass(frozen=True)
@@ -345,10 +348,25 @@ class Qwen2_5_VLVisionModel(VisionModel):
         usable = self.device.type == "cuda" and self.backend.graph_safe
         self.graphs = GraphCache(capacity) if usable and capacity > 0 else None
 
-    def preprocess(self, image_bytes: bytes, max_image_pixels: int | None = None) -> tuple[np.ndarray, Grid]:
-        from ..preprocess import preprocess_qwen2_vl
+    def decode(self, image_bytes: bytes, max_image_pixels: int | None = None) -> DecodedImage:
+        from ..preprocess.qwen2_vl import decode_qwen2_vl
 
-        return preprocess_qwen2_vl(image_bytes, self.preprocess_config, max_image_pixels)
+        return decode_qwen2_vl(image_bytes, self.preprocess_config, self.preprocess_mode, max_image_pixels)
+
+    def _check_preprocess_mode(self, mode: str) -> None:
+        from ..preprocess.qwen2_vl import check_mode
+
+        check_mode(self.preprocess_config, mode)
+
+    def _value_table(self) -> torch.Tensor:
+        from ..preprocess.qwen2_vl import value_table
+
+        return value_table(self.preprocess_config, self.preprocess_mode)
+
+    def _patchify(self, image: torch.Tensor) -> torch.Tensor:
+        from ..preprocess.qwen2_vl import patchify
+
+        return patchify(image, self.preprocess_config)
 
     @torch.inference_mode()
     def encode_packed(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]

@@ -1,11 +1,11 @@
-"""Image decode, resize, normalize, patchify. numpy + Pillow only: no torch here."""
+"""Image decode, resize, normalize, patchify: a CPU half (decode to uint8) and a device half
+(``staged``). No model code here."""
 
 from encoder_service.preprocess.decode import SUPPORTED_FORMATS, decode_image
 from encoder_service.preprocess.kimi_k25 import KimiK25PreprocessConfig, preprocess_kimi_k25
 from encoder_service.preprocess.qwen2_vl import (
     Qwen2VLPreprocessConfig,
     preprocess_qwen2_vl,
-    preprocess_qwen2_vl_image,
     smart_resize,
 )
 
@@ -16,6 +16,5 @@ __all__ = [
     "decode_image",
     "preprocess_kimi_k25",
     "preprocess_qwen2_vl",
-    "preprocess_qwen2_vl_image",
     "smart_resize",
 ]

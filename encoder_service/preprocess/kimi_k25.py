@@ -6,9 +6,9 @@ patch budget and the per-side patch limit), a bicubic antialiased resize of the 
 (``tvF.resize`` -> ``F.interpolate(uint8, mode="bicubic", antialias=True)``: PyTorch's fixed-point
 uint8 kernel), zero padding at the bottom/right to a multiple of ``merge_size * patch_size`` (28),
 ``(x - 127.5) / 127.5`` in float32 (mean and std 0.5, fused with the 1/255 rescale), and patches in
-raster order, each flattened as (C, P, P). The resize is re-implemented here in numpy, integer for
-integer (int16 weights, dynamic precision, horizontal pass then vertical, uint8 in between), so the
-server needs neither torchvision nor torch for it.
+raster order, each flattened as (C, P, P). In ``pil`` mode (the CPU default) the resize runs on the
+CPU, re-implemented here in numpy integer for integer (int16 weights, dynamic precision, horizontal
+pass then vertical, uint8 in between); in ``torch`` mode it runs on the model's device (``staged``).
 """
 
 from __future__ import annotations
@@ -19,10 +19,18 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import torch
 from PIL import Image
 
 from encoder_service.errors import InvalidInput
 from encoder_service.preprocess.decode import decode_image
+from encoder_service.preprocess.staged import (
+    DecodedImage,
+    apply_table,
+    host_tensor,
+    image_tensor,
+    torchvision_value_table,
+)
 
 _NUM_CHANNELS = 3
 _BICUBIC = 3  # PILImageResampling.BICUBIC: the only filter the Kimi processor is used with
@@ -196,38 +204,48 @@ def resize_bicubic_antialias(image: np.ndarray, height: int, width: int) -> np.n
     return image
 
 
-def preprocess_kimi_k25_image(image: Image.Image, cfg: KimiK25PreprocessConfig
-                              ) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """RGB image -> (float32 [h*w, 3*P*P] raster-order patches, (1, h, w) in patches)."""
+def value_table(cfg: KimiK25PreprocessConfig) -> torch.Tensor:
+    """float32 [3, 256]: rescale + normalize of each byte, as the (torchvision-backed) processor
+    computes them (mean and std fused with the 1/255 rescale, in float32)."""
+    return torchvision_value_table(cfg.image_mean, cfg.image_std, cfg.rescale_factor, cfg.do_rescale,
+                                   cfg.do_normalize)
+
+
+def decode_kimi_k25_image(image: Image.Image, cfg: KimiK25PreprocessConfig, mode: str) -> DecodedImage:
+    """The CPU half: RGB uint8 pixels, resized here in ``pil`` mode (the numpy uint8 kernel above)
+    or on the device in ``torch`` mode, with the padded size and the grid."""
     pixels = np.asarray(image.convert("RGB") if image.mode != "RGB" else image, dtype=np.uint8)
     height, width = pixels.shape[:2]
+    pad_h, pad_w = height, width
     if cfg.do_resize:
-        (new_h, new_w), (pad_h, pad_w) = navit_resize(height, width, cfg.patch_size, cfg.merge_size,
-                                                      cfg.max_patches, cfg.max_side_patches)
-        pixels = resize_bicubic_antialias(pixels, new_h, new_w)
-        padded = np.zeros((pad_h, pad_w, _NUM_CHANNELS), dtype=np.uint8)
-        padded[:new_h, :new_w] = pixels
-        pixels = padded
+        (height, width), (pad_h, pad_w) = navit_resize(height, width, cfg.patch_size, cfg.merge_size,
+                                                       cfg.max_patches, cfg.max_side_patches)
+        if mode == "pil":
+            pixels = resize_bicubic_antialias(pixels, height, width)
     p = cfg.patch_size
-    if pixels.shape[0] % p or pixels.shape[1] % p:
-        raise InvalidInput(f"image of {pixels.shape[1]}x{pixels.shape[0]} pixels is not a multiple of the "
-                           f"patch size {p} (do_resize is off)")
-    x = pixels.astype(np.float32)
-    if cfg.do_rescale and cfg.do_normalize:
-        # transformers fuses the rescale into mean and std (mean / rescale_factor, in float32).
-        inv = np.float32(1.0 / cfg.rescale_factor)
-        x = (x - np.asarray(cfg.image_mean, np.float32) * inv) / (np.asarray(cfg.image_std, np.float32) * inv)
-    elif cfg.do_rescale:
-        x = x * np.float32(cfg.rescale_factor)
-    elif cfg.do_normalize:
-        x = (x - np.asarray(cfg.image_mean, np.float32)) / np.asarray(cfg.image_std, np.float32)
-    gh, gw = x.shape[0] // p, x.shape[1] // p
-    # [gh, P, gw, P, C] -> [gh, gw, C, P, P]: raster order of patches, each flattened (C, P, P).
-    patches = x.reshape(gh, p, gw, p, _NUM_CHANNELS).transpose(0, 2, 4, 1, 3).reshape(gh * gw, -1)
-    return np.ascontiguousarray(patches, dtype=np.float32), (1, gh, gw)
+    if pad_h % p or pad_w % p:
+        raise InvalidInput(f"image of {pad_w}x{pad_h} pixels is not a multiple of the patch size {p} "
+                           "(do_resize is off)")
+    return DecodedImage(np.ascontiguousarray(pixels), (height, width), (pad_h, pad_w), (1, pad_h // p, pad_w // p))
 
 
-def preprocess_kimi_k25(data: bytes, cfg: KimiK25PreprocessConfig, max_image_pixels: int | None = None
-                        ) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """Encoded image bytes -> (float32 [h*w, 3*P*P], (1, h, w) in patches, Python ints)."""
-    return preprocess_kimi_k25_image(decode_image(data, max_image_pixels), cfg)
+def decode_kimi_k25(data: bytes, cfg: KimiK25PreprocessConfig, mode: str = "pil",
+                    max_image_pixels: int | None = None) -> DecodedImage:
+    return decode_kimi_k25_image(decode_image(data, max_image_pixels), cfg, mode)
+
+
+def patchify(x: torch.Tensor, cfg: KimiK25PreprocessConfig) -> torch.Tensor:
+    """[C, H, W] -> [gh*gw, C*P*P]: patches in raster order, each flattened as (C, P, P)."""
+    channels, height, width = x.shape
+    p = cfg.patch_size
+    gh, gw = height // p, width // p
+    return x.view(channels, gh, p, gw, p).permute(1, 3, 0, 2, 4).reshape(gh * gw, channels * p * p)
+
+
+def preprocess_kimi_k25(data: bytes, cfg: KimiK25PreprocessConfig, max_image_pixels: int | None = None,
+                        mode: str = "pil") -> tuple[np.ndarray, tuple[int, int, int]]:
+    """Encoded image bytes -> (float32 [h*w, 3*P*P], (1, h, w) in patches, Python ints), both halves
+    on the CPU."""
+    item = decode_kimi_k25(data, cfg, mode, max_image_pixels)
+    chw = image_tensor(host_tensor(item.pixels).view(-1), item, mode)
+    return patchify(apply_table(chw, value_table(cfg)), cfg).numpy(), item.grid

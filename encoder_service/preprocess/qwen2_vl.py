@@ -1,7 +1,9 @@
 """Qwen2-VL / Qwen2.5-VL image preprocessing: bytes -> flat patches + grid.
 
-Matches transformers' ``Qwen2VLImageProcessorPil`` bit for bit (same Pillow resize, same float
-rounding), so embeddings computed from our patches equal those from transformers' pipeline.
+Split in two halves (``staged``): ``decode_qwen2_vl`` on the CPU, ``patchify`` (after the value
+table) on the model's device. Mode ``pil`` matches transformers' ``Qwen2VLImageProcessorPil`` bit for
+bit (same Pillow resize, same float rounding); mode ``torch`` matches its default, torchvision-backed
+``Qwen2VLImageProcessor``.
 """
 
 from __future__ import annotations
@@ -12,10 +14,18 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import torch
 from PIL import Image
 
 from encoder_service.errors import InvalidInput
 from encoder_service.preprocess.decode import MAX_ASPECT_RATIO, open_image, to_rgb
+from encoder_service.preprocess.staged import (
+    DecodedImage,
+    apply_table,
+    host_tensor,
+    image_tensor,
+    torchvision_value_table,
+)
 
 # transformers' OPENAI_CLIP_MEAN / OPENAI_CLIP_STD, the Qwen2-VL processor defaults.
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -173,52 +183,80 @@ def _value_table(cfg: Qwen2VLPreprocessConfig) -> np.ndarray:
     return np.ascontiguousarray(table, dtype=np.float32)
 
 
-def patchify(pixels: np.ndarray, cfg: Qwen2VLPreprocessConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """uint8 HWC RGB (sides multiples of ``cfg.factor``) -> float32 [gh*gw, patch_dim], (1, gh, gw).
+def value_table(cfg: Qwen2VLPreprocessConfig, mode: str) -> torch.Tensor:
+    """float32 [3, 256]: rescale + normalize of each byte, in the order of the mode's reference."""
+    if mode == "torch":
+        return torchvision_value_table(cfg.image_mean, cfg.image_std, cfg.rescale_factor, cfg.do_rescale,
+                                       cfg.do_normalize)
+    return torch.from_numpy(_value_table(cfg))
+
+
+def check_mode(cfg: Qwen2VLPreprocessConfig, mode: str) -> None:
+    """Fails at load time for a config the mode cannot reproduce."""
+    if mode == "torch" and cfg.do_resize and cfg.resample != int(Image.Resampling.BICUBIC):
+        raise InvalidInput(f"preprocess mode torch resizes bicubic only; the config asks for resample "
+                           f"{cfg.resample}: use --preprocess pil")
+
+
+def decode_qwen2_vl_image(image: Image.Image, cfg: Qwen2VLPreprocessConfig, mode: str) -> DecodedImage:
+    """The CPU half: a decoded image -> uint8 RGB pixels, the target size and the grid.
+
+    ``pil`` resizes here with Pillow, as transformers' PIL processor does (resizing floats would
+    differ); ``torch`` leaves the resize to the device.
+    """
+    if cfg.do_convert_rgb:
+        image = to_rgb(image)
+    elif image.mode != "RGB":
+        # transformers would hand the model 1 or 4 channels here and fail later; say why now.
+        raise InvalidInput(f"image mode {image.mode} is not RGB and do_convert_rgb is off")
+    height, width = image.height, image.width
+    if cfg.do_resize:
+        height, width = smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+        if mode == "pil":
+            # reducing_gap=None and the configured filter (BICUBIC by default), as transformers does.
+            image = image.resize((width, height), resample=cfg.resample)
+    f = cfg.factor
+    if height % f or width % f:
+        raise InvalidInput(f"image {width}x{height} is not a multiple of {f} pixels per side (do_resize is off)")
+    pixels = np.asarray(image, dtype=np.uint8)
+    p = cfg.patch_size
+    return DecodedImage(pixels, (height, width), (height, width), (1, height // p, width // p))
+
+
+def decode_qwen2_vl(data: bytes, cfg: Qwen2VLPreprocessConfig, mode: str = "pil",
+                    max_image_pixels: int | None = None) -> DecodedImage:
+    """Encoded image bytes -> the CPU half's output (see ``decode_qwen2_vl_image``)."""
+    return decode_qwen2_vl_image(open_image(data, max_image_pixels), cfg, mode)
+
+
+def patchify(x: torch.Tensor, cfg: Qwen2VLPreprocessConfig) -> torch.Tensor:
+    """[C, H, W] (sides multiples of ``cfg.factor``) -> [gh*gw, patch_dim], on x's device and dtype.
 
     Row order: merge-window by merge-window (row-major over windows), and within a window the
     ``merge_size**2`` patches row-major, so the ViT's patch merger sees each window's patches
     adjacent. Column order: channel, temporal, patch row, patch column. A still image fills the
     temporal patch with copies of itself, hence one temporal step in the grid.
     """
-    height, width, channels = pixels.shape
+    channels, height, width = x.shape
     p, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
-    if height % (p * m) or width % (p * m):
-        raise InvalidInput(f"image {width}x{height} is not a multiple of {p * m} pixels per side (do_resize is off)")
-    grid_h, grid_w = height // p, width // p
-    # (win_row, row_in_win, y, win_col, col_in_win, x, c) -> (win_row, win_col, row_in_win,
-    # col_in_win, c, y, x). Done on bytes: 4x less to move than on floats.
-    windows = pixels.reshape(grid_h // m, m, p, grid_w // m, m, p, channels)
-    patches_u8 = windows.transpose(0, 3, 1, 4, 6, 2, 5).reshape(grid_h * grid_w, channels, p * p)
-    table = _value_table(cfg)
-    patches = table[np.arange(channels)[:, None], patches_u8]  # [n, c, p*p] float32
-    flat = np.broadcast_to(patches[:, :, None, :], (grid_h * grid_w, channels, tp, p * p))
-    return flat.reshape(grid_h * grid_w, channels * tp * p * p), (1, int(grid_h), int(grid_w))
-
-
-def preprocess_qwen2_vl_image(
-    image: Image.Image, cfg: Qwen2VLPreprocessConfig
-) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """Decoded PIL image -> (float32 [t*h*w, patch_dim], (t, h, w)), as transformers would."""
-    if cfg.do_convert_rgb:
-        image = to_rgb(image)
-    elif image.mode != "RGB":
-        # transformers would hand the model 1 or 4 channels here and fail later; say why now.
-        raise InvalidInput(f"image mode {image.mode} is not RGB and do_convert_rgb is off")
-    if cfg.do_resize:
-        height, width = smart_resize(image.height, image.width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
-        # transformers' PIL backend resizes the uint8 image with Pillow (reducing_gap=None, the
-        # configured filter, BICUBIC by default), then rescales; resizing floats would differ.
-        image = image.resize((width, height), resample=cfg.resample)
-    return patchify(np.asarray(image), cfg)
+    gh, gw = height // p, width // p
+    # (c, win_row, row_in_win, y, win_col, col_in_win, x) -> (win_row, win_col, row_in_win,
+    # col_in_win, c, y, x)
+    windows = x.view(channels, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
+    return windows.unsqueeze(5).expand(-1, -1, -1, -1, -1, tp, -1, -1).reshape(gh * gw, channels * tp * p * p)
 
 
 def preprocess_qwen2_vl(
-    data: bytes, cfg: Qwen2VLPreprocessConfig, max_image_pixels: int | None = None
+    data: bytes, cfg: Qwen2VLPreprocessConfig, max_image_pixels: int | None = None, mode: str = "pil"
 ) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """Encoded image bytes -> (float32 [t*h*w, patch_dim], (t, h, w) in patches, Python ints).
+    """Encoded image bytes -> (float32 [t*h*w, patch_dim], (t, h, w) in patches, Python ints), both
+    halves on the CPU.
 
-    Equal to ``Qwen2VLImageProcessorPil(**config)(PIL.Image.open(io.BytesIO(data)))`` except that
-    EXIF orientation is applied first (see ``decode``).
+    ``pil``: equal to ``Qwen2VLImageProcessorPil(**config)(PIL.Image.open(io.BytesIO(data)))``
+    except that EXIF orientation is applied first (see ``decode``). ``torch``: equal to the default
+    (torchvision-backed) ``Qwen2VLImageProcessor`` on the CPU.
     """
-    return preprocess_qwen2_vl_image(open_image(data, max_image_pixels), cfg)
+    item = decode_qwen2_vl(data, cfg, mode, max_image_pixels)
+    chw = image_tensor(host_tensor(item.pixels).view(-1), item, mode)
+    patches = patchify(apply_table(chw, value_table(cfg, mode)), cfg)
+    return patches.numpy(), item.grid

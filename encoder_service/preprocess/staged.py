@@ -1,0 +1,196 @@
+"""The two halves of preprocessing: what the CPU hands over, and what the device does with it.
+
+The CPU half decodes (Pillow releases the GIL), applies EXIF orientation and alpha compositing, and
+works out the grid; it ships **uint8** pixels. The device half (run by the model on its own device,
+batched per forward, in the worker's stream) resizes where the mode says so, pads, rescales and
+normalizes through a 256-entry table per channel, and patchifies. Patches sent by clients travel as
+their wire bytes and are converted on the device too: no float32 array is built on the host.
+
+Two modes, pinned by tests against transformers:
+- ``pil``: the resize runs on the CPU exactly as transformers' PIL processor does it (Pillow for
+  Qwen; PyTorch's fixed-point uint8 kernel, re-implemented in numpy, for Kimi), so the patches are
+  bit-identical to that processor's.
+- ``torch``: the resize runs on the device with ``F.interpolate(bicubic, antialias=True)``, as
+  transformers' default (torchvision-backed) processor does: on the CPU on uint8 directly (PyTorch's
+  uint8 kernel), elsewhere in float32, then clamped and rounded back to uint8.
+
+Rescale and normalize are elementwise functions of (channel, byte), so a table of the 256 values
+per channel, computed once on the CPU with the reference's exact operations, gives bit-identical
+results on any device (a gather, no arithmetic on the device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..errors import InvalidInput
+
+Grid = tuple[int, int, int]
+PREPROCESS_MODES = ("pil", "torch")
+# Staging offsets are aligned so every input can be viewed in its own dtype on the device.
+_ALIGN = 64
+
+_TORCH_PATCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                       "uint8": torch.uint8}
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "uint8": 1}
+
+
+def resolve_mode(mode: str, device: torch.device) -> str:
+    """``auto`` -> ``torch`` on an accelerator, ``pil`` on the CPU."""
+    if mode == "auto":
+        return "pil" if device.type == "cpu" else "torch"
+    if mode not in PREPROCESS_MODES:
+        raise InvalidInput(f"unknown preprocess mode {mode!r}; valid: auto, {', '.join(PREPROCESS_MODES)}")
+    return mode
+
+
+@dataclass(frozen=True, eq=False)
+class DecodedImage:
+    """One decoded image as the CPU hands it to the device.
+
+    ``pixels`` is uint8 [H, W, 3] RGB. The device resizes it to ``resize_to`` (a no-op when the
+    CPU already did, or when the size is unchanged), zero-pads bottom/right to ``pad_to``, and
+    patchifies into ``grid``.
+    """
+
+    pixels: np.ndarray
+    resize_to: tuple[int, int]
+    pad_to: tuple[int, int]
+    grid: Grid
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.pixels.nbytes)
+
+    def host_bytes(self) -> np.ndarray:
+        return self.pixels.reshape(-1)
+
+
+@dataclass(frozen=True, eq=False)
+class RawPatches:
+    """Patches as a client sent them: raw little-endian [t*h*w, patch_dim] in ``dtype``."""
+
+    data: bytes
+    dtype: str
+    grid: Grid
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+    def host_bytes(self) -> np.ndarray:
+        return np.frombuffer(self.data, dtype=np.uint8)
+
+
+StagedInput = DecodedImage | RawPatches
+
+
+def check_patch_bytes(data: bytes, dtype: str, grid: Grid, patch_dim: int) -> RawPatches:
+    """A client's patch bytes checked against their grid (cheap: lengths only, no conversion)."""
+    if dtype not in _ITEMSIZE:
+        raise InvalidInput(f"unsupported patches dtype {dtype!r}")
+    t, h, w = grid
+    expected = t * h * w * patch_dim * _ITEMSIZE[dtype]
+    if len(data) != expected:
+        raise InvalidInput(f"patches data has {len(data)} bytes; grid {[t, h, w]} x patch_dim {patch_dim} "
+                           f"in {dtype} needs {expected}")
+    return RawPatches(data, dtype, (t, h, w))
+
+
+def torchvision_value_table(mean: tuple[float, ...], std: tuple[float, ...], rescale_factor: float,
+                            do_rescale: bool, do_normalize: bool) -> torch.Tensor:
+    """float32 [3, 256]: each channel's value for each byte, as transformers' torchvision backend
+    computes it (``rescale_and_normalize``): with both steps on, mean and std are divided by the
+    rescale factor first (``float32(mean) * (1 / rescale_factor)``), then ``(x - mean') / std'`` in
+    float32; rescale alone is ``x * rescale_factor`` in float32.
+    """
+    x = torch.arange(256, dtype=torch.float32).expand(len(mean), 256)
+    m = torch.tensor(mean, dtype=torch.float32)[:, None]
+    s = torch.tensor(std, dtype=torch.float32)[:, None]
+    if do_rescale and do_normalize:
+        x = (x - m * (1.0 / rescale_factor)) / (s * (1.0 / rescale_factor))
+    elif do_normalize:
+        x = (x - m) / s
+    elif do_rescale:
+        x = x * rescale_factor
+    return x.contiguous()
+
+
+def resize_uint8(chw: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """uint8 [C, H, W] -> uint8 [C, h, w], bicubic with antialias, as torchvision's ``resize`` does.
+
+    On the CPU PyTorch has a native uint8 kernel (what torchvision uses there); on other devices
+    torchvision computes in float32, then clamps and rounds back to uint8, and so do we.
+    """
+    if tuple(chw.shape[-2:]) == tuple(size):
+        return chw
+    x = chw.unsqueeze(0)
+    if chw.device.type == "cpu":
+        return F.interpolate(x, size=list(size), mode="bicubic", antialias=True, align_corners=False)[0]
+    out = F.interpolate(x.float(), size=list(size), mode="bicubic", antialias=True, align_corners=False)
+    return out.clamp_(0, 255).round_().to(torch.uint8)[0]
+
+
+def host_tensor(array: np.ndarray) -> torch.Tensor:
+    """A CPU tensor over ``array`` (copied only when read-only: decoded images and request bytes
+    are, and torch warns on a read-only view)."""
+    array = np.ascontiguousarray(array)
+    return torch.from_numpy(array if array.flags.writeable else array.copy())
+
+
+def stage_to_device(inputs: list[StagedInput], device: torch.device) -> list[torch.Tensor]:
+    """Each input's host bytes as a uint8 tensor on ``device``.
+
+    On an accelerator: one pinned staging buffer for the whole batch (each input at an aligned
+    offset) and one asynchronous host-to-device copy; the caching host allocator keeps the buffer
+    alive until the copy has run. On the CPU: zero-copy views.
+    """
+    if device.type == "cpu":
+        return [host_tensor(item.host_bytes()) for item in inputs]
+    offsets = []
+    total = 0
+    for item in inputs:
+        offsets.append(total)
+        total += (item.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    staging = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=True)
+    host = staging.numpy()
+    for item, offset in zip(inputs, offsets):
+        host[offset:offset + item.nbytes] = item.host_bytes()
+    on_device = staging.to(device, non_blocking=True)
+    return [on_device[offset:offset + item.nbytes] for item, offset in zip(inputs, offsets)]
+
+
+def patches_from_bytes(raw: torch.Tensor, item: RawPatches, patch_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """A client's patch bytes (a uint8 tensor on the device) -> [n, patch_dim] in ``dtype``."""
+    values = raw.view(_TORCH_PATCH_DTYPES[item.dtype]) if item.dtype != "uint8" else raw
+    # Through float32: the model's reference input dtype (a uint8 or bf16 patch widens exactly).
+    return values.view(-1, patch_dim).to(torch.float32).to(dtype)
+
+
+def image_tensor(raw: torch.Tensor, item: DecodedImage, mode: str) -> torch.Tensor:
+    """A decoded image's bytes on the device -> uint8 [3, H, W], resized (torch mode) and padded."""
+    height, width, channels = item.pixels.shape
+    chw = raw.view(height, width, channels).permute(2, 0, 1)
+    if mode == "torch":
+        chw = resize_uint8(chw.contiguous(), item.resize_to)
+    elif tuple(chw.shape[-2:]) != tuple(item.resize_to):
+        raise InvalidInput(f"pil mode: image is {width}x{height} but should have been resized on the CPU "
+                           f"to {item.resize_to[1]}x{item.resize_to[0]}")
+    pad_h = item.pad_to[0] - chw.shape[1]
+    pad_w = item.pad_to[1] - chw.shape[2]
+    if pad_h or pad_w:
+        chw = F.pad(chw, (0, pad_w, 0, pad_h))
+    return chw
+
+
+def apply_table(chw: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """uint8 [C, H, W] -> float [C, H, W] through the per-channel value table (table's dtype)."""
+    channels = chw.shape[0]
+    # Row offset of each channel in the flattened table; long indices never sync (a uint8 index
+    # would be taken as a boolean mask).
+    offsets = (torch.arange(channels, device=chw.device) * 256).view(channels, 1, 1)
+    return table.view(-1)[chw.long() + offsets]
