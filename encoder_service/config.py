@@ -25,19 +25,27 @@ class ServiceConfig:
     attn_backend: str = "auto"
     host: str = "0.0.0.0"
     port: int = 50051
-    cache_bytes: int = 1 * GiB
+    cache_bytes: int = -1  # -1 = by device (see _device_defaults)
     max_batch_tokens: int = 16384
     max_queue_images: int = 256
     max_message_bytes: int = 64 * MiB
     max_image_pixels: int = 64 * MiB
     max_chunk_bytes: int = 4 * MiB
     batch_wait_ms: float = 1.0
-    preprocess_threads: int = 2
+    preprocess_threads: int = -1  # -1 = by device
     grace_period_s: float = 30.0
     metrics_port: int = -1  # -1 = no metrics endpoint; 0 = any free port (logged)
     log_level: str = "INFO"
     allowed_sinks: str = ""  # comma-separated host:port glob patterns; empty = no sink allowed
-    cuda_graphs: int = 4  # batch compositions kept as CUDA graphs; 0 = none
+    cuda_graphs: int = 0  # batch compositions kept as CUDA graphs; 0 = none
+    preprocess: str = "auto"  # auto, pil, torch
+
+    def __post_init__(self) -> None:
+        # -1 means "what suits the device": resolved here, so every user of the config (and the
+        # start-up log) sees the number in force.
+        for name, value in _device_defaults(self.device).items():
+            if getattr(self, name) == -1:
+                object.__setattr__(self, name, value)
 
     @property
     def allowed_sink_patterns(self) -> tuple[str, ...]:
@@ -52,6 +60,19 @@ class ServiceConfig:
         return not self.model
 
 
+def _device_defaults(device: str) -> dict[str, int]:
+    """A GPU encodes ~70 1008x1008 images/s: decoding them needs several threads, and 1 GiB would
+    hold only ~110 of their embeddings. The CPU keeps small numbers."""
+    if device == "cpu":
+        return {"cache_bytes": 1 * GiB, "preprocess_threads": 2}
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 64 * GiB
+    return {"cache_bytes": int(min(16 * GiB, ram // 4)),
+            "preprocess_threads": max(2, min(8, (os.cpu_count() or 2) - 2))}
+
+
 # (field, type, help). The order here is the order of --help.
 _OPTIONS: list[tuple[str, type, str]] = [
     ("model", str, "checkpoint directory (transformers format) or a built-in preset name "
@@ -64,8 +85,9 @@ _OPTIONS: list[tuple[str, type, str]] = [
                           "flashinfer, aiter."),
     ("host", str, "address the gRPC server binds to (127.0.0.1 for loopback only)."),
     ("port", int, "gRPC port; 0 picks a free one (the log says which)."),
-    ("cache_bytes", int, "embedding cache size in bytes (sum of the cached tensors' nbytes, kept on "
-                         "the CPU); least recently used entries are evicted beyond it. 0 disables caching."),
+    ("cache_bytes", int, "embedding cache size in bytes (sum of the cached embeddings' bytes, kept on "
+                         "the CPU); least recently used entries are evicted beyond it. 0 disables caching; "
+                         "-1: 1 GiB on the CPU, on a GPU a quarter of the host's RAM up to 16 GiB."),
     ("max_batch_tokens", int, "most patches in one forward pass; concurrent requests are batched up to "
                               "it. One image with more patches than this is rejected (RESOURCE_EXHAUSTED)."),
     ("max_queue_images", int, "most images admitted and waiting for a forward pass; a request that "
@@ -77,13 +99,21 @@ _OPTIONS: list[tuple[str, type, str]] = [
                              "a request may ask for less."),
     ("batch_wait_ms", float, "how long the device worker waits for more images before starting a forward "
                              "that is not full (0 = run what is queued right away)."),
-    ("preprocess_threads", int, "threads decoding and patchifying images (CPU work kept off the event loop)."),
+    ("preprocess_threads", int, "threads decoding images (CPU work kept off the event loop; resize, "
+                                "normalize and patchify run on the model's device). -1: 2 on the CPU, "
+                                "on a GPU the host's cores minus 2, from 2 to 8."),
+    ("preprocess", str, "pil: resize on the CPU with Pillow, bit-exact with transformers' PIL image processor; "
+                        "torch: resize on the model's device (bicubic, antialiased), equal to transformers' "
+                        "default torchvision-backed processor; auto: torch on a GPU, pil on the CPU. "
+                        "Part of cache_namespace."),
     ("grace_period_s", float, "on SIGTERM: seconds in-flight requests get to finish before the server exits."),
     ("metrics_port", int, "port of the Prometheus /metrics HTTP endpoint; 0 picks a free one, -1 disables it."),
     ("log_level", str, "DEBUG, INFO, WARNING or ERROR."),
     ("cuda_graphs", int, "on CUDA: how many batch compositions (the grids of a batch's images) are kept as CUDA "
                          "graphs, each captured the second time it is seen and replayed from then on; each "
-                         "holds its forward's activations in GPU memory. 0 runs every forward eagerly."),
+                         "holds its forward's activations in GPU memory. 0 (the default) runs every forward "
+                         "eagerly: under mixed traffic compositions rarely repeat and captures cost more "
+                         "than replays save."),
     ("allowed_sinks", str, "comma-separated host:port glob patterns (e.g. 'prefill-*.svc:9000,10.0.0.*:9000') "
                            "of the EmbeddingSink targets a request may push to; any other target is "
                            "PERMISSION_DENIED before a connection is tried. Empty: sinks are refused."),
@@ -92,16 +122,17 @@ _OPTIONS: list[tuple[str, type, str]] = [
 _CHOICES = {
     "dtype": ("float32", "float16", "bfloat16"),
     "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
+    "preprocess": ("auto", "pil", "torch"),
 }
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds one flag per ServiceConfig field; defaults stay None so the environment can fill them."""
-    defaults = ServiceConfig()
+    defaults = {f.name: f.default for f in fields(ServiceConfig)}  # unresolved: -1 reads "by device"
     for name, typ, help_text in _OPTIONS:
         flag = "--" + name.replace("_", "-")
         env = ENV_PREFIX + name.upper()
-        default = getattr(defaults, name)
+        default = defaults[name]
         shown = repr(default) if default != "" else "none"
         if name == "log_level":
             typ = str.upper
@@ -141,7 +172,7 @@ def build_config(args: argparse.Namespace | None = None,
 def _check(c: ServiceConfig) -> None:
     problems = []
     if c.cache_bytes < 0:
-        problems.append("cache-bytes must be >= 0")
+        problems.append("cache-bytes must be >= 0 (or -1: by device)")
     if c.max_batch_tokens < 1:
         problems.append("max-batch-tokens must be >= 1")
     if c.max_queue_images < 1:
@@ -157,7 +188,7 @@ def _check(c: ServiceConfig) -> None:
     if c.cuda_graphs < 0:
         problems.append("cuda-graphs must be >= 0")
     if c.preprocess_threads < 1:
-        problems.append("preprocess-threads must be >= 1")
+        problems.append("preprocess-threads must be >= 1 (or -1: by device)")
     if c.grace_period_s < 0:
         problems.append("grace-period-s must be >= 0")
     for pattern in c.allowed_sink_patterns:

@@ -75,6 +75,7 @@ class ModelInfo:
     max_message_bytes: int
     max_image_pixels: int
     version: str
+    preprocess: str = ""  # "pil" or "torch"; empty from servers older than the field
 
     @classmethod
     def from_proto(cls, msg: encoder_pb2.ModelInfo) -> ModelInfo:

@@ -41,7 +41,7 @@ def _load_model(config: ServiceConfig):
     from ..models import load_vision_model
 
     model = load_vision_model(config.model_or_default, device=config.device, dtype=config.dtype,
-                              attn_backend=config.attn_backend)
+                              attn_backend=config.attn_backend, preprocess=config.preprocess)
     model.set_cuda_graphs(config.cuda_graphs)
     if model.graphs is not None:
         log.info("CUDA graphs: up to %d batch compositions, each captured the second time it is seen",
@@ -110,9 +110,11 @@ async def serve(config: ServiceConfig) -> int:
 
     d = engine.describe()
     log.info("model %s (%s) on %s, dtype %s, attention backend %s, hidden %d, patch_dim %d; "
-             "cache %s, max-batch-tokens %d, max-queue-images %d; warm-up forward %.0f ms",
+             "preprocess %s (%d decode threads); cache %s, max-batch-tokens %d, max-queue-images %d; "
+             "warm-up forward %.0f ms",
              d.model_id, d.model_type, d.device, d.dtype, d.attn_backend, d.hidden_size, d.patch_dim,
-             _gib(config.cache_bytes), config.max_batch_tokens, config.max_queue_images, warmup_s * 1000)
+             d.preprocess, config.preprocess_threads, _gib(config.cache_bytes), config.max_batch_tokens,
+             config.max_queue_images, warmup_s * 1000)
     servicer.engine = engine
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -132,7 +132,7 @@ class Engine:
             dtype=dtype_name(m.dtype), patch_size=m.spec.patch_size,
             temporal_patch_size=m.spec.temporal_patch_size, spatial_merge_size=m.spec.spatial_merge_size,
             patch_dim=m.spec.patch_dim, attn_backend=str(m.attn_backend), device=str(m.device),
-            cache_namespace=self.namespace)
+            cache_namespace=self.namespace, preprocess=getattr(m, "preprocess_mode", "pil"))
 
     @property
     def queued_images(self) -> int:

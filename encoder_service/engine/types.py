@@ -90,3 +90,4 @@ class ModelDescription:
     attn_backend: str
     device: str
     cache_namespace: str
+    preprocess: str = "pil"

@@ -27,11 +27,18 @@ def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 def load_vision_model(path_or_preset: str | Path, device: str | torch.device = "cpu",
                       dtype: torch.dtype | str = torch.float32, attn_backend: str = "auto",
-                      seed: int = 0) -> VisionModel:
+                      seed: int = 0, preprocess: str = "auto") -> VisionModel:
     """Loads the vision tower of a transformers-format checkpoint directory, or a built-in preset
-    (random weights from ``seed``; see ``PRESETS``)."""
-    device = torch.device(device)
-    dtype = parse_dtype(dtype)
+    (random weights from ``seed``; see ``PRESETS``). ``preprocess``: ``pil`` (bit-exact with
+    transformers' PIL processor), ``torch`` (its default torchvision-backed processor, resize on the
+    device) or ``auto`` (torch on an accelerator, pil on the CPU)."""
+    model = _load(path_or_preset, torch.device(device), parse_dtype(dtype), attn_backend, seed)
+    model.set_preprocess_mode(preprocess)
+    return model
+
+
+def _load(path_or_preset: str | Path, device: torch.device, dtype: torch.dtype, attn_backend: str,
+          seed: int) -> VisionModel:
     path = Path(path_or_preset)
     if path.is_dir():
         from .loader import read_checkpoint

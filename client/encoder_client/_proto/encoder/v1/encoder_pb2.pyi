@@ -125,7 +125,7 @@ class PushAck(_message.Message):
     def __init__(self, images: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "model_type", "hidden_size", "dtype", "patch_size", "temporal_patch_size", "spatial_merge_size", "patch_dim", "attention_backend", "device", "cache_namespace", "max_batch_tokens", "max_message_bytes", "max_image_pixels", "version")
+    __slots__ = ("model_id", "model_type", "hidden_size", "dtype", "patch_size", "temporal_patch_size", "spatial_merge_size", "patch_dim", "attention_backend", "device", "cache_namespace", "max_batch_tokens", "max_message_bytes", "max_image_pixels", "version", "preprocess")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,7 @@ class ModelInfo(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_IMAGE_PIXELS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    PREPROCESS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_type: str
     hidden_size: int
@@ -156,4 +157,5 @@ class ModelInfo(_message.Message):
     max_message_bytes: int
     max_image_pixels: int
     version: str
-    def __init__(self, model_id: _Optional[str] = ..., model_type: _Optional[str] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., patch_size: _Optional[int] = ..., temporal_patch_size: _Optional[int] = ..., spatial_merge_size: _Optional[int] = ..., patch_dim: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., cache_namespace: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    preprocess: str
+    def __init__(self, model_id: _Optional[str] = ..., model_type: _Optional[str] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., patch_size: _Optional[int] = ..., temporal_patch_size: _Optional[int] = ..., spatial_merge_size: _Optional[int] = ..., patch_dim: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., cache_namespace: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., version: _Optional[str] = ..., preprocess: _Optional[str] = ...) -> None: ...
