@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from encoder_service.models import load_vision_model
+from encoder_service.models import PRESETS, load_vision_model
 from encoder_service.preprocess.staged import RawPatches
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -31,10 +31,12 @@ def _photo(height: int, width: int, seed: int = 0, fmt: str = "JPEG") -> bytes:
 
 
 def _transformers_qwen(data: bytes, device: str):
+    """transformers' default processor with the tiny preset's preprocessor config."""
     pytest.importorskip("torchvision")
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
-    out = Qwen2VLImageProcessor()(Image.open(io.BytesIO(data)), return_tensors="pt", device=device)
+    config = PRESETS["tiny-qwen2.5-vl"].preprocessor_config
+    out = Qwen2VLImageProcessor(**config)(Image.open(io.BytesIO(data)), return_tensors="pt", device=device)
     return out["pixel_values"], [int(v) for v in out["image_grid_thw"][0]]
 
 

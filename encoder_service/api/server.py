@@ -12,7 +12,7 @@ import logging
 import signal
 
 import grpc
-from encoder_client._proto.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from encoder_client._proto.encoder.v1 import encoder_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -20,6 +20,7 @@ from .. import metrics
 from ..config import ServiceConfig
 from ..engine import Engine
 from .servicer import VisionEncoderServicer
+from .streaming import serialize_chunk
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,24 @@ def _grpc_options(config: ServiceConfig) -> list[tuple[str, int]]:
         # gRPC turns SO_REUSEPORT on by default: two servers could then share a port unnoticed.
         ("grpc.so_reuseport", 0),
     ]
+
+
+def _add_vision_encoder(servicer: VisionEncoderServicer, server: grpc.aio.Server) -> None:
+    """The generated ``add_VisionEncoderServicer_to_server``, except that Encode's responses may be
+    wire bytes already (api/streaming.py writes them without copying embeddings into messages)."""
+    handlers = {
+        "Encode": grpc.unary_stream_rpc_method_handler(
+            servicer.Encode, request_deserializer=encoder_pb2.EncodeRequest.FromString,
+            response_serializer=serialize_chunk),
+        "Lookup": grpc.unary_unary_rpc_method_handler(
+            servicer.Lookup, request_deserializer=encoder_pb2.LookupRequest.FromString,
+            response_serializer=encoder_pb2.LookupResponse.SerializeToString),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModelInfo, request_deserializer=encoder_pb2.GetModelInfoRequest.FromString,
+            response_serializer=encoder_pb2.ModelInfo.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 def _load_model(config: ServiceConfig):
@@ -66,7 +85,7 @@ async def serve(config: ServiceConfig) -> int:
     server = grpc.aio.server(options=_grpc_options(config))
     servicer = VisionEncoderServicer(config)
     health_servicer = health.aio.HealthServicer()
-    encoder_pb2_grpc.add_VisionEncoderServicer_to_server(servicer, server)
+    _add_vision_encoder(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -17,7 +17,7 @@ from ..errors import ResourceExhausted, Unavailable
 from . import dtypes
 from .errors import map_errors
 from .sink import PUSH_MAX_CHUNK_BYTES, SinkChannels, SinkPush, header_chunk
-from .streaming import embedding_chunks
+from .streaming import embedding_chunks, serialized_chunks
 from .validation import EncodePlan, parse_encode_request
 
 log = logging.getLogger(__name__)
@@ -56,8 +56,8 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
         # aclosing: a cancelled or failed stream releases its cache pins and queue slots right away.
         async with contextlib.aclosing(engine.encode(plan.images)) as results:
             async for result in results:
-                for chunk in embedding_chunks(result, request_id=request_id, out_dtype=plan.output_dtype,
-                                              model_dtype=model_dtype, max_chunk_bytes=plan.max_chunk_bytes):
+                for chunk in serialized_chunks(result, request_id=request_id, out_dtype=plan.output_dtype,
+                                               model_dtype=model_dtype, max_chunk_bytes=plan.max_chunk_bytes):
                     await context.write(chunk)
                     if first_chunk:
                         first_chunk = False

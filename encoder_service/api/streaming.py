@@ -1,9 +1,18 @@
-"""One image's embedding -> EmbeddingChunk messages of whole rows, each within the byte budget."""
+"""One image's embedding -> EmbeddingChunk messages of whole rows, each within the byte budget.
+
+``serialized_chunks`` is the streaming path: it writes each chunk's wire bytes itself, the small
+header through protobuf and the ``data`` field as a tag, a length and the embedding's own bytes, so
+the embedding is copied once per chunk (into the joined message) instead of into a bytes object,
+a message and its serialization. A cached embedding in the requested dtype is sent from its own
+memory: chunks are views of it until that join.
+"""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
+import torch
 from encoder_client._proto.encoder.v1 import encoder_pb2
 
 from ..engine import ImageResult
@@ -34,6 +43,64 @@ def embedding_chunks(result: ImageResult, *, request_id: str, out_dtype: str | N
             chunk.timing.CopyFrom(encoder_pb2.ServerTiming(
                 queue_ms=t.queue_ms, preprocess_ms=t.preprocess_ms, forward_ms=t.forward_ms))
         yield chunk
+        if last:
+            return
+        start = stop
+
+
+_DATA_TAG = bytes([(9 << 3) | 2])  # EmbeddingChunk.data: field 9, length-delimited
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def wire_view(embedding: torch.Tensor, out_dtype: torch.dtype) -> memoryview:
+    """The embedding as raw little-endian bytes in ``out_dtype``: a view of its own memory when it
+    is already in that dtype (the cache keeps embeddings in the model dtype), else one conversion."""
+    if embedding.dtype != out_dtype or not embedding.is_contiguous() or sys.byteorder != "little":
+        return memoryview(rows_to_bytes(embedding, out_dtype, 0, embedding.shape[0]))
+    return memoryview(embedding.view(torch.uint8).numpy()).cast("B")
+
+
+def serialize_chunk(chunk: bytes | encoder_pb2.EmbeddingChunk) -> bytes:
+    """The Encode response serializer: chunks from ``serialized_chunks`` are already bytes."""
+    return chunk if isinstance(chunk, bytes) else chunk.SerializeToString()
+
+
+def serialized_chunks(result: ImageResult, *, request_id: str, out_dtype: str | None, model_dtype: str,
+                      max_chunk_bytes: int) -> Iterator[bytes]:
+    """Like ``embedding_chunks``, as wire bytes (see the module docstring); parses to the same messages."""
+    name = out_dtype or model_dtype
+    data = wire_view(result.embedding, torch_output_dtype(name, result.embedding.dtype))
+    num_tokens, hidden = result.num_tokens, result.hidden_size
+    row_bytes = hidden * dtypes.ITEMSIZE[name]
+    rows_per_chunk = max(1, max_chunk_bytes // max(1, row_bytes))
+    start = 0
+    while True:
+        stop = min(num_tokens, start + rows_per_chunk)
+        last = stop >= num_tokens
+        header = encoder_pb2.EmbeddingChunk(
+            request_id=request_id, image_index=result.index, content_hash=result.content_hash,
+            grid_thw=list(result.grid), num_tokens=num_tokens, hidden_size=hidden,
+            dtype=dtypes.ENUM_BY_NAME[name], token_offset=start, last=last, cache_hit=result.cache_hit)
+        if last:
+            t = result.timing
+            header.timing.CopyFrom(encoder_pb2.ServerTiming(
+                queue_ms=t.queue_ms, preprocess_ms=t.preprocess_ms, forward_ms=t.forward_ms))
+        payload = data[start * row_bytes:stop * row_bytes]
+        parts = [header.SerializeToString()]
+        if len(payload):  # proto3 leaves an empty bytes field off the wire
+            parts += [_DATA_TAG, _varint(len(payload)), payload]
+        yield b"".join(parts)
         if last:
             return
         start = stop

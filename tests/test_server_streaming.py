@@ -1,0 +1,40 @@
+"""The streaming path writes chunk wire bytes itself: they must parse to exactly the messages that
+protobuf would have built, whatever the dtypes and chunk budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from encoder_client._proto.encoder.v1 import encoder_pb2
+
+from encoder_service.api.streaming import embedding_chunks, serialized_chunks, wire_view
+from encoder_service.engine.types import ImageResult, Timing
+
+
+def _result(dtype: torch.dtype, tokens: int = 7, hidden: int = 6) -> ImageResult:
+    embedding = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    return ImageResult(3, "ab" * 32, (1, 2, 2 * tokens), embedding, cache_hit=True,
+                       timing=Timing(1.5, 2.5, 3.5))
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("out_dtype", [None, "float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("max_chunk_bytes", [1, 50, 4 << 20])
+def test_serialized_chunks_parse_to_the_protobuf_messages(model_dtype, out_dtype, max_chunk_bytes):
+    result = _result(model_dtype)
+    model_name = str(model_dtype).removeprefix("torch.")
+    kwargs = {"request_id": "req-1", "out_dtype": out_dtype, "model_dtype": model_name,
+              "max_chunk_bytes": max_chunk_bytes}
+    expected = [c.SerializeToString() for c in embedding_chunks(result, **kwargs)]
+    got = list(serialized_chunks(result, **kwargs))
+    assert len(got) == len(expected) and len(got) >= 1
+    for raw, want in zip(got, expected):
+        assert encoder_pb2.EmbeddingChunk.FromString(raw) == encoder_pb2.EmbeddingChunk.FromString(want)
+
+
+def test_embedding_in_the_wire_dtype_is_sent_from_its_own_memory():
+    embedding = _result(torch.bfloat16).embedding
+    view = wire_view(embedding, torch.bfloat16)
+    assert view.nbytes == embedding.nbytes
+    embedding[0, 0] = 42.0  # a view, not a copy: the change shows through
+    assert bytes(view[:2]) == embedding[0, :1].view(torch.int16).numpy().tobytes()
