@@ -21,31 +21,37 @@ from ..engine.convert import rows_to_bytes
 from . import dtypes
 
 
-def embedding_chunks(result: ImageResult, *, request_id: str, out_dtype: str | None, model_dtype: str,
-                     max_chunk_bytes: int) -> Iterator[encoder_pb2.EmbeddingChunk]:
-    name = out_dtype or model_dtype
-    torch_dtype = torch_output_dtype(name, result.embedding.dtype)
+def _headers(result: ImageResult, name: str, request_id: str, max_chunk_bytes: int
+             ) -> Iterator[tuple[encoder_pb2.EmbeddingChunk, int, int]]:
+    """Each chunk's message without ``data``, with its row range [start, stop): whole rows, at least
+    one per chunk whatever the budget; the last one carries the server's timing."""
     num_tokens, hidden = result.num_tokens, result.hidden_size
-    row_bytes = hidden * dtypes.ITEMSIZE[name]
-    rows_per_chunk = max(1, max_chunk_bytes // max(1, row_bytes))  # at least one row, whatever the budget
+    rows_per_chunk = max(1, max_chunk_bytes // max(1, hidden * dtypes.ITEMSIZE[name]))
     start = 0
     while True:
         stop = min(num_tokens, start + rows_per_chunk)
         last = stop >= num_tokens
-        chunk = encoder_pb2.EmbeddingChunk(
+        header = encoder_pb2.EmbeddingChunk(
             request_id=request_id, image_index=result.index, content_hash=result.content_hash,
             grid_thw=list(result.grid), num_tokens=num_tokens, hidden_size=hidden,
-            dtype=dtypes.ENUM_BY_NAME[name], token_offset=start,
-            data=rows_to_bytes(result.embedding, torch_dtype, start, stop), last=last,
-            cache_hit=result.cache_hit)
+            dtype=dtypes.ENUM_BY_NAME[name], token_offset=start, last=last, cache_hit=result.cache_hit)
         if last:
             t = result.timing
-            chunk.timing.CopyFrom(encoder_pb2.ServerTiming(
+            header.timing.CopyFrom(encoder_pb2.ServerTiming(
                 queue_ms=t.queue_ms, preprocess_ms=t.preprocess_ms, forward_ms=t.forward_ms))
-        yield chunk
+        yield header, start, stop
         if last:
             return
         start = stop
+
+
+def embedding_chunks(result: ImageResult, *, request_id: str, out_dtype: str | None, model_dtype: str,
+                     max_chunk_bytes: int) -> Iterator[encoder_pb2.EmbeddingChunk]:
+    name = out_dtype or model_dtype
+    torch_dtype = torch_output_dtype(name, result.embedding.dtype)
+    for chunk, start, stop in _headers(result, name, request_id, max_chunk_bytes):
+        chunk.data = rows_to_bytes(result.embedding, torch_dtype, start, stop)
+        yield chunk
 
 
 _DATA_TAG = bytes([(9 << 3) | 2])  # EmbeddingChunk.data: field 9, length-delimited
@@ -81,26 +87,10 @@ def serialized_chunks(result: ImageResult, *, request_id: str, out_dtype: str | 
     """Like ``embedding_chunks``, as wire bytes (see the module docstring); parses to the same messages."""
     name = out_dtype or model_dtype
     data = wire_view(result.embedding, torch_output_dtype(name, result.embedding.dtype))
-    num_tokens, hidden = result.num_tokens, result.hidden_size
-    row_bytes = hidden * dtypes.ITEMSIZE[name]
-    rows_per_chunk = max(1, max_chunk_bytes // max(1, row_bytes))
-    start = 0
-    while True:
-        stop = min(num_tokens, start + rows_per_chunk)
-        last = stop >= num_tokens
-        header = encoder_pb2.EmbeddingChunk(
-            request_id=request_id, image_index=result.index, content_hash=result.content_hash,
-            grid_thw=list(result.grid), num_tokens=num_tokens, hidden_size=hidden,
-            dtype=dtypes.ENUM_BY_NAME[name], token_offset=start, last=last, cache_hit=result.cache_hit)
-        if last:
-            t = result.timing
-            header.timing.CopyFrom(encoder_pb2.ServerTiming(
-                queue_ms=t.queue_ms, preprocess_ms=t.preprocess_ms, forward_ms=t.forward_ms))
+    row_bytes = result.hidden_size * dtypes.ITEMSIZE[name]
+    for header, start, stop in _headers(result, name, request_id, max_chunk_bytes):
         payload = data[start * row_bytes:stop * row_bytes]
         parts = [header.SerializeToString()]
         if len(payload):  # proto3 leaves an empty bytes field off the wire
             parts += [_DATA_TAG, _varint(len(payload)), payload]
         yield b"".join(parts)
-        if last:
-            return
-        start = stop

@@ -1,4 +1,4 @@
-"""What every loaded vision model offers the engine: the public API of DESIGN.md.
+"""What every loaded vision model offers the engine: the public Python API of the README.
 
 ``load_vision_model`` returns a ``VisionModel``. The engine calls only what is here; model families
 implement ``_forward`` (the torch module) and their preprocessing.
@@ -208,7 +208,8 @@ class VisionModel:
         """Encoded image bytes -> (patches [t*h*w, patch_dim] float32, (t, h, w)), both halves on
         the CPU in the model's preprocess mode."""
         item = self.decode(image_bytes, max_image_pixels)
-        return self.stage([item], torch.device("cpu"), torch.float32).numpy(), item.grid
+        pixels = self.stage([item], torch.device("cpu"), torch.float32)
+        return pixels.numpy(), item.grid  # host: staged on the CPU, never on the model's device
 
     def validate(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]) -> list[Grid]:
         return validate_batch(pixel_values, grids, self.spec)
@@ -250,13 +251,18 @@ class VisionModel:
         packed, tokens = self.encode_packed(pixel_values, grids)
         return list(packed.split(tokens))
 
+    def _start_event(self) -> torch.cuda.Event | None:
+        """A timing event recorded on the stream now (CUDA only): the batch's device time starts here."""
+        if self.device.type != "cuda":
+            return None
+        started = torch.cuda.Event(enable_timing=True)
+        started.record()
+        return started
+
     def encode_inputs_async(self, inputs: Sequence[StagedInput]) -> PendingEmbeddings:
         """``encode_async`` of staged inputs (decoded images, client patches): preprocessing runs
         on the device in the same stream, before the forward; still no host sync."""
-        started = None
-        if self.device.type == "cuda":
-            started = torch.cuda.Event(enable_timing=True)
-            started.record()
+        started = self._start_event()
         with torch.inference_mode():
             pixel_values = self.stage(inputs)
         packed, tokens = self.encode_packed(pixel_values, [list(item.grid) for item in inputs])
@@ -266,10 +272,7 @@ class VisionModel:
                      ) -> PendingEmbeddings:
         """Enqueues the whole batch (H2D, forward, D2H into pinned host memory) without one host
         sync; ``.wait()`` on the result is the batch's single explicit wait."""
-        started = None
-        if self.device.type == "cuda":
-            started = torch.cuda.Event(enable_timing=True)
-            started.record()
+        started = self._start_event()
         packed, tokens = self.encode_packed(pixel_values, grids)
         return PendingEmbeddings.to_host(packed, tokens, started)
 
