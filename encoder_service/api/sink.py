@@ -43,7 +43,8 @@ class SinkRefused(EncoderError):
 class SinkChannels:
     """One grpc.aio channel per sink target, shared by every request pushing there."""
 
-    def __init__(self, max_message_bytes: int) -> None:
+    def __init__(self, max_message_bytes: int, credentials: grpc.ChannelCredentials | None = None) -> None:
+        self._credentials = credentials  # None: plaintext; else TLS (or mTLS) toward every sink
         self._options = [("grpc.max_send_message_length", max_message_bytes),
                          ("grpc.max_receive_message_length", max_message_bytes),
                          # A channel that failed to connect fails calls fast until its reconnect
@@ -56,7 +57,9 @@ class SinkChannels:
     def get(self, target: str) -> grpc.aio.Channel:
         channel = self._channels.get(target)
         if channel is None:
-            channel = grpc.aio.insecure_channel(target, options=self._options)
+            channel = (grpc.aio.secure_channel(target, self._credentials, options=self._options)
+                       if self._credentials is not None
+                       else grpc.aio.insecure_channel(target, options=self._options))
             self._channels[target] = channel
         return channel
 
