@@ -11,10 +11,15 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
+from .sink_allowlist import SinkAllowlist
+
 ENV_PREFIX = "ENCODER_SERVICE_"
 DEFAULT_PRESET = "tiny-qwen2.5-vl"
 MiB = 1 << 20
 GiB = 1 << 30
+# The smallest chunk a request may ask for: each chunk repeats a header (request id, hash, grid),
+# so tiny chunks would make a response many times the size of the embedding it carries.
+MIN_CHUNK_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -31,12 +36,14 @@ class ServiceConfig:
     max_message_bytes: int = 64 * MiB
     max_image_pixels: int = 64 * MiB
     max_chunk_bytes: int = 4 * MiB
+    max_images_per_request: int = 256
     batch_wait_ms: float = 1.0
     preprocess_threads: int = -1  # -1 = by device
     grace_period_s: float = 30.0
     metrics_port: int = -1  # -1 = no metrics endpoint; 0 = any free port (logged)
     log_level: str = "INFO"
     allowed_sinks: str = ""  # comma-separated host:port glob patterns; empty = no sink allowed
+    sink_timeout_s: float = 10.0
     cuda_graphs: int = 0  # batch compositions kept as CUDA graphs; 0 = none
     preprocess: str = "auto"  # auto, pil, torch
 
@@ -96,7 +103,10 @@ _OPTIONS: list[tuple[str, type, str]] = [
     ("max_image_pixels", int, "largest encoded image accepted, in pixels as read from its header "
                               "(guards against decompression bombs)."),
     ("max_chunk_bytes", int, "default (and upper bound) of the embedding bytes in one streamed chunk; "
-                             "a request may ask for less."),
+                             f"a request may ask for less, down to {MIN_CHUNK_BYTES}."),
+    ("max_images_per_request", int, "most images (pixels, patches or content-hash references) in one Encode "
+                                    "request; more is INVALID_ARGUMENT. Bounds what one request can make "
+                                    "the server hold and send."),
     ("batch_wait_ms", float, "how long the device worker waits for more images before starting a forward "
                              "that is not full (0 = run what is queued right away)."),
     ("preprocess_threads", int, "threads decoding images (CPU work kept off the event loop; resize, "
@@ -114,9 +124,15 @@ _OPTIONS: list[tuple[str, type, str]] = [
                          "holds its forward's activations in GPU memory. 0 (the default) runs every forward "
                          "eagerly: under mixed traffic compositions rarely repeat and captures cost more "
                          "than replays save."),
-    ("allowed_sinks", str, "comma-separated host:port glob patterns (e.g. 'prefill-*.svc:9000,10.0.0.*:9000') "
+    ("allowed_sinks", str, "comma-separated host:port patterns (e.g. 'prefill-*.svc:9000,10.0.0.*:9000') "
                            "of the EmbeddingSink targets a request may push to; any other target is "
-                           "PERMISSION_DENIED before a connection is tried. Empty: sinks are refused."),
+                           "PERMISSION_DENIED before a connection is tried. IP patterns (a.b.c.*) match only "
+                           "IP addresses, octet by octet; host patterns match host names label by label "
+                           "(* never crosses a dot); '*:PORT' matches any host. Empty: sinks are refused."),
+    ("sink_timeout_s", float, "bound on every push to a sink (connecting, retrying, writing, the ack), also "
+                              "without a caller deadline. Any failure toward a sink is answered UNAVAILABLE "
+                              "with one message once this bound has passed (the log and the metric say "
+                              "why), so a caller cannot tell a closed port from an open one."),
 ]
 
 _CHOICES = {
@@ -179,8 +195,12 @@ def _check(c: ServiceConfig) -> None:
         problems.append("max-queue-images must be >= 1")
     if c.max_message_bytes < 64 * 1024:
         problems.append("max-message-bytes must be >= 65536")
-    if c.max_chunk_bytes < 1:
-        problems.append("max-chunk-bytes must be >= 1")
+    if c.max_chunk_bytes < MIN_CHUNK_BYTES:
+        problems.append(f"max-chunk-bytes must be >= {MIN_CHUNK_BYTES}")
+    if c.max_images_per_request < 1:
+        problems.append("max-images-per-request must be >= 1")
+    if c.sink_timeout_s <= 0:
+        problems.append("sink-timeout-s must be > 0")
     if c.max_image_pixels < 1:
         problems.append("max-image-pixels must be >= 1")
     if c.batch_wait_ms < 0:
@@ -191,9 +211,10 @@ def _check(c: ServiceConfig) -> None:
         problems.append("preprocess-threads must be >= 1 (or -1: by device)")
     if c.grace_period_s < 0:
         problems.append("grace-period-s must be >= 0")
-    for pattern in c.allowed_sink_patterns:
-        if ":" not in pattern or "/" in pattern:
-            problems.append(f"allowed-sinks pattern {pattern!r} must be host:port (globs allowed)")
+    try:
+        SinkAllowlist(c.allowed_sink_patterns)
+    except ValueError as exc:
+        problems.append(str(exc))
     if not 0 <= c.port <= 65535:
         problems.append("port must be in 0..65535")
     if problems:

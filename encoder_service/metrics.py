@@ -53,8 +53,9 @@ FIRST_CHUNK_SECONDS = Histogram(
 REQUESTS_IN_FLIGHT = Gauge(
     "encoder_service_requests_in_flight", "gRPC requests being handled right now.")
 SINK_PUSH_FAILURES = Counter(
-    "encoder_service_sink_push_failures", "Embeddings that could not be pushed to an EmbeddingSink, by "
-    "sink target.", ["target"])
+    "encoder_service_sink_push_failures", "Requests whose embeddings could not be pushed to an EmbeddingSink, "
+    "by the --allowed-sinks pattern that admitted the target (callers choose targets, not series) and "
+    "reason: unavailable, deadline, refused (another status) or bad_ack.", ["pattern", "reason"])
 
 # --- images and the device (engine/) -----------------------------------------------------------------
 IMAGES = Counter(

@@ -67,9 +67,13 @@ def sink():
         s.stop()
 
 
+SINK_TIMEOUT_S = 2.0
+
+
 @pytest.fixture(scope="module")
 def sink_encoder(start_encoder_server):
-    return start_encoder_server("--allowed-sinks", "127.0.0.1:*", "--max-chunk-bytes", "65536")
+    return start_encoder_server("--allowed-sinks", "127.0.0.1:*", "--max-chunk-bytes", "65536",
+                                "--sink-timeout-s", str(SINK_TIMEOUT_S))
 
 
 def free_port() -> int:
@@ -78,14 +82,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def sink_metric(server, target: str) -> float:
-    import urllib.request
-
-    body = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    for line in body.splitlines():
-        if line.startswith("encoder_service_sink_push_failures_total{") and f'target="{target}"' in line:
-            return float(line.split()[-1])
-    return 0.0
+def sink_metric(server, reason: str) -> float:
+    return server.metric("encoder_service_sink_push_failures_total", f'pattern="127.0.0.1:*",reason="{reason}"')
 
 
 # --- the encoder side ------------------------------------------------------------------------------
@@ -148,16 +146,72 @@ def test_pushed_embeddings_equal_the_streamed_ones(sink_encoder, sink):
 
 def test_a_sink_that_stays_down_fails_only_its_request_with_unavailable(sink_encoder):
     down = f"127.0.0.1:{free_port()}"
-    before = sink_metric(sink_encoder, down)
+    before = sink_metric(sink_encoder, "unavailable")
     with EncoderClient(sink_encoder.target, retries=0) as client, ThreadPoolExecutor(2) as pool:
         failing = pool.submit(client.encode_to_sink, [patches(3)], down, sink_request_id="lost")
         others = [client.encode([patches(10 + i)]) for i in range(3)]
         with pytest.raises(EncoderClientError) as exc:
             failing.result(30)
     assert exc.value.code == grpc.StatusCode.UNAVAILABLE
-    assert f"sink {down} is unavailable" in exc.value.details
+    assert f"sink {down} did not take the push within {SINK_TIMEOUT_S:g} s" in exc.value.details
     assert all(len(r) == 1 for r in others)
-    assert sink_metric(sink_encoder, down) == before + 1
+    assert sink_metric(sink_encoder, "unavailable") == before + 1
+    assert "127.0.0.1:" not in "".join(line for line in _metrics(sink_encoder) if "sink_push" in line
+                                       and 'pattern="127.0.0.1:*"' not in line)
+
+
+def _metrics(server) -> list[str]:
+    import urllib.request
+
+    return urllib.request.urlopen(server.metrics_url, timeout=5).read().decode().splitlines()
+
+
+class _OtherService:
+    """A gRPC server with no EmbeddingSink (health only): it answers a Push with UNIMPLEMENTED at once."""
+
+    def __init__(self) -> None:
+        from grpc_health.v1 import health, health_pb2_grpc
+
+        self.server = grpc.server(ThreadPoolExecutor(2), options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+
+def test_every_sink_failure_is_one_error_after_one_bound_so_ports_cannot_be_scanned(sink_encoder, sink):
+    """A closed port, a gRPC server of another kind, a listener that never speaks and a sink that
+    refuses the data all look the same to the caller: same code, same words, same time."""
+    closed = f"127.0.0.1:{free_port()}"
+    other = _OtherService()
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepts connections (the kernel does), never answers the HTTP/2 preface
+    full = sink(max_buffered_bytes=1000)  # one 16-token x 48 float32 image is 3072 bytes
+    targets = {"closed port": closed, "another gRPC service": f"127.0.0.1:{other.port}",
+               "silent listener": f"127.0.0.1:{silent.getsockname()[1]}", "full sink": full.target}
+    before = {r: sink_metric(sink_encoder, r) for r in ("unavailable", "refused", "deadline")}
+    outcomes = {}
+    try:
+        with EncoderClient(sink_encoder.target, retries=0) as client:
+            client.encode([patches(40)])  # cached: the timings below are the sink's alone
+            for name, target in targets.items():
+                t0 = time.perf_counter()
+                with pytest.raises(EncoderClientError) as exc:
+                    client.encode_to_sink([patches(40)], target, sink_request_id="scan")
+                outcomes[name] = (exc.value.code, exc.value.details.replace(target, "T"), time.perf_counter() - t0)
+    finally:
+        other.server.stop(0)
+        silent.close()
+    print({name: f"{o[2]:.2f} s" for name, o in outcomes.items()})
+    assert len({(code, details) for code, details, _ in outcomes.values()}) == 1, outcomes
+    code, details, _ = next(iter(outcomes.values()))
+    assert code == grpc.StatusCode.UNAVAILABLE and "did not take the push" in details
+    for name, (_, _, took) in outcomes.items():
+        assert SINK_TIMEOUT_S <= took < SINK_TIMEOUT_S + 1.5, (name, took)
+    after = {r: sink_metric(sink_encoder, r) for r in before}
+    assert sum(after.values()) - sum(before.values()) == 4  # the reasons are counted, not shown
+    assert after["refused"] >= before["refused"] + 2  # UNIMPLEMENTED and RESOURCE_EXHAUSTED
+    assert full.receiver.buffered_bytes == 0
 
 
 def test_a_sink_that_comes_back_within_the_retries_gets_the_push(sink_encoder, sink):
@@ -172,13 +226,29 @@ def test_a_sink_that_comes_back_within_the_retries_gets_the_push(sink_encoder, s
     assert [im.index for im in started[0].wait("late")] == [0, 1]
 
 
-def test_a_full_sink_buffer_fails_the_request_with_resource_exhausted(sink_encoder, sink):
-    s = sink(max_buffered_bytes=1000)  # one 16-token x 48 float32 image is 3072 bytes
-    with EncoderClient(sink_encoder.target, retries=0) as client, pytest.raises(EncoderClientError) as exc:
-        client.encode_to_sink([patches(6)], s.target, sink_request_id="big")
-    assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "max_buffered_bytes" in exc.value.details
-    assert s.receiver.buffered_bytes == 0
+def test_a_sink_that_never_acknowledges_is_bounded_by_sink_timeout_without_a_caller_deadline(sink_encoder):
+    class Swallow(encoder_pb2_grpc.EmbeddingSinkServicer):
+        def Push(self, request_iterator, context):
+            for _ in request_iterator:  # reads everything, then holds the call open
+                pass
+            time.sleep(30)
+
+    server = grpc.server(ThreadPoolExecutor(2), options=[("grpc.so_reuseport", 0)])
+    encoder_pb2_grpc.add_EmbeddingSinkServicer_to_server(Swallow(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    before = sink_metric(sink_encoder, "deadline")
+    try:
+        with EncoderClient(sink_encoder.target, retries=0, timeout_s=None) as client:
+            t0 = time.perf_counter()
+            with pytest.raises(EncoderClientError) as exc:
+                client.encode_to_sink([patches(6)], f"127.0.0.1:{port}", sink_request_id="never-acked")
+            took = time.perf_counter() - t0
+    finally:
+        server.stop(0)
+    assert exc.value.code == grpc.StatusCode.UNAVAILABLE and took < SINK_TIMEOUT_S + 3, took
+    assert sink_metric(sink_encoder, "deadline") == before + 1
+    assert sink_encoder.metric("encoder_service_requests_in_flight") == 0
 
 
 # --- the receiver alone ------------------------------------------------------------------------------
@@ -240,3 +310,22 @@ def test_receiver_refuses_chunks_without_request_id_or_image_count(sink):
         with pytest.raises(grpc.RpcError) as exc:
             push(s.target, [bad])
         assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_sink_channels_close_when_idle_and_stay_few_however_many_targets_callers_name():
+    from encoder_service.api.sink import SinkChannels
+
+    async def run():
+        channels = SinkChannels(1 << 20, idle_close_s=0.2, max_channels=3)
+        held = channels.acquire("127.0.0.1:1")  # in use: never closed under a push
+        for port in range(2, 12):
+            channels.acquire(f"127.0.0.1:{port}")
+            channels.release(f"127.0.0.1:{port}")
+            assert len(channels) <= 3
+        await asyncio.sleep(0.3)
+        channels.acquire("127.0.0.1:50")  # any use prunes: the idle ones go, the held one stays
+        assert len(channels) == 2 and channels.acquire("127.0.0.1:1") is held
+        await channels.close()
+        assert len(channels) == 0
+
+    asyncio.run(run())

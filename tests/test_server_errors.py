@@ -82,6 +82,11 @@ CASES = {
     "image over --max-batch-tokens": (
         pb.EncodeRequest(images=[patches(grid=(1, 66, 64), dtype=pb.DTYPE_UINT8)]), EXHAUSTED,
         r"^image 0: image has 4224 patches .*--max-batch-tokens 4096"),
+    "request_id over 256 characters": (pb.EncodeRequest(request_id="r" * 257, images=[GOOD]), INVALID,
+                                       r"^request_id has 257 characters; at most 256"),
+    "more images than --max-images-per-request": (
+        pb.EncodeRequest(images=[pb.Image(content_hash="ab" * 32)] * 257), INVALID,
+        r"^257 images in one request; at most 256 \(--max-images-per-request\)"),
     "sink set": (pb.EncodeRequest(images=[GOOD], sink=pb.Sink(target="prefill-0:9000")),
                  grpc.StatusCode.PERMISSION_DENIED, r"sinks are not enabled.*--allowed-sinks is empty"),
 }
@@ -109,6 +114,18 @@ def test_bad_input_gets_its_status_and_names_the_image(stub, case):
     assert "Traceback" not in info.value.details()
     chunks = encode(stub, pb.EncodeRequest(images=[GOOD]))  # the server is still fine
     assert chunks[-1].last and chunks[-1].num_tokens == 4
+
+
+def test_a_response_stays_near_the_embedding_size_whatever_chunk_size_and_id_the_caller_asks(stub):
+    """Each chunk repeats the request id: tiny chunks and a long id must not multiply the response."""
+    image = patches(grid=(1, 32, 32), dtype=pb.DTYPE_UINT8, seed=9)
+    request = pb.EncodeRequest(request_id="x" * 256, images=[image, image], output_dtype=pb.DTYPE_FLOAT32,
+                               max_chunk_bytes=1)
+    chunks = encode(stub, request)
+    data = sum(len(c.data) for c in chunks)
+    assert data == 2 * 256 * 48 * 4  # two 256-token x 48 float32 embeddings
+    assert all(len(c.data) > 4096 - 48 * 4 for c in chunks if not c.last)  # the floor, in whole rows
+    assert sum(c.ByteSize() for c in chunks) < 1.15 * data
 
 
 def test_message_over_max_message_bytes_is_resource_exhausted(stub):

@@ -100,10 +100,11 @@ ROWS: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]], str]]]] =
              "reserved {{instance}} {{device}}"),
         ], "torch's caching allocator on the model's device (0 on a CPU model)."),
         ("Sink push failures / s", "ops", "timeseries", [
-            # No series exists before the first failure (the label is the sink target): show 0.
-            (f"sum by (target) ({rate('encoder_service_sink_push_failures_total')}) or on() vector(0)",
-             "{{target}}"),
-        ], "Embeddings that could not be pushed to an EmbeddingSink, by target."),
+            # No series exists before the first failure: show 0.
+            (f"sum by (pattern, reason) ({rate('encoder_service_sink_push_failures_total')}) or on() vector(0)",
+             "{{pattern}} {{reason}}"),
+        ], "Requests whose embeddings could not be pushed to an EmbeddingSink, by --allowed-sinks pattern "
+           "and reason."),
         ("Instances", "short", "table", [
             (f"encoder_service_model_info{_sel()}", ""),
         ], "Version, model, attention backend, device and dtype of each instance."),

@@ -146,5 +146,6 @@ async def serve(config: ServiceConfig) -> int:
     await health_servicer.enter_graceful_shutdown()
     await server.stop(config.grace_period_s)
     await engine.stop()
+    await servicer.sink_channels.close()
     log.info("stopped")
     return 0

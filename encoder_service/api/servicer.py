@@ -14,9 +14,10 @@ from .. import __version__, metrics
 from ..config import ServiceConfig
 from ..engine import Engine
 from ..errors import ResourceExhausted, Unavailable
+from ..sink_allowlist import SinkAllowlist
 from . import dtypes
 from .errors import map_errors
-from .sink import PUSH_MAX_CHUNK_BYTES, SinkChannels, SinkPush, header_chunk
+from .sink import PUSH_MAX_CHUNK_BYTES, SinkChannels, SinkFailed, SinkPush, fail_uniformly, header_chunk
 from .streaming import embedding_chunks, serialized_chunks
 from .validation import EncodePlan, parse_encode_request
 
@@ -33,6 +34,7 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
         self.engine: Engine | None = None
         self.draining = False
         self.sink_channels = SinkChannels(config.max_message_bytes)
+        self.sink_allowlist = SinkAllowlist(config.allowed_sink_patterns)
 
     def _ready_engine(self) -> Engine:
         if self.draining:
@@ -46,8 +48,8 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
         started = time.perf_counter()
         first_chunk = True
         engine = self._ready_engine()
-        plan = parse_encode_request(request, engine, self.config.max_chunk_bytes,
-                                    self.config.allowed_sink_patterns)
+        plan = parse_encode_request(request, engine, self.config.max_chunk_bytes, self.sink_allowlist,
+                                    self.config.max_images_per_request)
         request_id = request.request_id or uuid.uuid4().hex
         model_dtype = engine.describe().dtype
         if plan.sink is not None:
@@ -65,22 +67,35 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
 
     async def _encode_to_sink(self, engine: Engine, plan: EncodePlan, request_id: str, model_dtype: str,
                               context: grpc.aio.ServicerContext) -> None:
-        """Each image's chunks go to the sink; the caller gets its header once they are written,
-        and an OK status only after the sink acknowledged every image."""
-        push = SinkPush(plan.sink, self.sink_channels.get(plan.sink.target), len(plan.images),
-                        timeout_s=context.time_remaining())
+        """Each image's chunks go to the sink as it is ready; the caller gets every image's header and
+        an OK status only after the sink acknowledged every image. Headers wait for the ack so that
+        nothing the caller sees depends on how the sink failed (see api/sink.py)."""
+        sink, bound = plan.sink, self.config.sink_timeout_s
         max_chunk_bytes = min(plan.max_chunk_bytes, PUSH_MAX_CHUNK_BYTES)
+        push: SinkPush | None = None
+        started = 0.0
+        headers = []
+        channel = self.sink_channels.acquire(sink.target)
         try:
             async with contextlib.aclosing(engine.encode(plan.images)) as results:
                 async for result in results:
-                    chunks = list(embedding_chunks(result, request_id=plan.sink.request_id,
+                    chunks = list(embedding_chunks(result, request_id=sink.request_id,
                                                    out_dtype=plan.output_dtype, model_dtype=model_dtype,
                                                    max_chunk_bytes=max_chunk_bytes))
+                    if push is None:  # the bound runs from the first push: encoding is not the sink's time
+                        started = time.monotonic()
+                        push = SinkPush(sink, channel, len(plan.images), timeout_s=bound)
                     await push.push(chunks)
-                    await context.write(header_chunk(chunks[-1], request_id))
+                    headers.append(header_chunk(chunks[-1], request_id))
             await push.finish()
+        except SinkFailed as exc:
+            raise await fail_uniformly(sink, exc, started, bound) from None
         finally:
-            push.cancel()
+            if push is not None:
+                push.cancel()
+            self.sink_channels.release(sink.target)
+        for header in headers:
+            await context.write(header)
 
     @map_errors
     async def Lookup(self, request: encoder_pb2.LookupRequest,

@@ -6,27 +6,26 @@ model-level checks (grid rules, batch limit) are asked of the engine, which know
 
 from __future__ import annotations
 
-import fnmatch
-import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from encoder_client._proto.encoder.v1 import encoder_pb2
 
+from ..config import MIN_CHUNK_BYTES
 from ..engine import Engine, ImageInput
 from ..errors import EncoderError, InvalidInput, PermissionDenied
+from ..sink_allowlist import SinkAllowlist, parse_target
 from . import dtypes
 
 MAX_HASH_CHARS = 256
-MAX_SINK_REQUEST_ID_CHARS = 256
-# host:port only: a scheme (dns:, unix:, ipv4:...) or a path would let a target escape the patterns.
-_SINK_TARGET = re.compile(r"^(?:[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}$")
+# Both ids are repeated in every chunk: unbounded, they would multiply the response's size.
+MAX_REQUEST_ID_CHARS = 256
 
 
 @dataclass(frozen=True)
 class SinkSpec:
     target: str  # host:port, matched by --allowed-sinks
     request_id: str  # tags every pushed chunk
+    pattern: str = ""  # the --allowed-sinks pattern that admitted it (the metrics' label)
 
 
 @dataclass(frozen=True)
@@ -37,37 +36,44 @@ class EncodePlan:
     sink: SinkSpec | None = None  # push the embeddings there; the caller's stream gets headers
 
 
-def check_sink(request: encoder_pb2.EncodeRequest, allowed_sinks: Sequence[str]) -> SinkSpec | None:
+def check_sink(request: encoder_pb2.EncodeRequest, allowed_sinks: SinkAllowlist) -> SinkSpec | None:
     """The request's sink if it names one that --allowed-sinks permits (checked before any connection)."""
     if not request.HasField("sink") or not (request.sink.target or request.sink.request_id):
         return None
-    target = request.sink.target
     if not allowed_sinks:
         raise PermissionDenied("sinks are not enabled on this server (--allowed-sinks is empty); "
                                "leave sink unset to receive the embeddings on the stream")
-    if not _SINK_TARGET.match(target):
-        raise InvalidInput(f"sink.target {target[:200]!r} must be host:port (no scheme, no path)")
-    if not any(fnmatch.fnmatchcase(target.lower(), p.lower()) for p in allowed_sinks):
-        raise PermissionDenied(f"sink {target!r} is not in this server's --allowed-sinks")
+    target = parse_target(request.sink.target)
+    pattern = allowed_sinks.match(target)
+    if pattern is None:
+        raise PermissionDenied(f"sink {target.text!r} is not in this server's --allowed-sinks")
     request_id = request.sink.request_id or request.request_id
     if not request_id:
         raise InvalidInput("sink.request_id is empty (and so is request_id): the sink needs an id "
                            "to file the embeddings under")
-    if len(request_id) > MAX_SINK_REQUEST_ID_CHARS:
-        raise InvalidInput(f"sink.request_id has {len(request_id)} characters; at most "
-                           f"{MAX_SINK_REQUEST_ID_CHARS}")
-    return SinkSpec(target, request_id)
+    _check_id("sink.request_id", request_id)
+    return SinkSpec(target.text, request_id, pattern)
 
 
-def parse_encode_request(request: encoder_pb2.EncodeRequest, engine: Engine,
-                         default_chunk_bytes: int, allowed_sinks: Sequence[str] = ()) -> EncodePlan:
-    sink = check_sink(request, allowed_sinks)
+def _check_id(field: str, value: str) -> None:
+    if len(value) > MAX_REQUEST_ID_CHARS:
+        raise InvalidInput(f"{field} has {len(value)} characters; at most {MAX_REQUEST_ID_CHARS}")
+
+
+def parse_encode_request(request: encoder_pb2.EncodeRequest, engine: Engine, default_chunk_bytes: int,
+                         allowed_sinks: SinkAllowlist | None = None, max_images: int = 256) -> EncodePlan:
+    _check_id("request_id", request.request_id)
+    sink = check_sink(request, allowed_sinks or SinkAllowlist(()))
     if len(request.images) == 0:
         raise InvalidInput("no images in the request (images is empty)")
+    if len(request.images) > max_images:
+        raise InvalidInput(f"{len(request.images)} images in one request; at most {max_images} "
+                           "(--max-images-per-request): split it into several requests")
     out_dtype = dtypes.output_dtype(request.output_dtype)
     chunk = request.max_chunk_bytes or default_chunk_bytes
-    # The server's setting is also the ceiling, so a chunk always fits in one gRPC message.
-    chunk = min(chunk, default_chunk_bytes)
+    # The server's setting is also the ceiling, so a chunk always fits in one gRPC message; the
+    # floor keeps the repeated chunk headers a small part of the response.
+    chunk = max(MIN_CHUNK_BYTES, min(chunk, default_chunk_bytes))
     images = []
     for index, image in enumerate(request.images):
         try:

@@ -34,6 +34,9 @@ from .worker import BatchOutcome, DeviceWorker
 
 log = logging.getLogger(__name__)
 
+HASH_INLINE_BYTES = 512 * 1024  # requests up to this size are hashed on the event loop
+HASH_THREADS = 2  # sha256 releases the GIL: two threads keep large requests off the loop
+
 
 @dataclass(eq=False)
 class _Job:
@@ -88,6 +91,7 @@ class Engine:
         self._inflight: dict[str, _Job] = {}
         self._tasks: set[asyncio.Task] = set()
         self._pool = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="preprocess")
+        self._hash_pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="hash")
         self._worker: DeviceWorker | None = None
         self._closed = False
         self.namespace = model.cache_namespace
@@ -123,6 +127,7 @@ class Engine:
         if self._worker is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._worker.join)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._hash_pool.shutdown(wait=False, cancel_futures=True)
 
     # --- plain facts ---------------------------------------------------------------------------------
     def describe(self) -> ModelDescription:
@@ -167,7 +172,7 @@ class Engine:
             raise InvalidInput("no images in the request")
         for image in images:
             metrics.IMAGES.labels(source=image.kind, model=self.model.spec.model_id).inc()
-        keys = await asyncio.get_running_loop().run_in_executor(self._pool, self._keys, images)
+        keys = await self._hash(images)
 
         # Everything from here to the first await runs atomically on the loop: admission counts
         # exactly the jobs this request creates.
@@ -221,6 +226,15 @@ class Engine:
                 self.cache.release(entry.key)
             for wait in waits:
                 wait.leave(self)
+
+    async def _hash(self, images: Sequence[ImageInput]) -> list[str]:
+        """The images' keys, never behind other requests' decoding: that would make cache hits and
+        admission (RESOURCE_EXHAUSTED) wait for it under load. Small requests are hashed right here
+        (sha256 runs ~1.5 GB/s: 0.15 ms for a 210 KB JPEG); large ones in a pool of their own."""
+        size = sum(len(image.data) for image in images)
+        if size <= HASH_INLINE_BYTES:
+            return self._keys(images)
+        return await asyncio.get_running_loop().run_in_executor(self._hash_pool, self._keys, images)
 
     def _keys(self, images: Sequence[ImageInput]) -> list[str]:
         """Server-computed content hashes (thread pool: hashing megabytes is CPU work)."""
