@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+_LOAD_CODES = ("RESOURCE_EXHAUSTED", "UNAVAILABLE")
 INTERNAL_MESSAGE = "internal error in the encoder service (details are in its log)"
 
 
@@ -51,7 +52,9 @@ def map_errors(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[
         except EncoderError as exc:
             status = status_code(exc)
             code = status.name
-            log.info("%s %s: %s", method, code, exc)
+            # Load shedding and draining come in floods exactly when the server is busiest: counted
+            # in encoder_service_requests_total{code}, logged only at DEBUG.
+            log.log(logging.DEBUG if code in _LOAD_CODES else logging.INFO, "%s %s: %s", method, code, exc)
             await context.abort(status, str(exc))
         except Exception:
             code = "INTERNAL"

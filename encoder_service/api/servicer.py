@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import os
 import time
-import uuid
 
 import grpc
 from encoder_client._proto.encoder.v1 import encoder_pb2, encoder_pb2_grpc
@@ -24,6 +25,9 @@ from .validation import EncodePlan, parse_encode_request
 log = logging.getLogger(__name__)
 
 MAX_LOOKUP_HASHES = 65536
+# Ids for requests that came without one: unique per process and cheap (uuid4 reads os.urandom).
+_ID_PREFIX = f"{os.getpid():x}-{os.urandom(4).hex()}"
+_ids = itertools.count()
 
 
 class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
@@ -50,7 +54,7 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
         engine = self._ready_engine()
         plan = parse_encode_request(request, engine, self.config.max_chunk_bytes, self.sink_allowlist,
                                     self.config.max_images_per_request)
-        request_id = request.request_id or uuid.uuid4().hex
+        request_id = request.request_id or f"{_ID_PREFIX}-{next(_ids)}"
         model_dtype = engine.describe().dtype
         if plan.sink is not None:
             await self._encode_to_sink(engine, plan, request_id, model_dtype, context)
