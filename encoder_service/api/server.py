@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import sys
 
 import grpc
 from encoder_client._proto.encoder.v1 import encoder_pb2
@@ -25,7 +24,6 @@ from .streaming import serialize_chunk
 
 log = logging.getLogger(__name__)
 
-GIL_SWITCH_INTERVAL_S = 0.0005
 SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["VisionEncoder"].full_name
 
 
@@ -79,9 +77,6 @@ def _gib(n: int) -> str:
 
 async def serve(config: ServiceConfig) -> int:
     """Runs until SIGTERM/SIGINT; returns the process exit code."""
-    # The event loop shares the GIL with decode threads and the device worker's Python; at the default
-    # 5 ms switch interval a health check or a refusal can wait several intervals for it under load.
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
