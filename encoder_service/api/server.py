@@ -16,7 +16,7 @@ from encoder_client._proto.encoder.v1 import encoder_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from .. import metrics
+from .. import memory, metrics
 from ..config import ServiceConfig
 from ..engine import Engine
 from .servicer import VisionEncoderServicer
@@ -24,6 +24,7 @@ from .streaming import serialize_chunk
 
 log = logging.getLogger(__name__)
 
+IDLE_CHECK_S = 5.0
 SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["VisionEncoder"].full_name
 
 
@@ -75,8 +76,23 @@ def _gib(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
+async def _release_memory_when_idle(engine: Engine, interval_s: float = IDLE_CHECK_S) -> None:
+    """After a burst, once no request came for a whole interval, hands freed memory back to the
+    kernel (once per burst): idle RSS returns close to what the cache and the model hold."""
+    loop = asyncio.get_running_loop()
+    last_seen, trimmed_at = -1, 0
+    while True:
+        await asyncio.sleep(interval_s)
+        seen = engine.stats.requests
+        if seen == last_seen and seen != trimmed_at and not engine.busy:
+            await loop.run_in_executor(None, memory.release_free_memory)
+            trimmed_at = seen
+        last_seen = seen
+
+
 async def serve(config: ServiceConfig) -> int:
     """Runs until SIGTERM/SIGINT; returns the process exit code."""
+    memory.limit_arenas()  # before the decode and worker threads exist (see encoder_service/memory.py)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -135,11 +151,13 @@ async def serve(config: ServiceConfig) -> int:
              d.preprocess, config.preprocess_threads, _gib(config.cache_bytes), config.max_batch_tokens,
              config.max_queue_images, warmup_s * 1000)
     servicer.engine = engine
+    trimmer = asyncio.ensure_future(_release_memory_when_idle(engine))
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("SERVING")
 
     await stop.wait()
+    trimmer.cancel()
     log.info("draining: NOT_SERVING, refusing new requests, up to %.1f s for in-flight ones",
              config.grace_period_s)
     servicer.draining = True

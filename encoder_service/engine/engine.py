@@ -142,6 +142,11 @@ class Engine:
             cache_namespace=self.namespace, preprocess=getattr(m, "preprocess_mode", "pil"))
 
     @property
+    def busy(self) -> bool:
+        """Whether any image is being prepared, queued or in a forward."""
+        return bool(self._inflight)
+
+    @property
     def queued_images(self) -> int:
         return self._admission.waiting
 
@@ -172,6 +177,7 @@ class Engine:
             raise Unavailable("server is draining")
         if not images:
             raise InvalidInput("no images in the request")
+        self.stats.requests += 1
         for image in images:
             metrics.IMAGES.labels(source=image.kind, model=self.model.spec.model_id).inc()
         keys = await self._hash(images)

@@ -65,6 +65,7 @@ class ImageResult:
 class EngineStats:
     """Counters readable in-process (tests); the same events also feed the Prometheus metrics."""
 
+    requests: int = 0
     forward_batches: int = 0
     images_encoded: int = 0
     patches_encoded: int = 0
