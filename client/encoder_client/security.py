@@ -46,8 +46,8 @@ def tls_credentials(ca: PathOrBytes = None, cert: PathOrBytes = None,
     """
     if (cert is None) != (key is None):
         raise ValueError("cert and key go together: give both (mutual TLS) or neither")
-    return grpc.ssl_channel_credentials(root_certificates=_pem(ca, "CA"), private_key=_pem(key, "key"),
-                                        certificate_chain=_pem(cert, "certificate"))
+    root, chain, private = _pem(ca, "CA"), _pem(cert, "certificate"), _pem(key, "key")
+    return grpc.ssl_channel_credentials(root_certificates=root, private_key=private, certificate_chain=chain)
 
 
 def read_token_file(path: str | os.PathLike) -> str:
