@@ -91,15 +91,22 @@ def test_a_client_without_a_token_is_its_peers_ip_address(peer, address):
 # --- every way a call ends gives its slot back (in-process server, a handler the test controls) ---
 
 
-async def _limited_server(interceptor: PerClientLimitInterceptor, gate: asyncio.Event):
+async def _limited_server(interceptor: PerClientLimitInterceptor, gate: asyncio.Event, style: str):
     async def encode(request: bytes, context: grpc.aio.ServicerContext) -> None:
         await gate.wait()
         if request == b"fail":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad image")
         await context.write(b"chunk")
 
+    async def encode_generator(request: bytes, context: grpc.aio.ServicerContext):
+        await gate.wait()
+        if request == b"fail":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad image")
+        yield b"chunk"
+
     server = grpc.aio.server(interceptors=[interceptor])
-    handlers = {"Encode": grpc.unary_stream_rpc_method_handler(encode)}
+    behaviour = encode if style == "coroutine" else encode_generator
+    handlers = {"Encode": grpc.unary_stream_rpc_method_handler(behaviour)}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("encoder.v1.VisionEncoder", handlers),))
     server.add_registered_method_handlers("encoder.v1.VisionEncoder", handlers)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -118,12 +125,13 @@ async def _finish(call) -> grpc.StatusCode:
     return await call.code()
 
 
+@pytest.mark.parametrize("style", ["coroutine", "async-generator"])
 @pytest.mark.parametrize("ending", ["ok", "error", "cancel", "deadline"])
-def test_the_slot_is_released_however_the_call_ends(ending):
+def test_the_slot_is_released_however_the_call_ends(ending, style):
     async def run() -> None:
         interceptor = PerClientLimitInterceptor(2, by_token=False)
         gate = asyncio.Event()
-        server, target = await _limited_server(interceptor, gate)
+        server, target = await _limited_server(interceptor, gate, style)
         client = "client 127.0.0.1"
         try:
             async with grpc.aio.insecure_channel(target) as channel:

@@ -7,6 +7,7 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 
 import grpc
 
@@ -59,22 +60,24 @@ def refusal(handler: grpc.RpcMethodHandler, method: str, code: grpc.StatusCode,
 
 
 def wrap_behaviour(handler: grpc.RpcMethodHandler,
-                   around: Callable[[Callable, object, grpc.aio.ServicerContext], object]) -> grpc.RpcMethodHandler:
-    """handler with its behaviour called through ``around(behaviour, request, context)``, an async
-    function that awaits the behaviour's result. Only coroutine behaviours (what the servicers
-    here are: streams write through ``context.write``) are supported: an async-generator one would
-    need a generator wrapper, and there is none to wrap."""
+                   guard: Callable[[grpc.aio.ServicerContext], AbstractAsyncContextManager]) -> grpc.RpcMethodHandler:
+    """handler with its behaviour run inside ``async with guard(context)``: the guard's exit runs
+    however the call ends (its task cancelled included). Coroutine behaviours (streams written
+    through ``context.write``, as the servicers here do) and async-generator ones are both wrapped."""
     for kind, factory in _KINDS:
         behaviour = getattr(handler, kind)
         if behaviour is None:
             continue
         if inspect.isasyncgenfunction(behaviour):
-            raise TypeError(f"{kind} handler {behaviour!r} is an async generator; wrap_behaviour needs a coroutine")
+            async def wrapped(request, context, behaviour=behaviour):
+                async with guard(context):
+                    async for response in behaviour(request, context):
+                        yield response
+        else:
+            async def wrapped(request, context, behaviour=behaviour):
+                async with guard(context):
+                    return await behaviour(request, context)
 
-        @functools.wraps(behaviour)
-        async def wrapped(request, context, behaviour=behaviour):
-            return await around(behaviour, request, context)
-
-        return factory(wrapped, request_deserializer=handler.request_deserializer,
+        return factory(functools.wraps(behaviour)(wrapped), request_deserializer=handler.request_deserializer,
                        response_serializer=handler.response_serializer)
     raise TypeError("unknown kind of method handler")

@@ -10,6 +10,7 @@ task) all release it.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import urllib.parse
@@ -87,7 +88,8 @@ class PerClientLimitInterceptor(grpc.aio.ServerInterceptor):
             return handler
         limits = self.limits
 
-        async def limited(behaviour, request, context: grpc.aio.ServicerContext):
+        @contextlib.asynccontextmanager
+        async def slot(context: grpc.aio.ServicerContext):
             client = self._client(details, context)  # the peer is known only inside the call
             if not limits.try_acquire(client):
                 log.info("%s refused: %s has %d Encode calls in progress", details.method, client, limits.limit)
@@ -96,8 +98,8 @@ class PerClientLimitInterceptor(grpc.aio.ServerInterceptor):
                              f"this server allows per client (--max-requests-per-client {limits.limit}); "
                              "retry when one has finished")
             try:
-                return await behaviour(request, context)
+                yield
             finally:
                 limits.release(client)
 
-        return wrap_behaviour(handler, limited)
+        return wrap_behaviour(handler, slot)
