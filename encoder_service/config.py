@@ -46,6 +46,16 @@ class ServiceConfig:
     sink_timeout_s: float = 10.0
     cuda_graphs: int = 0  # batch compositions kept as CUDA graphs; 0 = none
     preprocess: str = "auto"  # auto, pil, torch
+    # Security (README "Security"): every path empty = that feature off.
+    tls_cert: str = ""  # PEM certificate chain of the gRPC port; with tls_key
+    tls_key: str = ""
+    tls_client_ca: str = ""  # PEM CA bundle: clients must present a certificate it signed (mTLS)
+    health_port: int = -1  # plaintext grpc.health.v1-only port; -1 = none
+    auth_token_file: str = ""  # bearer tokens, one a line
+    max_requests_per_client: int = 0  # concurrent Encode calls per client; 0 = no limit
+    sink_tls_ca: str = ""  # PEM CA bundle the sinks' certificates are checked against
+    sink_tls_cert: str = ""  # PEM client certificate presented to sinks (mTLS); with sink_tls_key
+    sink_tls_key: str = ""
 
     def __post_init__(self) -> None:
         # -1 means "what suits the device": resolved here, so every user of the config (and the
@@ -57,6 +67,14 @@ class ServiceConfig:
     @property
     def allowed_sink_patterns(self) -> tuple[str, ...]:
         return tuple(p.strip() for p in self.allowed_sinks.split(",") if p.strip())
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert)
+
+    @property
+    def sink_tls(self) -> bool:
+        return bool(self.sink_tls_ca or self.sink_tls_cert)
 
     @property
     def model_or_default(self) -> str:
@@ -133,6 +151,26 @@ _OPTIONS: list[tuple[str, type, str]] = [
                               "without a caller deadline. Any failure toward a sink is answered UNAVAILABLE "
                               "with one message once this bound has passed (the log and the metric say "
                               "why), so a caller cannot tell a closed port from an open one."),
+    ("tls_cert", str, "PEM certificate (chain) of the gRPC port; with --tls-key the port speaks TLS only. "
+                      "Re-read when the file changes (certificate rotation without a restart)."),
+    ("tls_key", str, "PEM private key of --tls-cert (unencrypted)."),
+    ("tls_client_ca", str, "PEM CA bundle: with it, clients must present a certificate signed by one of these "
+                           "CAs (mutual TLS). Needs --tls-cert. Re-read when the file changes."),
+    ("health_port", int, "a second, plaintext port serving only grpc.health.v1 (the same SERVING/NOT_SERVING "
+                         "as the main port), for Kubernetes gRPC probes, which cannot speak TLS; 0 picks a "
+                         "free one, -1 (the default) opens none."),
+    ("auth_token_file", str, "file of accepted bearer tokens, one a line (blank lines and # comments ignored); "
+                             "callers send 'authorization: Bearer <token>' metadata. Without a token: "
+                             "UNAUTHENTICATED; a wrong one: PERMISSION_DENIED; health and reflection stay "
+                             "open. Re-read when the file changes."),
+    ("max_requests_per_client", int, "most concurrent Encode calls of one client (its bearer token with "
+                                     "--auth-token-file, else its IP address); beyond it RESOURCE_EXHAUSTED "
+                                     "at once. 0: no limit."),
+    ("sink_tls_ca", str, "PEM CA bundle: pushes to EmbeddingSinks use TLS and check the sink's certificate "
+                         "against it."),
+    ("sink_tls_cert", str, "PEM client certificate presented to EmbeddingSinks (mutual TLS); with "
+                           "--sink-tls-key. Without --sink-tls-ca the system's root CAs check the sink."),
+    ("sink_tls_key", str, "PEM private key of --sink-tls-cert."),
 ]
 
 _CHOICES = {
@@ -217,8 +255,28 @@ def _check(c: ServiceConfig) -> None:
         problems.append(str(exc))
     if not 0 <= c.port <= 65535:
         problems.append("port must be in 0..65535")
+    problems.extend(_check_security(c))
     if problems:
         raise ValueError("; ".join(problems))
+
+
+def _check_security(c: ServiceConfig) -> list[str]:
+    """Combinations only; whether the files exist and parse is checked when they are loaded
+    (api/tls.py, api/auth.py), so the message can name the file and what is wrong with it."""
+    problems = []
+    if bool(c.tls_cert) != bool(c.tls_key):
+        problems.append("tls-cert and tls-key go together: give both (TLS) or neither (plaintext)")
+    if c.tls_client_ca and not c.tls_cert:
+        problems.append("tls-client-ca (mutual TLS) needs tls-cert and tls-key: the server must speak TLS")
+    if bool(c.sink_tls_cert) != bool(c.sink_tls_key):
+        problems.append("sink-tls-cert and sink-tls-key go together: give both or neither")
+    if not -1 <= c.health_port <= 65535:
+        problems.append("health-port must be in 0..65535 (or -1: none)")
+    elif c.health_port > 0 and c.health_port == c.port:
+        problems.append(f"health-port {c.health_port} is the gRPC port; it needs a port of its own")
+    if c.max_requests_per_client < 0:
+        problems.append("max-requests-per-client must be >= 0 (0: no limit)")
+    return problems
 
 
 def parse_serve_args(argv: Sequence[str] | None = None,

@@ -133,6 +133,7 @@ class RunningServer:
     log_path: Path
     target: str = ""
     metrics_url: str = ""
+    health_target: str = ""  # the plaintext --health-port, when the server has one
     _log_file: object = field(default=None, repr=False)
 
     def log_text(self) -> str:
@@ -161,7 +162,9 @@ class RunningServer:
         return self.proc.returncode
 
 
-def _wait_serving(server: RunningServer, timeout_s: float) -> None:
+def _wait_serving(server: RunningServer, timeout_s: float, credentials=None) -> None:
+    """Health-checks the --health-port in plaintext when the server has one, else the main port
+    (through ``credentials`` when given: a TLS port)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -178,8 +181,15 @@ def _wait_serving(server: RunningServer, timeout_s: float) -> None:
             m = re.search(r"metrics on (http://\S+/metrics)", text)
             if m:
                 server.metrics_url = m.group(1)
+        if not server.health_target:
+            m = re.search(r"health port \(plaintext.*? on (\S+):(\d+)", text)
+            if m:
+                server.health_target = f"127.0.0.1:{m.group(2)}"
         if server.target and server.metrics_url:
-            with grpc.insecure_channel(server.target) as channel:
+            channel = (grpc.insecure_channel(server.health_target) if server.health_target
+                       else grpc.secure_channel(server.target, credentials) if credentials is not None
+                       else grpc.insecure_channel(server.target))
+            with channel:
                 try:
                     reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
                     if reply.status == health_pb2.HealthCheckResponse.SERVING:
@@ -195,11 +205,13 @@ def start_encoder_server(tmp_path_factory) -> Iterator[Callable[..., RunningServ
     """Factory: ``start_encoder_server("--cache-bytes", "7000")`` -> a SERVING RunningServer.
 
     Loopback, a free port, the tiny preset, metrics on a free port. Every server started is
-    stopped (SIGTERM, then SIGKILL) at the end of the session if a test did not stop it.
+    stopped (SIGTERM, then SIGKILL) at the end of the session if a test did not stop it. A server
+    whose main port speaks TLS is waited for on its ``--health-port`` when it has one, else
+    through ``credentials`` (grpc.ChannelCredentials able to reach it).
     """
     started: list[RunningServer] = []
 
-    def start(*flags: str, timeout_s: float = 120.0) -> RunningServer:
+    def start(*flags: str, timeout_s: float = 120.0, credentials=None) -> RunningServer:
         log_path = tmp_path_factory.mktemp("encoder-server") / "server.log"
         log_file = open(log_path, "w")  # noqa: SIM115  (closed by RunningServer.stop)
         cmd = [sys.executable, "-m", "encoder_service", "serve", "--host", "127.0.0.1", "--port", "0",
@@ -208,7 +220,7 @@ def start_encoder_server(tmp_path_factory) -> Iterator[Callable[..., RunningServ
         server = RunningServer(proc, log_path, _log_file=log_file)
         started.append(server)
         try:
-            _wait_serving(server, timeout_s)
+            _wait_serving(server, timeout_s, credentials)
         except BaseException:
             server.stop(signal.SIGKILL)
             raise

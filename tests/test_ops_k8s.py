@@ -2,7 +2,8 @@
 schemas offline (kubernetes-validate, strict), and says what operations needs.
 
 The ServiceMonitor is a Prometheus Operator CRD that kubernetes-validate carries no schema for: it is
-skipped by the schema check and checked here instead against the Service it must select.
+skipped by the schema check and checked here instead against the Service it must select; likewise
+the tls overlay's cert-manager Certificate, checked against the Secret the pod mounts.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from conftest import REPO_ROOT, find_tool
 from encoder_service.config import ENV_PREFIX, ServiceConfig, build_config
 
 K8S = REPO_ROOT / "deploy" / "k8s"
-OVERLAYS = ("cpu-demo", "gpu")
+OVERLAYS = ("cpu-demo", "gpu", "tls")
 KUBERNETES_VERSION = "1.33.0"
-CRD_KINDS = {"ServiceMonitor"}
+CRD_KINDS = {"ServiceMonitor", "Certificate"}
 
 
 def kustomize_command() -> list[str] | None:
@@ -97,7 +98,10 @@ def test_the_server_accepts_the_configmap_settings(overlay):
     config = build_config(None, data)
     assert config.metrics_port == 9090 and config.port == 50051 and config.host == "0.0.0.0"
     ports = {p["name"]: p["containerPort"] for p in container(build(overlay))["ports"]}
-    assert ports == {"grpc": config.port, "metrics": config.metrics_port}
+    expected = {"grpc": config.port, "metrics": config.metrics_port}
+    if config.health_port >= 0:
+        expected["health"] = config.health_port
+    assert ports == expected
 
 
 def test_cpu_demo_serves_the_tiny_preset_without_a_gpu():
@@ -121,12 +125,16 @@ def test_gpu_overlay_requests_a_gpu_and_mounts_the_checkpoint_read_only():
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_probes_are_native_grpc_and_startup_allows_loading_a_7b_checkpoint(overlay):
     c = container(build(overlay))
+    config = build_config(None, settings(build(overlay)))
+    # Kubernetes' gRPC probes speak plaintext only: with TLS they must use the health-only port.
+    probed = config.health_port if config.health_port >= 0 else config.port
+    assert not config.tls or probed != config.port, "a plaintext probe cannot reach the TLS port"
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["grpc"]["port"] == 50051, probe
+        assert c[probe]["grpc"]["port"] == probed, probe
     assert c["readinessProbe"]["grpc"]["service"] == "encoder.v1.VisionEncoder"
     startup = c["startupProbe"]
     budget_s = startup["periodSeconds"] * startup["failureThreshold"]
-    assert budget_s >= (600 if overlay == "gpu" else 120)
+    assert budget_s >= (120 if overlay == "cpu-demo" else 600)
     grace_s = float(settings(build(overlay))["ENCODER_SERVICE_GRACE_PERIOD_S"])
     liveness = c["livenessProbe"]
     assert liveness["periodSeconds"] * liveness["failureThreshold"] > grace_s, "liveness would kill a draining pod"
@@ -191,3 +199,26 @@ def test_service_monitor_scrapes_exactly_the_metrics_port_of_one_service_as_job_
     assert endpoint["path"] == "/metrics"
     assert re.fullmatch(r"\d+s", endpoint["interval"]) and re.fullmatch(r"\d+s", endpoint["scrapeTimeout"])
     assert int(endpoint["scrapeTimeout"][:-1]) < int(endpoint["interval"][:-1])
+
+
+def test_tls_overlay_serves_mutual_tls_from_a_cert_manager_secret_mounted_as_a_directory():
+    docs = build("tls")
+    config = build_config(None, settings(docs))
+    assert config.tls and config.tls_client_ca and config.health_port == 8081
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    c = container(docs)
+    certificate = one(docs, "Certificate")
+    assert certificate["apiVersion"] == "cert-manager.io/v1"
+    assert certificate["metadata"]["namespace"] == one(docs, "Deployment")["metadata"]["namespace"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = [m for m in c["volumeMounts"] if volumes[m["name"]].get("secret", {}).get("secretName")
+              == certificate["spec"]["secretName"]]
+    assert len(mounts) == 1 and mounts[0]["readOnly"] is True
+    # A subPath mount is a copy made at pod start: a renewed Secret would never reach the server.
+    assert "subPath" not in mounts[0]
+    directory = mounts[0]["mountPath"]
+    assert (config.tls_cert, config.tls_key, config.tls_client_ca) == tuple(
+        f"{directory}/{name}" for name in ("tls.crt", "tls.key", "ca.crt"))
+    # Clients dial the Service and (routing by content hash) the headless Service's name.
+    services = {d["metadata"]["name"] for d in docs if d["kind"] == "Service"}
+    assert services <= set(certificate["spec"]["dnsNames"])

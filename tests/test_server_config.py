@@ -13,7 +13,9 @@ from encoder_service.config import ServiceConfig, parse_serve_args
 
 SERVE_FLAGS = ["--model", "--device", "--dtype", "--attn-backend", "--host", "--port", "--cache-bytes",
                "--max-batch-tokens", "--max-queue-images", "--max-message-bytes", "--max-image-pixels",
-               "--grace-period-s", "--log-level", "--metrics-port", "--cuda-graphs"]
+               "--grace-period-s", "--log-level", "--metrics-port", "--cuda-graphs", "--tls-cert", "--tls-key",
+               "--tls-client-ca", "--health-port", "--auth-token-file", "--max-requests-per-client",
+               "--sink-tls-ca", "--sink-tls-cert", "--sink-tls-key"]
 
 
 def test_defaults_serve_the_tiny_preset_on_the_cpu():

@@ -37,6 +37,10 @@ the embeddings to a decode server, which receives them with ``EmbeddingSinkRecei
 (``encoder_client.sink``); ``RoutingEncoderClient(["enc-0:50051", ...] or "dns:///enc:50051")``
 spreads images over several encoders by content hash (``encoder_client.routing``).
 
+Security: ``EncoderClient(target, credentials=tls_credentials(ca="ca.crt", cert="me.crt",
+key="me.key"), token="...")`` speaks TLS (mutual TLS with cert/key) and sends ``authorization:
+Bearer <token>`` with every call; the async and routing clients take the same two arguments.
+
 Command line: ``encoder-client encode --target HOST:PORT FILE...``, ``encoder-client info``,
 ``encoder-client lookup``, ``encoder-client health`` (see ``encoder-client --help``).
 """
@@ -47,6 +51,7 @@ from encoder_client.client import EncoderClient
 from encoder_client.dtypes import bf16_bits_to_float32
 from encoder_client.errors import EncoderClientError
 from encoder_client.routing import RoutingEncoderClient
+from encoder_client.security import read_token_file, tls_credentials
 from encoder_client.sink import EmbeddingSinkReceiver, PushedImage
 from encoder_client.types import EncodedImage, HashRef, ImageInput, ModelInfo
 
@@ -63,4 +68,6 @@ __all__ = [
     "RoutingEncoderClient",
     "bf16_bits_to_float32",
     "content_hash",
+    "read_token_file",
+    "tls_credentials",
 ]

@@ -29,6 +29,7 @@ from encoder_client._rpc import (
 from encoder_client.dtypes import BF16_AS
 from encoder_client.errors import EncoderClientError
 from encoder_client.hash_first import HashFirstPlan, is_eviction_race
+from encoder_client.security import call_metadata
 from encoder_client.sink import PushedImage, collect_headers
 from encoder_client.types import EncodedImage, ImageInput, ModelInfo
 
@@ -54,11 +55,12 @@ class AsyncEncoderClient:
         credentials: grpc.ChannelCredentials | None = None,
         metadata: Sequence[tuple[str, str]] | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
+        token: str | None = None,
     ) -> None:
         self.target = target
         self.timeout_s = timeout_s
         self._retry = RetryPolicy(retries, backoff_base_s, backoff_max_s)
-        self._metadata = tuple(metadata) if metadata else None
+        self._metadata = call_metadata(metadata, token)
         options = build_channel_options(max_message_bytes, channel_options)
         self._channel = (
             grpc.aio.secure_channel(target, credentials, options=options)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -13,7 +14,10 @@ import numpy as np
 from encoder_client.client import EncoderClient
 from encoder_client.errors import EncoderClientError
 from encoder_client.routing import RoutingEncoderClient
+from encoder_client.security import read_token_file, tls_credentials
 from encoder_client.types import EncodedImage
+
+ENV_PREFIX = "ENCODER_CLIENT_"
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
@@ -66,6 +70,22 @@ def _health(args: argparse.Namespace, client: EncoderClient) -> int:
     return 0 if status == "SERVING" else 1
 
 
+def _env(name: str) -> str | None:
+    return os.environ.get(ENV_PREFIX + name) or None
+
+
+def _security(args: argparse.Namespace) -> dict:
+    """credentials / token keyword arguments of the clients from the --tls-* and --token-file flags."""
+    kwargs: dict = {}
+    if args.tls_ca or args.tls_cert or args.tls_key:
+        if bool(args.tls_cert) != bool(args.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together: give both (mutual TLS) or neither")
+        kwargs["credentials"] = tls_credentials(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
+    if args.token_file:
+        kwargs["token"] = read_token_file(args.token_file)
+    return kwargs
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="encoder-client", description="Client of the encoder-service vision encoder.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -77,6 +97,18 @@ def build_parser() -> argparse.ArgumentParser:
                             "or dns:///NAME:PORT: images are then routed by content hash)")
         p.add_argument("--timeout", type=float, default=60.0, help="deadline per call, seconds (default 60)")
         p.add_argument("--retries", type=int, default=3, help="retries on UNAVAILABLE (default 3)")
+        tls = p.add_argument_group("security (each flag falls back to an environment variable: "
+                                   "ENCODER_CLIENT_TLS_CA, ..._TLS_CERT, ..._TLS_KEY, ..._TOKEN_FILE)")
+        tls.add_argument("--tls-ca", default=_env("TLS_CA"),
+                         help="PEM CA bundle the server's certificate must chain to; TLS is on when any --tls-* "
+                              "flag is given (without --tls-ca: the system's root CAs)")
+        tls.add_argument("--tls-cert", default=_env("TLS_CERT"),
+                         help="PEM client certificate, for a server that requires mutual TLS (with --tls-key)")
+        tls.add_argument("--tls-key", default=_env("TLS_KEY"), help="PEM private key of --tls-cert")
+        tls.add_argument("--token-file", default=_env("TOKEN_FILE"),
+                         help="file whose first token line (# comments skipped) is the bearer token sent as "
+                              "'authorization: Bearer ...' (a file, not a flag value: command lines are visible "
+                              "to other users)")
         return p
 
     p = add("encode", "encode image files and print one row per image")
@@ -109,13 +141,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("encoder-client: error: --repeat must be >= 1", file=sys.stderr)
         return 2
     try:
+        security = _security(args)
         if args.command == "encode" and ("," in args.target or args.target.startswith("dns:")):
             # A one-shot command would rather wait a few seconds for a busy encoder's health answer
             # than route around it (refused connections still fail at once).
             with RoutingEncoderClient(args.target, timeout_s=args.timeout,
-                                      health_timeout_s=min(5.0, args.timeout)) as routing:
+                                      health_timeout_s=min(5.0, args.timeout), **security) as routing:
                 return args.run(args, routing)
-        with EncoderClient(args.target, timeout_s=args.timeout, retries=args.retries) as client:
+        with EncoderClient(args.target, timeout_s=args.timeout, retries=args.retries, **security) as client:
             return args.run(args, client)
     except EncoderClientError as err:
         message = f"{err.code.name}: {err.details}"

@@ -37,9 +37,15 @@ FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE,)
 def resolve_targets(targets: str | Sequence[str]) -> list[str]:
     """host:port strings for targets: a comma-separated string or a list, where a ``dns:///host:port``
     entry stands for every address host resolves to (socket.getaddrinfo)."""
+    return list(resolve_target_names(targets))
+
+
+def resolve_target_names(targets: str | Sequence[str]) -> dict[str, str | None]:
+    """resolve_targets, each address with the host name it was resolved from (None for a target
+    given as is): TLS must check a resolved address's certificate against that name, not the IP."""
     if isinstance(targets, str):
         targets = [t.strip() for t in targets.split(",") if t.strip()]
-    out: list[str] = []
+    out: dict[str, str | None] = {}
     for target in targets:
         if target.startswith("dns:"):
             rest = target[len("dns:"):]
@@ -48,14 +54,15 @@ def resolve_targets(targets: str | Sequence[str]) -> list[str]:
             host, sep, port = rest.rpartition(":")
             if not sep or not port.isdigit() or not host:
                 raise ValueError(f"{target!r}: expected dns:///host:port")
-            infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+            name = host.strip("[]")
+            infos = socket.getaddrinfo(name, int(port), type=socket.SOCK_STREAM)
             for ip in sorted({info[4][0] for info in infos}):
-                out.append(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
+                out.setdefault(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}", name)
         else:
-            out.append(target)
+            out.setdefault(target, None)
     if not out:
         raise ValueError("no encoder targets")
-    return list(dict.fromkeys(out))
+    return out
 
 
 def rendezvous_rank(content_hash: str, targets: Sequence[str]) -> list[str]:
@@ -69,14 +76,18 @@ def rendezvous_rank(content_hash: str, targets: Sequence[str]) -> list[str]:
 class RoutingEncoderClient:
     """Synchronous client over several encoders; ``encode`` as EncoderClient.encode.
 
-    ``hash_first`` (default on) asks each encoder's Lookup before sending pixels. Extra keyword
+    ``hash_first`` (default on) asks each encoder's Lookup before sending pixels. ``credentials``
+    and ``token`` go to every channel this client opens, so health checks, Lookups and Encodes all
+    use TLS and carry the token; with TLS, an address resolved from ``dns:///NAME:PORT`` is checked
+    against NAME (its certificate must name the DNS name, not each pod's IP). Extra keyword
     arguments go to each target's EncoderClient (``retries`` defaults to 0 here: failing over to
     the next encoder beats waiting for this one).
     """
 
     def __init__(self, targets: str | Sequence[str], *, hash_first: bool = True, timeout_s: float | None = 60.0,
                  health_interval_s: float = 2.0, health_timeout_s: float = 1.0, resolve_interval_s: float = 30.0,
-                 max_parallel: int = 8, **client_kwargs: Any) -> None:
+                 max_parallel: int = 8, credentials: grpc.ChannelCredentials | None = None,
+                 token: str | None = None, **client_kwargs: Any) -> None:
         self._spec = targets
         self.hash_first = hash_first
         self.timeout_s = timeout_s
@@ -84,12 +95,14 @@ class RoutingEncoderClient:
         self.health_timeout_s = health_timeout_s
         self.resolve_interval_s = resolve_interval_s
         client_kwargs.setdefault("retries", 0)
-        self._client_kwargs = {"timeout_s": timeout_s, **client_kwargs}
+        self._credentials = credentials
+        self._client_kwargs = {"timeout_s": timeout_s, "credentials": credentials, "token": token, **client_kwargs}
         self._dynamic = any(t.startswith("dns:") for t in ([targets] if isinstance(targets, str) else targets))
         self._lock = threading.Lock()
         self._clients: dict[str, EncoderClient] = {}
         self._health: dict[str, tuple[bool, float]] = {}  # target -> (healthy, checked at)
         self._targets: list[str] = []
+        self._names: dict[str, str | None] = {}  # target -> the DNS name it was resolved from
         self._resolved_at = 0.0
         self._namespace: str | None = None
         self._pool = ThreadPoolExecutor(max_parallel, thread_name_prefix="encoder-route")
@@ -142,19 +155,28 @@ class RoutingEncoderClient:
         if not force and (not self._dynamic or time.monotonic() - self._resolved_at < self.resolve_interval_s):
             return
         try:
-            targets = resolve_targets(self._spec)
+            names = resolve_target_names(self._spec)
         except (OSError, ValueError):
             if force or not self._targets:
                 raise
             return  # keep the last good answer when the resolver hiccups
-        self._targets, self._resolved_at = targets, time.monotonic()
+        self._names.update(names)
+        self._targets, self._resolved_at = list(names), time.monotonic()
 
     def _client(self, target: str) -> EncoderClient:
         with self._lock:
             client = self._clients.get(target)
             if client is None:
-                client = self._clients[target] = EncoderClient(target, **self._client_kwargs)
+                client = self._clients[target] = EncoderClient(target, **self._target_kwargs(target))
             return client
+
+    def _target_kwargs(self, target: str) -> dict[str, Any]:
+        name = self._names.get(target)
+        if self._credentials is None or name is None:
+            return self._client_kwargs
+        # The channel connects to an IP address; TLS checks the certificate against the name.
+        options = (("grpc.ssl_target_name_override", name), *self._client_kwargs.get("channel_options", ()))
+        return {**self._client_kwargs, "channel_options": options}
 
     # --- calls -----------------------------------------------------------------------------------
     def model_info(self) -> ModelInfo:

@@ -11,6 +11,11 @@ then lands here, and the decode server awaits it::
     first = await pending.image(0)                 # EncodedImage, as soon as image 0 is complete
     images = await receiver.wait("req-42", timeout_s=30)   # every image, in request order
 
+TLS: the receiver is a servicer, so it speaks whatever the server's port speaks: bind it with
+``server.add_secure_port(addr, grpc.ssl_server_credentials(...))`` (``root_certificates`` and
+``require_client_auth=True`` to require the encoders' client certificates) and start the encoders
+with ``--sink-tls-ca`` (and ``--sink-tls-cert``/``--sink-tls-key``); README "Security" has an example.
+
 How the receiver knows a request is complete: the encoder pushes one ``Push`` stream per request;
 every chunk carries ``request_id``, ``image_index`` and ``num_images`` (the request's image count).
 The request is complete when all ``num_images`` images are reassembled; the stream must then end

@@ -2,7 +2,9 @@
 
 Health (grpc.health.v1) says NOT_SERVING from the start until the model is loaded and a warm-up
 forward ran, SERVING after, NOT_SERVING again while draining. Reflection is on, so grpcurl works
-without the proto files.
+without the proto files. With ``--health-port`` a second, plaintext server answers grpc.health.v1
+only, from the same HealthServicer (Kubernetes' gRPC probes cannot speak TLS). TLS, tokens and
+per-client limits are set up in api/security.py.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from .. import memory, metrics
 from ..config import ServiceConfig
 from ..engine import Engine
+from .security import SecurityFileError, build_security
 from .servicer import VisionEncoderServicer
 from .streaming import serialize_chunk
 
@@ -72,6 +75,13 @@ def _load_model(config: ServiceConfig):
     return model
 
 
+async def _stop(server: grpc.aio.Server, health_server: grpc.aio.Server | None, grace_s: float) -> None:
+    """The health port answers (NOT_SERVING) for as long as the main port drains."""
+    await server.stop(grace_s)
+    if health_server is not None:
+        await health_server.stop(0)
+
+
 def _gib(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
@@ -98,8 +108,13 @@ async def serve(config: ServiceConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    server = grpc.aio.server(options=_grpc_options(config))
-    servicer = VisionEncoderServicer(config)
+    try:
+        security = build_security(config)
+        servicer = VisionEncoderServicer(config)  # reads the --sink-tls-* files
+    except SecurityFileError as exc:
+        log.error("cannot start: %s", exc)
+        return 1
+    server = grpc.aio.server(options=_grpc_options(config), interceptors=security.interceptors)
     health_servicer = health.aio.HealthServicer()
     _add_vision_encoder(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -110,12 +125,26 @@ async def serve(config: ServiceConfig) -> int:
 
     address = f"{config.host}:{config.port}"
     try:
-        port = server.add_insecure_port(address)
+        port = (server.add_secure_port(address, security.tls.credentials) if security.tls
+                else server.add_insecure_port(address))
     except RuntimeError as exc:
         log.error("cannot bind %s: %s", address, exc)
         return 1
+    health_server = None
+    if config.health_port >= 0:
+        health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+        health_address = f"{config.host}:{config.health_port}"
+        try:
+            health_port = health_server.add_insecure_port(health_address)
+        except RuntimeError as exc:
+            log.error("cannot bind the health port %s: %s", health_address, exc)
+            return 1
+        await health_server.start()
+        log.info("health port (plaintext, grpc.health.v1 only) on %s:%d", config.host, health_port)
     await server.start()
     log.info("encoder-service listening on %s:%d (NOT_SERVING until the model is warm)", config.host, port)
+    log.info("security: %s", "; ".join(security.summary))
     if config.metrics_port >= 0:
         metrics_port = metrics.start_metrics_server(config.metrics_port, config.host)
         log.info("metrics on http://%s:%d/metrics", config.host, metrics_port)
@@ -130,7 +159,7 @@ async def serve(config: ServiceConfig) -> int:
         await asyncio.wait({load, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if not load.done():  # SIGTERM while loading: nothing in flight to drain
             log.info("stopping before the model finished loading")
-            await server.stop(0)
+            await _stop(server, health_server, 0)
             return 0
         stopped.cancel()
         model = load.result()
@@ -138,7 +167,7 @@ async def serve(config: ServiceConfig) -> int:
         warmup_s = await engine.start()
     except Exception:
         log.exception("could not load and warm up the model %r", config.model_or_default)
-        await server.stop(0)
+        await _stop(server, health_server, 0)
         if engine is not None:
             await engine.stop()
         return 1
@@ -162,7 +191,7 @@ async def serve(config: ServiceConfig) -> int:
              config.grace_period_s)
     servicer.draining = True
     await health_servicer.enter_graceful_shutdown()
-    await server.stop(config.grace_period_s)
+    await _stop(server, health_server, config.grace_period_s)
     await engine.stop()
     await servicer.sink_channels.close()
     log.info("stopped")

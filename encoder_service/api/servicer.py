@@ -20,6 +20,7 @@ from . import dtypes
 from .errors import map_errors
 from .sink import PUSH_MAX_CHUNK_BYTES, SinkChannels, SinkFailed, SinkPush, fail_uniformly, header_chunk
 from .streaming import embedding_chunks, serialized_chunks
+from .tls import sink_channel_credentials
 from .validation import EncodePlan, parse_encode_request
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
         self.config = config
         self.engine: Engine | None = None
         self.draining = False
-        self.sink_channels = SinkChannels(config.max_message_bytes)
+        self.sink_channels = SinkChannels(config.max_message_bytes, credentials=sink_channel_credentials(config))
         self.sink_allowlist = SinkAllowlist(config.allowed_sink_patterns)
 
     def _ready_engine(self) -> Engine:

@@ -1,0 +1,105 @@
+"""Per-client concurrency limit of Encode calls (``--max-requests-per-client``).
+
+A client is its bearer token when the server checks tokens (every replica of one caller shares
+it), else the IP address of the connection's peer. Over the limit, a call is refused with
+RESOURCE_EXHAUSTED before it reaches the servicer, so one client cannot take the whole admission
+queue from the others. The count is taken when the handler starts and given back in a ``finally``
+around it: an OK end, an error, the caller cancelling and a deadline (gRPC cancels the handler's
+task) all release it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import urllib.parse
+from collections import Counter
+
+import grpc
+
+from .auth import client_identity, presented_token
+from .interceptors import method_name, refuse, wrap_behaviour
+
+log = logging.getLogger(__name__)
+
+LIMITED_METHODS = frozenset({"/encoder.v1.VisionEncoder/Encode"})
+
+
+def peer_address(peer: str) -> str:
+    """The IP address of a gRPC peer string: ``ipv4:10.0.0.3:5123`` -> ``10.0.0.3``,
+    ``ipv6:[::1]:5123`` -> ``::1`` (an IPv4-mapped IPv6 address as its IPv4 form); anything else
+    (a unix socket) as given."""
+    peer = urllib.parse.unquote(peer or "")
+    family, _, rest = peer.partition(":")
+    if family == "ipv4":
+        host = rest.rpartition(":")[0]
+    elif family == "ipv6":
+        host = rest.rpartition(":")[0].strip("[]")
+    else:
+        return peer
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return str(mapped or ip)
+
+
+class ConcurrencyLimits:
+    """In-flight counts per client; only the event loop's thread touches them."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._in_flight: Counter[str] = Counter()
+
+    def try_acquire(self, client: str) -> bool:
+        if self._in_flight[client] >= self.limit:
+            return False
+        self._in_flight[client] += 1
+        return True
+
+    def release(self, client: str) -> None:
+        self._in_flight[client] -= 1
+        if self._in_flight[client] <= 0:
+            del self._in_flight[client]  # a client that left costs no memory
+
+    def in_flight(self, client: str) -> int:
+        return self._in_flight.get(client, 0)
+
+
+class PerClientLimitInterceptor(grpc.aio.ServerInterceptor):
+    """Place it after the token interceptor: a token seen here has been accepted."""
+
+    def __init__(self, limit: int, by_token: bool) -> None:
+        self.limits = ConcurrencyLimits(limit)
+        self.by_token = by_token
+
+    def _client(self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext) -> str:
+        if self.by_token:
+            token = presented_token(details)
+            if token is not None:
+                return client_identity(token)
+        return "client " + peer_address(context.peer())
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or details.method not in LIMITED_METHODS:
+            return handler
+        limits = self.limits
+
+        @contextlib.asynccontextmanager
+        async def slot(context: grpc.aio.ServicerContext):
+            client = self._client(details, context)  # the peer is known only inside the call
+            if not limits.try_acquire(client):
+                log.info("%s refused: %s has %d Encode calls in progress", details.method, client, limits.limit)
+                await refuse(context, method_name(details), grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"{client} already has {limits.limit} Encode calls in progress, the most "
+                             f"this server allows per client (--max-requests-per-client {limits.limit}); "
+                             "retry when one has finished")
+            try:
+                yield
+            finally:
+                limits.release(client)
+
+        return wrap_behaviour(handler, slot)

@@ -1,0 +1,57 @@
+"""The server's security settings, built once at start-up: TLS credentials of the gRPC port, the
+interceptors (bearer tokens, per-client limits), and what the start-up log says about them.
+
+Everything that reads a file happens here, before any port is bound, so a wrong path or a bad
+certificate stops the start with a message naming the file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+
+from ..config import ServiceConfig
+from .auth import TokenAuthInterceptor, TokenFile, TokenFileError
+from .limits import PerClientLimitInterceptor
+from .tls import ReloadingServerCredentials, TLSFileError, sink_channel_credentials
+
+SecurityFileError = (TLSFileError, TokenFileError)
+
+
+@dataclass
+class Security:
+    tls: ReloadingServerCredentials | None = None
+    tokens: TokenFile | None = None
+    interceptors: list[grpc.aio.ServerInterceptor] = field(default_factory=list)
+    summary: list[str] = field(default_factory=list)
+
+
+def build_security(config: ServiceConfig) -> Security:
+    """Raises TLSFileError / TokenFileError (both ValueErrors) naming the file that is wrong."""
+    s = Security()
+    if config.tls:
+        s.tls = ReloadingServerCredentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+        s.summary.append(f"TLS on (certificate {config.tls_cert}, re-read when it changes)")
+        s.summary.append(f"mTLS on (client certificates must be signed by {config.tls_client_ca})"
+                         if s.tls.mutual else "mTLS off")
+    else:
+        s.summary.append("TLS off (plaintext gRPC), mTLS off")
+    if config.auth_token_file:
+        s.tokens = TokenFile(config.auth_token_file)
+        s.interceptors.append(TokenAuthInterceptor(s.tokens))
+        s.summary.append(f"bearer-token auth on ({s.tokens.count} tokens from {config.auth_token_file}; "
+                         "health and reflection open)")
+    else:
+        s.summary.append("bearer-token auth off")
+    if config.max_requests_per_client > 0:
+        # After the token check: a client is identified by a token only once it was accepted.
+        s.interceptors.append(PerClientLimitInterceptor(config.max_requests_per_client,
+                                                        by_token=s.tokens is not None))
+        s.summary.append(f"at most {config.max_requests_per_client} concurrent Encode calls per client "
+                         f"(by {'token' if s.tokens else 'IP address'})")
+    if config.sink_tls:
+        sink_channel_credentials(config)  # read and checked now; the servicer builds its own copy
+        s.summary.append("TLS toward sinks on" + (" (mTLS: client certificate " + config.sink_tls_cert + ")"
+                                                   if config.sink_tls_cert else ""))
+    return s
