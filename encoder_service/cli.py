@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -59,7 +60,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     _setup_logging(config.log_level)
     from .api import serve  # imports grpc and the engine only when serving
 
-    return asyncio.run(serve(config))
+    code = asyncio.run(serve(config))
+    if config.device.startswith("cuda"):
+        # Everything is stopped and drained. Interpreter teardown would only make the cuDNN
+        # frontend's nanobind module print hundreds of "leaked instance" lines into the log (its
+        # objects live in module-level caches); leave without it.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":
