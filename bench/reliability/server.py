@@ -1,0 +1,153 @@
+"""A real ``encoder-service serve`` process on loopback: start, wait for SERVING, read /metrics and
+/proc, stop. The scenarios' only view of the server is what an operator has: gRPC, /metrics, the
+process (its RSS, its exit code) and its log."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+
+QUEUE_IMAGES = "encoder_service_queue_images"
+IN_FLIGHT = "encoder_service_requests_in_flight"
+CACHE_BYTES = "encoder_service_cache_bytes"
+CACHE_CAPACITY = "encoder_service_cache_capacity_bytes"
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """What every server of a run shares: the model and the device (the soak's --model/--device)."""
+
+    model: str = ""  # empty: the tiny random-weight preset on the CPU
+    device: str = "cpu"
+    dtype: str = ""
+
+    def flags(self) -> list[str]:
+        out = ["--device", self.device]
+        if self.model:
+            out += ["--model", self.model]
+        if self.dtype:
+            out += ["--dtype", self.dtype]
+        return out
+
+
+@dataclass
+class EncoderProcess:
+    proc: subprocess.Popen
+    log_path: Path
+    target: str = ""
+    metrics_url: str = ""
+    _log_file: object = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics, keyed by its series name with labels as printed."""
+        body = urllib.request.urlopen(self.metrics_url, timeout=5).read().decode()
+        out = {}
+        for line in body.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def metric(self, name: str) -> float:
+        return self.metrics().get(name, 0.0)
+
+    def metric_sum(self, prefix: str) -> float:
+        """Sum of every labelled series of one metric, e.g. requests_total over codes."""
+        return sum(v for k, v in self.metrics().items() if k == prefix or k.startswith(prefix + "{"))
+
+    def rss_bytes(self) -> int:
+        """VmRSS of the server process, from /proc (what the kernel charges it)."""
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS")
+
+    def health(self, timeout_s: float = 2.0) -> str:
+        with grpc.insecure_channel(self.target) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        return self.proc.returncode
+
+
+def start_server(*flags: str, spec: ServerSpec = ServerSpec(), log_dir: Path | None = None,
+                 timeout_s: float = 180.0) -> EncoderProcess:
+    """Starts a server on free ports and returns once its health service says SERVING."""
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="encoder-reliability-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = Path(tempfile.mkstemp(prefix="server-", suffix=".log", dir=log_dir)[1])
+    log_file = open(log_path, "w")  # noqa: SIM115  (closed by EncoderProcess.stop)
+    cmd = [sys.executable, "-m", "encoder_service", "serve", "--host", "127.0.0.1", "--port", "0",
+           "--metrics-port", "0", *spec.flags(), *flags]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
+    server = EncoderProcess(proc, log_path, _log_file=log_file)
+    try:
+        _wait_serving(server, timeout_s)
+    except BaseException:
+        server.stop(signal.SIGKILL)
+        raise
+    return server
+
+
+def _wait_serving(server: EncoderProcess, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not server.alive():
+            raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log_text()}")
+        text = server.log_text()
+        if not server.target and (m := re.search(r"listening on (\S+):(\d+)", text)):
+            server.target = f"127.0.0.1:{m.group(2)}"
+        if not server.metrics_url and (m := re.search(r"metrics on (http://\S+/metrics)", text)):
+            server.metrics_url = m.group(1)
+        if server.target and server.metrics_url:
+            try:
+                if server.health() == "SERVING":
+                    return
+            except grpc.RpcError:
+                pass
+        time.sleep(0.1)
+    raise TimeoutError(f"server not SERVING after {timeout_s} s:\n{server.log_text()}")
+
+
+def wait_until(condition, timeout_s: float, interval_s: float = 0.05) -> float | None:
+    """Seconds until condition() held, or None if it never did within timeout_s."""
+    started = time.monotonic()
+    while True:
+        if condition():
+            return time.monotonic() - started
+        if time.monotonic() - started > timeout_s:
+            return None
+        time.sleep(interval_s)
