@@ -164,3 +164,18 @@ class Sampler:
         self._stop.set()
         self._thread.join(10)
         return self.values
+
+
+def in_process(fn: Callable, *args):
+    """Starts fn(*args) in a fresh (spawned) process; ``.result(timeout)`` returns what it returned.
+
+    Load that must not share a GIL with the measurements (probes, samplers) runs this way; Sample
+    times stay comparable across processes (time.monotonic is the system-wide CLOCK_MONOTONIC).
+    """
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    future = pool.submit(fn, *args)
+    future.add_done_callback(lambda _: pool.shutdown(wait=False))
+    return future

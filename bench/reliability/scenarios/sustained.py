@@ -4,7 +4,7 @@ flat once warm; the rate per interval shows drift over time."""
 
 from __future__ import annotations
 
-import random
+import itertools
 import threading
 import time
 from functools import partial
@@ -95,7 +95,7 @@ def run(*, duration_s: float = 20.0, warmup_s: float = 8.0, streams: int = 64, i
         result.check("no error but RESOURCE_EXHAUSTED", not bad, f"codes {dict(codes)}")
         result.check("the server is alive and SERVING", server.alive() and server.health() == "SERVING")
         ends = sorted([t_warm] + [s.end for s in ok] + [t_end])
-        gap = max(b - a for a, b in zip(ends, ends[1:]))
+        gap = max(b - a for a, b in itertools.pairwise(ends))
         result.figure("longest_gap_s", gap)
         result.check(f"no stall: some request completes every {max_gap_s:g} s", gap < max_gap_s, f"{gap:.2f} s")
         result.check(f"RSS growth after warm-up < {max_growth:.0%}", rss_end < rss_warm * (1 + max_growth),
