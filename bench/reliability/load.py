@@ -27,6 +27,7 @@ class Sample:
     code: str  # "OK" or the gRPC status name
     kind: str  # "hit" (every image cached), "miss" (some image new) or the scenario's own label
     images: int = 1
+    detail: str = ""  # the error's details, for reports
 
     @property
     def end(self) -> float:
@@ -79,16 +80,16 @@ def mixed_request(source: ImageSource, rng: random.Random, hit_ratio: float = 0.
 async def timed(recorder: Recorder, kind: str, images: int, call: Awaitable) -> str:
     """Awaits call, records it, returns its status name (never raises an RPC error)."""
     started = time.monotonic()
-    code = "OK"
+    code, detail = "OK", ""
     try:
         await call
     except EncoderClientError as err:
-        code = err.code.name
+        code, detail = err.code.name, err.details
     except grpc.RpcError as err:
-        code = err.code().name
+        code, detail = err.code().name, err.details() or ""
     except asyncio.TimeoutError:
         code = "DEADLINE_EXCEEDED"
-    recorder.add(Sample(started, time.monotonic() - started, code, kind, images))
+    recorder.add(Sample(started, time.monotonic() - started, code, kind, images, detail[:200]))
     return code
 
 

@@ -1,0 +1,162 @@
+"""Cancellation and deadlines: hundreds of callers give up (cancel mid-stream, deadlines shorter than
+the work, client processes killed with SIGKILL mid-call). The work stops, the queue and in-flight
+gauges return to 0, nothing stays pinned in the cache or stuck as a job, and the server keeps serving.
+
+The server exposes no pin or job count, so both are observed from outside: a leaked job would make a
+later request for the same image wait forever (so every given-up image is asked for again, with a
+deadline), and a leaked pin would keep its entry from being evicted (so the cache is flooded with
+new images afterwards and Lookup must find none of the old ones).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import random
+import signal
+import time
+
+import grpc
+from encoder_client import EncoderClient
+from encoder_client._proto.encoder.v1 import encoder_pb2 as pb
+from encoder_client._proto.encoder.v1 import encoder_pb2_grpc
+from encoder_client.hashing import hash_encoded
+
+from ..images import ImageSource
+from ..result import ScenarioResult
+from ..server import IN_FLIGHT, QUEUE_IMAGES, ServerSpec, start_server, wait_until
+
+BIG_SIZES = ((448, 448), (336, 224), (224, 224))  # images whose forward takes a while on a CPU
+
+
+async def _give_up(stub, images: list[bytes], mode: str, rng: random.Random) -> str:
+    request = pb.EncodeRequest(images=[pb.Image(encoded=im) for im in images])
+    if mode == "deadline":
+        call = stub.Encode(request, timeout=rng.uniform(0.02, 0.3))
+    else:
+        call = stub.Encode(request, timeout=60)
+    try:
+        if mode == "cancel":
+            asyncio.get_running_loop().call_later(rng.uniform(0.0, 0.4), call.cancel)
+            async for _ in call:
+                pass
+        elif mode == "first_chunk":  # mid-stream: the first image arrived, the rest is not wanted
+            async for _ in call:
+                call.cancel()
+        else:
+            async for _ in call:
+                pass
+        return "OK"
+    except asyncio.CancelledError:
+        return "CANCELLED"
+    except grpc.RpcError as err:
+        return err.code().name
+
+
+async def _storm(target: str, batches: list[list[bytes]], seed: int, spread_s: float) -> list[str]:
+    rng = random.Random(seed)
+    modes = ("cancel", "deadline", "first_chunk")
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = encoder_pb2_grpc.VisionEncoderStub(channel)
+
+        async def one(i: int, images: list[bytes]) -> str:
+            await asyncio.sleep(rng.uniform(0, spread_s))
+            return await _give_up(stub, images, modes[i % len(modes)], rng)
+
+        return list(await asyncio.gather(*(one(i, b) for i, b in enumerate(batches))))
+
+
+def crashing_client(target: str, batches: list[list[bytes]]) -> None:
+    """A client process that opens its streams and is then killed (SIGKILL) by the scenario."""
+    async def main():
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = encoder_pb2_grpc.VisionEncoderStub(channel)
+            calls = [stub.Encode(pb.EncodeRequest(images=[pb.Image(encoded=im) for im in b]), timeout=60)
+                     for b in batches]
+            await asyncio.gather(*(c.read() for c in calls), return_exceptions=True)
+            await asyncio.sleep(3600)  # never returns on its own: it is killed
+    asyncio.run(main())
+
+
+def run(*, callers: int = 240, crashing: int = 2, per_crashing: int = 20, spread_s: float = 3.0,
+        cache_bytes: int = 512 << 10, spec: ServerSpec = ServerSpec(), log_dir=None,
+        max_drain_s: float = 15.0, recheck: int = 60) -> ScenarioResult:
+    result = ScenarioResult("cancellation")
+    # A queue deep enough for the whole storm: its jobs are what cancellation must clean up.
+    server = start_server("--cache-bytes", str(cache_bytes), "--max-batch-tokens", "4096",
+                          "--max-queue-images", "2048", spec=spec, log_dir=log_dir)
+    try:
+        source = ImageSource(seed=4, sizes=BIG_SIZES, formats=("JPEG", "PNG"), hit_pool=0)
+        rng = random.Random(4)
+        batches = [source.misses(rng.randint(2, 4)) for _ in range(callers)]
+        crash_batches = [[source.misses(2) for _ in range(per_crashing)] for _ in range(crashing)]
+        requested = sum(map(len, batches)) + 2 * per_crashing * crashing
+        encoded_before = server.metric("encoder_service_images_encoded_total")
+
+        # Crashing clients first: their streams are open (some images queued) when they die.
+        ctx = multiprocessing.get_context("spawn")
+        procs = [ctx.Process(target=crashing_client, args=(server.target, b), daemon=True) for b in crash_batches]
+        for proc in procs:
+            proc.start()
+        t0 = time.monotonic()
+        try:
+            codes = asyncio.run(_storm(server.target, batches, seed=4, spread_s=spread_s))
+        finally:
+            for proc in procs:  # mid-call, whatever they have received by now
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.join(10)
+        storm_s = time.monotonic() - t0
+
+        drained = wait_until(lambda: server.metric(QUEUE_IMAGES) == 0 and server.metric(IN_FLIGHT) == 0,
+                             max_drain_s)
+        result.figure("callers", callers + crashing * per_crashing)
+        result.figure("images_requested", requested)
+        result.figure("storm_s", storm_s)
+        result.figure("drain_s", drained if drained is not None else float("nan"))
+        for code in ("OK", "CANCELLED", "DEADLINE_EXCEEDED"):
+            result.figure(f"calls_{code.lower()}", codes.count(code))
+        # The work stops: nothing more is encoded once the gauges are at 0.
+        encoded_at_drain = server.metric("encoder_service_images_encoded_total")
+        time.sleep(1.0)
+        encoded_after = server.metric("encoder_service_images_encoded_total")
+        result.figure("images_encoded", encoded_at_drain - encoded_before)
+        result.figure("work_skipped_pct", 100 * (1 - (encoded_at_drain - encoded_before) / requested))
+
+        result.check("only OK, CANCELLED and DEADLINE_EXCEEDED",
+                     set(codes) <= {"OK", "CANCELLED", "DEADLINE_EXCEEDED"}, f"{sorted(set(codes))}")
+        result.check(f"queue and in-flight gauges back to 0 within {max_drain_s:g} s", drained is not None,
+                     f"queue {server.metric(QUEUE_IMAGES):.0f}, in flight {server.metric(IN_FLIGHT):.0f}")
+        result.check("no work once drained", encoded_after == encoded_at_drain,
+                     f"{encoded_after - encoded_at_drain:.0f} images encoded after")
+        result.check("given-up work was skipped", encoded_at_drain - encoded_before < requested,
+                     f"{encoded_at_drain - encoded_before:.0f} of {requested} images encoded")
+
+        # No leaked job: images given up on are served again (a stuck job would hold them forever).
+        with EncoderClient(server.target, timeout_s=60.0, retries=0) as client:
+            again = rng.sample([im for b in batches for im in b], min(recheck, requested))
+            t = time.monotonic()
+            served = sum(len(client.encode(again[i:i + 6], timeout_s=30.0)) for i in range(0, len(again), 6))
+            result.figure("recheck_s", time.monotonic() - t)
+            result.check("every given-up image is served when asked again", served == len(again),
+                         f"{served} of {len(again)}")
+
+            # No leaked pin: flood the cache with new images; every old entry must be evicted.
+            namespace = client.cache_namespace()
+            old = [hash_encoded(namespace, im) for b in batches for im in b]
+            old += [hash_encoded(namespace, im) for cb in crash_batches for b in cb for im in b]
+            flood = ImageSource(seed=5, sizes=((448, 448),), formats=("JPEG",), hit_pool=0)
+            capacity = server.metric("encoder_service_cache_capacity_bytes")
+            pushed = 0
+            while pushed < 2.5 * capacity:
+                pushed += sum(r.embedding.nbytes for r in client.encode(flood.misses(4), timeout_s=30.0))
+            still = sum(client.lookup(old))
+            result.figure("old_entries_left", still)
+            result.check("no pinned entry survives a flood of new images", still == 0,
+                         f"{still} of {len(old)} given-up images still cached")
+            result.check("cache within its capacity", server.metric("encoder_service_cache_bytes") <= capacity)
+        result.check("server alive, SERVING, no traceback", server.alive() and server.health() == "SERVING"
+                     and "Traceback" not in server.log_text())
+    finally:
+        server.stop()
+    return result
