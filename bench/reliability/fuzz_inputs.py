@@ -1,0 +1,157 @@
+"""Inputs for fuzzing the Encode API: a corpus of real and hostile image files, and hypothesis
+strategies over every EncodeRequest field (raw protobuf, so values the client library would refuse
+reach the server too)."""
+
+from __future__ import annotations
+
+import io
+import struct
+import zlib
+
+import numpy as np
+from encoder_client._proto.encoder.v1 import encoder_pb2 as pb
+from hypothesis import strategies as st
+from PIL import Image
+
+UINT32_MAX = 2**32 - 1
+PATCH_DIM = 1176  # the tiny Qwen preset's 3 * 2 * 14 * 14
+
+
+def _save(img: Image.Image, fmt: str, **kw) -> bytes:
+    out = io.BytesIO()
+    img.save(out, fmt, **kw)
+    return out.getvalue()
+
+
+def _rgb(w: int, h: int, seed: int = 0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def png_bomb(width: int = 100_000, height: int = 100_000) -> bytes:
+    """A valid PNG header claiming width x height over a few bytes of data (a decompression bomb)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    idat = zlib.compress(b"\0" * 1024)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+def animated_gif(frames: int = 300, size: int = 32) -> bytes:
+    images = [_rgb(size, size, i).convert("P") for i in range(frames)]
+    return _save(images[0], "GIF", save_all=True, append_images=images[1:], duration=10, loop=0)
+
+
+def exif_rotated_jpeg(orientation: int, w: int = 112, h: int = 56) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return _save(_rgb(w, h, orientation), "JPEG", exif=exif.tobytes())
+
+
+def corpus() -> dict[str, bytes]:
+    """Valid but awkward images, each of which the service must decode or refuse cleanly."""
+    rgb = _rgb(96, 64)
+    items = {
+        "png_rgb": _save(rgb, "PNG"),
+        "png_rgba": _save(rgb.convert("RGBA"), "PNG"),
+        "png_palette": _save(rgb.convert("P"), "PNG"),
+        "png_gray": _save(rgb.convert("L"), "PNG"),
+        "png_16bit": _save(Image.fromarray(np.arange(64 * 96, dtype=np.uint16).reshape(64, 96) * 7), "PNG"),
+        "png_1x1": _save(_rgb(1, 1), "PNG"),
+        "png_thin": _save(_rgb(1000, 4), "PNG"),
+        "jpeg_rgb": _save(rgb, "JPEG", quality=80),
+        "jpeg_cmyk": _save(rgb.convert("CMYK"), "JPEG"),
+        "jpeg_gray": _save(rgb.convert("L"), "JPEG"),
+        "jpeg_progressive": _save(rgb, "JPEG", progressive=True),
+        "gif_static": _save(rgb.convert("P"), "GIF"),
+        "gif_animated": animated_gif(),
+        "webp_lossy": _save(rgb, "WEBP", quality=70),
+        "webp_lossless": _save(rgb, "WEBP", lossless=True),
+        "png_bomb": png_bomb(),
+        "png_bomb_wide": png_bomb(200_000, 2),
+        "bmp_unsupported": _save(rgb, "BMP"),
+        "tiff_unsupported": _save(rgb, "TIFF"),
+    }
+    for orientation in range(1, 9):
+        items[f"jpeg_exif_{orientation}"] = exif_rotated_jpeg(orientation)
+    return items
+
+
+CORPUS = corpus()
+
+
+@st.composite
+def mutated_image(draw) -> bytes:
+    """A corpus file, as is or truncated, with bytes flipped, or with a piece of another spliced in."""
+    data = bytearray(CORPUS[draw(st.sampled_from(sorted(CORPUS)))])
+    how = draw(st.sampled_from(["as_is", "truncate", "flip", "splice", "header_only"]))
+    if how == "truncate":
+        data = data[: draw(st.integers(0, max(0, len(data) - 1)))]
+    elif how == "flip":
+        for _ in range(draw(st.integers(1, 16))):
+            i = draw(st.integers(0, len(data) - 1))
+            data[i] = draw(st.integers(0, 255))
+    elif how == "splice":
+        other = CORPUS[draw(st.sampled_from(sorted(CORPUS)))]
+        cut = draw(st.integers(0, len(data)))
+        data = data[:cut] + other[draw(st.integers(0, len(other))):]
+    elif how == "header_only":
+        data = data[:64]
+    return bytes(data)
+
+
+def _patches_data(grid: list[int], dtype: int, draw) -> bytes:
+    """Bytes for a patches image: exactly the grid's size when that is small, else some length."""
+    itemsize = {pb.DTYPE_FLOAT32: 4, pb.DTYPE_FLOAT16: 2, pb.DTYPE_BFLOAT16: 2, pb.DTYPE_UINT8: 1}.get(dtype, 4)
+    n = int(np.prod(grid)) if len(grid) == 3 else 0
+    if 0 < n <= 256 and draw(st.booleans()):
+        size = n * PATCH_DIM * itemsize + draw(st.sampled_from([0, 0, 0, 1, -1, itemsize]))
+    else:
+        size = draw(st.integers(0, 4096))
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    if dtype == pb.DTYPE_FLOAT32 and size % 4 == 0 and draw(st.booleans()):
+        specials = np.array([np.nan, np.inf, -np.inf, 1e38, -0.0], np.float32)
+        values = rng.standard_normal(size // 4).astype(np.float32)
+        if len(values):
+            values[rng.integers(0, len(values), 4)] = rng.choice(specials, 4)
+        return values.tobytes()[:size]
+    return rng.integers(0, 256, max(0, size), dtype=np.uint8).tobytes()
+
+
+uint32s = st.one_of(st.integers(0, 64), st.sampled_from([0, 1, 2, 3, 4, 28, 1024, 65535, 2**31, UINT32_MAX]),
+                    st.integers(0, UINT32_MAX))
+dtype_enums = st.one_of(st.sampled_from([0, 1, 2, 3, 4]), st.integers(5, 1000), st.integers(-(2**31), -1),
+                        st.just(2**31 - 1))
+texts = st.text(st.characters(blacklist_categories=("Cs",)), max_size=300)
+
+
+@st.composite
+def images(draw) -> pb.Image:
+    kind = draw(st.sampled_from(["encoded", "encoded", "patches", "patches", "content_hash", "none", "random"]))
+    if kind == "encoded":
+        return pb.Image(encoded=draw(mutated_image()))
+    if kind == "random":
+        return pb.Image(encoded=draw(st.binary(max_size=2048)))
+    if kind == "patches":
+        grid = draw(st.one_of(st.lists(st.sampled_from([1, 2, 4, 6, 8, 16]), min_size=3, max_size=3),
+                              st.lists(uint32s, max_size=5)))
+        dtype = draw(dtype_enums)
+        return pb.Image(patches=pb.Patches(grid_thw=grid, dtype=dtype, data=_patches_data(grid, dtype, draw)))
+    if kind == "content_hash":
+        return pb.Image(content_hash=draw(st.one_of(texts, st.text("0123456789abcdef", min_size=64, max_size=64))))
+    return pb.Image()
+
+
+@st.composite
+def encode_requests(draw) -> pb.EncodeRequest:
+    request = pb.EncodeRequest(
+        request_id=draw(st.one_of(st.just(""), texts, st.just("r" * 256), st.just("x" * 257),
+                                  st.just("\U0001F600" * 300))),
+        images=draw(st.lists(images(), max_size=5)),
+        output_dtype=draw(dtype_enums),
+        max_chunk_bytes=draw(uint32s),
+    )
+    if draw(st.booleans()):
+        request.sink.target = draw(st.one_of(texts, st.just("127.0.0.1:1"), st.just("dns:///x:1")))
+        request.sink.request_id = draw(texts)
+    return request

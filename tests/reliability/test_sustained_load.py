@@ -1,0 +1,12 @@
+"""64 concurrent streams of mixed images against one server: no error but the intended
+RESOURCE_EXHAUSTED, no stall, RSS and cache bytes flat after warm-up."""
+
+import pytest
+
+from bench.reliability.scenarios import sustained
+
+pytestmark = [pytest.mark.reliability, pytest.mark.timeout(240)]
+
+
+def test_sixty_four_streams_of_mixed_images_run_without_errors_and_memory_stays_flat(check_scenario, tmp_path):
+    check_scenario(sustained.run(duration_s=20.0, warmup_s=8.0, streams=64, log_dir=tmp_path))
