@@ -123,6 +123,13 @@ uint32s = st.one_of(st.integers(0, 64), st.sampled_from([0, 1, 2, 3, 4, 28, 1024
 dtype_enums = st.one_of(st.sampled_from([0, 1, 2, 3, 4]), st.integers(5, 1000), st.integers(-(2**31), -1),
                         st.just(2**31 - 1))
 texts = st.text(st.characters(blacklist_categories=("Cs",)), max_size=300)
+# Targets near the allowlist's edges (the fuzzed server allows 127.0.0.1:*): port 1 has no listener.
+sink_targets = st.one_of(
+    st.sampled_from(["127.0.0.1:1", "127.0.0.1:0", "127.0.0.1:65536", "127.0.0.1:-1", "127.0.0.01:1",
+                     "127.0.0.1.:1", "127.1:1", "0x7f.0.0.1:1", "[::1]:1", "[::ffff:127.0.0.1]:1", "localhost:1",
+                     "dns:///127.0.0.1:1", "unix:/tmp/x", "127.0.0.1:1/x", "127.0.0.1", ":1", "127.0.0.1:1:1",
+                     "127.0.0.1:001", " 127.0.0.1:1", "127.0.0.1:1\n"]),
+    st.builds(lambda a, port: f"127.0.0.{a}:{port}", st.integers(0, 999), st.integers(0, 99999)))
 
 
 @st.composite
@@ -152,6 +159,6 @@ def encode_requests(draw) -> pb.EncodeRequest:
         max_chunk_bytes=draw(uint32s),
     )
     if draw(st.booleans()):
-        request.sink.target = draw(st.one_of(texts, st.just("127.0.0.1:1"), st.just("dns:///x:1")))
+        request.sink.target = draw(st.one_of(texts, sink_targets))
         request.sink.request_id = draw(texts)
     return request

@@ -12,13 +12,14 @@ from encoder_client._proto.encoder.v1 import encoder_pb2 as pb
 from encoder_client._proto.encoder.v1 import encoder_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 
-from ..fuzz_inputs import CORPUS, encode_requests, mutated_image
+from ..fuzz_inputs import CORPUS, encode_requests, mutated_image, sink_targets, texts
 from ..result import ScenarioResult
 from ..server import ServerSpec, start_server
 
-# Codes a caller's bad input may earn. Sinks are not enabled on the fuzzed server, so any sink is
-# PERMISSION_DENIED (or INVALID_ARGUMENT when malformed).
+# Codes a caller's bad input may earn. The fuzzed server allows sinks at 127.0.0.1:* (nothing listens
+# on the ports fuzzed), so a well-formed allowed sink earns the uniform UNAVAILABLE after the bound.
 EXPECTED = {"OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "NOT_FOUND", "PERMISSION_DENIED"}
+SINK_TIMEOUT_S = 0.5
 ITEMSIZE = {pb.DTYPE_FLOAT32: 4, pb.DTYPE_FLOAT16: 2, pb.DTYPE_BFLOAT16: 2}
 MAX_MESSAGE_BYTES = 8 << 20
 
@@ -47,7 +48,10 @@ class Caller:
         took = time.monotonic() - t
         self.slowest_s = max(self.slowest_s, took)
         self.codes[code] = self.codes.get(code, 0) + 1
-        if code not in EXPECTED:
+        if code == "UNAVAILABLE" and request.sink.target and "did not take the push" in details:
+            if took > SINK_TIMEOUT_S + 5:
+                self.problems.append(f"{label}: sink failure after {took:.1f} s, over the bound")
+        elif code not in EXPECTED:
             self.problems.append(f"{label}: {code} after {took:.1f} s: {details[:160]} "
                                  f"(request {request.ByteSize()} bytes, {len(request.images)} images)")
         if code == "OK":
@@ -101,7 +105,8 @@ def run(*, max_examples: int = 200, image_examples: int = 200, call_timeout_s: f
         spec: ServerSpec = ServerSpec(), log_dir=None, seed: int | None = 0) -> ScenarioResult:
     result = ScenarioResult("fuzz")
     server = start_server("--max-batch-tokens", "4096", "--max-message-bytes", str(MAX_MESSAGE_BYTES),
-                          "--max-image-pixels", "4000000", spec=spec, log_dir=log_dir)
+                          "--max-image-pixels", "4000000", "--allowed-sinks", "127.0.0.1:*",
+                          "--sink-timeout-s", str(SINK_TIMEOUT_S), spec=spec, log_dir=log_dir)
     caller = Caller(server.target, call_timeout_s)
     try:
         t0 = time.monotonic()
@@ -124,7 +129,16 @@ def run(*, max_examples: int = 200, image_examples: int = 200, call_timeout_s: f
             caller.send(pb.EncodeRequest(images=[pb.Image(encoded=data)]), f"image of {len(data)} bytes")
             assert server.alive(), "the server died"
 
-        for name, test in (("every EncodeRequest field", every_field), ("image bytes", image_bytes)):
+        @settings(max_examples=max(10, max_examples // 4), **common)
+        @given(sink_targets, texts)
+        def sink_fields(target, sink_request_id):
+            request = pb.EncodeRequest(images=[pb.Image(encoded=CORPUS["jpeg_rgb"])])
+            request.sink.target, request.sink.request_id = target, sink_request_id
+            caller.send(request, f"sink {target!r}")
+            assert server.alive(), "the server died"
+
+        for name, test in (("every EncodeRequest field", every_field), ("image bytes", image_bytes),
+                           ("sink targets", sink_fields)):
             try:
                 test()
                 result.check(f"hypothesis over {name}: the server survived", True)
