@@ -27,6 +27,8 @@ from .streaming import serialize_chunk
 
 log = logging.getLogger(__name__)
 
+DRAIN_POLL_S = 0.02
+DRAIN_QUIET_S = 0.5  # after the last call in flight: answer stragglers before closing the port
 MEMORY_CHECK_S = 5.0
 TRIM_BUSY_EVERY_S = 15.0
 SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["VisionEncoder"].full_name
@@ -103,6 +105,27 @@ async def _release_free_memory(engine: Engine, interval_s: float = MEMORY_CHECK_
             await loop.run_in_executor(None, memory.release_free_memory)
             trimmed_at, last_trim = seen, loop.time()
         last_seen = seen
+
+
+async def _lame_duck(servicer: VisionEncoderServicer, grace_s: float) -> float:
+    """Keeps the port open while the calls in flight finish; returns the grace left.
+
+    New calls still reach a handler, which answers UNAVAILABLE at once: clients retry that on
+    another replica. ``server.stop()`` instead would cancel the calls gRPC has received but not yet
+    handed to a handler (grpc/grpc#41785), and nobody retries CANCELLED: a burst arriving with the
+    SIGTERM would be lost. Once nothing is in flight, a short quiet wait lets such late arrivals be
+    answered too, then the server stops.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s
+    while servicer.calls_in_flight > 0 and loop.time() < deadline:
+        await asyncio.sleep(DRAIN_POLL_S)
+    quiet_until = min(deadline, loop.time() + DRAIN_QUIET_S)
+    while loop.time() < quiet_until:
+        await asyncio.sleep(DRAIN_POLL_S)
+        if servicer.calls_in_flight > 0:  # late arrivals: answered UNAVAILABLE, wait for them
+            quiet_until = min(deadline, loop.time() + DRAIN_QUIET_S)
+    return max(0.0, deadline - loop.time())
 
 
 async def serve(config: ServiceConfig) -> int:
@@ -196,7 +219,8 @@ async def serve(config: ServiceConfig) -> int:
              config.grace_period_s)
     servicer.draining = True
     await health_servicer.enter_graceful_shutdown()
-    await _stop(server, health_server, config.grace_period_s)
+    remaining_s = await _lame_duck(servicer, config.grace_period_s)
+    await _stop(server, health_server, remaining_s)
     await engine.stop()
     await servicer.sink_channels.close()
     log.info("stopped")
