@@ -121,7 +121,7 @@ def rows(results: list[ScenarioResult]) -> list[tuple[str, str, str]]:
 
 
 def markdown(results: list[ScenarioResult], header: dict) -> str:
-    lines = [f"Soak of {header['date']} on {header['machine']}, {header['minutes']:g} min of sustained load",
+    lines = [f"Soak of {header['date']} on {header['machine']}, `--minutes {header['minutes']:g}`",
              f"(`{header['command']}`, {header['seconds']:.0f} s in all):", "",
              "| scenario | figures | result |", "| --- | --- | --- |"]
     lines += [f"| {name} | {shown} | {verdict} |" for name, shown, verdict in rows(results)]
