@@ -40,7 +40,7 @@ from bench.reliability.scenarios import (
 )
 from bench.reliability.server import ServerSpec
 
-SCENARIOS = ("sustained", "overload", "cancellation", "sigterm", "failover", "sink_faults", "fuzz")
+SCENARIOS = ("sustained", "overload", "cancellation", "sigterm", "sigterm_burst", "failover", "sink_faults", "fuzz")
 
 # The figures each scenario shows in the table (all of them are in the JSON).
 HEADLINES = {
@@ -49,7 +49,9 @@ HEADLINES = {
     "overload": ["overload_factor", "refusal_p99_ms", "health_p99_ms", "hit_p99_ms", "admitted_p99_ms", "queue_max",
                  "recovery_s"],
     "cancellation": ["callers", "drain_s", "work_skipped_pct", "old_entries_left"],
-    "sigterm": ["in_flight_at_sigterm", "in_flight_completed", "unavailable_after_sigterm", "exit_s", "exit_code"],
+    "sigterm": ["in_flight_at_sigterm", "in_flight_completed", "unavailable_after_sigterm", "cancelled_after_sigterm",
+                "exit_s", "exit_code"],
+    "sigterm_burst": ["calls", "ok", "unavailable", "cancelled", "exit_s"],
     "failover": ["requests", "lost", "before_p50_ms", "before_p99_ms", "failover_p50_ms", "failover_p99_ms",
                  "failover_max_ms"],
     "sink_faults": ["down_s", "never_ack_s", "failure_spread_s", "caller_deadline_s", "flapping_ok", "others_p99_ms",
@@ -73,6 +75,8 @@ def run_scenario(name: str, minutes: float, spec: ServerSpec, log_dir: Path, arg
                                 spec=spec, log_dir=log_dir)
     if name == "sigterm":
         return sigterm.run(streams=args.streams // 4, load_s=3.0 * scale, spec=spec, log_dir=log_dir)
+    if name == "sigterm_burst":
+        return sigterm.run_burst(calls=int(300 * scale), spec=spec, log_dir=log_dir)
     if name == "failover":
         return failover.run(before_s=5.0 * scale, after_s=6.0 * scale, spec=spec, log_dir=log_dir)
     if name == "sink_faults":
@@ -117,7 +121,7 @@ def rows(results: list[ScenarioResult]) -> list[tuple[str, str, str]]:
 
 
 def markdown(results: list[ScenarioResult], header: dict) -> str:
-    lines = [f"Soak of {header['date']} on {header['machine']}, {header['minutes']:g} min of sustained load",
+    lines = [f"Soak of {header['date']} on {header['machine']}, `--minutes {header['minutes']:g}`",
              f"(`{header['command']}`, {header['seconds']:.0f} s in all):", "",
              "| scenario | figures | result |", "| --- | --- | --- |"]
     lines += [f"| {name} | {shown} | {verdict} |" for name, shown, verdict in rows(results)]

@@ -23,7 +23,7 @@ def test_the_markdown_table_has_a_row_per_scenario_with_its_figures_and_verdict(
               "seconds": 12.0}
     text = soak.markdown([scenario("failover", True), scenario("sigterm", False)], header)
     lines = text.splitlines()
-    assert lines[0].startswith("Soak of 2026-01-01 00:00 UTC on 2 x CPU, 1 min")
+    assert lines[0].startswith("Soak of 2026-01-01 00:00 UTC on 2 x CPU, `--minutes 1`")
     assert "| scenario | figures | result |" in lines
     assert "| failover | lost 0, failover_p50_ms 200, failover_p99_ms 300, failover_max_ms 300 | pass |" in lines
     assert "| sigterm |  | FAIL: no request lost |" in lines

@@ -136,8 +136,11 @@ def run(*, callers: int = 240, crashing: int = 2, per_crashing: int = 20, spread
         result.figure("images_encoded", encoded - encoded_before)
         result.figure("work_skipped_pct", 100 * (1 - (encoded - encoded_before) / requested))
 
-        result.check("only OK, CANCELLED and DEADLINE_EXCEEDED",
-                     set(codes) <= {"OK", "CANCELLED", "DEADLINE_EXCEEDED"}, f"{sorted(set(codes))}")
+        # RESOURCE_EXHAUSTED: a long soak's storm can outgrow even this queue; refusing is correct.
+        result.figure("calls_resource_exhausted", codes.count("RESOURCE_EXHAUSTED"))
+        result.check("only OK, CANCELLED, DEADLINE_EXCEEDED (or RESOURCE_EXHAUSTED: queue full)",
+                     set(codes) <= {"OK", "CANCELLED", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"},
+                     f"{sorted(set(codes))}")
         result.check(f"queue and in-flight gauges back to 0 within {max_drain_s:g} s", drained is not None,
                      f"queue {server.metric(QUEUE_IMAGES):.0f}, in flight {server.metric(IN_FLIGHT):.0f}")
         result.check(f"work stops within {max_work_after_s:g} s of the gauges reaching 0",

@@ -48,11 +48,13 @@ def open_loop_process(target: str, seed: int, rate: float, duration_s: float) ->
 
 
 def _probe(target: str, stop: threading.Event, source: ImageSource, probes: dict[str, list[float]],
-           errors: list[str], interval_s: float = 0.05) -> None:
+           errors: list[str], interval_s: float = 0.01) -> None:
     """From a quiet client of its own: a health check, a cache-hit Encode and a new image, in turn.
 
     The new image is refused while the queue is full: the refusal's latency measured here is the
-    server's, not that of a load process juggling hundreds of calls on its own event loop.
+    server's, not that of a load process juggling hundreds of calls on its own event loop. Probing
+    every 10 ms gives a few hundred samples of each, so that a p99 is not just the worst one (one
+    pause of a shared 2-core box would otherwise decide it).
     """
     with EncoderClient(target, timeout_s=10.0, retries=0) as client:
         while not stop.is_set():
@@ -152,7 +154,7 @@ def run(*, duration_s: float = 10.0, rate: float = 300.0, max_queue_images: int 
                      f"{offered:.0f} vs {served:.1f} req/s")
         result.check("only OK and RESOURCE_EXHAUSTED", not bad, f"codes {dict(codes)}")
         result.check(f"RESOURCE_EXHAUSTED p99 < {max_refusal_p99_s * 1000:g} ms",
-                     len(probes["refused"]) >= 10 and result.figures["refusal_p99_ms"] < max_refusal_p99_s * 1000,
+                     len(probes["refused"]) >= 50 and result.figures["refusal_p99_ms"] < max_refusal_p99_s * 1000,
                      f"{result.figures['refusal_p99_ms']:.1f} ms over {len(probes['refused'])}")
         result.check(f"health p99 < {max_probe_p99_s * 1000:g} ms", bool(probes["health"])
                      and result.figures["health_p99_ms"] < max_probe_p99_s * 1000,

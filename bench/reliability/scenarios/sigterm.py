@@ -7,10 +7,14 @@ import asyncio
 import signal
 import threading
 import time
+from collections import Counter
 from functools import partial
 
+import grpc
 import numpy as np
 from encoder_client import AsyncEncoderClient, EncoderClient, EncoderClientError
+from encoder_client._proto.encoder.v1 import encoder_pb2 as pb
+from encoder_client._proto.encoder.v1 import encoder_pb2_grpc
 
 from ..images import ImageSource
 from ..load import Background, Recorder, closed_loop, mixed_request, timed
@@ -33,6 +37,25 @@ async def _big_requests(target: str, n: int, recorder: Recorder) -> None:
             x = rng.integers(0, 256, (int(np.prod(BIG_GRID)), 1176), dtype=np.uint8)
             calls.append(timed(recorder, "big", 1, client.encode([(x, BIG_GRID)])))
         await asyncio.gather(*calls)
+
+
+async def _burst(target: str, images: list[bytes], fired: threading.Event) -> list[str]:
+    """Many calls sent at once, just before the signal: most reach gRPC before a handler takes them."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = encoder_pb2_grpc.VisionEncoderStub(channel)
+        await channel.channel_ready()
+
+        async def one(image: bytes) -> str:
+            try:
+                async for _ in stub.Encode(pb.EncodeRequest(images=[pb.Image(encoded=image)]), timeout=60):
+                    pass
+                return "OK"
+            except grpc.RpcError as err:
+                return err.code().name
+
+        calls = [asyncio.ensure_future(one(image)) for image in images]
+        fired.set()
+        return list(await asyncio.gather(*calls))
 
 
 def _patch_images(server) -> float:
@@ -103,6 +126,7 @@ def run(*, streams: int = 16, load_s: float = 3.0, grace_s: float = 20.0, spec: 
                      len(in_flight) > 0 and result.figures["big_in_flight"] > 0,
                      f"{len(in_flight)} in flight, {result.figures['big_in_flight']:.0f} big")
         result.check("a new request during the drain gets UNAVAILABLE", new_code == "UNAVAILABLE", new_code)
+
         # CANCELLED here is a call that reached gRPC but no handler when server.stop() began: gRPC
         # core cancels such pending calls (grpc/grpc#41785) and clients retry or fail over only on
         # UNAVAILABLE, so the request is lost. The race needs a call to arrive as the drain starts.
@@ -119,3 +143,38 @@ def run(*, streams: int = 16, load_s: float = 3.0, grace_s: float = 20.0, spec: 
     return result
 
 
+
+
+def run_burst(*, calls: int = 300, before_s: float = 0.1, grace_s: float = 20.0, spec: ServerSpec = ServerSpec(),
+              log_dir=None) -> ScenarioResult:
+    """A burst of calls reaches the server just before SIGTERM: each must end OK, or UNAVAILABLE
+    (retryable: its handler started after the drain began), never CANCELLED, which clients neither
+    retry nor fail over on, so such a request is lost in a rolling restart.
+
+    Against a server that calls ``server.stop(grace)`` as soon as the signal arrives, the calls
+    gRPC has received but not yet handed to a handler are cancelled by gRPC core (grpc/grpc#41785).
+    """
+    result = ScenarioResult("sigterm_burst")
+    server = start_server("--grace-period-s", str(grace_s), spec=spec, log_dir=log_dir)
+    try:
+        images = ImageSource(seed=12, hit_pool=0).misses(calls)
+        fired = threading.Event()
+        burst = Background(lambda: _burst(server.target, images, fired))
+        fired.wait(30)
+        time.sleep(before_s)
+        t_sig = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        codes = burst.join(120)
+        exit_code = server.proc.wait(grace_s + 30)
+        exit_s = time.monotonic() - t_sig
+        result.figure("calls", len(codes))
+        for code in ("OK", "UNAVAILABLE", "CANCELLED"):
+            result.figure(code.lower(), codes.count(code))
+        result.figure("exit_s", exit_s)
+        result.check("every call of the burst OK or UNAVAILABLE, none CANCELLED",
+                     set(codes) <= {"OK", "UNAVAILABLE"}, f"{dict(Counter(codes))}")
+        result.check(f"exit 0 within the grace period ({grace_s:g} s)", exit_code == 0 and exit_s < grace_s,
+                     f"exit {exit_code} after {exit_s:.2f} s")
+    finally:
+        server.stop()
+    return result
