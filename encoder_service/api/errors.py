@@ -31,8 +31,8 @@ def status_code(exc: EncoderError) -> grpc.StatusCode:
 
 
 def map_errors(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
-    """Decorates an async servicer method ``(self, request, context)``; ``self`` counts its calls
-    in flight in ``calls_in_flight``."""
+    """Decorates an async servicer method ``(self, request, context)``; ``self`` counts the calls in
+    flight that began before it was ``draining`` in ``calls_in_flight``."""
 
     method = handler.__name__
 
@@ -41,7 +41,9 @@ def map_errors(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[
         started = time.perf_counter()
         code = "UNKNOWN"
         metrics.REQUESTS_IN_FLIGHT.inc()
-        self.calls_in_flight += 1  # the drain waits for it to reach 0
+        counted = not self.draining  # the drain waits for the calls that began before it
+        if counted:
+            self.calls_in_flight += 1
         try:
             result = await handler(self, request, context)
             code = "OK"
@@ -63,7 +65,8 @@ def map_errors(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[
             log.exception("%s failed", method)
             await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
         finally:
-            self.calls_in_flight -= 1
+            if counted:
+                self.calls_in_flight -= 1
             metrics.REQUESTS_IN_FLIGHT.dec()
             metrics.REQUESTS.labels(method=method, code=code).inc()
             metrics.REQUEST_SECONDS.labels(method=method).observe(time.perf_counter() - started)

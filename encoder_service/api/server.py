@@ -113,18 +113,15 @@ async def _lame_duck(servicer: VisionEncoderServicer, grace_s: float) -> float:
     New calls still reach a handler, which answers UNAVAILABLE at once: clients retry that on
     another replica. ``server.stop()`` instead would cancel the calls gRPC has received but not yet
     handed to a handler (grpc/grpc#41785), and nobody retries CANCELLED: a burst arriving with the
-    SIGTERM would be lost. Once nothing is in flight, a short quiet wait lets such late arrivals be
-    answered too, then the server stops.
+    SIGTERM would be lost. Once the calls that began before the drain are done (calls refused during
+    it are not waited for: retrying clients keep sending them), a short wait answers late arrivals
+    too, then the server stops.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace_s
     while servicer.calls_in_flight > 0 and loop.time() < deadline:
         await asyncio.sleep(DRAIN_POLL_S)
-    quiet_until = min(deadline, loop.time() + DRAIN_QUIET_S)
-    while loop.time() < quiet_until:
-        await asyncio.sleep(DRAIN_POLL_S)
-        if servicer.calls_in_flight > 0:  # late arrivals: answered UNAVAILABLE, wait for them
-            quiet_until = min(deadline, loop.time() + DRAIN_QUIET_S)
+    await asyncio.sleep(max(0.0, min(DRAIN_QUIET_S, deadline - loop.time())))
     return max(0.0, deadline - loop.time())
 
 
