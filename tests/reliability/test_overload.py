@@ -9,4 +9,4 @@ pytestmark = [pytest.mark.reliability, pytest.mark.timeout(180)]
 
 
 def test_overload_is_refused_fast_while_health_and_cache_hits_stay_fast(check_scenario, tmp_path):
-    check_scenario(overload.run(duration_s=10.0, rate=300.0, max_queue_images=4, log_dir=tmp_path))
+    check_scenario(overload.run(duration_s=10.0, max_queue_images=4, log_dir=tmp_path))

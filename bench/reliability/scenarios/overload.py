@@ -82,7 +82,29 @@ def _probe(target: str, stop: threading.Event, source: ImageSource, probes: dict
             stop.wait(interval_s)
 
 
-def run(*, duration_s: float = 10.0, rate: float = 300.0, max_queue_images: int = 4, spec: ServerSpec = ServerSpec(),
+def _capacity(target: str, source: ImageSource, streams: int = 16, seconds: float = 3.0) -> float:
+    """New images served per second by ``streams`` closed-loop callers (admission refusals retried)."""
+    served = []
+    stop_at = time.monotonic() + seconds
+
+    def caller() -> None:
+        with EncoderClient(target, timeout_s=30.0, retries=0) as client:
+            while time.monotonic() < stop_at:
+                try:
+                    client.encode([source.miss()])
+                    served.append(1)
+                except EncoderClientError:
+                    time.sleep(0.01)
+
+    threads = [threading.Thread(target=caller, daemon=True) for _ in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 60)
+    return len(served) / seconds
+
+
+def run(*, duration_s: float = 10.0, rate: float = 0.0, max_queue_images: int = 4, spec: ServerSpec = ServerSpec(),
         log_dir=None, min_overload: float = 4.0, max_refusal_p99_s: float = 0.05, max_probe_p99_s: float = 0.25,
         max_admitted_p99_s: float = 5.0, max_recovery_s: float = 10.0) -> ScenarioResult:
     result = ScenarioResult("overload")
@@ -98,6 +120,10 @@ def run(*, duration_s: float = 10.0, rate: float = 300.0, max_queue_images: int 
                 client.encode([source.miss()])
                 baseline.append(time.monotonic() - t)
         result.figure("baseline_miss_ms", statistics.median(baseline) * 1000)
+        if rate <= 0:  # "overload": a multiple of what this machine serves, not a fixed flood
+            capacity = _capacity(server.target, source)
+            rate = -rate * capacity if rate < 0 else 5.0 * capacity
+            result.figure("capacity_req_per_s", capacity)
 
         stop_probe = threading.Event()
         probes = {"health": [], "hit": [], "refused": [], "admitted": []}
