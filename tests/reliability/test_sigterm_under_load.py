@@ -8,7 +8,8 @@ pytestmark = [pytest.mark.reliability, pytest.mark.timeout(180)]
 
 
 def test_sigterm_under_load_finishes_in_flight_requests_and_refuses_new_ones(check_scenario, tmp_path):
-    check_scenario(sigterm.run(streams=16, load_s=3.0, grace_s=20.0, log_dir=tmp_path))
+    # The server's default grace: two 16384-patch forwards have taken 16-19 s on a busy shared 2-core box.
+    check_scenario(sigterm.run(streams=16, load_s=3.0, grace_s=30.0, log_dir=tmp_path))
 
 
 def test_a_burst_of_calls_just_before_sigterm_gets_ok_or_unavailable_never_cancelled(check_scenario, tmp_path):

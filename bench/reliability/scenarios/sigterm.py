@@ -70,7 +70,7 @@ def _describe(samples, t_sig: float) -> str:
                      f"{s.detail[:100]}" for s in samples[:4])
 
 
-def run(*, streams: int = 16, load_s: float = 3.0, grace_s: float = 20.0, spec: ServerSpec = ServerSpec(),
+def run(*, streams: int = 16, load_s: float = 3.0, grace_s: float = 30.0, spec: ServerSpec = ServerSpec(),
         log_dir=None, big: int = 2) -> ScenarioResult:
     result = ScenarioResult("sigterm")
     server = start_server("--grace-period-s", str(grace_s), spec=spec, log_dir=log_dir)
