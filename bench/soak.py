@@ -64,7 +64,7 @@ def run_scenario(name: str, minutes: float, spec: ServerSpec, log_dir: Path, arg
     scale = max(1.0, minutes)  # CI's short runs are scale 1
     if name == "sustained":
         return sustained.run(duration_s=minutes * 60, warmup_s=max(8.0, min(60.0, minutes * 6)), streams=args.streams,
-                             cache_bytes=args.cache_bytes or ((512 << 20) if spec.model else (4 << 20)),
+                             cache_bytes=args.cache_bytes or ((128 << 20) if spec.model else (4 << 20)),
                              spec=spec, log_dir=log_dir)
     if name == "overload":
         return overload.run(duration_s=10.0 * scale, rate=args.overload_rate,
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                         + ", ".join(SCENARIOS))
     parser.add_argument("--streams", type=int, default=64, help="concurrent streams of the sustained load")
     parser.add_argument("--cache-bytes", type=int, default=0, help="sustained load's --cache-bytes "
-                        "(default: 4 MiB on the tiny preset, 512 MiB otherwise; the warm-up must fill it)")
+                        "(default: 4 MiB on the tiny preset, 128 MiB otherwise; the warm-up must fill it)")
     parser.add_argument("--overload-rate", type=float, default=0.0, help="offered requests/s in the overload "
                         "(default: 5x what 16 closed-loop callers get served just before; must be >= 4x what "
                         "the server serves)")

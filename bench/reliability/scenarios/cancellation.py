@@ -161,11 +161,13 @@ def run(*, callers: int = 240, crashing: int = 2, per_crashing: int = 20, spread
             namespace = client.cache_namespace()
             old = [hash_encoded(namespace, im) for b in batches for im in b]
             old += [hash_encoded(namespace, im) for cb in crash_batches for b in cb for im in b]
-            flood = ImageSource(seed=5, sizes=((448, 448),), formats=("JPEG",), hit_pool=0)
+            # Small flood images: their embeddings must fit the cache whatever the model's width
+            # (a 448x448 one of the 7B tower is 1.8 MB, more than a small cache holds).
+            flood = ImageSource(seed=5, sizes=((56, 56),), formats=("PNG",), hit_pool=0)
             capacity = server.metric("encoder_service_cache_capacity_bytes")
             pushed = 0
             while pushed < 2.5 * capacity:
-                pushed += sum(r.embedding.nbytes for r in client.encode(flood.misses(4), timeout_s=30.0))
+                pushed += sum(r.embedding.nbytes for r in client.encode(flood.misses(32), timeout_s=30.0))
             still = sum(client.lookup(old))
             result.figure("old_entries_left", still)
             result.check("no pinned entry survives a flood of new images", still == 0,
