@@ -27,8 +27,12 @@ class FakeContext:
 
 
 class Handler:
+    """What map_errors needs of a servicer: ``draining`` and a ``calls_in_flight`` count."""
+
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc
+        self.draining = False
+        self.calls_in_flight = 0
 
     @map_errors
     async def Call(self, request, context):
@@ -56,6 +60,25 @@ def test_unexpected_errors_are_internal_and_leak_nothing(caplog):
     assert context.code == grpc.StatusCode.INTERNAL and context.details == INTERNAL_MESSAGE
     assert "secret" not in context.details
     assert "secret path" in caplog.text and "Traceback" in caplog.text  # the trace stays server-side
+
+
+def test_calls_in_flight_are_counted_until_they_end_and_not_while_draining():
+    handler = Handler(InvalidInput("bad"))
+    seen = []
+
+    class Probe(Handler):
+        @map_errors
+        async def Call(self, request, context):
+            seen.append(self.calls_in_flight)
+
+    probe = Probe(None)
+    asyncio.run(probe.Call(None, FakeContext()))
+    probe.draining = True
+    asyncio.run(probe.Call(None, FakeContext()))
+    assert seen == [1, 0] and probe.calls_in_flight == 0
+    with pytest.raises(Aborted):
+        asyncio.run(handler.Call(None, FakeContext()))
+    assert handler.calls_in_flight == 0
 
 
 def test_cancellation_is_not_an_error():
