@@ -79,7 +79,10 @@ def run_scenario(name: str, minutes: float, spec: ServerSpec, log_dir: Path, arg
     if name == "failover":
         return failover.run(before_s=5.0 * scale, after_s=6.0 * scale, spec=spec, log_dir=log_dir)
     if name == "sink_faults":
-        return sink_faults.run(rounds=int(3 * scale), spec=spec, log_dir=log_dir)
+        # On a GPU the first forwards of new shapes grow pinned staging buffers and library caches for
+        # a while: the sustained scenario holds memory flat after warm-up; here a looser bound.
+        return sink_faults.run(rounds=int(3 * scale), spec=spec, log_dir=log_dir,
+                               max_rss_growth_mib=64.0 if spec.device == "cpu" else 256.0)
     if name == "fuzz":
         return fuzz.run(max_examples=int(1000 * scale), image_examples=int(1000 * scale), seed=None, spec=spec,
                         log_dir=log_dir)
@@ -139,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-bytes", type=int, default=0, help="sustained load's --cache-bytes "
                         "(default: 4 MiB on the tiny preset, 128 MiB otherwise; the warm-up must fill it)")
     parser.add_argument("--overload-rate", type=float, default=0.0, help="offered requests/s in the overload "
-                        "(default: 5x what 16 closed-loop callers get served just before; must be >= 4x what "
+                        "(default: 8x what a 3 s flood gets served just before; must be >= 4x what "
                         "the server serves)")
     parser.add_argument("--out", type=Path, help="write every figure and check as JSON here")
     parser.add_argument("--markdown", type=Path, help="write the table as Markdown here")
