@@ -32,7 +32,8 @@ def status_code(exc: EncoderError) -> grpc.StatusCode:
 
 def map_errors(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     """Decorates an async servicer method ``(self, request, context)``; ``self`` counts the calls in
-    flight that began before it was ``draining`` in ``calls_in_flight``."""
+    flight that began before it was ``draining`` in ``calls_in_flight`` and notes when the last call
+    began in ``last_call_started``."""
 
     method = handler.__name__
 
@@ -41,6 +42,7 @@ def map_errors(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[
         started = time.perf_counter()
         code = "UNKNOWN"
         metrics.REQUESTS_IN_FLIGHT.inc()
+        self.last_call_started = time.monotonic()  # the drain waits for a quiet moment
         counted = not self.draining  # the drain waits for the calls that began before it
         if counted:
             self.calls_in_flight += 1

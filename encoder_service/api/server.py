@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 
 import grpc
 from encoder_client._proto.encoder.v1 import encoder_pb2
@@ -28,7 +29,8 @@ from .streaming import serialize_chunk
 log = logging.getLogger(__name__)
 
 DRAIN_POLL_S = 0.02
-DRAIN_QUIET_S = 0.5  # after the last call in flight: answer stragglers before closing the port
+DRAIN_QUIET_S = 0.5  # no call began for this long: the backlog is answered, close the port
+DRAIN_MAX_QUIET_S = 5.0
 MEMORY_CHECK_S = 5.0
 TRIM_BUSY_EVERY_S = 15.0
 SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["VisionEncoder"].full_name
@@ -114,14 +116,18 @@ async def _lame_duck(servicer: VisionEncoderServicer, grace_s: float) -> float:
     another replica. ``server.stop()`` instead would cancel the calls gRPC has received but not yet
     handed to a handler (grpc/grpc#41785), and nobody retries CANCELLED: a burst arriving with the
     SIGTERM would be lost. Once the calls that began before the drain are done (calls refused during
-    it are not waited for: retrying clients keep sending them), a short wait answers late arrivals
-    too, then the server stops.
+    it are not waited for: retrying clients keep sending them), the port stays open until no call
+    has begun for DRAIN_QUIET_S, so a backlog of calls gRPC has queued is answered UNAVAILABLE too;
+    at most DRAIN_MAX_QUIET_S (clients that keep retrying here would otherwise hold it to the
+    grace), never past the grace.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace_s
     while servicer.calls_in_flight > 0 and loop.time() < deadline:
         await asyncio.sleep(DRAIN_POLL_S)
-    await asyncio.sleep(max(0.0, min(DRAIN_QUIET_S, deadline - loop.time())))
+    give_up = min(deadline, loop.time() + DRAIN_MAX_QUIET_S)
+    while loop.time() < give_up and time.monotonic() - servicer.last_call_started < DRAIN_QUIET_S:
+        await asyncio.sleep(DRAIN_POLL_S)
     return max(0.0, deadline - loop.time())
 
 

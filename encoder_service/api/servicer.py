@@ -39,6 +39,7 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
         self.engine: Engine | None = None
         self.draining = False
         self.calls_in_flight = 0  # kept by map_errors
+        self.last_call_started = 0.0  # time.monotonic(), kept by map_errors
         self.sink_channels = SinkChannels(config.max_message_bytes, credentials=sink_channel_credentials(config))
         self.sink_allowlist = SinkAllowlist(config.allowed_sink_patterns)
 
