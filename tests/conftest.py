@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import re
-import signal
-import subprocess
 import sys
 import threading
-import time
-import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+
+from bench.reliability.server import EncoderProcess, start_server
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -125,79 +121,8 @@ def fake_model() -> FakeVisionModel:
 # --- the real server as a subprocess -------------------------------------------------------------------
 
 
-@dataclass
-class RunningServer:
-    """An ``encoder-service serve`` subprocess on a loopback port, SERVING."""
-
-    proc: subprocess.Popen
-    log_path: Path
-    target: str = ""
-    metrics_url: str = ""
-    health_target: str = ""  # the plaintext --health-port, when the server has one
-    _log_file: object = field(default=None, repr=False)
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def metric(self, name: str, labels: str = "") -> float:
-        """A sample of the /metrics endpoint, e.g. metric("encoder_service_forward_batches_total")."""
-        body = urllib.request.urlopen(self.metrics_url, timeout=5).read().decode()
-        wanted = f"{name}{{{labels}}}" if labels else name
-        for line in body.splitlines():
-            if line.startswith(wanted + " "):
-                return float(line.split()[-1])
-        return 0.0
-
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
-        return self.proc.returncode
-
-
-def _wait_serving(server: RunningServer, timeout_s: float, credentials=None) -> None:
-    """Health-checks the --health-port in plaintext when the server has one, else the main port
-    (through ``credentials`` when given: a TLS port)."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log_text()}")
-        text = server.log_text()
-        if not server.target:
-            m = re.search(r"listening on (\S+):(\d+)", text)
-            if m:
-                server.target = f"127.0.0.1:{m.group(2)}"
-        if not server.metrics_url:
-            m = re.search(r"metrics on (http://\S+/metrics)", text)
-            if m:
-                server.metrics_url = m.group(1)
-        if not server.health_target:
-            m = re.search(r"health port \(plaintext.*? on (\S+):(\d+)", text)
-            if m:
-                server.health_target = f"127.0.0.1:{m.group(2)}"
-        if server.target and server.metrics_url:
-            channel = (grpc.insecure_channel(server.health_target) if server.health_target
-                       else grpc.secure_channel(server.target, credentials) if credentials is not None
-                       else grpc.insecure_channel(server.target))
-            with channel:
-                try:
-                    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-        time.sleep(0.1)
-    raise TimeoutError(f"server not SERVING after {timeout_s} s:\n{server.log_text()}")
+# The reliability harness's server process (bench/reliability/server.py) is the one implementation.
+RunningServer = EncoderProcess
 
 
 @pytest.fixture(scope="session")
@@ -212,18 +137,9 @@ def start_encoder_server(tmp_path_factory) -> Iterator[Callable[..., RunningServ
     started: list[RunningServer] = []
 
     def start(*flags: str, timeout_s: float = 120.0, credentials=None) -> RunningServer:
-        log_path = tmp_path_factory.mktemp("encoder-server") / "server.log"
-        log_file = open(log_path, "w")  # noqa: SIM115  (closed by RunningServer.stop)
-        cmd = [sys.executable, "-m", "encoder_service", "serve", "--host", "127.0.0.1", "--port", "0",
-               "--metrics-port", "0", "--grace-period-s", "20", *flags]
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT)
-        server = RunningServer(proc, log_path, _log_file=log_file)
+        server = start_server("--grace-period-s", "20", *flags, log_dir=tmp_path_factory.mktemp("encoder-server"),
+                              timeout_s=timeout_s, credentials=credentials)
         started.append(server)
-        try:
-            _wait_serving(server, timeout_s, credentials)
-        except BaseException:
-            server.stop(signal.SIGKILL)
-            raise
         return server
 
     yield start

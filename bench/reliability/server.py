@@ -44,10 +44,14 @@ class ServerSpec:
 
 @dataclass
 class EncoderProcess:
+    """The tests' ``start_encoder_server`` fixture hands out these too."""
+
     proc: subprocess.Popen
     log_path: Path
     target: str = ""
     metrics_url: str = ""
+    health_target: str = ""  # the plaintext --health-port, when the server has one
+    credentials: grpc.ChannelCredentials | None = None  # reaches a TLS main port
     _log_file: object = field(default=None, repr=False)
 
     @property
@@ -67,8 +71,9 @@ class EncoderProcess:
                 out[name] = float(value)
         return out
 
-    def metric(self, name: str) -> float:
-        return self.metrics().get(name, 0.0)
+    def metric(self, name: str, labels: str = "") -> float:
+        """One sample, e.g. metric("encoder_service_requests_total", 'method="Encode",code="OK"')."""
+        return self.metrics().get(f"{name}{{{labels}}}" if labels else name, 0.0)
 
     def metric_sum(self, prefix: str) -> float:
         """Sum of every labelled series of one metric, e.g. requests_total over codes."""
@@ -82,7 +87,11 @@ class EncoderProcess:
         raise RuntimeError("no VmRSS")
 
     def health(self, timeout_s: float = 2.0) -> str:
-        with grpc.insecure_channel(self.target) as channel:
+        """Asked on the plaintext --health-port when there is one, else on the main port."""
+        channel = (grpc.insecure_channel(self.health_target) if self.health_target
+                   else grpc.secure_channel(self.target, self.credentials) if self.credentials is not None
+                   else grpc.insecure_channel(self.target))
+        with channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
@@ -104,8 +113,9 @@ class EncoderProcess:
 
 
 def start_server(*flags: str, spec: ServerSpec = ServerSpec(), log_dir: Path | None = None,
-                 timeout_s: float = 180.0) -> EncoderProcess:
-    """Starts a server on free ports and returns once its health service says SERVING."""
+                 timeout_s: float = 180.0, credentials: grpc.ChannelCredentials | None = None) -> EncoderProcess:
+    """Starts a server on free ports and returns once its health service says SERVING (asked on its
+    --health-port if it has one, else through ``credentials`` when its main port speaks TLS)."""
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="encoder-reliability-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = Path(tempfile.mkstemp(prefix="server-", suffix=".log", dir=log_dir)[1])
@@ -113,7 +123,7 @@ def start_server(*flags: str, spec: ServerSpec = ServerSpec(), log_dir: Path | N
     cmd = [sys.executable, "-m", "encoder_service", "serve", "--host", "127.0.0.1", "--port", "0",
            "--metrics-port", "0", *spec.flags(), *flags]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
-    server = EncoderProcess(proc, log_path, _log_file=log_file)
+    server = EncoderProcess(proc, log_path, credentials=credentials, _log_file=log_file)
     try:
         _wait_serving(server, timeout_s)
     except BaseException:
@@ -132,6 +142,8 @@ def _wait_serving(server: EncoderProcess, timeout_s: float) -> None:
             server.target = f"127.0.0.1:{m.group(2)}"
         if not server.metrics_url and (m := re.search(r"metrics on (http://\S+/metrics)", text)):
             server.metrics_url = m.group(1)
+        if not server.health_target and (m := re.search(r"health port \(plaintext.*? on (\S+):(\d+)", text)):
+            server.health_target = f"127.0.0.1:{m.group(2)}"
         if server.target and server.metrics_url:
             try:
                 if server.health() == "SERVING":
