@@ -12,8 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
-from encoder_client import EmbeddingSinkReceiver, EncoderClient, EncoderClientError
+from encoder_client import EncoderClient, EncoderClientError
 from encoder_client._proto.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+
+from bench.reliability.sinks import SinkServer, receiver
 
 GRID = (1, 8, 8)
 
@@ -23,48 +25,17 @@ def patches(seed: int, grid=GRID) -> tuple[np.ndarray, tuple[int, int, int]]:
     return np.random.default_rng(seed).standard_normal((n, 1176), dtype=np.float32), grid
 
 
-class SinkServer:
-    """A grpc.aio server with an EmbeddingSinkReceiver, on its own event loop thread."""
-
-    def __init__(self, port: int = 0, **receiver_kwargs) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.receiver, self.server, bound = self.call(self._start(port, receiver_kwargs))
-        self.target = f"127.0.0.1:{bound}"
-
-    async def _start(self, port: int, kwargs: dict):
-        receiver = EmbeddingSinkReceiver(**kwargs)
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        receiver.add_to_server(server)
-        bound = server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        return receiver, server, bound
-
-    def call(self, coro, timeout_s: float = 30.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    def wait(self, request_id: str, timeout_s: float = 10.0):
-        return self.call(self.receiver.wait(request_id, timeout_s=timeout_s), timeout_s + 5)
-
-    def stop(self) -> None:
-        self.call(self.server.stop(0))
-        self.call(self.receiver.close())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
 @pytest.fixture
 def sink():
     servers: list[SinkServer] = []
 
-    def start(**kwargs) -> SinkServer:
-        servers.append(SinkServer(**kwargs))
+    def start(port: int = 0, **receiver_kwargs) -> SinkServer:
+        servers.append(SinkServer(receiver(**receiver_kwargs), port=port))
         return servers[-1]
 
     yield start
     for s in servers:
-        s.stop()
+        s.close()
 
 
 SINK_TIMEOUT_S = 2.0

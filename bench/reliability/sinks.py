@@ -48,10 +48,13 @@ class SlowReader(encoder_pb2_grpc.EmbeddingSinkServicer):
 
 
 class SinkServer:
-    """A sink on 127.0.0.1 (a free port unless given); ``servicer`` is made anew at each start."""
+    """A sink on 127.0.0.1 (a free port unless given) on its own event loop thread; ``servicer`` is
+    made anew at each start; ``credentials`` (grpc.ServerCredentials) make the port TLS-only."""
 
-    def __init__(self, servicer: Callable[[], encoder_pb2_grpc.EmbeddingSinkServicer], port: int = 0) -> None:
+    def __init__(self, servicer: Callable[[], encoder_pb2_grpc.EmbeddingSinkServicer], port: int = 0,
+                 credentials: grpc.ServerCredentials | None = None) -> None:
         self._make = servicer
+        self._credentials = credentials
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
@@ -64,6 +67,11 @@ class SinkServer:
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def receiver(self) -> EmbeddingSinkReceiver:
+        """The servicer, when it is a real receiver."""
+        return self.servicer
+
     def call(self, coro, timeout_s: float = 30.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
@@ -71,7 +79,9 @@ class SinkServer:
         self.servicer = self._make()
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         encoder_pb2_grpc.add_EmbeddingSinkServicer_to_server(self.servicer, server)
-        self.port = server.add_insecure_port(f"127.0.0.1:{self.port}")
+        address = f"127.0.0.1:{self.port}"
+        self.port = (server.add_secure_port(address, self._credentials) if self._credentials is not None
+                     else server.add_insecure_port(address))
         await server.start()
         self._server = server
 

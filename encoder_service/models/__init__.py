@@ -1,4 +1,4 @@
-"""Vision models: ``load_vision_model`` is the public entry point (see DESIGN.md)."""
+"""Vision models: ``load_vision_model`` is the public entry point (README, "Python API")."""
 
 from __future__ import annotations
 
