@@ -1,4 +1,4 @@
-"""The benchmark's FLOP count (what 'share of the GEMM ceiling' divides by) against DESIGN.md."""
+"""The benchmark's FLOP count (what 'share of the GEMM ceiling' divides by) against the hand count below."""
 
 from encoder_service.bench import grids_for, model_flops
 from encoder_service.models.presets import PRESETS
@@ -10,5 +10,5 @@ def test_qwen_7b_costs_about_1_4_gflop_per_patch_at_1008px():
     grids = grids_for([(1008, 1008)])
     assert grids == [[1, 72, 72]]
     per_patch = model_flops(cfg, grids) / (72 * 72)
-    # DESIGN.md: ~1.40 GFLOP per patch (GEMMs 1.29, attention 0.11) for a 1008x1008 image.
+    # Hand count: ~1.40 GFLOP per patch (GEMMs 1.29, attention 0.11) for a 1008x1008 image.
     assert 1.35e9 < per_patch < 1.45e9
