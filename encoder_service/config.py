@@ -26,6 +26,7 @@ MIN_CHUNK_BYTES = 4096
 class ServiceConfig:
     model: str = ""  # empty = the built-in tiny preset on the CPU
     device: str = "cpu"
+    devices: str = ""  # one worker process per entry (0,1 / cpu,cpu / all); empty = in-process on device
     dtype: str = "float32"
     attn_backend: str = "auto"
     host: str = "0.0.0.0"
@@ -58,11 +59,22 @@ class ServiceConfig:
     sink_tls_key: str = ""
 
     def __post_init__(self) -> None:
+        if self.devices.strip():
+            # With worker processes, ``device`` is the kind of device they run on (cpu or cuda).
+            entries = [e.strip() for e in self.devices.split(",") if e.strip()]
+            kind = "cpu" if entries and all(e == "cpu" for e in entries) else "cuda"
+            object.__setattr__(self, "device", kind)
         # -1 means "what suits the device": resolved here, so every user of the config (and the
         # start-up log) sees the number in force.
-        for name, value in _device_defaults(self.device).items():
+        for name, value in _device_defaults(self.device, self.worker_count).items():
             if getattr(self, name) == -1:
                 object.__setattr__(self, name, value)
+
+    @property
+    def worker_count(self) -> int:
+        """Devices served by this node (``--devices all`` counts as one until the workers start)."""
+        entries = [e for e in self.devices.split(",") if e.strip()]
+        return max(1, len(entries))
 
     @property
     def allowed_sink_patterns(self) -> tuple[str, ...]:
@@ -85,9 +97,9 @@ class ServiceConfig:
         return not self.model
 
 
-def _device_defaults(device: str) -> dict[str, int]:
-    """A GPU encodes ~70 1008x1008 images/s: decoding them needs several threads, and 1 GiB would
-    hold only ~110 of their embeddings. The CPU keeps small numbers."""
+def _device_defaults(device: str, workers: int = 1) -> dict[str, int]:
+    """A GPU encodes ~70 1008x1008 images/s: decoding them needs several threads (more with more
+    GPUs), and 1 GiB would hold only ~110 of their embeddings. The CPU keeps small numbers."""
     if device == "cpu":
         return {"cache_bytes": 1 * GiB, "preprocess_threads": 2}
     try:
@@ -95,7 +107,7 @@ def _device_defaults(device: str) -> dict[str, int]:
     except (ValueError, OSError, AttributeError):
         ram = 64 * GiB
     return {"cache_bytes": int(min(16 * GiB, ram // 4)),
-            "preprocess_threads": max(2, min(8, (os.cpu_count() or 2) - 2))}
+            "preprocess_threads": max(2, min(8 * workers, (os.cpu_count() or 2) - 2))}
 
 
 # (field, type, help). The order here is the order of --help.
@@ -104,6 +116,11 @@ _OPTIONS: list[tuple[str, type, str]] = [
                    f"(e.g. {DEFAULT_PRESET}, qwen2.5-vl-7b: random weights). Default: the tiny random "
                    f"{DEFAULT_PRESET} preset on the CPU, for trying the service out."),
     ("device", str, "torch device the vision tower runs on: cpu, cuda, cuda:1, ..."),
+    ("devices", str, "one worker process per device, behind this one front end (one port, one cache, one set "
+                     "of metrics): GPU indices (0,1 or cuda:0,cuda:1), all (every visible GPU) or cpu,cpu. The "
+                     "front end decodes, caches and batches, and never touches a GPU; each worker owns its model. "
+                     "A worker that dies is started again while the others serve. Empty: one device, --device, "
+                     "in this process."),
     ("dtype", str, "model dtype: float32, float16 or bfloat16. Embeddings are cached in it and "
                    "streamed in it unless a request asks for another output_dtype."),
     ("attn_backend", str, "attention backend: auto (first one that works here), sdpa, varlen, "
@@ -247,6 +264,7 @@ def _check(c: ServiceConfig) -> None:
         problems.append("cuda-graphs must be >= 0")
     if c.preprocess_threads < 1:
         problems.append("preprocess-threads must be >= 1 (or -1: by device)")
+    problems.extend(_check_devices(c.devices))
     if c.grace_period_s < 0:
         problems.append("grace-period-s must be >= 0")
     try:
@@ -258,6 +276,21 @@ def _check(c: ServiceConfig) -> None:
     problems.extend(_check_security(c))
     if problems:
         raise ValueError("; ".join(problems))
+
+
+def _check_devices(devices: str) -> list[str]:
+    if not devices.strip() or devices.strip() == "all":
+        return []
+    entries = [e.strip() for e in devices.split(",")]
+    bad = [e for e in entries if e != "cpu" and not e.removeprefix("cuda:").isdigit()]
+    if bad:
+        return [f"devices: {', '.join(map(repr, bad))} is neither cpu nor a GPU index (0, 1 or cuda:1)"]
+    gpus = [e.removeprefix("cuda:") for e in entries if e != "cpu"]
+    if len(set(gpus)) != len(gpus):
+        return [f"devices {devices!r} names a GPU twice"]
+    if gpus and len(gpus) != len(entries):
+        return [f"devices {devices!r} mixes cpu and GPU workers: one node computes one kind of embedding"]
+    return []
 
 
 def _check_security(c: ServiceConfig) -> list[str]:

@@ -13,7 +13,7 @@ at zero up front, so a ratio has data before the first error and a panel never s
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import grpc
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, Info, disable_created_metrics, start_http_server
@@ -62,9 +62,10 @@ IMAGES = Counter(
     "encoder_service_images", "Images received in requests, by input kind and served model.",
     ["source", "model"])
 FORWARD_BATCHES = Counter(
-    "encoder_service_forward_batches", "Forward passes of the vision tower (one per batch, warm-up excluded).")
+    "encoder_service_forward_batches", "Forward passes of the vision tower (one per batch, warm-up excluded), "
+    "by device.", ["device"])
 IMAGES_ENCODED = Counter(
-    "encoder_service_images_encoded", "Images that went through a forward pass.")
+    "encoder_service_images_encoded", "Images that went through a forward pass, by device.", ["device"])
 PATCHES_ENCODED = Counter(
     "encoder_service_patches_encoded", "Patches (ViT input tokens) that went through a forward pass.")
 TOKENS_ENCODED = Counter(
@@ -84,13 +85,19 @@ PREPROCESS_SECONDS = Histogram(
     "encoder_service_preprocess_seconds", "Decode + patchify time of one encoded image.",
     buckets=LATENCY_BUCKETS_S)
 FORWARD_SECONDS = Histogram(
-    "encoder_service_forward_seconds", "Wall time of one forward pass, including the copy to the CPU.",
-    buckets=LATENCY_BUCKETS_S)
+    "encoder_service_forward_seconds", "Time of one forward pass on its device (preprocessing on the device "
+    "and the copy to the CPU included), by device.", ["device"], buckets=LATENCY_BUCKETS_S)
 BATCH_TOKENS = Histogram(
-    "encoder_service_batch_tokens", "Patches (ViT input tokens, what --max-batch-tokens bounds) per forward pass.",
-    buckets=BATCH_TOKEN_BUCKETS)
+    "encoder_service_batch_tokens", "Patches (ViT input tokens, what --max-batch-tokens bounds) per forward "
+    "pass, by device.", ["device"], buckets=BATCH_TOKEN_BUCKETS)
 BATCH_IMAGES = Histogram(
-    "encoder_service_batch_images", "Images per forward pass.", buckets=BATCH_IMAGE_BUCKETS)
+    "encoder_service_batch_images", "Images per forward pass, by device.", ["device"], buckets=BATCH_IMAGE_BUCKETS)
+WORKERS_UP = Gauge(
+    "encoder_service_workers_up", "1 while the device's worker is loaded and serving, 0 while it is down or "
+    "restarting, by device. The node serves while any is 1.", ["device"])
+WORKER_RESTARTS = Counter(
+    "encoder_service_worker_restarts", "Device worker processes that died (killed, CUDA error, out of memory) "
+    "and were started again, by device.", ["device"])
 
 # --- the embedding cache (engine/cache.py) ------------------------------------------------------------
 CACHE_HITS = Counter(
@@ -112,15 +119,14 @@ MODEL_INFO = Info(
 
 
 class GpuMemoryCollector(Collector):
-    """``torch.cuda.memory_allocated`` / ``memory_reserved`` of the model's device, read at scrape time.
-
-    Both read the caching allocator's counters on the host: no kernel, no device sync. On a CPU
-    model both are exported as 0 (with device="cpu"), so dashboard queries return data everywhere.
-    Nothing is exported before the model is loaded.
+    """Device memory (``torch.cuda.memory_allocated`` / ``memory_reserved``) of each device, read at
+    scrape time from the engine's sources: the caching allocator's host-side counters in-process,
+    the figures each worker process last reported otherwise. No kernel, no device sync; a CPU
+    device exports 0, so dashboard queries return data everywhere. Nothing before the model loads.
     """
 
     def __init__(self) -> None:
-        self.device: object | None = None  # a torch.device, once the model is loaded
+        self.sources: dict[str, Callable[[], tuple[int, int]]] = {}
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         allocated = GaugeMetricFamily(PREFIX + "gpu_memory_allocated_bytes",
@@ -129,13 +135,8 @@ class GpuMemoryCollector(Collector):
         reserved = GaugeMetricFamily(PREFIX + "gpu_memory_reserved_bytes",
                                      "Device memory reserved by torch's caching allocator "
                                      "(torch.cuda.memory_reserved); 0 on a CPU model.", labels=["device"])
-        device = self.device
-        if device is not None:
-            name, used, held = str(device), 0, 0
-            if getattr(device, "type", "") == "cuda":
-                import torch
-
-                used, held = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+        for name, read in list(self.sources.items()):
+            used, held = read()
             allocated.add_metric([name], float(used))
             reserved.add_metric([name], float(held))
         yield allocated
@@ -156,8 +157,9 @@ def _initialise_request_series(methods: Sequence[str] = RPC_METHODS) -> None:
 _initialise_request_series()
 
 
-def track_engine(*, model_id: str, model_type: str, attn_backend: str, device: object, dtype: str,
-                 cache: object, cache_capacity_bytes: int, queue_capacity_images: int) -> None:
+def track_engine(*, model_id: str, model_type: str, attn_backend: str, device: str, dtype: str,
+                 cache: object, cache_capacity_bytes: int, queue_capacity_images: int,
+                 device_memory: dict[str, Callable[[], tuple[int, int]]]) -> None:
     """Points the scrape-time metrics at a started engine and publishes the model's facts.
 
     ``cache`` needs ``__len__`` and ``used_bytes``; reading them from the scrape thread is safe
@@ -165,7 +167,14 @@ def track_engine(*, model_id: str, model_type: str, attn_backend: str, device: o
     """
     MODEL_INFO.info({"version": __version__, "model": model_id, "model_type": model_type,
                      "backend": attn_backend, "device": str(device), "dtype": dtype})
-    GPU_MEMORY.device = device
+    GPU_MEMORY.sources = dict(device_memory)
+    for name in device_memory:  # each device's series exist at zero before its first forward
+        FORWARD_BATCHES.labels(device=name)
+        IMAGES_ENCODED.labels(device=name)
+        FORWARD_SECONDS.labels(device=name)
+        BATCH_TOKENS.labels(device=name)
+        BATCH_IMAGES.labels(device=name)
+        WORKER_RESTARTS.labels(device=name)
     CACHE_ENTRIES.set_function(lambda: len(cache))
     CACHE_BYTES.set_function(lambda: cache.used_bytes)
     CACHE_CAPACITY_BYTES.set(cache_capacity_bytes)

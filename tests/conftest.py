@@ -73,6 +73,12 @@ class FakeVisionModel:
         pixels, grid = self.preprocess(data, max_image_pixels)
         return RawPatches(pixels.tobytes(), "float32", grid)
 
+    def front(self):
+        from encoder_service.models.base import Decoder, ModelFront
+
+        decoder = Decoder(lambda data, _config, _mode, limit: self.decode(data, limit), None, "pil")
+        return ModelFront(self.spec, "float32", "cpu", self.attn_backend, "pil", self.cache_namespace, decoder)
+
     def warmup_inputs(self):
         from encoder_service.preprocess.staged import RawPatches
 

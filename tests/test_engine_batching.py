@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(60)
 
 @contextlib.asynccontextmanager
 async def running_engine(model, **overrides):
-    engine = Engine(model, ServiceConfig(**{"batch_wait_ms": 0.0, **overrides}))
+    engine = Engine(ServiceConfig(**{"batch_wait_ms": 0.0, **overrides}), model)
     await engine.start()
     try:
         yield engine

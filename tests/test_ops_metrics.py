@@ -6,7 +6,6 @@ import re
 import urllib.request
 
 import pytest
-import torch
 from conftest import REPO_ROOT
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -53,15 +52,17 @@ def test_gpu_memory_is_zero_on_a_cpu_model_and_present_for_dashboards(families):
         assert [(s.labels, s.value) for s in families[name].samples] == [({"device": "cpu"}, 0.0)]
 
 
-def test_gpu_memory_collector_reads_the_allocator_of_a_cuda_model(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 3 << 30)
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 4 << 30)
+def test_gpu_memory_collector_reads_each_device_at_scrape_time():
     collector = metrics.GpuMemoryCollector()
     assert [f.samples for f in collector.collect()] == [[], []]  # before the model is loaded
-    collector.device = torch.device("cuda", 1)
+    reported = {"cuda:1": (3 << 30, 4 << 30)}
+    collector.sources = {"cuda:0": lambda: (1, 2), "cuda:1": lambda: reported["cuda:1"]}
+    reported["cuda:1"] = (5 << 30, 6 << 30)  # read when scraped, not when registered
     got = {f.name: [(s.labels, s.value) for s in f.samples] for f in collector.collect()}
-    assert got == {"encoder_service_gpu_memory_allocated_bytes": [({"device": "cuda:1"}, float(3 << 30))],
-                   "encoder_service_gpu_memory_reserved_bytes": [({"device": "cuda:1"}, float(4 << 30))]}
+    assert got == {"encoder_service_gpu_memory_allocated_bytes": [({"device": "cuda:0"}, 1.0),
+                                                                  ({"device": "cuda:1"}, float(5 << 30))],
+                   "encoder_service_gpu_memory_reserved_bytes": [({"device": "cuda:0"}, 2.0),
+                                                                 ({"device": "cuda:1"}, float(6 << 30))]}
 
 
 def test_every_request_code_and_image_source_exists_before_it_happens(families):

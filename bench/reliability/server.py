@@ -72,8 +72,15 @@ class EncoderProcess:
         return out
 
     def metric(self, name: str, labels: str = "") -> float:
-        """One sample, e.g. metric("encoder_service_requests_total", 'method="Encode",code="OK"')."""
-        return self.metrics().get(f"{name}{{{labels}}}" if labels else name, 0.0)
+        """One sample, e.g. metric("encoder_service_requests_total", 'method="Encode",code="OK"');
+        without labels, of a labelled metric: the sum over its series (the node's figure, e.g.
+        forwards over every device)."""
+        values = self.metrics()
+        if labels:
+            return values.get(f"{name}{{{labels}}}", 0.0)
+        if name in values:
+            return values[name]
+        return sum(v for k, v in values.items() if k.startswith(name + "{"))
 
     def metric_sum(self, prefix: str) -> float:
         """Sum of every labelled series of one metric, e.g. requests_total over codes."""

@@ -63,21 +63,10 @@ def _add_vision_encoder(servicer: VisionEncoderServicer, server: grpc.aio.Server
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
-def _load_model(config: ServiceConfig):
-    import torch  # noqa: F401  (imported here: the model loader pulls in torch; keep --help fast)
-
-    from ..models import load_vision_model
-
-    model = load_vision_model(config.model_or_default, device=config.device, dtype=config.dtype,
-                              attn_backend=config.attn_backend, preprocess=config.preprocess)
-    model.set_cuda_graphs(config.cuda_graphs)
-    if model.graphs is not None:
-        log.info("CUDA graphs: up to %d batch compositions, each captured the second time it is seen",
-                 model.graphs.capacity)
-    else:
-        log.info("CUDA graphs: off (cuda-graphs %d, device %s, attention backend %s)", config.cuda_graphs,
-                 config.device, model.attn_backend)
-    return model
+async def _set_health(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, status)
 
 
 async def _stop(server: grpc.aio.Server, health_server: grpc.aio.Server | None, grace_s: float) -> None:
@@ -183,24 +172,22 @@ async def serve(config: ServiceConfig) -> int:
     if config.uses_default_model:
         log.info("no --model given: serving the built-in %s preset (random weights) on %s",
                  config.model_or_default, config.device)
-    engine: Engine | None = None
+    engine = Engine(config)
     try:
-        load = asyncio.ensure_future(loop.run_in_executor(None, _load_model, config))
+        start = asyncio.ensure_future(engine.start())  # loads the model (in workers with --devices)
         stopped = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({load, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        if not load.done():  # SIGTERM while loading: nothing in flight to drain
+        await asyncio.wait({start, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not start.done():  # SIGTERM while loading: nothing in flight to drain
             log.info("stopping before the model finished loading")
             await _stop(server, health_server, 0)
+            await engine.stop()
             return 0
         stopped.cancel()
-        model = load.result()
-        engine = Engine(model, config)
-        warmup_s = await engine.start()
+        warmup_s = start.result()
     except Exception:
         log.exception("could not load and warm up the model %r", config.model_or_default)
         await _stop(server, health_server, 0)
-        if engine is not None:
-            await engine.stop()
+        await engine.stop()
         return 1
 
     d = engine.describe()
@@ -212,8 +199,19 @@ async def serve(config: ServiceConfig) -> int:
              config.max_queue_images, warmup_s * 1000)
     servicer.engine = engine
     trimmer = asyncio.ensure_future(_release_free_memory(engine))
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await _set_health(health_servicer, engine.serving)
+    health_tasks: set[asyncio.Task] = set()
+
+    def on_serving_change(serving: bool) -> None:
+        # With worker processes: NOT_SERVING only while no worker is up (the others keep serving).
+        if servicer.draining:
+            return
+        log.warning("%s", "a device worker is up again: SERVING" if serving else "no device worker is up: NOT_SERVING")
+        task = asyncio.ensure_future(_set_health(health_servicer, serving))
+        health_tasks.add(task)
+        task.add_done_callback(health_tasks.discard)
+
+    engine.on_serving_change = on_serving_change
     log.info("SERVING")
 
     await stop.wait()

@@ -64,12 +64,15 @@ class BatchQueue:
             self._cond.notify_all()
             return left
 
-    def take_batch(self, max_patches: int, wait_s: float = 0.0, block: bool = True) -> list[WorkItem] | None:
+    def take_batch(self, max_patches: int, wait_s: float = 0.0, block: bool = True,
+                   idle_timeout_s: float | None = None) -> list[WorkItem] | None:
         """Blocks until there is work; returns FIFO items up to ``max_patches`` (at least one).
 
         With ``wait_s`` > 0, waits up to that long for a batch that is not yet full to fill up:
         a short wait trades a little latency for fewer, larger forwards. None once closed.
         ``block=False``: returns whatever is queued now without waiting, an empty list if nothing.
+        ``idle_timeout_s``: blocks at most this long for a first item, then returns an empty list
+        (a consumer that must look at something else now and then, e.g. whether its process lives).
         """
         with self._cond:
             if not block:
@@ -77,8 +80,15 @@ class BatchQueue:
                     return None
                 return self._pop(max_patches)
             while True:
+                idle_deadline = None if idle_timeout_s is None else time.monotonic() + idle_timeout_s
                 while not self._items and not self._closed:
-                    self._cond.wait()
+                    if idle_deadline is None:
+                        self._cond.wait()
+                        continue
+                    remaining = idle_deadline - time.monotonic()
+                    if remaining <= 0:
+                        return []
+                    self._cond.wait(remaining)
                 if self._closed:
                     return None
                 if wait_s > 0:

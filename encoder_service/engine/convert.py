@@ -25,6 +25,11 @@ def output_dtype(name: str | None, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if name is None else _OUTPUT_TORCH[name]
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """"bfloat16" -> torch.bfloat16 (the embedding dtypes)."""
+    return _OUTPUT_TORCH[name]
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -28,7 +29,8 @@ from ..preprocess.staged import StagedInput, check_patch_bytes
 from .admission import Admission
 from .batch_queue import BatchQueue, WorkItem
 from .cache import CacheEntry, EmbeddingCache
-from .convert import dtype_name
+from .loading import load_model
+from .process_worker import WorkerProcess, parse_devices
 from .types import EngineStats, Grid, ImageInput, ImageResult, ModelDescription, Timing
 from .worker import BatchOutcome, DeviceWorker
 
@@ -83,9 +85,14 @@ def _retag(exc: BaseException, index: int) -> BaseException:
 
 
 class Engine:
-    def __init__(self, model, config: ServiceConfig) -> None:
+    """``Engine(config)`` loads the configured model when started: in this process (one device
+    worker thread on ``--device``), or, with ``--devices``, one worker process per device.
+    ``Engine(config, model)`` serves an already loaded model in this process (tests, embedding)."""
+
+    def __init__(self, config: ServiceConfig, model=None) -> None:
         self.model = model
         self.config = config
+        self.front = model.front() if model is not None else None  # a ModelFront, once known
         self.stats = EngineStats()
         self.cache = EmbeddingCache(config.cache_bytes, on_evict=self._count_eviction)
         self._admission = Admission(config.max_queue_images)
@@ -95,25 +102,65 @@ class Engine:
         self._pool = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="preprocess")
         self._hash_pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="hash")
         self._worker: DeviceWorker | None = None
+        self.workers: list[WorkerProcess] = []
         self._closed = False
-        self.namespace = model.cache_namespace
+        self._serving = False
+        # Called on the loop with True/False when the engine starts or stops being able to serve
+        # (with worker processes: some worker up / none up).
+        self.on_serving_change: Callable[[bool], None] | None = None
+        self.namespace = self.front.cache_namespace if self.front is not None else ""
 
     # --- life cycle ------------------------------------------------------------------------------
     async def start(self) -> float:
-        """Starts the device worker and waits for its warm-up forward; returns the warm-up seconds."""
+        """Loads the model if needed, starts the device worker(s) and waits for their warm-up
+        forwards; returns the warm-up seconds (the slowest worker's)."""
+        if self.config.devices:
+            warmup_s = await self._start_workers()
+        else:
+            warmup_s = await self._start_in_process()
+        self.namespace = self.front.cache_namespace
+        d = self.describe()
+        metrics.track_engine(model_id=d.model_id, model_type=d.model_type, attn_backend=d.attn_backend,
+                             device=d.device, dtype=d.dtype, cache=self.cache,
+                             cache_capacity_bytes=self.config.cache_bytes,
+                             queue_capacity_images=self.config.max_queue_images,
+                             device_memory=self._device_memory_sources())
+        self._set_serving(True)
+        return warmup_s
+
+    async def _start_in_process(self) -> float:
         loop = asyncio.get_running_loop()
+        if self.model is None:
+            self.model = await loop.run_in_executor(None, load_model, self.config)
+            self.front = self.model.front()
         self._worker = DeviceWorker(
             self.model, self._queue, max_batch_patches=self.config.max_batch_tokens,
             batch_wait_s=self.config.batch_wait_ms / 1000.0, loop=loop,
             on_batch_start=self._on_batch_start, on_batch_done=self._on_batch_done)
-        m = self.model.spec.spatial_merge_size
-        warmup_s = await asyncio.wrap_future(self._worker.start((1, 2 * m, 2 * m)))
-        d = self.describe()
-        metrics.track_engine(model_id=d.model_id, model_type=d.model_type, attn_backend=d.attn_backend,
-                             device=self.model.device, dtype=d.dtype, cache=self.cache,
-                             cache_capacity_bytes=self.config.cache_bytes,
-                             queue_capacity_images=self.config.max_queue_images)
-        return warmup_s
+        metrics.WORKERS_UP.labels(device=self._worker.label).set(1)
+        m = self.front.spec.spatial_merge_size
+        return await asyncio.wrap_future(self._worker.start((1, 2 * m, 2 * m)))
+
+    async def _start_workers(self) -> float:
+        loop = asyncio.get_running_loop()
+        devices = parse_devices(self.config.devices)
+        threads = max(1, (os.cpu_count() or 1) // len(devices))
+        self.workers = [
+            WorkerProcess(self.config, device, self._queue, loop=loop, on_batch_start=self._on_batch_start,
+                          on_batch_done=self._on_batch_done, on_state=self._on_worker_state, threads=threads)
+            for device in devices]
+        results = await asyncio.gather(*(asyncio.wrap_future(w.start()) for w in self.workers),
+                                       return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            await self.stop()
+            raise failed[0]
+        fronts = {w.front.cache_namespace for w in self.workers}
+        if len(fronts) != 1:  # one cache for the node: every worker must compute the same embeddings
+            await self.stop()
+            raise RuntimeError(f"workers disagree on the model (cache namespaces {sorted(fronts)})")
+        self.front = self.workers[0].front
+        return max(results)
 
     async def stop(self) -> None:
         """Stops taking work; jobs still queued fail UNAVAILABLE; waits for the running forward."""
@@ -126,20 +173,56 @@ class Engine:
             self._inflight.pop(job.key, None)
             if not job.done.done():
                 job.done.set_exception(Unavailable("server is shutting down"))
+        loop = asyncio.get_running_loop()
         if self._worker is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._worker.join)
+            await loop.run_in_executor(None, self._worker.join)
+        for worker in self.workers:
+            worker.stop()
+        for worker in self.workers:
+            await loop.run_in_executor(None, worker.join)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._hash_pool.shutdown(wait=False, cancel_futures=True)
 
+    @property
+    def serving(self) -> bool:
+        """Whether some device can run a forward now."""
+        return self._serving
+
+    def _set_serving(self, serving: bool) -> None:
+        if serving != self._serving:
+            self._serving = serving
+            if self.on_serving_change is not None:
+                self.on_serving_change(serving)
+
+    def _on_worker_state(self, worker: WorkerProcess) -> None:
+        metrics.WORKERS_UP.labels(device=worker.device.label).set(1 if worker.up else 0)
+        if self._closed or self.front is None:
+            return  # stopping, or still starting (start() turns serving on)
+        if not worker.up:
+            metrics.WORKER_RESTARTS.labels(device=worker.device.label).inc()
+        self._set_serving(any(w.up for w in self.workers))
+
+    def _device_memory_sources(self) -> dict[str, Callable[[], tuple[int, int]]]:
+        """Device memory per device, read at scrape time: asked of torch in-process, as last
+        reported by each worker process otherwise (the front end never touches a device)."""
+        if self.workers:
+            return {w.device.label: (lambda w=w: w.memory) for w in self.workers}
+        device = self.model.device
+        if device.type != "cuda":
+            return {str(device): lambda: (0, 0)}
+        return {str(device): lambda: (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))}
+
     # --- plain facts ---------------------------------------------------------------------------------
     def describe(self) -> ModelDescription:
-        m = self.model
+        f = self.front
+        spec = f.spec
+        device = ",".join(w.device.label for w in self.workers) if self.workers else f.device
         return ModelDescription(
-            model_id=m.spec.model_id, model_type=m.spec.model_type, hidden_size=m.spec.hidden_size,
-            dtype=dtype_name(m.dtype), patch_size=m.spec.patch_size,
-            temporal_patch_size=m.spec.temporal_patch_size, spatial_merge_size=m.spec.spatial_merge_size,
-            patch_dim=m.spec.patch_dim, attn_backend=str(m.attn_backend), device=str(m.device),
-            cache_namespace=self.namespace, preprocess=getattr(m, "preprocess_mode", "pil"))
+            model_id=spec.model_id, model_type=spec.model_type, hidden_size=spec.hidden_size,
+            dtype=f.dtype, patch_size=spec.patch_size, temporal_patch_size=spec.temporal_patch_size,
+            spatial_merge_size=spec.spatial_merge_size, patch_dim=spec.patch_dim,
+            attn_backend=f.attn_backend, device=device, cache_namespace=self.namespace,
+            preprocess=f.preprocess_mode)
 
     @property
     def busy(self) -> bool:
@@ -152,12 +235,12 @@ class Engine:
 
     def check_grid(self, grid: Sequence[int]) -> Grid:
         """A patches grid checked against the model's rules and the batch limit (before queueing)."""
-        checked = validate_grid(grid, self.model.spec)
+        checked = validate_grid(grid, self.front.spec)
         self._check_size(checked)
         return checked
 
     def _check_size(self, grid: Grid) -> None:
-        n = self.model.num_patches(grid)
+        n = self.front.num_patches(grid)
         if n > self.config.max_batch_tokens:
             raise ResourceExhausted(
                 f"image has {n} patches (grid {list(grid)}), more than --max-batch-tokens "
@@ -179,7 +262,7 @@ class Engine:
             raise InvalidInput("no images in the request")
         self.stats.requests += 1
         for image in images:
-            metrics.IMAGES.labels(source=image.kind, model=self.model.spec.model_id).inc()
+            metrics.IMAGES.labels(source=image.kind, model=self.front.spec.model_id).inc()
         keys = await self._hash(images)
 
         # Everything from here to the first await runs atomically on the loop: admission counts
@@ -307,10 +390,10 @@ class Engine:
         """The CPU half of preprocessing (thread pool): decode to uint8 pixels, or check a client's
         patch bytes. Resize, normalize and patchify run on the model's device, batched per forward."""
         if image.kind == "encoded":
-            decoded = self.model.decode(image.data, self.config.max_image_pixels)
+            decoded = self.front.decode(image.data, self.config.max_image_pixels)
             self._check_size(decoded.grid)
             return decoded
-        return check_patch_bytes(image.data, image.patch_dtype, image.grid, self.model.spec.patch_dim)
+        return check_patch_bytes(image.data, image.patch_dtype, image.grid, self.front.spec.patch_dim)
 
     def _enqueue(self, job: _Job) -> None:
         if job.state != "prepared":
@@ -362,10 +445,11 @@ class Engine:
 
     def _on_batch_done(self, outcome: BatchOutcome) -> None:
         self.stats.forward_batches += 1
-        metrics.FORWARD_BATCHES.inc()
-        metrics.FORWARD_SECONDS.observe(outcome.forward_s)
-        metrics.BATCH_IMAGES.observe(len(outcome.items))
-        metrics.BATCH_TOKENS.observe(sum(item.num_patches for item in outcome.items))
+        device = outcome.device
+        metrics.FORWARD_BATCHES.labels(device=device).inc()
+        metrics.FORWARD_SECONDS.labels(device=device).observe(outcome.forward_s)
+        metrics.BATCH_IMAGES.labels(device=device).observe(len(outcome.items))
+        metrics.BATCH_TOKENS.labels(device=device).observe(sum(item.num_patches for item in outcome.items))
         forward_ms = outcome.forward_s * 1000.0
         for i, item in enumerate(outcome.items):
             job: _Job = item.job
@@ -381,7 +465,7 @@ class Engine:
             patches = item.num_patches
             self.stats.images_encoded += 1
             self.stats.patches_encoded += patches
-            metrics.IMAGES_ENCODED.inc()
+            metrics.IMAGES_ENCODED.labels(device=device).inc()
             metrics.PATCHES_ENCODED.inc(patches)
             metrics.TOKENS_ENCODED.inc(int(embedding.shape[0]))  # a shape: no device sync
             job.state = "done"

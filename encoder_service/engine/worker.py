@@ -36,6 +36,7 @@ class BatchOutcome:
     error: BaseException | None
     started_at: float  # perf_counter at the start of the forward
     forward_s: float  # the device's time for the batch (preprocessing + forward + copy back) where known
+    device: str = ""  # the device that ran it (metrics label)
 
 
 @dataclass
@@ -50,11 +51,20 @@ def _owned(parts: list[torch.Tensor]) -> list[torch.Tensor]:
     return [part.clone() for part in parts]
 
 
+def warm_up(model) -> float:
+    """The start-up forwards (every shape a compiled model specialises on); returns their seconds."""
+    started = time.perf_counter()
+    for batch in model.warmup_inputs():
+        _owned(model.encode_inputs_async(batch).wait())
+    return time.perf_counter() - started
+
+
 class DeviceWorker:
     def __init__(self, model, queue: BatchQueue, *, max_batch_patches: int, batch_wait_s: float,
                  loop: asyncio.AbstractEventLoop, on_batch_start: Callable[[list[WorkItem]], None],
                  on_batch_done: Callable[[BatchOutcome], None]) -> None:
         self._model = model
+        self.label = str(model.device)
         self._queue = queue
         self._max_batch_patches = max_batch_patches
         self._batch_wait_s = batch_wait_s
@@ -98,10 +108,7 @@ class DeviceWorker:
                 return
 
     def _run_warmup(self) -> float:
-        started = time.perf_counter()
-        for batch in self._model.warmup_inputs():
-            _owned(self._model.encode_inputs_async(batch).wait())
-        return time.perf_counter() - started
+        return warm_up(self._model)
 
     def _launch(self, batch: list[WorkItem]) -> _InFlight | BatchOutcome:
         """Enqueues the batch's device work (preprocessing included) without waiting for it."""
@@ -125,13 +132,12 @@ class DeviceWorker:
         # launch also counts the wait for the batch ahead.
         device_s = in_flight.pending.device_seconds()
         forward_s = device_s if device_s is not None else time.perf_counter() - started
-        return BatchOutcome(batch, embeddings, None, started, forward_s)
+        return BatchOutcome(batch, embeddings, None, started, forward_s, self.label)
 
-    @staticmethod
-    def _failed(batch: list[WorkItem], started: float, exc: Exception) -> BatchOutcome:
+    def _failed(self, batch: list[WorkItem], started: float, exc: Exception) -> BatchOutcome:
         # Reported to the waiting requests; the worker keeps serving.
         log.error("forward of a batch of %d images failed", len(batch), exc_info=exc)
-        return BatchOutcome(batch, None, exc, started, time.perf_counter() - started)
+        return BatchOutcome(batch, None, exc, started, time.perf_counter() - started, self.label)
 
     def _post(self, fn: Callable, arg: object) -> None:
         # A closed loop (shutdown) leaves nobody to answer.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -98,6 +98,44 @@ def validate_batch(pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequ
     return checked
 
 
+@dataclass(frozen=True)
+class Decoder:
+    """The CPU half of a family's preprocessing, bound to its settings: picklable (a module-level
+    function and a config dataclass), so a front end without the model can decode for it."""
+
+    function: Callable[..., DecodedImage]  # (bytes, config, mode, max_image_pixels) -> DecodedImage
+    config: object
+    mode: str
+
+    def __call__(self, image_bytes: bytes, max_image_pixels: int | None = None) -> DecodedImage:
+        return self.function(image_bytes, self.config, self.mode, max_image_pixels)
+
+
+@dataclass(frozen=True)
+class ModelFront:
+    """What the serving front end needs of a model, without its weights or its device: facts to
+    plan and report with, and the CPU half of preprocessing. A worker process that owns the model
+    sends this to the front end (plain CPU objects only: the front end never touches a device)."""
+
+    spec: ModelSpec
+    dtype: str  # "bfloat16", ...
+    device: str
+    attn_backend: str
+    preprocess_mode: str
+    cache_namespace: str
+    decoder: Decoder
+
+    def decode(self, image_bytes: bytes, max_image_pixels: int | None = None) -> DecodedImage:
+        return self.decoder(image_bytes, max_image_pixels)
+
+    def num_patches(self, grid: Sequence[int]) -> int:
+        t, h, w = grid
+        return int(t) * int(h) * int(w)
+
+    def num_tokens(self, grid: Sequence[int]) -> int:
+        return self.num_patches(grid) // self.spec.merge_unit
+
+
 class VisionModel:
     """A loaded vision tower with its preprocessing. Subclasses set ``module`` and ``spec``."""
 
@@ -150,7 +188,16 @@ class VisionModel:
 
     def decode(self, image_bytes: bytes, max_image_pixels: int | None = None) -> DecodedImage:
         """The CPU half of preprocessing: bytes -> uint8 pixels, target size and grid."""
+        return self.decoder()(image_bytes, max_image_pixels)
+
+    def decoder(self) -> Decoder:
+        """The family's decode function bound to this model's preprocessing settings and mode."""
         raise NotImplementedError
+
+    def front(self) -> ModelFront:
+        """This model as the serving front end sees it (see ``ModelFront``)."""
+        return ModelFront(self.spec, str(self.dtype).removeprefix("torch."), str(self.device), str(self.attn_backend),
+                          self.preprocess_mode, self.cache_namespace, self.decoder())
 
     def _check_preprocess_mode(self, mode: str) -> None:
         """Raises where the family's config cannot be reproduced in ``mode``."""
@@ -305,8 +352,12 @@ class PendingEmbeddings:
             return None
         return self._started.elapsed_time(self._done) / 1000.0
 
-    def wait(self) -> list[torch.Tensor]:
-        """One CPU tensor [num_tokens_i, hidden] per image, once the copy has landed."""
+    def wait_packed(self) -> torch.Tensor:
+        """All images' embeddings in one CPU tensor [sum(num_tokens), hidden], once the copy has landed."""
         if self._done is not None:
             self._done.synchronize()
-        return list(self._host.split(self._tokens))
+        return self._host
+
+    def wait(self) -> list[torch.Tensor]:
+        """One CPU tensor [num_tokens_i, hidden] per image, once the copy has landed."""
+        return list(self.wait_packed().split(self._tokens))

@@ -34,8 +34,7 @@ from ..metadata import (
     raster_position_ids,
     temporal_pool_index,
 )
-from ..preprocess.staged import DecodedImage
-from .base import Grid, ModelSpec, VisionModel, validate_batch
+from .base import Decoder, Grid, ModelSpec, VisionModel, validate_batch
 from .layers import activation
 
 MODEL_TYPE = "kimi_k25"
@@ -362,10 +361,10 @@ class KimiK25VisionModel(VisionModel):
         _, h, w = grid
         return int(h) * int(w) // self.spec.merge_unit
 
-    def decode(self, image_bytes: bytes, max_image_pixels: int | None = None) -> DecodedImage:
+    def decoder(self) -> Decoder:
         from ..preprocess.kimi_k25 import decode_kimi_k25
 
-        return decode_kimi_k25(image_bytes, self.preprocess_config, self.preprocess_mode, max_image_pixels)
+        return Decoder(decode_kimi_k25, self.preprocess_config, self.preprocess_mode)
 
     def _value_table(self) -> torch.Tensor:
         from ..preprocess.kimi_k25 import value_table

@@ -19,9 +19,8 @@ from torch import nn
 from ..attention import AttentionBackend, fused_window
 from ..device import host_to_device
 from ..metadata import BatchMetadata, SpatialConfig, build_metadata
-from ..preprocess.staged import DecodedImage
 from . import qwen2_5_vl_folded as folded
-from .base import ModelSpec, VisionModel
+from .base import Decoder, ModelSpec, VisionModel
 from .layers import RMSNorm, activation, apply_rotary, rms_norm
 
 MODEL_TYPE = "qwen2_5_vl"
@@ -348,10 +347,10 @@ class Qwen2_5_VLVisionModel(VisionModel):
         usable = self.device.type == "cuda" and self.backend.graph_safe
         self.graphs = GraphCache(capacity) if usable and capacity > 0 else None
 
-    def decode(self, image_bytes: bytes, max_image_pixels: int | None = None) -> DecodedImage:
+    def decoder(self) -> Decoder:
         from ..preprocess.qwen2_vl import decode_qwen2_vl
 
-        return decode_qwen2_vl(image_bytes, self.preprocess_config, self.preprocess_mode, max_image_pixels)
+        return Decoder(decode_qwen2_vl, self.preprocess_config, self.preprocess_mode)
 
     def _check_preprocess_mode(self, mode: str) -> None:
         from ..preprocess.qwen2_vl import check_mode

@@ -1,0 +1,27 @@
+"""Loading the model the engine serves: one place for the flags that shape it (model, device,
+dtype, attention backend, preprocessing mode, CUDA graphs), used by the in-process worker and by
+every worker process alike."""
+
+from __future__ import annotations
+
+import logging
+
+from ..config import ServiceConfig
+
+log = logging.getLogger(__name__)
+
+
+def load_model(config: ServiceConfig, device: str | None = None):
+    """The configured model on ``device`` (``config.device`` by default), warm-up not yet run."""
+    from ..models import load_vision_model  # pulls in torch and the kernels: not at import time
+
+    model = load_vision_model(config.model_or_default, device=device or config.device, dtype=config.dtype,
+                              attn_backend=config.attn_backend, preprocess=config.preprocess)
+    model.set_cuda_graphs(config.cuda_graphs)
+    if model.graphs is not None:
+        log.info("CUDA graphs on %s: up to %d batch compositions, each captured the second time it is seen",
+                 model.device, model.graphs.capacity)
+    else:
+        log.info("CUDA graphs on %s: off (cuda-graphs %d, attention backend %s)", model.device,
+                 config.cuda_graphs, model.attn_backend)
+    return model

@@ -1,0 +1,144 @@
+"""``--devices``: one worker process per device behind one front end, on the CPU (``cpu,cpu``).
+
+The same hand-off the GPU node uses (shared memory both ways, workers started with spawn, restart
+of a dead worker) runs here on every push; the GPU figures and the one-process-per-GPU check are
+``gpu`` tests (tests/test_gpu_workers.py).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from encoder_client import EncoderClient
+from PIL import Image
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def png(seed: int, height: int = 112, width: int = 140) -> bytes:
+    buffer = io.BytesIO()
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def worker_pids(server) -> dict[str, int]:
+    """Device label -> pid of its worker process now (the latest start the log reports)."""
+    return {label: int(pid) for label, pid in re.findall(r"worker on (\S+) \(pid (\d+)\)", server.log_text())}
+
+
+@pytest.fixture(scope="module")
+def two_workers(start_encoder_server):
+    return start_encoder_server("--devices", "cpu,cpu", "--max-batch-tokens", "4096", "--batch-wait-ms", "0")
+
+
+@pytest.fixture(scope="module")
+def in_process(start_encoder_server):
+    return start_encoder_server("--max-batch-tokens", "4096", "--batch-wait-ms", "0")
+
+
+def test_workers_start_as_processes_of_their_own_and_the_model_says_where_it_runs(two_workers):
+    pids = worker_pids(two_workers)
+    assert set(pids) == {"cpu:0", "cpu:1"}
+    assert len(set(pids.values())) == 2 and two_workers.pid not in pids.values()
+    for pid in pids.values():
+        os.kill(pid, 0)  # alive
+    with EncoderClient(two_workers.target) as client:
+        assert client.model_info().device == "cpu:0,cpu:1"
+    assert two_workers.metric("encoder_service_workers_up", 'device="cpu:0"') == 1
+    assert two_workers.metric("encoder_service_workers_up", 'device="cpu:1"') == 1
+
+
+def test_embeddings_through_worker_processes_equal_the_in_process_server(two_workers, in_process):
+    images = [png(seed, 84 + 28 * (seed % 3), 112) for seed in range(6)]
+    rng = np.random.default_rng(7)
+    patches = (rng.standard_normal((64, 1176)).astype(np.float32), (1, 8, 8))
+    with EncoderClient(two_workers.target) as a, EncoderClient(in_process.target) as b:
+        got = a.encode([*images, patches])
+        want = b.encode([*images, patches])
+        assert a.model_info().cache_namespace == b.model_info().cache_namespace
+    for g, w in zip(got, want):
+        assert g.content_hash == w.content_hash and g.grid_thw == w.grid_thw
+        np.testing.assert_allclose(g.embedding, w.embedding, rtol=1e-5, atol=1e-6)
+
+
+def test_concurrent_load_is_spread_over_both_workers(two_workers):
+    before = {d: two_workers.metric("encoder_service_forward_batches_total", f'device="{d}"')
+              for d in ("cpu:0", "cpu:1")}
+    images = [png(1000 + i, 224, 224) for i in range(24)]
+    with EncoderClient(two_workers.target) as client, ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda image: client.encode([image])[0], images))
+    assert len({r.content_hash for r in results}) == len(images)
+    for device, count in before.items():
+        assert two_workers.metric("encoder_service_forward_batches_total", f'device="{device}"') > count, device
+
+
+def test_a_killed_worker_loses_no_request_and_comes_back_while_the_node_keeps_serving(start_encoder_server):
+    server = start_encoder_server("--devices", "cpu,cpu", "--max-batch-tokens", "16384", "--batch-wait-ms", "0")
+    victim = worker_pids(server)["cpu:1"]
+    statuses: list[str] = []
+    stop = threading.Event()
+
+    def watch_health():
+        while not stop.is_set():
+            statuses.append(server.health(timeout_s=5.0))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch_health, daemon=True)
+    watcher.start()
+    # Images large enough that a forward takes a while: the kill lands inside one.
+    images = [png(2000 + i, 896, 896) for i in range(24)]
+    errors: list[BaseException] = []
+    with EncoderClient(server.target, retries=8, timeout_s=120) as client, ThreadPoolExecutor(6) as pool:
+        def encode(image):
+            try:
+                return client.encode([image])[0]
+            except BaseException as exc:
+                errors.append(exc)
+                raise
+
+        futures = [pool.submit(encode, image) for image in images]
+        deadline = time.monotonic() + 30
+        while server.metric("encoder_service_forward_batches_total", 'device="cpu:1"') < 1:
+            assert time.monotonic() < deadline, "worker cpu:1 never ran a forward"
+            time.sleep(0.01)
+        os.kill(victim, signal.SIGKILL)
+        results = [f.result() for f in futures]
+    assert not errors and len(results) == len(images)
+    deadline = time.monotonic() + 60
+    while worker_pids(server)["cpu:1"] == victim or server.metric("encoder_service_workers_up", 'device="cpu:1"') != 1:
+        assert time.monotonic() < deadline, "the killed worker did not come back"
+        time.sleep(0.1)
+    stop.set()
+    watcher.join()
+    assert statuses and set(statuses) == {"SERVING"}, statuses
+    assert server.metric("encoder_service_worker_restarts_total", 'device="cpu:1"') == 1
+    assert "worker on cpu:1 died" in server.log_text()
+    with EncoderClient(server.target) as client:  # the restarted worker serves again
+        assert client.encode([png(3000)])[0].embedding.shape[1] == 48
+
+
+def test_a_node_whose_only_worker_died_is_not_serving_until_it_is_back(start_encoder_server):
+    server = start_encoder_server("--devices", "cpu")
+    victim = worker_pids(server)["cpu:0"]
+    os.kill(victim, signal.SIGKILL)
+    seen = set()
+    deadline = time.monotonic() + 60
+    while True:
+        status = server.health(timeout_s=5.0)
+        seen.add(status)
+        if status == "SERVING" and worker_pids(server)["cpu:0"] != victim:
+            break
+        assert time.monotonic() < deadline, f"never SERVING again; saw {seen}"
+        time.sleep(0.02)
+    assert "NOT_SERVING" in seen
+    with EncoderClient(server.target) as client:
+        assert len(client.encode([png(4000)])) == 1
