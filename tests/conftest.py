@@ -153,11 +153,27 @@ def start_encoder_server(tmp_path_factory) -> Iterator[Callable[..., RunningServ
         server.stop()
 
 
+SERVER_MODES = {"in-process": (), "workers": ("--devices", "cpu,cpu")}
+
+
+def pytest_generate_tests(metafunc):
+    """Modules that set ``ALSO_WITH_WORKER_PROCESSES = True`` run every test on ``encoder_server``
+    twice: against the in-process worker and against two worker processes (``--devices cpu,cpu``),
+    so the multi-process hand-off passes the same server tests on every push."""
+    if "encoder_server" in metafunc.fixturenames and getattr(metafunc.module, "ALSO_WITH_WORKER_PROCESSES", False):
+        metafunc.parametrize("server_mode", list(SERVER_MODES), indirect=True, scope="module")
+
+
 @pytest.fixture(scope="module")
-def encoder_server(start_encoder_server) -> RunningServer:
+def server_mode(request) -> str:
+    return getattr(request, "param", "in-process")
+
+
+@pytest.fixture(scope="module")
+def encoder_server(start_encoder_server, server_mode) -> RunningServer:
     """One shared server per test module (tiny preset, limits small enough to test cheaply)."""
     return start_encoder_server("--max-batch-tokens", "4096", "--max-message-bytes", str(8 << 20),
-                                "--max-image-pixels", "4000000")
+                                "--max-image-pixels", "4000000", *SERVER_MODES[server_mode])
 
 
 # --- tools the operations tests run (scripts/ci_tools.sh installs them) ---------------------------------

@@ -19,6 +19,10 @@ from bench.reliability.sinks import SinkServer, receiver
 
 GRID = (1, 8, 8)
 
+# The same tests against two worker processes (--devices cpu,cpu): conftest.pytest_generate_tests.
+ALSO_WITH_WORKER_PROCESSES = True
+
+
 
 def patches(seed: int, grid=GRID) -> tuple[np.ndarray, tuple[int, int, int]]:
     n = int(np.prod(grid))

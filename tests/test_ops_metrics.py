@@ -12,6 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from encoder_service import metrics
 
 pytestmark = pytest.mark.timeout(120)
+# The same tests against two worker processes (--devices cpu,cpu): conftest.pytest_generate_tests.
+ALSO_WITH_WORKER_PROCESSES = True
 
 
 @pytest.fixture(scope="module")
@@ -40,16 +42,26 @@ def test_latency_histograms_resolve_milliseconds(families):
         assert bounds[0] <= 0.0005 and 0.001 in bounds and 1.0 in bounds and bounds[-2] >= 30, family.name
 
 
-def test_model_info_names_version_model_backend_device_and_dtype(families):
+DEVICES = {"in-process": ["cpu"], "workers": ["cpu:0", "cpu:1"]}
+
+
+def test_model_info_names_version_model_backend_device_and_dtype(families, server_mode):
     (sample,) = [s for f in families.values() for s in f.samples if s.name == "encoder_service_model_info"]
     assert sample.value == 1
     assert sample.labels == {"version": "0.1.0", "model": sample.labels["model"], "model_type": "qwen2_5_vl",
-                             "backend": "sdpa", "device": "cpu", "dtype": "float32"}
+                             "backend": "sdpa", "device": ",".join(DEVICES[server_mode]), "dtype": "float32"}
 
 
-def test_gpu_memory_is_zero_on_a_cpu_model_and_present_for_dashboards(families):
+def test_gpu_memory_is_zero_on_a_cpu_model_and_present_for_dashboards(families, server_mode):
     for name in ("encoder_service_gpu_memory_allocated_bytes", "encoder_service_gpu_memory_reserved_bytes"):
-        assert [(s.labels, s.value) for s in families[name].samples] == [({"device": "cpu"}, 0.0)]
+        assert [(s.labels, s.value) for s in families[name].samples] == [
+            ({"device": d}, 0.0) for d in DEVICES[server_mode]]
+
+
+def test_every_device_has_its_forward_series_and_an_up_worker_before_its_first_forward(families, server_mode):
+    for name in ("encoder_service_forward_batches", "encoder_service_forward_seconds", "encoder_service_workers_up"):
+        assert {s.labels["device"] for s in families[name].samples} == set(DEVICES[server_mode]), name
+    assert {s.value for s in families["encoder_service_workers_up"].samples} == {1.0}
 
 
 def test_gpu_memory_collector_reads_each_device_at_scrape_time():

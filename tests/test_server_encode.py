@@ -16,6 +16,8 @@ from PIL import Image
 from encoder_service.models import load_vision_model
 
 pytestmark = pytest.mark.timeout(120)
+# The same tests against two worker processes (--devices cpu,cpu): conftest.pytest_generate_tests.
+ALSO_WITH_WORKER_PROCESSES = True
 
 FORWARDS = "encoder_service_forward_batches_total"
 
@@ -143,7 +145,7 @@ def test_output_dtypes_are_the_float32_embedding_cast(client):
 def test_model_info_health_and_reflection(client, encoder_server):
     info = client.model_info()
     assert info.model_type == "qwen2_5_vl" and info.hidden_size == 48 and info.patch_dim == 1176
-    assert info.device == "cpu" and info.dtype == "float32" and info.max_batch_tokens == 4096
+    assert info.device in ("cpu", "cpu:0,cpu:1") and info.dtype == "float32" and info.max_batch_tokens == 4096
     assert client.health() == "SERVING"
     log = encoder_server.log_text()
     assert "tiny-qwen2.5-vl" in log and "dtype float32" in log and "attention backend" in log and "cache" in log

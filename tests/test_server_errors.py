@@ -14,6 +14,8 @@ from encoder_client._proto.encoder.v1 import encoder_pb2_grpc
 from PIL import Image
 
 pytestmark = pytest.mark.timeout(120)
+# The same tests against two worker processes (--devices cpu,cpu): conftest.pytest_generate_tests.
+ALSO_WITH_WORKER_PROCESSES = True
 
 PATCH_DIM = 1176
 INVALID, NOT_FOUND, EXHAUSTED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,

@@ -1,0 +1,137 @@
+"""One node, one and several GPUs, through the service: the same images, clients and flags against
+``--devices 0`` and ``--devices 0,1`` (or any ``--setups``) in one run.
+
+    python bench/multi_gpu_scaling.py --setups "0;0,1" --concurrency 64 --seconds 15 \
+        --out scaling.json [-- EXTRA SERVE FLAGS]
+
+For each setup: a fresh server process (so every image is new to its cache), ``--concurrency``
+clients in client processes sending photo-like 1008x1008 JPEGs one per request (bf16 out), and
+while it is loaded, ``nvidia-smi --query-compute-apps``: which processes hold a CUDA context on
+which GPU, checked against the server's own process (the front end, which must hold none) and its
+worker processes (one per GPU, each on its own). Prints images/s per setup and the ratio of each to
+the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.service_throughput import drive, make_images, start_server  # noqa: E402
+
+
+def _smi(*query: str) -> list[list[str]]:
+    out = subprocess.run(["nvidia-smi", *query, "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                         check=True).stdout
+    return [[field.strip() for field in line.split(",")] for line in out.strip().splitlines() if line.strip()]
+
+
+def gpu_processes(front_pid: int, log_text: str) -> dict:
+    """Who holds a CUDA context where, for the server's processes."""
+    index_of = {uuid: int(index) for index, uuid in _smi("--query-gpu=index,uuid")}
+    apps = [(int(pid), index_of.get(uuid, -1), float(mem)) for pid, uuid, mem in
+            _smi("--query-compute-apps=pid,gpu_uuid,used_memory")]
+    workers = {label: int(pid) for label, pid in re.findall(r"worker on (\S+) \(pid (\d+)\)", log_text)}
+    on_gpu: dict[int, list[int]] = {}
+    for pid, gpu, _ in apps:
+        on_gpu.setdefault(pid, []).append(gpu)
+    return {
+        "front_end_pid": front_pid,
+        "front_end_gpus": on_gpu.get(front_pid, []),
+        "workers": {label: {"pid": pid, "gpus": on_gpu.get(pid, [])} for label, pid in workers.items()},
+        "compute_apps": [{"pid": pid, "gpu": gpu, "used_memory_mib": mem} for pid, gpu, mem in apps],
+    }
+
+
+def run_setup(devices: str, images: list[bytes], args) -> dict:
+    args.serve_args = ["--devices", devices, *args.extra]
+    log_path = (args.out.with_suffix(f".devices-{devices.replace(',', '_')}.log") if args.out
+                else Path(f"scaling.devices-{devices.replace(',', '_')}.log"))
+    proc, target = start_server(args, log_path)
+    snapshot: dict = {}
+
+    def look_while_loaded() -> None:
+        time.sleep(8.0 + 0.1 * args.concurrency + args.seconds / 2)  # inside the measured window
+        try:
+            snapshot.update(gpu_processes(proc.pid, log_path.read_text()))
+        except Exception as exc:  # no nvidia-smi: report it rather than fail the measurement
+            snapshot["error"] = repr(exc)
+
+    looker = threading.Thread(target=look_while_loaded)
+    looker.start()
+    try:
+        result = drive(target, args.concurrency, images, args, warmup=2)
+    finally:
+        looker.join()
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    result["devices"] = devices
+    result["gpu_processes"] = snapshot
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(prog="multi_gpu_scaling", description=__doc__.split("\n\n")[0])
+    p.add_argument("--setups", default="0;0,1", help="--devices values separated by ';' (the first is the base)")
+    p.add_argument("--model", default="qwen2.5-vl-7b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--attn-backend", default="auto")
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--seconds", type=float, default=15.0)
+    p.add_argument("--images", type=int, default=2400, help="distinct JPEGs, reused by every setup (fresh servers)")
+    p.add_argument("--client-procs", type=int, default=8)
+    p.add_argument("--start-timeout-s", type=float, default=600)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    args.extra = extra
+    args.device = "cuda"  # start_server passes --device; --devices decides
+    args.server_cwd = str(ROOT)
+
+    result: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "host": platform.node(), "cpus": os.cpu_count(),
+                    "command": " ".join(["bench/multi_gpu_scaling.py", *sys.argv[1:]]), "model": args.model,
+                    "dtype": args.dtype, "concurrency": args.concurrency}
+    with contextlib.suppress(Exception):  # no nvidia-smi: the figures stand without the names
+        result["gpus"] = [name for (name,) in _smi("--query-gpu=name")]
+    t0 = time.perf_counter()
+    images = make_images(args.images, first_seed=5000, procs=min(32, os.cpu_count() or 2))
+    print(f"generated {len(images)} JPEGs in {time.perf_counter() - t0:.0f} s", flush=True)
+    result["setups"] = []
+    for devices in args.setups.split(";"):
+        r = run_setup(devices, images, args)
+        print(f"--devices {devices}:", json.dumps(r), flush=True)
+        result["setups"].append(r)
+    base = result["setups"][0].get("images_per_s")
+    for r in result["setups"]:
+        if base and r.get("images_per_s"):
+            r["ratio_to_first"] = r["images_per_s"] / base
+        print(f"--devices {r['devices']:>8}: {r.get('images_per_s', 0):6.1f} img/s (x{r.get('ratio_to_first', 0):.2f})"
+              f"  p50 {r.get('latency_p50_ms', 0):.0f} ms p99 {r.get('latency_p99_ms', 0):.0f} ms  server p50: "
+              f"queue {r.get('server_queue_ms_p50', 0):.1f} preprocess {r.get('server_preprocess_ms_p50', 0):.1f} "
+              f"forward {r.get('server_forward_ms_p50', 0):.1f} ms", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
