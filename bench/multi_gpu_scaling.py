@@ -55,19 +55,32 @@ def gpu_processes(front_pid: int, log_text: str) -> dict:
     }
 
 
+def profile(pid: int, stem: Path) -> None:
+    """Where the CPU goes under load: every thread of the machine from top, and the server's Python
+    stacks (front end and workers) from py-spy, sampled for 5 s, as collapsed stacks."""
+    with open(f"{stem}.top.txt", "w") as f:
+        subprocess.run(["top", "-b", "-H", "-n", "1", "-w", "400"], stdout=f, stderr=subprocess.STDOUT, timeout=30)
+    subprocess.run(["py-spy", "record", "-p", str(pid), "--subprocesses", "--nonblocking", "-d", "5", "-r", "200",
+                    "--format", "raw", "-o", f"{stem}.pyspy.txt"], stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, timeout=60)
+
+
 def run_setup(devices: str, images: list[bytes], args) -> dict:
-    args.serve_args = ["--devices", devices, *args.extra]
+    # "in-process": the one-device server without worker processes (--device cuda), for comparison.
+    args.serve_args = [*args.extra] if devices == "in-process" else ["--devices", devices, *args.extra]
     log_path = (args.out.with_suffix(f".devices-{devices.replace(',', '_')}.log") if args.out
                 else Path(f"scaling.devices-{devices.replace(',', '_')}.log"))
     proc, target = start_server(args, log_path)
     snapshot: dict = {}
 
     def look_while_loaded() -> None:
-        time.sleep(8.0 + 0.1 * args.concurrency + args.seconds / 2)  # inside the measured window
+        time.sleep(8.0 + 0.1 * args.concurrency + args.seconds / 4)  # inside the measured window
         try:
             snapshot.update(gpu_processes(proc.pid, log_path.read_text()))
         except Exception as exc:  # no nvidia-smi: report it rather than fail the measurement
             snapshot["error"] = repr(exc)
+        if devices in args.profile:
+            profile(proc.pid, log_path.with_suffix(""))
 
     looker = threading.Thread(target=look_while_loaded)
     looker.start()
@@ -92,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
     p = argparse.ArgumentParser(prog="multi_gpu_scaling", description=__doc__.split("\n\n")[0])
-    p.add_argument("--setups", default="0;0,1", help="--devices values separated by ';' (the first is the base)")
+    p.add_argument("--setups", default="0;0,1", help="--devices values separated by ';' (the first is the base); "
+                   "'in-process' is the one-GPU server without worker processes")
     p.add_argument("--model", default="qwen2.5-vl-7b")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--attn-backend", default="auto")
@@ -102,8 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--client-procs", type=int, default=8)
     p.add_argument("--start-timeout-s", type=float, default=600)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--profile", default="", help="setups (';'-separated) to profile with top and py-spy while loaded")
     args = p.parse_args(argv)
     args.extra = extra
+    args.profile = [x for x in args.profile.split(";") if x]
     args.device = "cuda"  # start_server passes --device; --devices decides
     args.server_cwd = str(ROOT)
 

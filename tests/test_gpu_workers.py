@@ -4,9 +4,11 @@ service, one CUDA context per GPU and none in the front end, and a worker killed
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO_ROOT
@@ -27,11 +29,14 @@ needs_two_gpus = pytest.mark.skipif(_gpu_count() < 2, reason="needs two GPUs of 
 
 @needs_two_gpus
 def test_two_gpus_serve_at_least_1_9x_one_with_one_process_per_gpu_and_none_in_the_front_end(tmp_path):
-    out = tmp_path / "scaling.json"
-    cmd = [sys.executable, "bench/multi_gpu_scaling.py", "--setups", "0;0,1", "--concurrency", "64",
-           "--seconds", "15", "--images", "2400", "--out", str(out), "--", "--max-batch-tokens", "65536"]
+    # BENCH_OUT_DIR keeps the figures and server logs (bench/RESULTS.md quotes them); the in-process
+    # one-GPU server runs too, for the record, and is not part of the check.
+    out = Path(os.environ.get("BENCH_OUT_DIR") or tmp_path) / "scaling.json"
+    cmd = [sys.executable, "bench/multi_gpu_scaling.py", "--setups", "0;0,1;in-process", "--concurrency", "64",
+           "--seconds", "15", "--images", "2400", "--out", str(out),
+           "--profile", os.environ.get("BENCH_PROFILE", ""), "--", "--max-batch-tokens", "65536"]
     subprocess.run(cmd, cwd=REPO_ROOT, check=True, timeout=840)
-    one, two = json.loads(out.read_text())["setups"]
+    one, two, _ = json.loads(out.read_text())["setups"]
     assert two["ratio_to_first"] >= 1.9, (one["images_per_s"], two["images_per_s"])
     for setup, gpus in ((one, [0]), (two, [0, 1])):
         seen = setup["gpu_processes"]

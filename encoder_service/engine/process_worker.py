@@ -28,6 +28,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ IN_FLIGHT = 2  # one batch on the device, the next staged behind it
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 STOP_TIMEOUT_S = 10.0
 LIVENESS_CHECK_S = 0.25  # an idle worker's death is noticed within this
+POLL_S = 0.0005  # while one batch runs: how often both ends look for the next message
 _ALIGN = 64
 _SPAWN_LOCK = threading.Lock()  # CUDA_VISIBLE_DEVICES is set in our environment around each spawn
 
@@ -250,7 +252,10 @@ class WorkerProcess:
                         seq, self._seq = self._seq, self._seq + 1
                         in_flight.append((seq, seq % IN_FLIGHT, batch, time.perf_counter()))
                         self._send(seq, seq % IN_FLIGHT, batch)
-                if in_flight and (len(in_flight) == IN_FLIGHT or not batch):
+                # Full: wait for the oldest answer. One in flight and nothing new queued: look at
+                # the pipe for a moment, then at the queue again, so that work arriving meanwhile
+                # reaches the worker before the running batch ends.
+                if in_flight and (len(in_flight) == IN_FLIGHT or (not batch and self._conn.poll(POLL_S))):
                     self._receive(in_flight[0])  # stays listed until answered: a death fails it too
                     in_flight.popleft()
         except (EOFError, OSError) as exc:
@@ -275,7 +280,7 @@ class WorkerProcess:
         buffer = self._in[slot]
         described = []
         for start, payload in layout:
-            buffer.view(start, payload.nbytes)[:] = payload.host_bytes()
+            _copy_bytes(buffer.view(start, payload.nbytes), payload.host_bytes())
             described.append(_describe(start, payload))
         self._conn.send(("batch", seq, slot, described, out_bytes))
 
@@ -340,6 +345,19 @@ class WorkerProcess:
             self._loop.call_soon_threadsafe(fn, arg)
 
 
+def _copy_bytes(dst, src) -> None:
+    """dst[:] = src for uint8 arrays, through torch, which copies without holding the GIL (numpy
+    holds it: megabytes per image would stall the event loop)."""
+    import torch
+
+    if not len(src):
+        return
+    with warnings.catch_warnings():  # a read-only source (request bytes) is only read here
+        warnings.simplefilter("ignore", UserWarning)
+        source = torch.from_numpy(src)
+    torch.from_numpy(dst).copy_(source)
+
+
 def _describe(offset: int, payload) -> tuple:
     from ..preprocess.staged import DecodedImage
 
@@ -387,6 +405,10 @@ def _child_main(conn: Connection, config: ServiceConfig, device: str, label: str
         return
     conn.send(("ready", model.front(), warmup_s))
     _ChildLoop(conn, model).run()
+    # Interpreter teardown would only make the cuDNN frontend's nanobind module print hundreds of
+    # "leaked instance" lines (its objects live in module caches): everything is answered, leave.
+    logging.shutdown()
+    os._exit(0)
 
 
 class _ChildLoop:
@@ -395,13 +417,25 @@ class _ChildLoop:
         self.model = model
         self.buffers: dict[tuple[str, int], SharedBuffer] = {}
 
+    def _next_message(self, pending: deque) -> tuple | None:
+        """The next message, or None when the oldest batch in flight should be answered now.
+
+        With one batch on the device, waits for whichever comes first: the next batch (launched at
+        once, so the device never idles between the two) or the end of the one running."""
+        if not pending:
+            return self.conn.recv()
+        while len(pending) < IN_FLIGHT:
+            if self.conn.poll(POLL_S):
+                return self.conn.recv()
+            if pending[0][3].ready():
+                return None
+        return None
+
     def run(self) -> None:
         pending: deque[tuple[int, int, int, object]] = deque()
         while True:
-            msg = None
             try:
-                if not pending or self.conn.poll():
-                    msg = self.conn.recv()
+                msg = self._next_message(pending)
             except (EOFError, OSError):
                 return  # the front end is gone: nobody to answer
             if msg is not None and msg[0] == "stop":

@@ -352,6 +352,10 @@ class PendingEmbeddings:
             return None
         return self._started.elapsed_time(self._done) / 1000.0
 
+    def ready(self) -> bool:
+        """Whether ``wait`` would return at once (the copy back has landed); never blocks."""
+        return self._done is None or self._done.query()
+
     def wait_packed(self) -> torch.Tensor:
         """All images' embeddings in one CPU tensor [sum(num_tokens), hidden], once the copy has landed."""
         if self._done is not None:
