@@ -45,6 +45,7 @@ from .worker import BatchOutcome
 log = logging.getLogger(__name__)
 
 IN_FLIGHT = 2  # one batch on the device, the next staged behind it
+SLOTS = IN_FLIGHT + 1  # shared buffers each way: one more for the batch being copied out
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 STOP_TIMEOUT_S = 10.0
 LIVENESS_CHECK_S = 0.25  # an idle worker's death is noticed within this
@@ -134,8 +135,8 @@ class WorkerProcess:
         self._proc = None
         self._conn: Connection | None = None
         self._stopping = False
-        self._in: list[SharedBuffer | None] = [None] * IN_FLIGHT
-        self._out: list[SharedBuffer | None] = [None] * IN_FLIGHT
+        self._in: list[SharedBuffer | None] = [None] * SLOTS
+        self._out: list[SharedBuffer | None] = [None] * SLOTS
         self._seq = 0
         self._ready: concurrent.futures.Future[float] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, name=f"worker-{device.label}", daemon=True)
@@ -217,8 +218,8 @@ class WorkerProcess:
                         os.environ["CUDA_VISIBLE_DEVICES"] = saved
         child.close()  # ours would keep the pipe open after the child died: no EOF would come
         self._proc, self._conn, self.pid = proc, parent, proc.pid
-        self._in = [None] * IN_FLIGHT
-        self._out = [None] * IN_FLIGHT
+        self._in = [None] * SLOTS
+        self._out = [None] * SLOTS
         if self._stopping:
             raise WorkerDied("stopping")
         try:
@@ -237,27 +238,37 @@ class WorkerProcess:
 
     def _serve(self) -> None:
         in_flight: deque[tuple[int, int, list[WorkItem], float]] = deque()
+        answered = None  # a batch answered but not yet copied out of shared memory
         try:
             while True:
                 batch = None
                 if len(in_flight) < IN_FLIGHT:
+                    idle = not in_flight and answered is None
                     batch = self._queue.take_batch(self.config.max_batch_tokens, self.config.batch_wait_ms / 1000.0,
-                                                   block=not in_flight, idle_timeout_s=LIVENESS_CHECK_S)
-                    if batch is None and not in_flight:
+                                                   block=idle, idle_timeout_s=LIVENESS_CHECK_S)
+                    if batch is None and idle:
                         return  # closed, and everything answered
-                    if not batch and not in_flight and not self._proc.is_alive():
+                    if not batch and idle and not self._proc.is_alive():
                         raise EOFError("worker process gone while idle")
                     if batch:
                         self._post(self._on_batch_start, batch)
                         seq, self._seq = self._seq, self._seq + 1
-                        in_flight.append((seq, seq % IN_FLIGHT, batch, time.perf_counter()))
-                        self._send(seq, seq % IN_FLIGHT, batch)
+                        in_flight.append((seq, seq % SLOTS, batch, time.perf_counter()))
+                        self._send(seq, seq % SLOTS, batch)
+                # The next batch went out first (above): the copy out of this one's embeddings
+                # then overlaps the device's work instead of delaying it.
+                if answered is not None:
+                    self._deliver(*answered)
+                    answered = None
+                    continue
                 # Full: wait for the oldest answer. One in flight and nothing new queued: look at
                 # the pipe for a moment, then at the queue again, so that work arriving meanwhile
                 # reaches the worker before the running batch ends.
                 if in_flight and (len(in_flight) == IN_FLIGHT or (not batch and self._conn.poll(POLL_S))):
-                    self._receive(in_flight[0])  # stays listed until answered: a death fails it too
-                    in_flight.popleft()
+                    msg = self._answer(in_flight[0])  # listed until answered: a death fails it too
+                    entry = in_flight.popleft()
+                    if msg is not None:
+                        answered = (entry, msg)
         except (EOFError, OSError) as exc:
             code = self._exit_code()
             error = Unavailable(f"device worker {self.device.label} stopped (exit code {code}) during the "
@@ -294,16 +305,22 @@ class WorkerProcess:
         if old is not None:
             old.close()
 
-    def _receive(self, entry: tuple[int, int, list[WorkItem], float]) -> None:
-        seq, slot, batch, started = entry
+    def _answer(self, entry: tuple[int, int, list[WorkItem], float]) -> tuple | None:
+        """The worker's answer to the oldest batch; a failed batch is reported here (None)."""
+        seq, _, batch, started = entry
         msg = self._conn.recv()
         if msg[1] != seq:
             raise OSError(f"worker answered batch {msg[1]}, expected {seq}")
         if msg[0] == "error":
             self._post(self._on_batch_done, BatchOutcome(batch, None, msg[2], started,
                                                          time.perf_counter() - started, self.device.label))
-            return
+            return None
+        return msg
+
+    def _deliver(self, entry: tuple[int, int, list[WorkItem], float], msg: tuple) -> None:
+        _, slot, batch, started = entry
         _, _, forward_s, self.memory = msg
+        # Its output slot is written again only by the batch three after it: not yet sent.
         embeddings = _copy_out(self._out[slot], batch, self.front)
         self._post(self._on_batch_done, BatchOutcome(batch, embeddings, None, started, forward_s, self.device.label))
 
