@@ -57,12 +57,16 @@ def gpu_processes(front_pid: int, log_text: str) -> dict:
 
 def profile(pid: int, stem: Path) -> None:
     """Where the CPU goes under load: every thread of the machine from top, and the server's Python
-    stacks (front end and workers) from py-spy, sampled for 5 s, as collapsed stacks."""
+    stacks from py-spy as collapsed stacks: 5 s of every running thread (front end and workers),
+    then 5 s of the front end's GIL holder only."""
     with open(f"{stem}.top.txt", "w") as f:
         subprocess.run(["top", "-b", "-H", "-n", "1", "-w", "400"], stdout=f, stderr=subprocess.STDOUT, timeout=30)
-    subprocess.run(["py-spy", "record", "-p", str(pid), "--subprocesses", "--nonblocking", "-d", "5", "-r", "200",
-                    "--format", "raw", "-o", f"{stem}.pyspy.txt"], stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, timeout=60)
+    for name, extra in (("pyspy", ["--subprocesses"]), ("pyspy-gil", ["--gil"])):
+        # --gil: only samples of the thread holding the GIL; their sum over threads is the share
+        # of the time the GIL was held at all.
+        subprocess.run(["py-spy", "record", "-p", str(pid), *extra, "--nonblocking", "-d", "5", "-r", "200",
+                        "--format", "raw", "-o", f"{stem}.{name}.txt"], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, timeout=60)
 
 
 def run_setup(devices: str, images: list[bytes], args) -> dict:
@@ -74,7 +78,7 @@ def run_setup(devices: str, images: list[bytes], args) -> dict:
     snapshot: dict = {}
 
     def look_while_loaded() -> None:
-        time.sleep(8.0 + 0.1 * args.concurrency + args.seconds / 4)  # inside the measured window
+        time.sleep(8.0 + 0.1 * args.concurrency + 2.0)  # inside the measured window
         try:
             snapshot.update(gpu_processes(proc.pid, log_path.read_text()))
         except Exception as exc:  # no nvidia-smi: report it rather than fail the measurement
