@@ -21,7 +21,7 @@ from conftest import REPO_ROOT, find_tool
 from encoder_service.config import ENV_PREFIX, ServiceConfig, build_config
 
 K8S = REPO_ROOT / "deploy" / "k8s"
-OVERLAYS = ("cpu-demo", "gpu", "tls")
+OVERLAYS = ("cpu-demo", "gpu", "gpu-node", "tls")
 KUBERNETES_VERSION = "1.33.0"
 CRD_KINDS = {"ServiceMonitor", "Certificate"}
 
@@ -120,6 +120,17 @@ def test_gpu_overlay_requests_a_gpu_and_mounts_the_checkpoint_read_only():
     assert c["resources"]["requests"]["nvidia.com/gpu"] == 1 and c["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert {"name": "models", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
     assert one(docs, "Deployment")["spec"]["replicas"] == 2
+
+
+def test_gpu_node_overlay_serves_every_gpu_of_the_pod_from_one_front_end():
+    docs = build("gpu-node")
+    config = build_config(None, settings(docs))
+    assert config.devices == "all" and config.device == "cuda" and config.model.startswith("/models/")
+    c = container(docs)
+    gpus = c["resources"]["requests"]["nvidia.com/gpu"]
+    assert gpus >= 2 and c["resources"]["limits"]["nvidia.com/gpu"] == gpus
+    assert one(docs, "Deployment")["spec"]["replicas"] == 1
+    assert len([d for d in docs if d["kind"] == "ConfigMap"]) == 1  # merged into the base's, not beside it
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
