@@ -7,6 +7,7 @@ import pytest
 import torch
 from encoder_client._proto.encoder.v1 import encoder_pb2
 
+from encoder_service.api import streaming
 from encoder_service.api.streaming import embedding_chunks, serialized_chunks, wire_view
 from encoder_service.engine.types import ImageResult, Timing
 
@@ -38,3 +39,16 @@ def test_embedding_in_the_wire_dtype_is_sent_from_its_own_memory():
     assert view.nbytes == embedding.nbytes
     embedding[0, 0] = 42.0  # a view, not a copy: the change shows through
     assert bytes(view[:2]) == embedding[0, :1].view(torch.int16).numpy().tobytes()
+
+
+@pytest.mark.parametrize("out_dtype", [None, "bfloat16"])
+@pytest.mark.parametrize("max_chunk_bytes", [100_000, 4 << 20])
+def test_chunks_of_embeddings_large_enough_to_be_filled_without_the_gil_parse_the_same(out_dtype, max_chunk_bytes):
+    result = _result(torch.float32, tokens=1200, hidden=64)  # 307 KB: past GIL_FREE_MIN_BYTES per chunk
+    kwargs = {"request_id": "r" * 256, "out_dtype": out_dtype, "model_dtype": "float32",
+              "max_chunk_bytes": max_chunk_bytes}
+    expected = [c.SerializeToString() for c in embedding_chunks(result, **kwargs)]
+    got = list(serialized_chunks(result, **kwargs))
+    assert len(got) == len(expected) and max(len(g) for g in got) > streaming.GIL_FREE_MIN_BYTES
+    for raw, want in zip(got, expected):
+        assert encoder_pb2.EmbeddingChunk.FromString(raw) == encoder_pb2.EmbeddingChunk.FromString(want)

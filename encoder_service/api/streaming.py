@@ -9,9 +9,11 @@ memory: chunks are views of it until that join.
 
 from __future__ import annotations
 
+import ctypes
 import sys
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from encoder_client._proto.encoder.v1 import encoder_pb2
 
@@ -86,11 +88,38 @@ def serialized_chunks(result: ImageResult, *, request_id: str, out_dtype: str | 
                       max_chunk_bytes: int) -> Iterator[bytes]:
     """Like ``embedding_chunks``, as wire bytes (see the module docstring); parses to the same messages."""
     name = out_dtype or model_dtype
-    data = wire_view(result.embedding, torch_output_dtype(name, result.embedding.dtype))
+    data = np.frombuffer(wire_view(result.embedding, torch_output_dtype(name, result.embedding.dtype)), np.uint8)
     row_bytes = result.hidden_size * dtypes.ITEMSIZE[name]
     for header, start, stop in _headers(result, name, request_id, max_chunk_bytes):
         payload = data[start * row_bytes:stop * row_bytes]
-        parts = [header.SerializeToString()]
+        prefix = header.SerializeToString()
         if len(payload):  # proto3 leaves an empty bytes field off the wire
-            parts += [_DATA_TAG, _varint(len(payload)), payload]
-        yield b"".join(parts)
+            prefix += _DATA_TAG + _varint(len(payload))
+        yield _message(prefix, payload)
+
+
+# The embedding's bytes are copied into each message without holding the GIL: ``b"".join`` holds
+# it for the whole copy, and under load (megabytes per image, on the event loop) that copy was a
+# quarter of the time the front end held the GIL, starving the threads that feed the devices
+# (bench/RESULTS.md, "Several GPUs on one node"). No library offers "bytes from buffers without
+# the GIL", so this is our own: ``PyBytes_FromStringAndSize(NULL, n)`` is CPython's documented way
+# to get a bytes object to fill before it is shared, and ctypes' ``memmove`` releases the GIL.
+_GIL_FREE_BYTES = sys.implementation.name == "cpython"
+if _GIL_FREE_BYTES:
+    _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+    _new_bytes.restype = ctypes.py_object
+    _new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+    _BYTES_DATA_OFFSET = bytes.__basicsize__ - 1  # PyBytesObject.ob_sval
+GIL_FREE_MIN_BYTES = 64 * 1024  # below it a join is cheaper than two ctypes calls
+
+
+def _message(prefix: bytes, payload: np.ndarray) -> bytes:
+    """prefix + payload (contiguous uint8) as one new bytes object."""
+    n = len(payload)
+    if not _GIL_FREE_BYTES or n < GIL_FREE_MIN_BYTES:
+        return b"".join((prefix, payload))
+    out = _new_bytes(None, len(prefix) + n)
+    start = id(out) + _BYTES_DATA_OFFSET
+    ctypes.memmove(start, prefix, len(prefix))
+    ctypes.memmove(start + len(prefix), payload.ctypes.data, n)
+    return out
