@@ -29,8 +29,9 @@ from ..preprocess.staged import StagedInput, check_patch_bytes
 from .admission import Admission
 from .batch_queue import BatchQueue, WorkItem
 from .cache import CacheEntry, EmbeddingCache
+from .devices import parse_devices
 from .loading import load_model
-from .process_worker import WorkerProcess, parse_devices
+from .process_worker import WorkerProcess
 from .types import EngineStats, Grid, ImageInput, ImageResult, ModelDescription, Timing
 from .worker import BatchOutcome, DeviceWorker
 

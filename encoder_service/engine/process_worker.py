@@ -8,7 +8,7 @@ batch's uint8 pixels (or client patch bytes) into shared memory, sends their lay
 and copies the embeddings back out of shared memory when the worker answers. Only CPU memory and
 plain Python objects cross the boundary.
 
-The child (``_child_main``), started with spawn, loads the model on its device (the only device it
+The child (worker_child.py), started with spawn, loads the model on its device (the only device it
 can see: ``CUDA_VISIBLE_DEVICES`` is set to it, so no stray context lands on another GPU), runs
 the warm-up, and then runs the same two-in-flight loop as the in-process ``DeviceWorker``.
 
@@ -25,87 +25,29 @@ import contextlib
 import logging
 import multiprocessing
 import os
-import signal
 import threading
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import recv_handle, send_handle
+from multiprocessing.reduction import send_handle
 
 from ..config import ServiceConfig
 from ..errors import Unavailable
 from .batch_queue import BatchQueue, WorkItem
-from .convert import ITEMSIZE, torch_dtype
+from .convert import ITEMSIZE
+from .devices import WorkerDevice
+from .handoff import ALIGN, IN_FLIGHT, SLOTS, copy_bytes, copy_out, describe
 from .shared_buffer import SharedBuffer, grown
 from .worker import BatchOutcome
+from .worker_child import child_main
 
 log = logging.getLogger(__name__)
 
-IN_FLIGHT = 2  # one batch on the device, the next staged behind it
-SLOTS = IN_FLIGHT + 1  # shared buffers each way: one more for the batch being copied out
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 STOP_TIMEOUT_S = 10.0
 LIVENESS_CHECK_S = 0.25  # an idle worker's death is noticed within this
-POLL_S = 0.0005  # while one batch runs: how often the worker looks for the next batch
-_ALIGN = 64
 _SPAWN_LOCK = threading.Lock()  # CUDA_VISIBLE_DEVICES is set in our environment around each spawn
-
-
-@dataclass(frozen=True)
-class WorkerDevice:
-    """One entry of ``--devices``: the device the worker reports (``label``, e.g. cuda:1), the
-    device its model uses inside its process, and the CUDA_VISIBLE_DEVICES it gets (None: keep)."""
-
-    label: str
-    device: str
-    visible: str | None
-
-    @classmethod
-    def parse(cls, entry: str, position: int = 0) -> WorkerDevice:
-        entry = entry.strip()
-        if entry == "cpu":  # CPU workers are told apart by their place in --devices
-            return cls(f"cpu:{position}", "cpu", None)
-        index = entry.removeprefix("cuda:")
-        if not index.isdigit():
-            raise ValueError(f"--devices entry {entry!r} is neither cpu nor a GPU index (0, 1 or cuda:1)")
-        parent = os.environ.get("CUDA_VISIBLE_DEVICES")
-        # Indices count the GPUs this process may see, as torch's do.
-        visible = index if parent is None else _nth_visible(parent, int(index))
-        return cls(f"cuda:{index}", "cuda:0", visible)
-
-
-def parse_devices(spec: str) -> list[WorkerDevice]:
-    """``--devices``: ``0,1``, ``cuda:0,cuda:1``, ``cpu,cpu`` or ``all`` (every GPU this process
-    may see, counted through NVML: asking the CUDA runtime would initialise it here)."""
-    if spec.strip() == "all":
-        import torch
-
-        count = torch.cuda._device_count_nvml()
-        if count <= 0:
-            raise ValueError("--devices all: no GPU visible (NVML found none)")
-        entries = [str(i) for i in range(count)]
-    else:
-        entries = [e for e in spec.split(",") if e.strip()]
-    devices = [WorkerDevice.parse(e, i) for i, e in enumerate(entries)]
-    if not devices:
-        raise ValueError(f"--devices {spec!r} names no device")
-    labels = [d.label for d in devices]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"--devices {spec!r} names a GPU twice")
-    if len({d.device.split(":")[0] for d in devices}) != 1:
-        raise ValueError(f"--devices {spec!r} mixes CPU and GPU workers: one node computes one kind of embedding")
-    return devices
-
-
-def _nth_visible(visible: str, index: int) -> str:
-    entries = [e.strip() for e in visible.split(",") if e.strip()]
-    if index >= len(entries):
-        raise ValueError(f"--devices names GPU {index}, but CUDA_VISIBLE_DEVICES={visible!r} shows "
-                         f"{len(entries)} GPU(s)")
-    return entries[index]
 
 
 class WorkerDied(Exception):
@@ -201,7 +143,7 @@ class WorkerProcess:
     def _spawn(self) -> float:
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
-        proc = ctx.Process(target=_child_main, name=f"encoder-worker-{self.device.label}",
+        proc = ctx.Process(target=child_main, name=f"encoder-worker-{self.device.label}",
                            args=(child, self.config, self.device.device, self.device.label, self._threads),
                            daemon=True)
         with _SPAWN_LOCK:
@@ -283,7 +225,7 @@ class WorkerProcess:
         for item in batch:
             payload = item.payload
             layout.append((offset, payload))
-            offset += (payload.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+            offset += (payload.nbytes + ALIGN - 1) // ALIGN * ALIGN
         out_bytes = sum(self.front.num_tokens(item.grid) for item in batch) * self.front.spec.hidden_size \
             * ITEMSIZE[self.front.dtype]
         self._ensure(self._in, "in", slot, offset)
@@ -291,8 +233,8 @@ class WorkerProcess:
         buffer = self._in[slot]
         described = []
         for start, payload in layout:
-            _copy_bytes(buffer.view(start, payload.nbytes), payload.host_bytes())
-            described.append(_describe(start, payload))
+            copy_bytes(buffer.view(start, payload.nbytes), payload.host_bytes())
+            described.append(describe(start, payload))
         self._conn.send(("batch", seq, slot, described, out_bytes))
 
     def _ensure(self, buffers: list[SharedBuffer | None], role: str, slot: int, needed: int) -> None:
@@ -321,7 +263,7 @@ class WorkerProcess:
         _, slot, batch, started = entry
         _, _, forward_s, self.memory = msg
         # Its output slot is written again only by the batch three after it: not yet sent.
-        embeddings = _copy_out(self._out[slot], batch, self.front)
+        embeddings = copy_out(self._out[slot], batch, self.front)
         self._post(self._on_batch_done, BatchOutcome(batch, embeddings, None, started, forward_s, self.device.label))
 
     def _exit_code(self) -> int | None:
@@ -360,168 +302,3 @@ class WorkerProcess:
     def _post(self, fn: Callable, arg: object) -> None:
         with contextlib.suppress(RuntimeError):  # a closed loop (shutdown) leaves nobody to answer
             self._loop.call_soon_threadsafe(fn, arg)
-
-
-def _copy_bytes(dst, src) -> None:
-    """dst[:] = src for uint8 arrays, through torch, which copies without holding the GIL (numpy
-    holds it: megabytes per image would stall the event loop)."""
-    import torch
-
-    if not len(src):
-        return
-    with warnings.catch_warnings():  # a read-only source (request bytes) is only read here
-        warnings.simplefilter("ignore", UserWarning)
-        source = torch.from_numpy(src)
-    torch.from_numpy(dst).copy_(source)
-
-
-def _describe(offset: int, payload) -> tuple:
-    from ..preprocess.staged import DecodedImage
-
-    if isinstance(payload, DecodedImage):
-        return ("image", offset, payload.nbytes, payload.pixels.shape, payload.resize_to, payload.pad_to,
-                payload.grid)
-    return ("patches", offset, payload.nbytes, payload.dtype, payload.grid)
-
-
-def _copy_out(buffer: SharedBuffer, batch: list[WorkItem], front) -> list:
-    """Each image's embedding, copied out of shared memory into a tensor of its own (the cache
-    keeps it; the buffer is reused by the batch after next). torch copies without the GIL."""
-    import torch
-
-    dtype = torch_dtype(front.dtype)
-    hidden = front.spec.hidden_size
-    tokens = [front.num_tokens(item.grid) for item in batch]
-    total = sum(tokens) * hidden
-    packed = torch.frombuffer(buffer.array, dtype=dtype, count=total).view(-1, hidden)
-    return [part.clone() for part in packed.split(tokens)]
-
-
-# --- the child process -------------------------------------------------------------------------------------
-def _child_main(conn: Connection, config: ServiceConfig, device: str, label: str, threads: int) -> None:
-    # Stops come from the front end over the pipe (or its end closing): a Ctrl-C or a SIGTERM sent
-    # to the whole process group must not kill a worker in the middle of the drain.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=config.log_level,
-                        format=f"%(asctime)s %(levelname)s [worker {label}] %(name)s: %(message)s")
-    try:
-        import torch
-
-        if device == "cpu":
-            torch.set_num_threads(max(1, threads))
-        from .loading import load_model
-        from .worker import warm_up
-
-        model = load_model(config, device)
-        warmup_s = warm_up(model)
-    except Exception as exc:
-        logging.getLogger(__name__).exception("could not load and warm up the model on %s", label)
-        with contextlib.suppress(Exception):
-            conn.send(("failed", f"{type(exc).__name__}: {exc}"))
-        return
-    conn.send(("ready", model.front(), warmup_s))
-    _ChildLoop(conn, model).run()
-    # Interpreter teardown would only make the cuDNN frontend's nanobind module print hundreds of
-    # "leaked instance" lines (its objects live in module caches): everything is answered, leave.
-    logging.shutdown()
-    os._exit(0)
-
-
-class _ChildLoop:
-    def __init__(self, conn: Connection, model) -> None:
-        self.conn = conn
-        self.model = model
-        self.buffers: dict[tuple[str, int], SharedBuffer] = {}
-
-    def _next_message(self, pending: deque) -> tuple | None:
-        """The next message, or None when the oldest batch in flight should be answered now.
-
-        With one batch on the device, waits for whichever comes first: the next batch (launched at
-        once, so the device never idles between the two) or the end of the one running."""
-        if not pending:
-            return self.conn.recv()
-        while len(pending) < IN_FLIGHT:
-            if self.conn.poll(POLL_S):
-                return self.conn.recv()
-            if pending[0][3].ready():
-                return None
-        return None
-
-    def run(self) -> None:
-        pending: deque[tuple[int, int, int, object]] = deque()
-        while True:
-            try:
-                msg = self._next_message(pending)
-            except (EOFError, OSError):
-                return  # the front end is gone: nobody to answer
-            if msg is not None and msg[0] == "stop":
-                while pending:
-                    self._finish(pending.popleft())
-                return
-            if msg is not None and msg[0] == "buffer":
-                _, role, slot, size = msg
-                old = self.buffers.pop((role, slot), None)
-                if old is not None:
-                    old.close()
-                self.buffers[(role, slot)] = SharedBuffer.attach(recv_handle(self.conn), size)
-                continue
-            if msg is not None:
-                launched = self._launch(msg)
-                if launched is not None:
-                    pending.append(launched)
-            if pending and (msg is None or len(pending) >= IN_FLIGHT):
-                self._finish(pending.popleft())
-
-    def _launch(self, msg: tuple):
-        _, seq, slot, described, out_bytes = msg
-        try:
-            inputs = [_rebuild(self.buffers[("in", slot)], d) for d in described]
-            # Host bytes are copied into the model's staging buffer (or read, on the CPU) before
-            # this returns: the input slot is free for the batch after next from here on.
-            return seq, slot, out_bytes, self.model.encode_inputs_async(inputs)
-        except Exception as exc:
-            self._send_error(seq, exc)
-            return None
-
-    def _finish(self, entry: tuple) -> None:
-        seq, slot, out_bytes, pending = entry
-        try:
-            host = pending.wait_packed()
-            nbytes = host.numel() * host.element_size()
-            if nbytes != out_bytes:
-                raise RuntimeError(f"model returned {nbytes} embedding bytes, the batch's grids need {out_bytes}")
-            import torch
-
-            target = torch.frombuffer(self.buffers[("out", slot)].array, dtype=host.dtype, count=host.numel())
-            target.copy_(host.reshape(-1))
-            device_s = pending.device_seconds()
-            self.conn.send(("done", seq, device_s if device_s is not None else 0.0, _device_memory(self.model)))
-        except Exception as exc:
-            self._send_error(seq, exc)
-
-    def _send_error(self, seq: int, exc: Exception) -> None:
-        logging.getLogger(__name__).error("forward of batch %d failed", seq, exc_info=exc)
-        try:
-            self.conn.send(("error", seq, exc))
-        except Exception:  # an exception that does not pickle still gets its message across
-            self.conn.send(("error", seq, RuntimeError(f"{type(exc).__name__}: {exc}")))
-
-
-def _rebuild(buffer: SharedBuffer, described: tuple):
-    from ..preprocess.staged import DecodedImage, RawPatches
-
-    if described[0] == "image":
-        _, offset, nbytes, shape, resize_to, pad_to, grid = described
-        return DecodedImage(buffer.view(offset, nbytes).reshape(shape), tuple(resize_to), tuple(pad_to), tuple(grid))
-    _, offset, nbytes, dtype, grid = described
-    return RawPatches(memoryview(buffer.view(offset, nbytes)), dtype, tuple(grid))
-
-
-def _device_memory(model) -> tuple[int, int]:
-    if model.device.type != "cuda":
-        return 0, 0
-    import torch
-
-    return torch.cuda.memory_allocated(model.device), torch.cuda.memory_reserved(model.device)
-

@@ -1,0 +1,60 @@
+"""``--devices``: which devices get a worker process, and what each worker may see."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerDevice:
+    """One entry of ``--devices``: the device the worker reports (``label``, e.g. cuda:1), the
+    device its model uses inside its process, and the CUDA_VISIBLE_DEVICES it gets (None: keep)."""
+
+    label: str
+    device: str
+    visible: str | None
+
+    @classmethod
+    def parse(cls, entry: str, position: int = 0) -> WorkerDevice:
+        entry = entry.strip()
+        if entry == "cpu":  # CPU workers are told apart by their place in --devices
+            return cls(f"cpu:{position}", "cpu", None)
+        index = entry.removeprefix("cuda:")
+        if not index.isdigit():
+            raise ValueError(f"--devices entry {entry!r} is neither cpu nor a GPU index (0, 1 or cuda:1)")
+        parent = os.environ.get("CUDA_VISIBLE_DEVICES")
+        # Indices count the GPUs this process may see, as torch's do.
+        visible = index if parent is None else _nth_visible(parent, int(index))
+        return cls(f"cuda:{index}", "cuda:0", visible)
+
+
+def parse_devices(spec: str) -> list[WorkerDevice]:
+    """``--devices``: ``0,1``, ``cuda:0,cuda:1``, ``cpu,cpu`` or ``all`` (every GPU this process
+    may see, counted through NVML: asking the CUDA runtime would initialise it here)."""
+    if spec.strip() == "all":
+        import torch
+
+        count = torch.cuda._device_count_nvml()
+        if count <= 0:
+            raise ValueError("--devices all: no GPU visible (NVML found none)")
+        entries = [str(i) for i in range(count)]
+    else:
+        entries = [e for e in spec.split(",") if e.strip()]
+    devices = [WorkerDevice.parse(e, i) for i, e in enumerate(entries)]
+    if not devices:
+        raise ValueError(f"--devices {spec!r} names no device")
+    labels = [d.label for d in devices]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"--devices {spec!r} names a GPU twice")
+    if len({d.device.split(":")[0] for d in devices}) != 1:
+        raise ValueError(f"--devices {spec!r} mixes CPU and GPU workers: one node computes one kind of embedding")
+    return devices
+
+
+def _nth_visible(visible: str, index: int) -> str:
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    if index >= len(entries):
+        raise ValueError(f"--devices names GPU {index}, but CUDA_VISIBLE_DEVICES={visible!r} shows "
+                         f"{len(entries)} GPU(s)")
+    return entries[index]

@@ -1,0 +1,65 @@
+"""How a batch crosses between the front end and a worker process: its inputs laid out in a shared
+buffer (described by plain tuples sent over the pipe), its embeddings packed into another.
+
+Both ends copy through torch, which copies without holding the GIL (numpy holds it: megabytes per
+image would stall the front end's event loop).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from .batch_queue import WorkItem
+from .convert import torch_dtype
+from .shared_buffer import SharedBuffer
+
+IN_FLIGHT = 2  # one batch on the device, the next staged behind it
+SLOTS = IN_FLIGHT + 1  # shared buffers each way: one more for the batch being copied out
+POLL_S = 0.0005  # while one batch runs: how often the worker looks for the next batch
+ALIGN = 64
+
+
+def copy_bytes(dst, src) -> None:
+    """dst[:] = src for uint8 arrays."""
+    import torch
+
+    if not len(src):
+        return
+    with warnings.catch_warnings():  # a read-only source (request bytes) is only read here
+        warnings.simplefilter("ignore", UserWarning)
+        source = torch.from_numpy(src)
+    torch.from_numpy(dst).copy_(source)
+
+
+def describe(offset: int, payload) -> tuple:
+    """One input (decoded image or client patches) at ``offset`` of the input buffer, as a tuple."""
+    from ..preprocess.staged import DecodedImage
+
+    if isinstance(payload, DecodedImage):
+        return ("image", offset, payload.nbytes, payload.pixels.shape, payload.resize_to, payload.pad_to,
+                payload.grid)
+    return ("patches", offset, payload.nbytes, payload.dtype, payload.grid)
+
+
+def rebuild(buffer: SharedBuffer, described: tuple):
+    """The worker's side of ``describe``: the input as a view of the shared buffer (no copy)."""
+    from ..preprocess.staged import DecodedImage, RawPatches
+
+    if described[0] == "image":
+        _, offset, nbytes, shape, resize_to, pad_to, grid = described
+        return DecodedImage(buffer.view(offset, nbytes).reshape(shape), tuple(resize_to), tuple(pad_to), tuple(grid))
+    _, offset, nbytes, dtype, grid = described
+    return RawPatches(memoryview(buffer.view(offset, nbytes)), dtype, tuple(grid))
+
+
+def copy_out(buffer: SharedBuffer, batch: list[WorkItem], front) -> list:
+    """Each image's embedding, copied out of the output buffer into a tensor of its own (the cache
+    keeps it; the buffer is written again by a later batch)."""
+    import torch
+
+    dtype = torch_dtype(front.dtype)
+    hidden = front.spec.hidden_size
+    tokens = [front.num_tokens(item.grid) for item in batch]
+    total = sum(tokens) * hidden
+    packed = torch.frombuffer(buffer.array, dtype=dtype, count=total).view(-1, hidden)
+    return [part.clone() for part in packed.split(tokens)]
