@@ -7,8 +7,8 @@ patch budget and the per-side patch limit), a bicubic antialiased resize of the 
 uint8 kernel), zero padding at the bottom/right to a multiple of ``merge_size * patch_size`` (28),
 ``(x - 127.5) / 127.5`` in float32 (mean and std 0.5, fused with the 1/255 rescale), and patches in
 raster order, each flattened as (C, P, P). In ``pil`` mode (the CPU default) the resize runs on the
-CPU, re-implemented here in numpy integer for integer (int16 weights, dynamic precision, horizontal
-pass then vertical, uint8 in between); in ``torch`` mode it runs on the model's device (``staged``).
+CPU with that same uint8 kernel, so the pixels are the processor's bit for bit; in ``torch`` mode it
+runs on the model's device (``staged``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from encoder_service.preprocess.staged import (
     apply_table,
     host_tensor,
     image_tensor,
+    resize_uint8,
     torchvision_value_table,
 )
 
@@ -129,79 +130,16 @@ def navit_resize(height: int, width: int, patch_size: int, merge_size: int, max_
     return (new_h, new_w), ((factor - new_h % factor) % factor + new_h, (factor - new_w % factor) % factor + new_w)
 
 
-def _bicubic_aa(x: float) -> float:
-    # Keys cubic with a = -0.5, as PIL and PyTorch's antialiased kernels use.
-    a = -0.5
-    x = abs(x)
-    if x < 1.0:
-        return ((a + 2) * x - (a + 3)) * x * x + 1
-    if x < 2.0:
-        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
-    return 0.0
-
-
-def _aa_int16_weights(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """(first source index [out], int weights [out, taps], precision bits) of one axis.
-
-    PyTorch's ``_compute_index_ranges_weights`` (double) + ``_compute_index_ranges_int16_weights``:
-    the filter widens by the downscale factor, weights are normalised per output, then scaled to
-    int16 with the most precision bits that keep the largest weight under 2^15.
-    """
-    scale = in_size / out_size
-    support = 2.0 * scale if scale >= 1.0 else 2.0
-    taps = math.ceil(support) * 2 + 1
-    invscale = 1.0 / scale if scale >= 1.0 else 1.0
-    starts = np.zeros(out_size, dtype=np.int64)
-    weights = np.zeros((out_size, taps), dtype=np.float64)
-    wt_max = 0.0
-    for i in range(out_size):
-        center = scale * (i + 0.5)
-        xmin = max(int(center - support + 0.5), 0)
-        xsize = min(max(min(int(center + support + 0.5), in_size) - xmin, 0), taps)
-        ws = [_bicubic_aa((j + xmin - center + 0.5) * invscale) for j in range(xsize)]
-        total = sum(ws)  # left to right, as the C++ loop accumulates
-        if total != 0.0:
-            ws = [w / total for w in ws]
-            wt_max = max(wt_max, *ws)
-        starts[i] = xmin
-        weights[i, :xsize] = ws
-    precision = 0
-    while precision < 22:  # PyTorch's cap; the int16 bound below is what usually stops it
-        if int(0.5 + wt_max * (1 << (precision + 1))) >= (1 << 15):
-            break
-        precision += 1
-    scaled = weights * (1 << precision)
-    # C's (int) truncates toward zero: round half away from zero.
-    ints = np.where(scaled < 0, np.trunc(-0.5 + scaled), np.trunc(0.5 + scaled)).astype(np.int64)
-    return starts, ints, precision
-
-
-def _resample_axis(image: np.ndarray, out_size: int, axis: int) -> np.ndarray:
-    """One separable uint8 pass along ``axis`` (0: rows/height, 1: columns/width) of [H, W, C]."""
-    in_size = image.shape[axis]
-    starts, weights, precision = _aa_int16_weights(in_size, out_size)
-    # int32 is enough: |weights| sum to about 2^precision <= 2^22, times 255 stays under 2^31.
-    src = np.moveaxis(image, axis, 0).astype(np.int32)
-    acc = np.full((out_size, *src.shape[1:]), 1 << (precision - 1), dtype=np.int32)
-    weights = weights.astype(np.int32)
-    for k in range(weights.shape[1]):
-        idx = np.minimum(starts + k, in_size - 1)  # weights past a row's xsize are zero
-        acc += weights[:, k].reshape(-1, 1, 1) * src[idx]
-    out = np.clip(acc >> precision, 0, 255).astype(np.uint8)
-    return np.moveaxis(out, 0, axis)
-
-
 def resize_bicubic_antialias(image: np.ndarray, height: int, width: int) -> np.ndarray:
-    """uint8 [H, W, C] -> uint8 [height, width, C], equal to PyTorch's
-    ``F.interpolate(uint8, size, mode="bicubic", antialias=True)`` (what ``tvF.resize`` calls).
-
-    Width first, then height, each pass skipped when its size does not change.
+    """uint8 [H, W, C] -> uint8 [height, width, C]: PyTorch's native uint8 kernel,
+    ``F.interpolate(uint8, size, mode="bicubic", antialias=True)`` on the CPU, what ``tvF.resize``
+    calls; it releases the GIL. Run on the (C, H, W) view of the array, as torchvision's
+    ``pil_to_tensor`` hands it over.
     """
-    if image.shape[1] != width:
-        image = _resample_axis(image, width, axis=1)
-    if image.shape[0] != height:
-        image = _resample_axis(image, height, axis=0)
-    return image
+    if image.shape[:2] == (height, width):
+        return image
+    chw = resize_uint8(host_tensor(image).permute(2, 0, 1), (height, width))
+    return chw.permute(1, 2, 0).numpy()
 
 
 def value_table(cfg: KimiK25PreprocessConfig) -> torch.Tensor:
@@ -212,7 +150,7 @@ def value_table(cfg: KimiK25PreprocessConfig) -> torch.Tensor:
 
 
 def decode_kimi_k25_image(image: Image.Image, cfg: KimiK25PreprocessConfig, mode: str) -> DecodedImage:
-    """The CPU half: RGB uint8 pixels, resized here in ``pil`` mode (the numpy uint8 kernel above)
+    """The CPU half: RGB uint8 pixels, resized here in ``pil`` mode (PyTorch's uint8 kernel, above)
     or on the device in ``torch`` mode, with the padded size and the grid."""
     pixels = np.asarray(image.convert("RGB") if image.mode != "RGB" else image, dtype=np.uint8)
     height, width = pixels.shape[:2]

@@ -8,8 +8,8 @@ their wire bytes and are converted on the device too: no float32 array is built 
 
 Two modes, pinned by tests against transformers:
 - ``pil``: the resize runs on the CPU exactly as transformers' PIL processor does it (Pillow for
-  Qwen; PyTorch's fixed-point uint8 kernel, re-implemented in numpy, for Kimi), so the patches are
-  bit-identical to that processor's.
+  Qwen; PyTorch's fixed-point uint8 kernel on the CPU for Kimi), so the patches are bit-identical
+  to that processor's.
 - ``torch``: the resize runs on the device with ``F.interpolate(bicubic, antialias=True)``, as
   transformers' default (torchvision-backed) processor does: on the CPU on uint8 directly (PyTorch's
   uint8 kernel), elsewhere in float32, then clamped and rounded back to uint8.
