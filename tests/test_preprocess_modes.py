@@ -109,8 +109,8 @@ def test_pil_mode_public_preprocess_equals_the_module_function(qwen_models):
 
 
 def test_kimi_torch_mode_on_the_cpu_equals_pil_mode():
-    # Kimi's reference is torchvision-backed in both modes: its numpy resize is PyTorch's uint8
-    # kernel integer for integer, so on the CPU the two modes give the same patches.
+    # Kimi's reference is torchvision-backed in both modes: both resize with PyTorch's uint8 kernel
+    # on the CPU, so there the two modes give the same patches.
     data = _photo(500, 767, seed=2)  # over the tiny preset's 1024-patch budget: resized
     pil = load_vision_model("tiny-kimi-k2.5", preprocess="pil").preprocess(data)
     tv = load_vision_model("tiny-kimi-k2.5", preprocess="torch").preprocess(data)
