@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image, ImageFile, ImageOps
+from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as qwen2_vl_pil
 
 from encoder_service.errors import InvalidInput, ResourceExhausted
 from encoder_service.preprocess import (
@@ -21,8 +22,6 @@ from encoder_service.preprocess import (
     preprocess_qwen2_vl,
     smart_resize,
 )
-
-qwen2_vl_pil = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
 
 TOLERANCE = 1e-5
 
