@@ -1,9 +1,12 @@
 """CI cannot pass by mistake: under CI=true a skip fails unless the test is marked
-``allow_skip_on_cpu(reason)`` (tests/conftest.py)."""
+``allow_skip_on_cpu(reason)`` (tests/conftest.py), and pytest refuses to start without pytest-timeout."""
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 
 import pytest
 from conftest import ALLOW_SKIP_MARKER, REPO_ROOT, StrictSkips, running_under_ci
@@ -133,3 +136,13 @@ def test_no_test_module_skips_itself_whole_at_import() -> None:
             if name == "importorskip" or (name == "skip" and any(k.arg == "allow_module_level" for k in call.keywords)):
                 offenders.append(f"{path.relative_to(REPO_ROOT)}:{call.lineno}")
     assert offenders == []
+
+
+def test_pytest_refuses_to_start_without_pytest_timeout(tmp_path) -> None:
+    # -p no:timeout stands in for the plugin not being installed.
+    env = {**os.environ, "CI": ""}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:timeout", "-p", "no:cacheprovider",
+                             "--noconftest", "--collect-only", "-q", "tests/test_bench.py"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode != 0, result.stdout
+    assert "Missing required plugins: pytest-timeout" in result.stdout + result.stderr
