@@ -7,6 +7,7 @@ the folded norms, and the host cost of staging metadata. ``--sweep`` also tries 
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -28,6 +29,9 @@ def unfused(qkv, cos, sin, heads):
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sweep", action="store_true", help="also try launch configurations of the fused kernel")
+    args = parser.parse_args()
     tokens, heads, dim = 41472, 16, 80
     qkv = torch.randn(tokens, 3 * heads * dim, device="cuda", dtype=torch.bfloat16)
     angles = torch.rand(tokens, dim // 2, device="cuda") * 40
@@ -92,7 +96,7 @@ def main() -> int:
             fn()
             host.append(time.perf_counter() - t0)
         print(f"{label}, {pos.nbytes} bytes: host ms per call {[round(h * 1e3, 3) for h in host]}")
-    if "--sweep" in sys.argv:
+    if args.sweep:
         import math
 
         from encoder_service.attention._window_kernel import launch

@@ -19,8 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.vit_throughput import gemm_ceiling, time_it
 from encoder_service.attention.registry import BACKENDS, backend_class
+from encoder_service.bench import gemm_ceiling, time_it
 from encoder_service.models import load_vision_model
 from encoder_service.models.kimi_k25 import KimiK25VisionConfig
 from encoder_service.models.kimi_k25_loading import checkpoint_config, original_to_split

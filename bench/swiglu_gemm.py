@@ -18,7 +18,6 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from encoder_service.bench import time_it
-from encoder_service.models import _swiglu_gemm
 from encoder_service.models.qwen2_5_vl_folded import swiglu
 
 # Departures from _swiglu_gemm.DEFAULT.
@@ -37,11 +36,13 @@ CONFIGS = [
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=41472)
     parser.add_argument("--hidden", type=int, default=1280)
     parser.add_argument("--inter", type=int, default=3456)
     args = parser.parse_args()
+    from encoder_service.models import _swiglu_gemm  # imports triton: after --help, which needs no GPU
+
     m, k, n = args.tokens, args.hidden, args.inter
     dev, dt = "cuda", torch.bfloat16
     x = torch.randn(m, k, device=dev, dtype=dt)

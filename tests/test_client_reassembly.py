@@ -13,6 +13,7 @@ from encoder_client._proto.encoder.v1 import encoder_pb2
 from encoder_client._reassembly import Reassembler
 from encoder_client._rpc import RetryPolicy, decode_health_response, encode_health_request
 from encoder_client.testing import float32_to_bf16_bits
+from grpc_health.v1 import health_pb2
 
 HIDDEN = 4
 
@@ -90,7 +91,6 @@ def test_health_messages_are_encoded_like_protobuf() -> None:
     assert decode_health_response(b"\x08\x01") == "SERVING"
     # Unknown fields (varint, bytes, fixed32/64) are skipped.
     assert decode_health_response(b"\x10\x05\x1a\x02ab\x08\x02\x25\0\0\0\0\x29" + b"\0" * 8) == "NOT_SERVING"
-    health_pb2 = pytest.importorskip("grpc_health.v1.health_pb2")
     req = health_pb2.HealthCheckRequest.FromString(encode_health_request("svc"))
     assert req.service == "svc"
     resp = health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)

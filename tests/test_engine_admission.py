@@ -23,7 +23,8 @@ def test_full_queue_is_refused_at_once(fake_model):
             started = loop.time()
             with pytest.raises(ResourceExhausted, match=r"queue full: 2 images waiting.*--max-queue-images 2"):
                 await encode_all(engine, [patches(0, seed=3)])
-            assert loop.time() - started < 1.0
+            # Generous for a loaded CI machine: a request that waited for a slot would wait for the gate.
+            assert loop.time() - started < 10.0
             # Cached or in-flight images take no slot: joining the waiting request is admitted.
             joiner = asyncio.create_task(encode_all(engine, [patches(0, seed=1)]))
             await until(lambda: engine.stats.inflight_joins == 1)

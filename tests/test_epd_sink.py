@@ -182,7 +182,9 @@ def test_every_sink_failure_is_one_error_after_one_bound_so_ports_cannot_be_scan
     code, details, _ = next(iter(outcomes.values()))
     assert code == grpc.StatusCode.UNAVAILABLE and "did not take the push" in details
     for name, (_, _, took) in outcomes.items():
-        assert SINK_TIMEOUT_S <= took < SINK_TIMEOUT_S + 1.5, (name, took)
+        # At least the bound (no failure shows sooner); the upper bound is generous for a loaded CI
+        # machine and far below the client's 60 s default deadline that an unbounded push would hit.
+        assert SINK_TIMEOUT_S <= took < SINK_TIMEOUT_S + 5, (name, took)
     after = {r: sink_metric(sink_encoder, r) for r in before}
     assert sum(after.values()) - sum(before.values()) == 4  # the reasons are counted, not shown
     assert after["refused"] >= before["refused"] + 2  # UNIMPLEMENTED and RESOURCE_EXHAUSTED
@@ -221,7 +223,7 @@ def test_a_sink_that_never_acknowledges_is_bounded_by_sink_timeout_without_a_cal
             took = time.perf_counter() - t0
     finally:
         server.stop(0)
-    assert exc.value.code == grpc.StatusCode.UNAVAILABLE and took < SINK_TIMEOUT_S + 3, took
+    assert exc.value.code == grpc.StatusCode.UNAVAILABLE and took < SINK_TIMEOUT_S + 8, took  # the sink holds 30 s
     assert sink_metric(sink_encoder, "deadline") == before + 1
     assert sink_encoder.metric("encoder_service_requests_in_flight") == 0
 

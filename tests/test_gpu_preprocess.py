@@ -15,7 +15,8 @@ from PIL import Image
 from encoder_service.models import PRESETS, load_vision_model
 from encoder_service.preprocess.staged import RawPatches
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.allow_skip_on_cpu("needs a CUDA GPU, and torchvision for transformers' processors")]
 
 SIZES = [(1008, 1008), (61, 97), (1080, 1920), (333, 500), (2000, 37)]
 

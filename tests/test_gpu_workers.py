@@ -14,7 +14,7 @@ import pytest
 from conftest import REPO_ROOT
 from test_server_workers import kill_one_worker_under_load
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900), pytest.mark.allow_skip_on_cpu("needs two GPUs of one host")]
 
 
 def _gpu_count() -> int:

