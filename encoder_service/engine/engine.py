@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,11 +28,9 @@ from ..preprocess.staged import StagedInput, check_patch_bytes
 from .admission import Admission
 from .batch_queue import BatchQueue, WorkItem
 from .cache import CacheEntry, EmbeddingCache
-from .devices import parse_devices
-from .loading import load_model
-from .process_worker import WorkerProcess
+from .devices_pool import InProcessDevice, WorkerProcesses
 from .types import EngineStats, Grid, ImageInput, ImageResult, ModelDescription, Timing
-from .worker import BatchOutcome, DeviceWorker
+from .worker import BatchOutcome
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +88,8 @@ class Engine:
     ``Engine(config, model)`` serves an already loaded model in this process (tests, embedding)."""
 
     def __init__(self, config: ServiceConfig, model=None) -> None:
-        self.model = model
         self.config = config
+        self.devices = WorkerProcesses(config) if config.devices else InProcessDevice(config, model)
         self.front = model.front() if model is not None else None  # a ModelFront, once known
         self.stats = EngineStats()
         self.cache = EmbeddingCache(config.cache_bytes, on_evict=self._count_eviction)
@@ -102,8 +99,6 @@ class Engine:
         self._tasks: set[asyncio.Task] = set()
         self._pool = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="preprocess")
         self._hash_pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="hash")
-        self._worker: DeviceWorker | None = None
-        self.workers: list[WorkerProcess] = []
         self._closed = False
         self._serving = False
         # Called on the loop with True/False when the engine starts or stops being able to serve
@@ -115,56 +110,20 @@ class Engine:
     async def start(self) -> float:
         """Loads the model if needed, starts the device worker(s) and waits for their warm-up
         forwards; returns the warm-up seconds (the slowest worker's)."""
-        if self.config.devices:
-            warmup_s = await self._start_workers()
-        else:
-            warmup_s = await self._start_in_process()
+        self.front, warmup_s = await self.devices.start(self._queue, self._on_batch_start, self._on_batch_done,
+                                                        self._set_serving)
         self.namespace = self.front.cache_namespace
         d = self.describe()
         metrics.track_engine(model_id=d.model_id, model_type=d.model_type, attn_backend=d.attn_backend,
                              device=d.device, dtype=d.dtype, cache=self.cache,
                              cache_capacity_bytes=self.config.cache_bytes,
                              queue_capacity_images=self.config.max_queue_images,
-                             device_memory=self._device_memory_sources())
+                             device_memory=self.devices.memory_sources())
         self._set_serving(True)
         return warmup_s
 
-    async def _start_in_process(self) -> float:
-        loop = asyncio.get_running_loop()
-        if self.model is None:
-            self.model = await loop.run_in_executor(None, load_model, self.config)
-            self.front = self.model.front()
-        self._worker = DeviceWorker(
-            self.model, self._queue, max_batch_patches=self.config.max_batch_tokens,
-            batch_wait_s=self.config.batch_wait_ms / 1000.0, loop=loop,
-            on_batch_start=self._on_batch_start, on_batch_done=self._on_batch_done)
-        metrics.WORKERS_UP.labels(device=self._worker.label).set(1)
-        m = self.front.spec.spatial_merge_size
-        return await asyncio.wrap_future(self._worker.start((1, 2 * m, 2 * m)))
-
-    async def _start_workers(self) -> float:
-        loop = asyncio.get_running_loop()
-        devices = parse_devices(self.config.devices)
-        threads = max(1, (os.cpu_count() or 1) // len(devices))
-        self.workers = [
-            WorkerProcess(self.config, device, self._queue, loop=loop, on_batch_start=self._on_batch_start,
-                          on_batch_done=self._on_batch_done, on_state=self._on_worker_state, threads=threads)
-            for device in devices]
-        results = await asyncio.gather(*(asyncio.wrap_future(w.start()) for w in self.workers),
-                                       return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
-            await self.stop()
-            raise failed[0]
-        fronts = {w.front.cache_namespace for w in self.workers}
-        if len(fronts) != 1:  # one cache for the node: every worker must compute the same embeddings
-            await self.stop()
-            raise RuntimeError(f"workers disagree on the model (cache namespaces {sorted(fronts)})")
-        self.front = self.workers[0].front
-        return max(results)
-
     async def stop(self) -> None:
-        """Stops taking work; jobs still queued fail UNAVAILABLE; waits for the running forward."""
+        """Stops taking work; jobs still queued fail UNAVAILABLE; waits for the running forwards."""
         if self._closed:
             return
         self._closed = True
@@ -174,13 +133,7 @@ class Engine:
             self._inflight.pop(job.key, None)
             if not job.done.done():
                 job.done.set_exception(Unavailable("server is shutting down"))
-        loop = asyncio.get_running_loop()
-        if self._worker is not None:
-            await loop.run_in_executor(None, self._worker.join)
-        for worker in self.workers:
-            worker.stop()
-        for worker in self.workers:
-            await loop.run_in_executor(None, worker.join)
+        await self.devices.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._hash_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -190,34 +143,16 @@ class Engine:
         return self._serving
 
     def _set_serving(self, serving: bool) -> None:
-        if serving != self._serving:
+        if serving != self._serving and not self._closed:
             self._serving = serving
             if self.on_serving_change is not None:
                 self.on_serving_change(serving)
-
-    def _on_worker_state(self, worker: WorkerProcess) -> None:
-        metrics.WORKERS_UP.labels(device=worker.device.label).set(1 if worker.up else 0)
-        if self._closed or self.front is None:
-            return  # stopping, or still starting (start() turns serving on)
-        if not worker.up:
-            metrics.WORKER_RESTARTS.labels(device=worker.device.label).inc()
-        self._set_serving(any(w.up for w in self.workers))
-
-    def _device_memory_sources(self) -> dict[str, Callable[[], tuple[int, int]]]:
-        """Device memory per device, read at scrape time: asked of torch in-process, as last
-        reported by each worker process otherwise (the front end never touches a device)."""
-        if self.workers:
-            return {w.device.label: (lambda w=w: w.memory) for w in self.workers}
-        device = self.model.device
-        if device.type != "cuda":
-            return {str(device): lambda: (0, 0)}
-        return {str(device): lambda: (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))}
 
     # --- plain facts ---------------------------------------------------------------------------------
     def describe(self) -> ModelDescription:
         f = self.front
         spec = f.spec
-        device = ",".join(w.device.label for w in self.workers) if self.workers else f.device
+        device = self.devices.label
         return ModelDescription(
             model_id=spec.model_id, model_type=spec.model_type, hidden_size=spec.hidden_size,
             dtype=f.dtype, patch_size=spec.patch_size, temporal_patch_size=spec.temporal_patch_size,

@@ -1,0 +1,124 @@
+"""The devices an engine runs forwards on: one worker thread in this process (``--device``), or
+one worker process per device (``--devices``). Either way they pull batches from the engine's
+queue and hand outcomes back to its loop; the engine sees one interface."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+
+import torch
+
+from .. import metrics
+from ..config import ServiceConfig
+from .batch_queue import BatchQueue, WorkItem
+from .devices import parse_devices
+from .loading import load_model
+from .process_worker import WorkerProcess
+from .worker import BatchOutcome, DeviceWorker
+
+BatchStart = Callable[[list[WorkItem]], None]
+BatchDone = Callable[[BatchOutcome], None]
+
+
+class InProcessDevice:
+    """The model in this process, driven by one ``DeviceWorker`` thread."""
+
+    def __init__(self, config: ServiceConfig, model=None) -> None:
+        self.config = config
+        self.model = model
+        self._worker: DeviceWorker | None = None
+
+    @property
+    def label(self) -> str:
+        return str(self.model.device)
+
+    async def start(self, queue: BatchQueue, on_batch_start: BatchStart, on_batch_done: BatchDone,
+                    on_serving: Callable[[bool], None]):
+        """Loads the model if needed and runs its warm-up; returns (ModelFront, warm-up seconds)."""
+        loop = asyncio.get_running_loop()
+        if self.model is None:
+            self.model = await loop.run_in_executor(None, load_model, self.config)
+        self._worker = DeviceWorker(
+            self.model, queue, max_batch_patches=self.config.max_batch_tokens,
+            batch_wait_s=self.config.batch_wait_ms / 1000.0, loop=loop,
+            on_batch_start=on_batch_start, on_batch_done=on_batch_done)
+        m = self.model.spec.spatial_merge_size
+        warmup_s = await asyncio.wrap_future(self._worker.start((1, 2 * m, 2 * m)))
+        metrics.WORKERS_UP.labels(device=self.label).set(1)
+        return self.model.front(), warmup_s
+
+    async def stop(self) -> None:
+        """After the queue closed: waits for the forward in flight."""
+        if self._worker is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._worker.join)
+
+    def memory_sources(self) -> dict[str, Callable[[], tuple[int, int]]]:
+        device = self.model.device
+        if device.type != "cuda":
+            return {str(device): lambda: (0, 0)}
+        return {str(device): lambda: (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))}
+
+
+class WorkerProcesses:
+    """One ``WorkerProcess`` per entry of ``--devices``; serving while any of them is up."""
+
+    def __init__(self, config: ServiceConfig) -> None:
+        self.config = config
+        self.workers: list[WorkerProcess] = []
+        self._on_serving: Callable[[bool], None] | None = None
+        self._started = False
+        self._stopping = False
+
+    @property
+    def label(self) -> str:
+        return ",".join(w.device.label for w in self.workers)
+
+    async def start(self, queue: BatchQueue, on_batch_start: BatchStart, on_batch_done: BatchDone,
+                    on_serving: Callable[[bool], None]):
+        """Starts every worker and waits for each one's warm-up; returns (ModelFront, the slowest
+        warm-up). Fails, with every worker stopped, if one cannot start or they disagree."""
+        loop = asyncio.get_running_loop()
+        devices = parse_devices(self.config.devices)
+        threads = max(1, (os.cpu_count() or 1) // len(devices))
+        self._on_serving = on_serving
+        self.workers = [
+            WorkerProcess(self.config, device, queue, loop=loop, on_batch_start=on_batch_start,
+                          on_batch_done=on_batch_done, on_state=self._on_worker_state, threads=threads)
+            for device in devices]
+        results = await asyncio.gather(*(asyncio.wrap_future(w.start()) for w in self.workers),
+                                       return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            queue.close()
+            await self.stop()
+            raise failed[0]
+        namespaces = {w.front.cache_namespace for w in self.workers}
+        if len(namespaces) != 1:  # one cache for the node: every worker must compute the same embeddings
+            queue.close()
+            await self.stop()
+            raise RuntimeError(f"workers disagree on the model (cache namespaces {sorted(namespaces)})")
+        self._started = True
+        return self.workers[0].front, max(results)
+
+    async def stop(self) -> None:
+        """After the queue closed: each worker answers what it has in flight and stops."""
+        self._stopping = True
+        loop = asyncio.get_running_loop()
+        for worker in self.workers:
+            worker.stop()
+        for worker in self.workers:
+            await loop.run_in_executor(None, worker.join)
+
+    def memory_sources(self) -> dict[str, Callable[[], tuple[int, int]]]:
+        """As each worker last reported it: the front end never touches a device."""
+        return {w.device.label: (lambda w=w: w.memory) for w in self.workers}
+
+    def _on_worker_state(self, worker: WorkerProcess) -> None:
+        metrics.WORKERS_UP.labels(device=worker.device.label).set(1 if worker.up else 0)
+        if self._stopping or not self._started:
+            return  # stopping, or still starting (the engine turns serving on after start)
+        if not worker.up:
+            metrics.WORKER_RESTARTS.labels(device=worker.device.label).inc()
+        self._on_serving(any(w.up for w in self.workers))
