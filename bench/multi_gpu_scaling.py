@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.service_throughput import drive, make_images, start_server  # noqa: E402
+from bench.service_throughput import drive, make_images, split_serve_args, start_server  # noqa: E402
 
 
 def _smi(*query: str) -> list[list[str]]:
@@ -103,11 +103,7 @@ def run_setup(devices: str, images: list[bytes], args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+    argv, extra = split_serve_args(argv)
     p = argparse.ArgumentParser(prog="multi_gpu_scaling", description=__doc__.split("\n\n")[0])
     p.add_argument("--setups", default="0;0,1", help="--devices values separated by ';' (the first is the base); "
                    "'in-process' is the one-GPU server without worker processes")

@@ -255,12 +255,17 @@ def cache_hits(target: str, args) -> dict:
             "latency_32_clients_p50_ms": many.get("latency_p50_ms")}
 
 
-def main(argv: list[str] | None = None) -> int:
+def split_serve_args(argv: list[str] | None) -> tuple[list[str], list[str]]:
+    """(the bench's own arguments, the server's flags after ``--``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    serve_args: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, serve_args = argv[:i], argv[i + 1:]
+    if "--" not in argv:
+        return argv, []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv, serve_args = split_serve_args(argv)
     p = argparse.ArgumentParser(prog="service_throughput", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-vl-7b")
     p.add_argument("--device", default="cuda")

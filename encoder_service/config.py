@@ -61,7 +61,7 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         if self.devices.strip():
             # With worker processes, ``device`` is the kind of device they run on (cpu or cuda).
-            entries = [e.strip() for e in self.devices.split(",") if e.strip()]
+            entries = device_entries(self.devices)
             kind = "cpu" if entries and all(e == "cpu" for e in entries) else "cuda"
             object.__setattr__(self, "device", kind)
         # -1 means "what suits the device": resolved here, so every user of the config (and the
@@ -73,8 +73,7 @@ class ServiceConfig:
     @property
     def worker_count(self) -> int:
         """Devices served by this node (``--devices all`` counts as one until the workers start)."""
-        entries = [e for e in self.devices.split(",") if e.strip()]
-        return max(1, len(entries))
+        return max(1, len(device_entries(self.devices)))
 
     @property
     def allowed_sink_patterns(self) -> tuple[str, ...]:
@@ -264,7 +263,7 @@ def _check(c: ServiceConfig) -> None:
         problems.append("cuda-graphs must be >= 0")
     if c.preprocess_threads < 1:
         problems.append("preprocess-threads must be >= 1 (or -1: by device)")
-    problems.extend(_check_devices(c.devices))
+    problems.extend(check_devices(c.devices))
     if c.grace_period_s < 0:
         problems.append("grace-period-s must be >= 0")
     try:
@@ -278,7 +277,14 @@ def _check(c: ServiceConfig) -> None:
         raise ValueError("; ".join(problems))
 
 
-def _check_devices(devices: str) -> list[str]:
+def device_entries(devices: str) -> list[str]:
+    """The entries of ``--devices``, stripped, empty ones left out."""
+    return [e.strip() for e in devices.split(",") if e.strip()]
+
+
+def check_devices(devices: str) -> list[str]:
+    """What is wrong with a ``--devices`` value (empty: nothing). The one place these rules live:
+    start-up checks the flag with it, and the engine each list it starts workers for."""
     if not devices.strip() or devices.strip() == "all":
         return []
     entries = [e.strip() for e in devices.split(",")]

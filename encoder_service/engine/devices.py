@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from ..config import check_devices, device_entries
+
 
 @dataclass(frozen=True)
 class WorkerDevice:
@@ -40,16 +42,13 @@ def parse_devices(spec: str) -> list[WorkerDevice]:
             raise ValueError("--devices all: no GPU visible (NVML found none)")
         entries = [str(i) for i in range(count)]
     else:
-        entries = [e for e in spec.split(",") if e.strip()]
-    devices = [WorkerDevice.parse(e, i) for i, e in enumerate(entries)]
-    if not devices:
+        problems = check_devices(spec)
+        if problems:
+            raise ValueError(problems[0])
+        entries = device_entries(spec)
+    if not entries:
         raise ValueError(f"--devices {spec!r} names no device")
-    labels = [d.label for d in devices]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"--devices {spec!r} names a GPU twice")
-    if len({d.device.split(":")[0] for d in devices}) != 1:
-        raise ValueError(f"--devices {spec!r} mixes CPU and GPU workers: one node computes one kind of embedding")
-    return devices
+    return [WorkerDevice.parse(e, i) for i, e in enumerate(entries)]
 
 
 def _nth_visible(visible: str, index: int) -> str:

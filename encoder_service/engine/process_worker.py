@@ -39,7 +39,7 @@ from .convert import ITEMSIZE
 from .devices import WorkerDevice
 from .handoff import ALIGN, IN_FLIGHT, SLOTS, copy_bytes, copy_out, describe
 from .shared_buffer import SharedBuffer, grown
-from .worker import BatchOutcome
+from .worker import BatchOutcome, post_to_loop
 from .worker_child import child_main
 
 log = logging.getLogger(__name__)
@@ -70,10 +70,8 @@ class WorkerProcess:
         self._on_state = on_state
         self._threads = threads
         self.up = False
-        self.restarts = 0
         self.front = None  # the model's ModelFront, once the first start succeeded
         self.memory = (0, 0)  # device memory allocated / reserved, as the worker last reported it
-        self.pid: int | None = None
         self._proc = None
         self._conn: Connection | None = None
         self._stopping = False
@@ -100,11 +98,6 @@ class WorkerProcess:
 
     def join(self, timeout_s: float | None = None) -> None:
         self._thread.join(timeout_s)
-
-    def kill(self) -> None:
-        """SIGKILL the worker process (tests, and nothing else)."""
-        if self._proc is not None:
-            self._proc.kill()
 
     # --- the thread ---------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -133,7 +126,6 @@ class WorkerProcess:
                 self._discard_process()
                 if self._stopping:
                     return
-                self.restarts += 1
                 log.error("worker on %s died (%s); starting it again", self.device.label, exc)
                 continue
             self._shutdown_process()
@@ -159,9 +151,7 @@ class WorkerProcess:
                     else:
                         os.environ["CUDA_VISIBLE_DEVICES"] = saved
         child.close()  # ours would keep the pipe open after the child died: no EOF would come
-        self._proc, self._conn, self.pid = proc, parent, proc.pid
-        self._in = [None] * SLOTS
-        self._out = [None] * SLOTS
+        self._proc, self._conn = proc, parent  # buffers: none yet (_discard_process emptied them)
         if self._stopping:
             raise WorkerDied("stopping")
         try:
@@ -216,8 +206,7 @@ class WorkerProcess:
             error = Unavailable(f"device worker {self.device.label} stopped (exit code {code}) during the "
                                 "forward; retry")
             for _, _, batch, started in in_flight:
-                self._post(self._on_batch_done, BatchOutcome(batch, None, error, started,
-                                                             time.perf_counter() - started, self.device.label))
+                self._fail(batch, started, error)
             raise WorkerDied(f"exit code {code}") from exc
 
     def _send(self, seq: int, slot: int, batch: list[WorkItem]) -> None:
@@ -254,8 +243,7 @@ class WorkerProcess:
         if msg[1] != seq:
             raise OSError(f"worker answered batch {msg[1]}, expected {seq}")
         if msg[0] == "error":
-            self._post(self._on_batch_done, BatchOutcome(batch, None, msg[2], started,
-                                                         time.perf_counter() - started, self.device.label))
+            self._fail(batch, started, msg[2])
             return None
         return msg
 
@@ -265,6 +253,10 @@ class WorkerProcess:
         # Its output slot is written again only by the batch three after it: not yet sent.
         embeddings = copy_out(self._out[slot], batch, self.front)
         self._post(self._on_batch_done, BatchOutcome(batch, embeddings, None, started, forward_s, self.device.label))
+
+    def _fail(self, batch: list[WorkItem], started: float, error: BaseException) -> None:
+        self._post(self._on_batch_done, BatchOutcome(batch, None, error, started, time.perf_counter() - started,
+                                                     self.device.label))
 
     def _exit_code(self) -> int | None:
         if self._proc is None:
@@ -300,5 +292,4 @@ class WorkerProcess:
         self._post(self._on_state, self)
 
     def _post(self, fn: Callable, arg: object) -> None:
-        with contextlib.suppress(RuntimeError):  # a closed loop (shutdown) leaves nobody to answer
-            self._loop.call_soon_threadsafe(fn, arg)
+        post_to_loop(self._loop, fn, arg)

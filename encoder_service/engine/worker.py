@@ -140,6 +140,11 @@ class DeviceWorker:
         return BatchOutcome(batch, None, exc, started, time.perf_counter() - started, self.label)
 
     def _post(self, fn: Callable, arg: object) -> None:
-        # A closed loop (shutdown) leaves nobody to answer.
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(fn, arg)
+        post_to_loop(self._loop, fn, arg)
+
+
+def post_to_loop(loop: asyncio.AbstractEventLoop, fn: Callable, arg: object) -> None:
+    """``fn(arg)`` on the event loop, from a worker's thread; a closed loop (shutdown) leaves
+    nobody to answer."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn, arg)
