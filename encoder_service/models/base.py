@@ -44,6 +44,9 @@ class ModelSpec:
     temporal_patch_size: int
     spatial_merge_size: int
     in_channels: int
+    # Feature levels per embedding row: the main embedding, then any extra levels the LLM injects
+    # elsewhere (Qwen3-VL's deepstack), each ``hidden_size`` wide and concatenated along the row.
+    feature_levels: int = 1
     # Fingerprint inputs for cache_namespace: anything that changes the embedding of the same bytes.
     fingerprint: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -54,6 +57,11 @@ class ModelSpec:
     @property
     def merge_unit(self) -> int:
         return self.spatial_merge_size * self.spatial_merge_size
+
+    @property
+    def row_width(self) -> int:
+        """Values in one embedding row: ``hidden_size`` for each feature level."""
+        return self.hidden_size * self.feature_levels
 
 
 def validate_grid(grid: Sequence[int], spec: ModelSpec) -> Grid:
