@@ -61,7 +61,7 @@ def main() -> int:
               f"({moved / t / 1e12:.2f} TB/s)", flush=True)
 
     from encoder_service.models import _rms_kernel
-    from encoder_service.models.qwen2_5_vl_folded import rms_scale
+    from encoder_service.models.qwen2_5_vl.folded import rms_scale
 
     x = torch.randn(tokens, heads * dim, device="cuda", dtype=torch.bfloat16)
     pending = torch.randn(heads * dim, device="cuda")

@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from encoder_service.attention.registry import BACKENDS, backend_class
 from encoder_service.bench import gemm_ceiling, time_it
 from encoder_service.models import load_vision_model
-from encoder_service.models.kimi_k25 import KimiK25VisionConfig
-from encoder_service.models.kimi_k25_loading import checkpoint_config, original_to_split
+from encoder_service.models.kimi_k25.loading import checkpoint_config, original_to_split
+from encoder_service.models.kimi_k25.model import KimiK25VisionConfig
 from encoder_service.models.presets import PRESETS, random_vision_state
 
 CASES = {"a": ("8 x 1008x1008", [[1, 72, 72]] * 8), "c": ("64 x 448x448", [[1, 32, 32]] * 64)}

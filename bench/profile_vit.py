@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from encoder_service.bench import time_it
 from encoder_service.models.presets import PRESETS, random_vision_state
-from encoder_service.models.qwen2_5_vl import Qwen2_5_VisionConfig
-from encoder_service.models.qwen2_5_vl_loading import build
+from encoder_service.models.qwen2_5_vl.loading import build
+from encoder_service.models.qwen2_5_vl.model import Qwen2_5_VisionConfig
 
 
 def median_ms(fn, iters=5) -> float:

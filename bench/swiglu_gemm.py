@@ -18,7 +18,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from encoder_service.bench import time_it
-from encoder_service.models.qwen2_5_vl_folded import swiglu
+from encoder_service.models.qwen2_5_vl.folded import swiglu
 
 # Departures from _swiglu_gemm.DEFAULT.
 CONFIGS = [

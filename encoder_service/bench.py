@@ -25,8 +25,8 @@ import torch
 from encoder_service.attention.registry import BACKENDS, backend_class
 from encoder_service.metadata import SpatialConfig, build_metadata
 from encoder_service.models.presets import PRESETS, random_vision_state
-from encoder_service.models.qwen2_5_vl import Qwen2_5_VisionConfig
-from encoder_service.models.qwen2_5_vl_loading import build
+from encoder_service.models.qwen2_5_vl.loading import build
+from encoder_service.models.qwen2_5_vl.model import Qwen2_5_VisionConfig
 
 MIXED_SIZES = [(224, 224), (448, 672), (1344, 1344), (896, 896), (336, 1008), (1120, 784), (560, 560),
                (1344, 448)]
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
                         help="window blocks: fused rotary + window attention Triton kernel (attention/fused_window.py)")
     parser.add_argument("--fold-norms", choices=["off", "on", "both"], default="on",
                         help="RMSNorms folded into the next GEMM, residual adds in the output GEMMs "
-                             "(models/qwen2_5_vl_folded.py)")
+                             "(models/qwen2_5_vl/folded.py)")
     parser.add_argument("--fused-swiglu", choices=["off", "on", "both"], default="on",
                         help="folded path: gate/up GEMM with SwiGLU in its epilogue (models/_swiglu_gemm.py)")
     parser.add_argument("--cuda-graphs", choices=["off", "on", "both"], default="on",

@@ -30,6 +30,9 @@ def _parser() -> argparse.ArgumentParser:
     make.add_argument("--preset", required=True, help="preset name, e.g. tiny-qwen2.5-vl or qwen2.5-vl-7b")
     make.add_argument("--out", required=True, help="output directory")
     make.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
+    make.add_argument("--layout", default=None,
+                      help="tensor names as in one of the family's checkpoint layouts (Qwen2.5-VL: transformers, "
+                           "original; Kimi-K2.5: original, transformers); default: the family's first")
     return parser
 
 
@@ -50,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _setup_logging("INFO")
         from .models.presets import make_checkpoint
 
-        path = make_checkpoint(args.preset, args.out, seed=args.seed)
+        path = make_checkpoint(args.preset, args.out, seed=args.seed, layout=args.layout)
         print(path)
         return 0
     try:

@@ -2,7 +2,7 @@
 
 from encoder_service.bench import grids_for, model_flops
 from encoder_service.models.presets import PRESETS
-from encoder_service.models.qwen2_5_vl import Qwen2_5_VisionConfig
+from encoder_service.models.qwen2_5_vl.model import Qwen2_5_VisionConfig
 
 
 def test_qwen_7b_costs_about_1_4_gflop_per_patch_at_1008px():

@@ -10,8 +10,8 @@ from encoder_service.attention.registry import BACKENDS, backend_class
 from encoder_service.metadata import attention_metadata
 from encoder_service.models import load_vision_model
 from encoder_service.models.presets import PRESETS, Preset, random_vision_state
-from encoder_service.models.qwen2_5_vl import Qwen2_5_VisionConfig
-from encoder_service.models.qwen2_5_vl_loading import build
+from encoder_service.models.qwen2_5_vl.loading import build
+from encoder_service.models.qwen2_5_vl.model import Qwen2_5_VisionConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.allow_skip_on_cpu("needs a CUDA GPU; backends a GPU cannot run skip there")]
@@ -148,7 +148,7 @@ def test_tiny_preset_bf16_forward_under_sync_debug_mode():
 
 def test_rstd_kernel_matches_the_reference_reduction():
     from encoder_service.models._rms_kernel import rms_scale as triton_rms
-    from encoder_service.models.qwen2_5_vl_folded import rms_scale
+    from encoder_service.models.qwen2_5_vl.folded import rms_scale
 
     torch.manual_seed(0)
     for tokens, dim in ((41472, 1280), (37, 1152), (1, 80)):
@@ -161,7 +161,7 @@ def test_rstd_kernel_matches_the_reference_reduction():
 def test_fused_swiglu_gemm_matches_gemm_then_swiglu(m, k, n_inter):
     # Ragged m, k and n_inter against the tiles (128 x 2*128 x 64) exercise the TMA edges.
     from encoder_service.models._swiglu_gemm import gate_up_swiglu, unavailable_reason
-    from encoder_service.models.qwen2_5_vl_folded import swiglu
+    from encoder_service.models.qwen2_5_vl.folded import swiglu
 
     torch.manual_seed(0)
     x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from encoder_service.attention.registry import BACKENDS, backend_class
-from encoder_service.models.kimi_k25 import KimiK25VisionConfig
-from encoder_service.models.kimi_k25_loading import build, checkpoint_config, random_state
+from encoder_service.models.family import random_state
+from encoder_service.models.kimi_k25 import FAMILY
+from encoder_service.models.kimi_k25.loading import build, checkpoint_config
+from encoder_service.models.kimi_k25.model import KimiK25VisionConfig
 from encoder_service.models.presets import PRESETS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -37,7 +39,7 @@ def short_k25():
     preset = PRESETS["kimi-k2.5"]
     config = checkpoint_config({**preset.vision_config, "num_hidden_layers": 4}, preset.text_hidden_size)
     cfg = KimiK25VisionConfig.from_config(config)
-    return cfg, random_state(cfg, seed=0)
+    return cfg, random_state(FAMILY, cfg, seed=0)
 
 
 def _model(state, backend):

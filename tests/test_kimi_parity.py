@@ -22,8 +22,8 @@ from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25MultimodalPro
 
 from encoder_service.attention.registry import BACKENDS, backend_class
 from encoder_service.models import load_vision_model, make_checkpoint
-from encoder_service.models.kimi_k25 import KimiK25VisionConfig
-from encoder_service.models.kimi_k25_loading import original_to_split
+from encoder_service.models.kimi_k25.loading import original_to_split
+from encoder_service.models.kimi_k25.model import KimiK25VisionConfig
 from encoder_service.models.presets import PRESETS, random_vision_state
 
 # tiny-kimi-k2.5: position table 8 x 8, 4 frames, head_dim 72.

@@ -70,6 +70,25 @@ def test_embeddings_through_worker_processes_equal_the_in_process_server(two_wor
         np.testing.assert_allclose(g.embedding, w.embedding, rtol=1e-5, atol=1e-6)
 
 
+def test_a_kimi_clip_through_a_worker_process_equals_the_model_in_process(start_encoder_server):
+    # Kimi-K2.5 averages a clip's frames: its token count does not grow with t, and the hand-off
+    # must size and split the embeddings by the model's count, not by t * h * w.
+    from encoder_service.models import load_vision_model
+
+    server = start_encoder_server("--model", "tiny-kimi-k2.5", "--devices", "cpu")
+    model = load_vision_model("tiny-kimi-k2.5")
+    grids = [(2, 4, 6), (1, 4, 4), (3, 2, 2)]
+    rng = np.random.default_rng(3)
+    clips = [(rng.standard_normal((t * h * w, model.spec.patch_dim)).astype(np.float32), (t, h, w))
+             for t, h, w in grids]
+    with EncoderClient(server.target) as client:
+        got = client.encode(clips)
+    want = [model.encode(pixels, [grid])[0].numpy() for pixels, grid in clips]
+    for g, w, (_t, h, w_) in zip(got, want, grids):
+        assert g.embedding.shape == (h * w_ // 4, model.spec.hidden_size)
+        np.testing.assert_allclose(g.embedding, w, rtol=1e-5, atol=1e-6)
+
+
 def test_concurrent_load_is_spread_over_both_workers(two_workers):
     before = {d: two_workers.metric("encoder_service_forward_batches_total", f'device="{d}"')
               for d in ("cpu:0", "cpu:1")}

@@ -10,7 +10,7 @@ import triton.language as tl
 @triton.jit
 def _load_tile(ptr, col, mask, col_ok, row_scale, bias_ptr, AFFINE: tl.constexpr, dtype):
     """A [rows, half-head] tile of the projection's output in float32. With AFFINE, ``ptr`` holds the
-    GEMM output of a projection whose RMSNorm was folded into its weight (models/qwen2_5_vl_folded.py):
+    GEMM output of a projection whose RMSNorm was folded into its weight (models/qwen2_5_vl/folded.py):
     the value is row_scale * x + bias, rounded to the activation dtype as the reference rounds its
     projection output."""
     x = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)

@@ -60,7 +60,7 @@ def window_attention_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     head-major). ``cos``/``sin``: float32 [tokens, head_dim] rotate-half tables (both halves equal;
     only the first is read). ``affine``: (row_scale [tokens], bias [3 * hidden]), both float32, when
     ``qkv`` is a GEMM output still to be mapped to row_scale * qkv + bias (a folded RMSNorm,
-    models/qwen2_5_vl_folded.py). Returns [tokens, heads, head_dim]."""
+    models/qwen2_5_vl/folded.py). Returns [tokens, heads, head_dim]."""
     from ._window_kernel import launch
 
     tokens, width = qkv.shape

@@ -12,6 +12,7 @@ import torch
 
 from .. import metrics
 from ..config import ServiceConfig
+from ..models.served import ServedModel
 from .batch_queue import BatchQueue, WorkItem
 from .devices import parse_devices
 from .loading import load_model
@@ -25,7 +26,7 @@ BatchDone = Callable[[BatchOutcome], None]
 class InProcessDevice:
     """The model in this process, driven by one ``DeviceWorker`` thread."""
 
-    def __init__(self, config: ServiceConfig, model=None) -> None:
+    def __init__(self, config: ServiceConfig, model: ServedModel | None = None) -> None:
         self.config = config
         self.model = model
         self._worker: DeviceWorker | None = None

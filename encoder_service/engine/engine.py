@@ -24,6 +24,7 @@ from .. import metrics
 from ..config import ServiceConfig
 from ..errors import EncoderError, InvalidInput, NotFound, ResourceExhausted, Unavailable
 from ..models.base import validate_grid
+from ..models.served import ServedModel
 from ..preprocess.staged import StagedInput, check_patch_bytes
 from .admission import Admission
 from .batch_queue import BatchQueue, WorkItem
@@ -87,7 +88,7 @@ class Engine:
     worker thread on ``--device``), or, with ``--devices``, one worker process per device.
     ``Engine(config, model)`` serves an already loaded model in this process (tests, embedding)."""
 
-    def __init__(self, config: ServiceConfig, model=None) -> None:
+    def __init__(self, config: ServiceConfig, model: ServedModel | None = None) -> None:
         self.config = config
         self.devices = WorkerProcesses(config) if config.devices else InProcessDevice(config, model)
         self.front = model.front() if model is not None else None  # a ModelFront, once known

@@ -7,11 +7,12 @@ from __future__ import annotations
 import logging
 
 from ..config import ServiceConfig
+from ..models.served import ServedModel
 
 log = logging.getLogger(__name__)
 
 
-def load_model(config: ServiceConfig, device: str | None = None):
+def load_model(config: ServiceConfig, device: str | None = None) -> ServedModel:
     """The configured model on ``device`` (``config.device`` by default), warm-up not yet run."""
     from ..models import load_vision_model  # pulls in torch and the kernels: not at import time
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..models.served import ServedModel
 from .batch_queue import BatchQueue, WorkItem
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def _owned(parts: list[torch.Tensor]) -> list[torch.Tensor]:
     return [part.clone() for part in parts]
 
 
-def warm_up(model) -> float:
+def warm_up(model: ServedModel) -> float:
     """The start-up forwards (every shape a compiled model specialises on); returns their seconds."""
     started = time.perf_counter()
     for batch in model.warmup_inputs():
@@ -60,7 +61,7 @@ def warm_up(model) -> float:
 
 
 class DeviceWorker:
-    def __init__(self, model, queue: BatchQueue, *, max_batch_patches: int, batch_wait_s: float,
+    def __init__(self, model: ServedModel, queue: BatchQueue, *, max_batch_patches: int, batch_wait_s: float,
                  loop: asyncio.AbstractEventLoop, on_batch_start: Callable[[list[WorkItem]], None],
                  on_batch_done: Callable[[BatchOutcome], None]) -> None:
         self._model = model

@@ -14,6 +14,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 
 from ..config import ServiceConfig
+from ..models.served import ServedModel
 from .handoff import IN_FLIGHT, POLL_S, rebuild
 from .shared_buffer import SharedBuffer
 
@@ -49,7 +50,7 @@ def child_main(conn: Connection, config: ServiceConfig, device: str, label: str,
 
 
 class _ChildLoop:
-    def __init__(self, conn: Connection, model) -> None:
+    def __init__(self, conn: Connection, model: ServedModel) -> None:
         self.conn = conn
         self.model = model
         self.buffers: dict[tuple[str, int], SharedBuffer] = {}
@@ -128,7 +129,7 @@ class _ChildLoop:
             self.conn.send(("error", seq, RuntimeError(f"{type(exc).__name__}: {exc}")))
 
 
-def _device_memory(model) -> tuple[int, int]:
+def _device_memory(model: ServedModel) -> tuple[int, int]:
     if model.device.type != "cuda":
         return 0, 0
     import torch

@@ -8,7 +8,9 @@ import torch
 
 from ..errors import InvalidInput
 from .base import ModelSpec, VisionModel
+from .family import load_checkpoint, load_preset
 from .presets import PRESETS, make_checkpoint
+from .registry import family_for
 
 __all__ = ["PRESETS", "ModelSpec", "VisionModel", "load_vision_model", "make_checkpoint"]
 
@@ -42,31 +44,14 @@ def _load(path_or_preset: str | Path, device: torch.device, dtype: torch.dtype, 
     path = Path(path_or_preset)
     if path.is_dir():
         from .loader import read_checkpoint
-        from .registry import loader_for
 
         ckpt = read_checkpoint(path)
-        return loader_for(ckpt.config.get("model_type"))(ckpt, model_id=str(path_or_preset), device=device,
-                                                         dtype=dtype, attn_backend=attn_backend)
+        return load_checkpoint(family_for(ckpt.config.get("model_type")), ckpt, model_id=str(path_or_preset),
+                               device=device, dtype=dtype, attn_backend=attn_backend)
     name = str(path_or_preset)
     if name in PRESETS:
-        from .presets import random_vision_state
-
         preset = PRESETS[name]
-        state = {k: v.to(dtype) for k, v in random_vision_state(preset, seed).items()}
-        if preset.model_type == "kimi_k25":
-            from .kimi_k25 import KimiK25VisionConfig
-            from .kimi_k25_loading import build as build_kimi
-            from .kimi_k25_loading import checkpoint_config
-
-            cfg = KimiK25VisionConfig.from_config(checkpoint_config(preset.vision_config, preset.text_hidden_size))
-            return build_kimi(cfg, state, model_id=f"{name}@seed{seed}",
-                              preprocess_config=preset.preprocessor_config, device=device, dtype=dtype,
-                              attn_backend=attn_backend)
-        from .qwen2_5_vl import Qwen2_5_VisionConfig
-        from .qwen2_5_vl_loading import build
-
-        return build(Qwen2_5_VisionConfig.from_dict(preset.vision_config), state,
-                     model_id=f"{name}@seed{seed}", preprocess_config=preset.preprocessor_config,
-                     device=device, dtype=dtype, attn_backend=attn_backend)
+        return load_preset(family_for(preset.model_type), preset, seed=seed, device=device, dtype=dtype,
+                           attn_backend=attn_backend)
     raise InvalidInput(f"{str(path_or_preset)!r} is neither a checkpoint directory nor a preset; "
                        f"presets: {', '.join(PRESETS)}")

@@ -3,7 +3,7 @@
 Unfused, the gate/up GEMM writes [tokens, 2 x intermediate] and a separate pass reads it back to
 write silu(gate) * up: at case (a) sizes that pass moves 860 MB per block, 9.7 ms per forward at
 memory bandwidth (bench/RESULTS.md). Here the weights' rows alternate gate j, up j (the folded
-path stores them so, models/qwen2_5_vl_folded.py), so one 256-wide tile of the product holds 128
+path stores them so, models/qwen2_5_vl/folded.py), so one 256-wide tile of the product holds 128
 gate columns and their up columns side by side, and the program writes only the 128 products.
 
 Measured at case (a) sizes on the H100 (bench/swiglu_gemm.py): 1.18 ms against 1.04 ms for the

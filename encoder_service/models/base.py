@@ -47,6 +47,9 @@ class ModelSpec:
     # Feature levels per embedding row: the main embedding, then any extra levels the LLM injects
     # elsewhere (Qwen3-VL's deepstack), each ``hidden_size`` wide and concatenated along the row.
     feature_levels: int = 1
+    # Whether the merger folds a clip's frames into one set of tokens (Kimi-K2.5 averages them), so
+    # that tokens do not grow with t.
+    frames_merged: bool = False
     # Fingerprint inputs for cache_namespace: anything that changes the embedding of the same bytes.
     fingerprint: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -57,6 +60,11 @@ class ModelSpec:
     @property
     def merge_unit(self) -> int:
         return self.spatial_merge_size * self.spatial_merge_size
+
+    def num_tokens(self, grid: Sequence[int]) -> int:
+        """Embedding rows of one image of ``grid`` [t, h, w] (in patches)."""
+        t, h, w = (int(v) for v in grid)
+        return (1 if self.frames_merged else t) * h * w // self.merge_unit
 
     @property
     def row_width(self) -> int:
@@ -141,7 +149,7 @@ class ModelFront:
         return int(t) * int(h) * int(w)
 
     def num_tokens(self, grid: Sequence[int]) -> int:
-        return self.num_patches(grid) // self.spec.merge_unit
+        return self.spec.num_tokens(grid)
 
 
 class VisionModel:
@@ -163,7 +171,7 @@ class VisionModel:
         return int(t) * int(h) * int(w)
 
     def num_tokens(self, grid: Sequence[int]) -> int:
-        return self.num_patches(grid) // self.spec.merge_unit
+        return self.spec.num_tokens(grid)
 
     @property
     def hidden_size(self) -> int:

@@ -38,9 +38,9 @@ def read_checkpoint(path: str | Path) -> CheckpointFiles:
         raise InvalidInput(f"checkpoint {str(root)!r} has no config.json")
     config = json.loads(config_file.read_text())
     # An unsupported model is the more useful error than anything about its weight files.
-    from .registry import loader_for
+    from .registry import family_for
 
-    loader_for(config.get("model_type"))
+    family_for(config.get("model_type"))
     pre_file = root / "preprocessor_config.json"
     preprocessor = json.loads(pre_file.read_text()) if pre_file.is_file() else None
 

@@ -24,18 +24,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import AttentionBackend
-from ..device import host_to_device
-from ..errors import InvalidInput
-from ..metadata import (
+from ...attention import AttentionBackend
+from ...device import host_to_device
+from ...errors import InvalidInput
+from ...metadata import (
     SpatialConfig,
     bicubic_resample_matrix,
     build_metadata,
     raster_position_ids,
     temporal_pool_index,
 )
-from .base import Decoder, Grid, ModelSpec, VisionModel, validate_batch
-from .layers import activation
+from ..base import Decoder, Grid, ModelSpec, VisionModel, validate_batch
+from ..layers import activation
 
 MODEL_TYPE = "kimi_k25"
 # Rope2DPosEmbRepeated(head_dim, 512, 512) in the original MoonViT-3d: its frequency table stops at
@@ -339,7 +339,7 @@ class KimiK25VisionModel(VisionModel):
     def __init__(self, cfg: KimiK25VisionConfig, module: KimiK25VisionTower, *, model_id: str,
                  preprocess_config: dict | None, device: torch.device, dtype: torch.dtype,
                  attn_backend: str) -> None:
-        from ..preprocess.kimi_k25 import KimiK25PreprocessConfig
+        from ...preprocess.kimi_k25 import KimiK25PreprocessConfig
 
         self.cfg = cfg
         self.module = module
@@ -352,27 +352,22 @@ class KimiK25VisionModel(VisionModel):
         self.spec = ModelSpec(
             model_id=model_id, model_type=MODEL_TYPE, hidden_size=cfg.text_hidden_size,
             patch_size=cfg.patch_size, temporal_patch_size=1, spatial_merge_size=self.kernel,
-            in_channels=cfg.in_channels,
+            in_channels=cfg.in_channels, frames_merged=True,  # the merger averages a clip's frames
             fingerprint={"vision_config": cfg.to_dict(), "preprocess": self.preprocess_config.fingerprint()},
         )
 
-    def num_tokens(self, grid: Sequence[int]) -> int:
-        # The merger averages the frames of a clip: tokens do not grow with t.
-        _, h, w = grid
-        return int(h) * int(w) // self.spec.merge_unit
-
     def decoder(self) -> Decoder:
-        from ..preprocess.kimi_k25 import decode_kimi_k25
+        from ...preprocess.kimi_k25 import decode_kimi_k25
 
         return Decoder(decode_kimi_k25, self.preprocess_config, self.preprocess_mode)
 
     def _value_table(self) -> torch.Tensor:
-        from ..preprocess.kimi_k25 import value_table
+        from ...preprocess.kimi_k25 import value_table
 
         return value_table(self.preprocess_config)
 
     def _patchify(self, image: torch.Tensor) -> torch.Tensor:
-        from ..preprocess.kimi_k25 import patchify
+        from ...preprocess.kimi_k25 import patchify
 
         return patchify(image, self.preprocess_config)
 

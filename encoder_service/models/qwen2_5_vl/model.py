@@ -16,12 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import AttentionBackend, fused_window
-from ..device import host_to_device
-from ..metadata import BatchMetadata, SpatialConfig, build_metadata
-from . import qwen2_5_vl_folded as folded
-from .base import Decoder, ModelSpec, VisionModel
-from .layers import RMSNorm, activation, apply_rotary, rms_norm
+from ...attention import AttentionBackend, fused_window
+from ...device import host_to_device
+from ...metadata import BatchMetadata, SpatialConfig, build_metadata
+from ..base import Decoder, ModelSpec, VisionModel
+from ..layers import RMSNorm, activation, apply_rotary, rms_norm
+from . import folded
 
 MODEL_TYPE = "qwen2_5_vl"
 # Batch compositions kept as CUDA graphs (models/cuda_graphs.py). Off by default: under real traffic
@@ -320,7 +320,7 @@ class Qwen2_5_VLVisionModel(VisionModel):
     def __init__(self, cfg: Qwen2_5_VisionConfig, module: Qwen2_5_VisionTower, *, model_id: str,
                  preprocess_config: dict | None, device: torch.device, dtype: torch.dtype,
                  attn_backend: str) -> None:
-        from ..preprocess import Qwen2VLPreprocessConfig
+        from ...preprocess import Qwen2VLPreprocessConfig
 
         self.cfg = cfg
         self.module = module
@@ -342,28 +342,28 @@ class Qwen2_5_VLVisionModel(VisionModel):
     def set_cuda_graphs(self, capacity: int) -> None:
         """Keep up to ``capacity`` batch compositions as CUDA graphs (0: none). CUDA only, and only
         with a backend whose plans stay valid for replays (``graph_safe``)."""
-        from .cuda_graphs import GraphCache
+        from ..cuda_graphs import GraphCache
 
         usable = self.device.type == "cuda" and self.backend.graph_safe
         self.graphs = GraphCache(capacity) if usable and capacity > 0 else None
 
     def decoder(self) -> Decoder:
-        from ..preprocess.qwen2_vl import decode_qwen2_vl
+        from ...preprocess.qwen2_vl import decode_qwen2_vl
 
         return Decoder(decode_qwen2_vl, self.preprocess_config, self.preprocess_mode)
 
     def _check_preprocess_mode(self, mode: str) -> None:
-        from ..preprocess.qwen2_vl import check_mode
+        from ...preprocess.qwen2_vl import check_mode
 
         check_mode(self.preprocess_config, mode)
 
     def _value_table(self) -> torch.Tensor:
-        from ..preprocess.qwen2_vl import value_table
+        from ...preprocess.qwen2_vl import value_table
 
         return value_table(self.preprocess_config, self.preprocess_mode)
 
     def _patchify(self, image: torch.Tensor) -> torch.Tensor:
-        from ..preprocess.qwen2_vl import patchify
+        from ...preprocess.qwen2_vl import patchify
 
         return patchify(image, self.preprocess_config)
 

@@ -1,27 +1,14 @@
-"""Builds a Qwen2.5-VL vision model from a checkpoint or from random weights."""
+"""Builds a Qwen2.5-VL vision model from runtime-layout weights (a checkpoint's, under either prefix,
+or random ones: family.py does the reading)."""
 
 from __future__ import annotations
 
 import torch
 
-from ..errors import InvalidInput
-from .loader import CheckpointFiles, check_state, load_tensors
-from .qwen2_5_vl import Qwen2_5_VisionConfig, Qwen2_5_VisionTower, Qwen2_5_VLVisionModel
+from ..loader import check_state
+from .model import Qwen2_5_VisionConfig, Qwen2_5_VisionTower, Qwen2_5_VLVisionModel
 
 VISION_PREFIXES = ("model.visual.", "visual.")
-
-
-def load(ckpt: CheckpointFiles, *, model_id: str, device: torch.device, dtype: torch.dtype,
-         attn_backend: str, compile: bool | None = None) -> Qwen2_5_VLVisionModel:
-    vision_cfg = ckpt.config.get("vision_config")
-    if vision_cfg is None:
-        raise InvalidInput(f"config.json of {model_id!r} has no vision_config")
-    cfg = Qwen2_5_VisionConfig.from_dict(vision_cfg)
-    state, read = load_tensors(ckpt, VISION_PREFIXES, dtype)
-    model = build(cfg, state, model_id=model_id, preprocess_config=ckpt.preprocessor_config,
-                  device=device, dtype=dtype, attn_backend=attn_backend, compile=compile)
-    model.tensors_read = read
-    return model
 
 
 def build(cfg: Qwen2_5_VisionConfig, state: dict[str, torch.Tensor], *, model_id: str,

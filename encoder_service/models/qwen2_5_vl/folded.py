@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..attention import fused_window
-from .layers import activation, apply_rotary
+from ...attention import fused_window
+from ..layers import activation, apply_rotary
 
 
 def rms_scale(x: torch.Tensor, pending: torch.Tensor, eps: float) -> torch.Tensor:
@@ -119,8 +119,8 @@ def run_blocks(tower, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bac
     padded = backend.padded_head_dim or 0
     fused_mlp = False
     if x.is_cuda and fused_window.unavailable_reason(x.device, x.dtype) is None:
-        from ._rms_kernel import rms_scale as rms  # Triton: twice inductor's speed for this reduction
-        from ._swiglu_gemm import gate_up_swiglu, unavailable_reason
+        from .._rms_kernel import rms_scale as rms  # Triton: twice inductor's speed for this reduction
+        from .._swiglu_gemm import gate_up_swiglu, unavailable_reason
 
         fused_mlp = tower.fused_swiglu and unavailable_reason(x, tower.blocks[0].gate_up_w, act) is None
     for i, block in enumerate(tower.blocks):

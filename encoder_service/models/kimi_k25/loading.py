@@ -30,16 +30,13 @@ that layout undoes the permutation so a single rotary implementation serves both
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from ..errors import InvalidInput
-from .kimi_k25 import KimiK25VisionConfig, KimiK25VisionModel, KimiK25VisionTower, time_sincos_table
-from .loader import CheckpointFiles, check_state, load_tensors
+from ...errors import InvalidInput
+from ..loader import CheckpointFiles, check_state, load_tensors
+from .model import KimiK25VisionConfig, KimiK25VisionModel, KimiK25VisionTower, time_sincos_table
 
 # Each prefix group is tried in order; the first under which the checkpoint stores tensors wins.
 VISION_PREFIXES = ("model.vision_tower.", "vision_tower.")
@@ -136,9 +133,10 @@ def original_to_split(state: dict[str, torch.Tensor], cfg: KimiK25VisionConfig,
     return out
 
 
-def load(ckpt: CheckpointFiles, *, model_id: str, device: torch.device, dtype: torch.dtype,
-         attn_backend: str) -> KimiK25VisionModel:
-    cfg = KimiK25VisionConfig.from_config(ckpt.config)
+def read_weights(ckpt: CheckpointFiles, cfg: KimiK25VisionConfig, dtype: torch.dtype
+                 ) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The tower's and projector's tensors in the original (runtime) layout, whichever layout the
+    checkpoint uses, and the full names read."""
     vision, read_v = load_tensors(ckpt, VISION_PREFIXES, dtype)
     projector, read_p = load_tensors(ckpt, PROJECTOR_PREFIXES, dtype)
     if is_split_layout(list(vision)):
@@ -146,10 +144,7 @@ def load(ckpt: CheckpointFiles, *, model_id: str, device: torch.device, dtype: t
     else:
         state = {"vision_tower." + k: v for k, v in vision.items()}
         state.update({"mm_projector." + k: v for k, v in projector.items()})
-    model = build(cfg, state, model_id=model_id, preprocess_config=ckpt.preprocessor_config,
-                  device=device, dtype=dtype, attn_backend=attn_backend)
-    model.tensors_read = read_v + read_p
-    return model
+    return state, read_v + read_p
 
 
 def build(cfg: KimiK25VisionConfig, state: dict[str, torch.Tensor], *, model_id: str,
@@ -179,43 +174,3 @@ def checkpoint_config(vision_config: dict, text_hidden_size: int) -> dict:
         "projection_hidden_size": vision_config["hidden_size"],
         "projection_layer_norm_eps": 1e-5,
     }
-
-
-def random_state(cfg: KimiK25VisionConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Deterministic random weights (float32, CPU) in the original layout, full names."""
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in KimiK25VisionTower(cfg).state_dict().items()}
-    gen = torch.Generator().manual_seed(seed)
-    state = {}
-    for name in sorted(shapes):
-        shape = shapes[name]
-        t = torch.randn(shape, generator=gen)
-        if name.endswith("pos_emb.weight"):
-            pass  # unit scale, as the original initialises it: a wrong resize must show
-        elif len(shape) >= 2:
-            # 1/sqrt(fan_in) keeps attention scores O(1): with tiny weights attention would be
-            # uniform and a wrong rotary could not show in a parity test.
-            t *= shape[1:].numel() ** -0.5
-        elif "norm" in name and name.endswith(".weight"):
-            t = 1.0 + 0.1 * t
-        else:
-            t *= 0.1
-        state[name] = t
-    return state
-
-
-def write_checkpoint(preset, out: Path, seed: int, layout: str = "original") -> Path:
-    """``make_checkpoint`` for a Kimi-K2.5 preset: original keys (``vision_tower.``, ``mm_projector.``)
-    or transformers' (``model.vision_tower.``, split q/k/v)."""
-    if layout not in ("original", "transformers"):
-        raise InvalidInput(f"unknown checkpoint layout {layout!r}; layouts: original, transformers")
-    config = checkpoint_config(preset.vision_config, preset.text_hidden_size)
-    cfg = KimiK25VisionConfig.from_config(config)
-    state = random_state(cfg, seed)
-    if layout == "transformers":
-        state = original_to_split(state, cfg)
-    (out / "config.json").write_text(json.dumps({**config, "_preset": preset.name, "_seed": seed}, indent=2))
-    (out / "preprocessor_config.json").write_text(json.dumps(preset.preprocessor_config, indent=2))
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    return out

@@ -1,0 +1,102 @@
+"""Qwen2.5-VL's vision tower: the model (``model.py``), the CUDA path with norms folded into GEMMs
+(``folded.py``) and loading (``loading.py``); ``FAMILY`` is its entry in the model registry."""
+
+from __future__ import annotations
+
+import torch
+
+from ...errors import InvalidInput
+from ..family import ModelFamily, Preset, prefixed
+
+# Defaults of transformers' Qwen2VLImageProcessor (OpenAI CLIP mean/std).
+QWEN2_VL_PREPROCESSOR = {
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "min_pixels": 56 * 56,
+    "max_pixels": 28 * 28 * 1280,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "rescale_factor": 1 / 255,
+    "do_resize": True,
+    "do_rescale": True,
+    "do_normalize": True,
+    "do_convert_rgb": True,
+    "resample": 3,
+}
+
+# transformers' save_pretrained writes the tower under model.visual.; the hub's original files
+# under visual. (both are read: loading.VISION_PREFIXES).
+_LAYOUT_PREFIXES = {"transformers": "model.visual.", "original": "visual."}
+
+
+class Qwen2_5_VLFamily(ModelFamily):
+    model_types = ("qwen2_5_vl",)
+    layouts = tuple(_LAYOUT_PREFIXES)
+    presets = (
+        Preset(
+            name="tiny-qwen2.5-vl",
+            model_type="qwen2_5_vl",
+            vision_config={
+                "depth": 4, "hidden_size": 64, "intermediate_size": 96, "num_heads": 4, "in_channels": 3,
+                "out_hidden_size": 48, "patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2,
+                "window_size": 112, "fullatt_block_indexes": [1, 3], "hidden_act": "silu",
+            },
+            # Smaller max_pixels than the real model keeps CPU tests and demos quick.
+            preprocessor_config={**QWEN2_VL_PREPROCESSOR, "max_pixels": 448 * 448},
+            text_hidden_size=48,
+        ),
+        Preset(
+            name="qwen2.5-vl-7b",
+            model_type="qwen2_5_vl",
+            vision_config={
+                "depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "in_channels": 3,
+                "out_hidden_size": 3584, "patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2,
+                "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31], "hidden_act": "silu",
+            },
+            preprocessor_config=QWEN2_VL_PREPROCESSOR,
+            text_hidden_size=3584,
+        ),
+    )
+
+    @property
+    def vision_prefixes(self) -> tuple[str, ...]:
+        from .loading import VISION_PREFIXES
+
+        return VISION_PREFIXES
+
+    def parse_config(self, config: dict):
+        from .model import Qwen2_5_VisionConfig
+
+        vision = config.get("vision_config")
+        if not isinstance(vision, dict):
+            raise InvalidInput("config.json has no vision_config")
+        return Qwen2_5_VisionConfig.from_dict(vision)
+
+    def checkpoint_config(self, preset: Preset) -> dict:
+        return {
+            "model_type": preset.model_type,
+            "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+            "hidden_size": preset.text_hidden_size,
+            "vision_config": preset.vision_config,
+        }
+
+    def new_tower(self, cfg) -> torch.nn.Module:
+        from .model import Qwen2_5_VisionTower
+
+        return Qwen2_5_VisionTower(cfg)
+
+    def build(self, cfg, state, **kwargs):
+        from .loading import build
+
+        return build(cfg, state, **kwargs)
+
+    def to_checkpoint(self, state, cfg, layout):
+        return prefixed(state, _LAYOUT_PREFIXES[layout])
+
+    def is_norm_weight(self, name: str) -> bool:
+        return name.endswith(("norm1.weight", "norm2.weight", "ln_q.weight"))
+
+
+FAMILY = Qwen2_5_VLFamily()
