@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.service_throughput import drive, make_images, split_serve_args, start_server  # noqa: E402
+from encoder_service.bench_service import drive, make_images, split_serve_args, start_server  # noqa: E402
 
 
 def _smi(*query: str) -> list[list[str]]:

@@ -25,7 +25,8 @@ def _parser() -> argparse.ArgumentParser:
                     f"(e.g. {ENV_PREFIX}CACHE_BYTES); a flag wins over the environment.")
     add_serve_arguments(serve)
     sub.add_parser("bench", add_help=False,
-                   help="ViT throughput on a GPU against transformers (encoder-service bench --help)")
+                   help="ViT throughput on a GPU against transformers (encoder-service bench --help); with --service "
+                        "first, the whole service as users run it (encoder-service bench --service --help)")
     make = sub.add_parser("make-checkpoint", help="write a preset's random-weight checkpoint directory")
     make.add_argument("--preset", required=True, help="preset name, e.g. tiny-qwen2.5-vl or qwen2.5-vl-7b")
     make.add_argument("--out", required=True, help="output directory")
@@ -43,6 +44,10 @@ def _setup_logging(level: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["bench", "--service"]:
+        from .bench_service import main as service_main  # a real server process and clients
+
+        return service_main(argv[2:])
     if argv[:1] == ["bench"]:
         from .bench import main as bench_main  # its own options; imports transformers only if asked
 

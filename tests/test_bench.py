@@ -12,3 +12,21 @@ def test_qwen_7b_costs_about_1_4_gflop_per_patch_at_1008px():
     per_patch = model_flops(cfg, grids) / (72 * 72)
     # Hand count: ~1.40 GFLOP per patch (GEMMs 1.29, attention 0.11) for a 1008x1008 image.
     assert 1.35e9 < per_patch < 1.45e9
+
+
+def test_the_service_benchmark_runs_end_to_end_through_the_cli(tmp_path):
+    # `encoder-service bench --service`: a real server process, client processes, JPEGs, a report.
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "service.json"
+    subprocess.run([sys.executable, "-m", "encoder_service", "bench", "--service", "--model", "tiny-qwen2.5-vl",
+                    "--device", "cpu", "--dtype", "float32", "--concurrency", "1", "--seconds", "1",
+                    "--images-per-level", "4", "--client-procs", "1", "--hit-iters", "2", "--no-forward-only",
+                    "--out", str(out), "--", "--max-batch-tokens", "65536"],
+                   check=True, capture_output=True, timeout=240)
+    report = json.loads(out.read_text())
+    assert report["command"].startswith("encoder-service bench --service --model tiny-qwen2.5-vl")
+    assert report["new_images"][0]["images"] > 0 and report["new_images"][0]["latency_p50_ms"] > 0
+    assert report["cache_hits"]["embedding_bytes"] > 0

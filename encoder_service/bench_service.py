@@ -1,0 +1,362 @@
+"""The service as users run it: a real server process, client processes, photo-like JPEGs.
+
+    encoder-service bench --service --model qwen2.5-vl-7b --device cuda --dtype bfloat16 \
+        --out results.json [-- EXTRA SERVE FLAGS]
+    (the same as: python bench/service_throughput.py ...)
+
+Reports, in one run on one machine:
+- the forward-only figure of the same model (8 x 1008x1008, pixels already on the device, two
+  batches in flight as the server keeps them), in its own process before the server starts;
+- new images (every request a JPEG never seen before, one image per request, bf16 out) at each
+  ``--concurrency`` level: images/s, latency p50/p99, and the server's own stage timings per image
+  (queue, preprocess, forward) as it reports them in each response;
+- cache hits of the same embedding: latency p50/p99 from one client, and throughput from 32;
+- the ratio of new-image throughput to the forward-only figure.
+
+Clients run in ``--client-procs`` processes (each with threads), so the client side is not the
+bottleneck of a Python GIL. ``--server-cwd`` runs the server from another checkout (a baseline) with
+the same client and images.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+# A source checkout runs its own server and client (--server-cwd); an installed package, whatever
+# the environment imports.
+_CHECKOUT = Path(__file__).resolve().parents[1]
+ROOT = _CHECKOUT if (_CHECKOUT / "pyproject.toml").is_file() else Path.cwd()
+
+
+def photo_jpeg(seed: int, size: int = 1008, quality: int = 90) -> bytes:
+    """A photo-like JPEG (~200 KB at 1008x1008, q90): smooth shapes, texture and sensor noise; every
+    seed a different image (so a different content hash)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) / size
+    img = np.zeros((size, size, 3), np.float32)
+    for c in range(3):
+        a, b, ph = rng.uniform(1, 6, 3)
+        img[..., c] = 128 + 80 * np.sin(a * 6.28 * xx + ph) * np.cos(b * 6.28 * yy + c)
+    for _ in range(6):  # a few soft blobs
+        cx, cy, r = rng.uniform(0, 1, 3)
+        mask = np.exp(-((xx - cx) ** 2 + (yy - cy) ** 2) / (0.02 + 0.05 * r))
+        img += mask[..., None] * rng.uniform(-90, 90, 3)
+    img += rng.normal(0, 6, img.shape)
+    buffer = io.BytesIO()
+    Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buffer, "JPEG", quality=quality)
+    return buffer.getvalue()
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
+
+
+# --- forward only ------------------------------------------------------------------------------
+
+
+def forward_only(args) -> dict:
+    """Images/s of the forward alone, 8 x 1008x1008 per batch, in a child process (owns the GPU)."""
+    code = f"""
+import json, time, torch
+from encoder_service.models import load_vision_model
+m = load_vision_model({args.model!r}, device={args.device!r}, dtype={args.dtype!r}, attn_backend={args.attn_backend!r})
+grids = [[1, 72, 72]] * 8
+x = torch.randn(sum(t*h*w for t, h, w in grids), m.spec.patch_dim, device=m.device).to(m.dtype)
+for _ in range(3):
+    m.encode_async(x, grids).wait()
+n = {args.forward_iters}
+t = time.perf_counter(); pending = None
+for _ in range(n):
+    nxt = m.encode_async(x, grids)
+    if pending is not None: pending.wait()
+    pending = nxt
+pending.wait()
+s = time.perf_counter() - t
+print("RESULT", json.dumps({{"images_per_s": 8 * n / s, "batch_ms": s / n * 1000}}))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=args.server_cwd,
+                          env=_server_env(args), timeout=600)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"forward-only run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+# --- the server ----------------------------------------------------------------------------------
+
+
+def _server_env(args) -> dict:
+    env = dict(os.environ)
+    paths = [str(Path(args.server_cwd).resolve()), str(Path(args.server_cwd).resolve() / "client")]
+    env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")])
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args, log_path: Path) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "encoder_service", "serve", "--model", args.model, "--device", args.device,
+           "--dtype", args.dtype, "--attn-backend", args.attn_backend, "--host", "127.0.0.1",
+           "--port", str(port), *args.serve_args]
+    log = open(log_path, "w")  # noqa: SIM115 (lives as long as the server)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=args.server_cwd, env=_server_env(args))
+    target = f"127.0.0.1:{port}"
+    from encoder_client import EncoderClient
+
+    deadline = time.monotonic() + args.start_timeout_s
+    with EncoderClient(target) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            try:
+                if client.health(timeout_s=2) == "SERVING":
+                    return proc, target
+            except Exception:
+                pass
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"server not SERVING within {args.start_timeout_s} s:\n{log_path.read_text()[-4000:]}")
+
+
+# --- clients --------------------------------------------------------------------------------------
+
+
+def _client_proc(target: str, threads: int, images: list[bytes], duration_s: float, warmup: int,
+                 start_at: float, out: mp.Queue) -> None:
+    from encoder_client import EncoderClient
+
+    client = EncoderClient(target)
+    records: list[dict] = []
+    lock = threading.Lock()
+    cursor = [0]
+
+    def next_image() -> bytes | None:
+        with lock:
+            if cursor[0] >= len(images):
+                return None
+            cursor[0] += 1
+            return images[cursor[0] - 1]
+
+    def run(thread_index: int) -> None:
+        for _ in range(warmup):
+            img = next_image()
+            if img is not None:
+                client.encode([img], output_dtype="bfloat16", timeout_s=120)
+        while time.time() < start_at:
+            time.sleep(0.001)
+        while time.time() < start_at + duration_s:
+            img = next_image()
+            if img is None:
+                return
+            t0 = time.perf_counter()
+            r = client.encode([img], output_dtype="bfloat16", timeout_s=120, bf16_as="uint16")[0]
+            rec = {"latency_ms": (time.perf_counter() - t0) * 1000, "end": time.time(), "hit": r.cache_hit}
+            rec.update(r.timing or {})
+            with lock:
+                records.append(rec)
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    client.close()
+    out.put(records)
+
+
+def _gen_images(seeds: list[int], q: mp.Queue) -> None:
+    q.put([photo_jpeg(s) for s in seeds])
+
+
+def make_images(count: int, first_seed: int, procs: int) -> list[bytes]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    seeds = list(range(first_seed, first_seed + count))
+    parts = [seeds[i::procs] for i in range(procs)]
+    ps = [ctx.Process(target=_gen_images, args=(p, q)) for p in parts if p]
+    for p in ps:
+        p.start()
+    out = []
+    for _ in ps:
+        out.extend(q.get())
+    for p in ps:
+        p.join()
+    return out
+
+
+def drive(target: str, concurrency: int, images: list[bytes], args, warmup: int) -> dict:
+    """``concurrency`` clients in up to ``--client-procs`` processes for ``--seconds``."""
+    ctx = mp.get_context("spawn")
+    procs = max(1, min(args.client_procs, concurrency))
+    per = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
+    share = len(images) // procs
+    q = ctx.Queue()
+    start_at = time.time() + 8.0 + 0.1 * concurrency  # after every process is up and warmed
+    ps = [ctx.Process(target=_client_proc, args=(target, per[i], images[i * share:(i + 1) * share], args.seconds,
+                                                 warmup, start_at, q)) for i in range(procs)]
+    for p in ps:
+        p.start()
+    records = []
+    for _ in ps:
+        records.extend(q.get())
+    for p in ps:
+        p.join()
+    if not records:
+        return {"concurrency": concurrency, "images": 0}
+    span = max(r["end"] for r in records) - start_at
+    lat = [r["latency_ms"] for r in records]
+    out = {"concurrency": concurrency, "images": len(records), "seconds": span,
+           "images_per_s": len(records) / span, "latency_p50_ms": _pct(lat, 50),
+           "latency_p99_ms": _pct(lat, 99), "cache_hits": sum(r["hit"] for r in records)}
+    for key in ("queue_ms", "preprocess_ms", "forward_ms"):
+        vals = [r[key] for r in records if key in r]
+        out[f"server_{key}_p50"] = _pct(vals, 50)
+    if len(records) < concurrency * 2:
+        out["note"] = "ran out of images: raise --images-per-level"
+    return out
+
+
+def cache_hits(target: str, args) -> dict:
+    from encoder_client import EncoderClient
+
+    img = photo_jpeg(10**6)
+    with EncoderClient(target) as client:
+        client.encode([img], output_dtype="bfloat16", timeout_s=120)
+        lat = []
+        for _ in range(args.hit_iters):
+            t0 = time.perf_counter()
+            r = client.encode([img], output_dtype="bfloat16", timeout_s=60, bf16_as="uint16")[0]
+            lat.append((time.perf_counter() - t0) * 1000)
+            assert r.cache_hit
+    embedding_bytes = r.embedding.nbytes
+    many = drive(target, 32, [img] * (32 * 400), args, warmup=1)
+    return {"embedding_bytes": embedding_bytes, "latency_p50_ms": _pct(lat, 50), "latency_p99_ms": _pct(lat, 99),
+            "throughput_32_clients_per_s": many.get("images_per_s"),
+            "latency_32_clients_p50_ms": many.get("latency_p50_ms")}
+
+
+def split_serve_args(argv: list[str] | None) -> tuple[list[str], list[str]]:
+    """(the bench's own arguments, the server's flags after ``--``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        return argv, []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv, serve_args = split_serve_args(argv)
+    p = argparse.ArgumentParser(prog="encoder-service bench --service", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen2.5-vl-7b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--attn-backend", default="auto")
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--seconds", type=float, default=15.0, help="measured time per concurrency level")
+    p.add_argument("--images-per-level", type=int, default=1200, help="distinct JPEGs generated per level")
+    p.add_argument("--client-procs", type=int, default=8)
+    p.add_argument("--hit-iters", type=int, default=50)
+    p.add_argument("--forward-iters", type=int, default=10)
+    p.add_argument("--no-forward-only", action="store_true")
+    p.add_argument("--no-hits", action="store_true")
+    p.add_argument("--server-cwd", default=str(ROOT), help="checkout the server (and forward-only) run from")
+    p.add_argument("--start-timeout-s", type=float, default=600)
+    p.add_argument("--label", default="")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    args.serve_args = serve_args
+    levels = [int(c) for c in args.concurrency.split(",")]
+    command = " ".join(["encoder-service bench --service", *argv, *(["--", *serve_args] if serve_args else [])])
+
+    result: dict = {"label": args.label, "date": time.strftime("%Y-%m-%d %H:%M"), "host": platform.node(),
+                    "cpus": os.cpu_count(), "command": command,
+                    "model": args.model, "device": args.device, "dtype": args.dtype, "serve_args": serve_args}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            result["gpu"] = torch.cuda.get_device_name()
+    except ImportError:
+        pass
+    t0 = time.perf_counter()
+    images = make_images(args.images_per_level * len(levels), first_seed=1000, procs=min(16, os.cpu_count() or 2))
+    result["jpeg_bytes_mean"] = float(np.mean([len(i) for i in images[:50]]))
+    print(f"generated {len(images)} JPEGs ({result['jpeg_bytes_mean'] / 1e3:.0f} KB each) in "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    if not args.no_forward_only:
+        result["forward_only"] = forward_only(args)
+        print("forward only:", result["forward_only"], flush=True)
+    log_path = (args.out.with_suffix(".server.log") if args.out else Path("service_bench.server.log"))
+    proc, target = start_server(args, log_path)
+    try:
+        result["new_images"] = []
+        for i, c in enumerate(levels):
+            level_images = images[i * args.images_per_level:(i + 1) * args.images_per_level]
+            r = drive(target, c, level_images, args, warmup=2)
+            print("new images:", json.dumps(r), flush=True)
+            result["new_images"].append(r)
+        if not args.no_hits:
+            result["cache_hits"] = cache_hits(target, args)
+            print("cache hits:", json.dumps(result["cache_hits"]), flush=True)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    fo = result.get("forward_only", {}).get("images_per_s")
+    if fo:
+        for r in result["new_images"]:
+            if r.get("images_per_s"):
+                r["ratio_to_forward_only"] = r["images_per_s"] / fo
+    print(summary(result))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def summary(r: dict) -> str:
+    lines = [f"{r['label'] or 'service'}: {r['model']} {r['device']} {r['dtype']} {' '.join(r['serve_args'])}"]
+    if "forward_only" in r:
+        lines.append(f"  forward only: {r['forward_only']['images_per_s']:.1f} img/s "
+                     f"({r['forward_only']['batch_ms']:.1f} ms per 8 x 1008^2)")
+    for x in r.get("new_images", []):
+        if not x.get("images"):
+            continue
+        lines.append(f"  new c={x['concurrency']:>3}: {x['images_per_s']:6.1f} img/s "
+                     f"(x{x.get('ratio_to_forward_only', float('nan')):.2f} of forward-only)  "
+                     f"p50 {x['latency_p50_ms']:.1f} ms p99 {x['latency_p99_ms']:.1f} ms  server p50: queue "
+                     f"{x['server_queue_ms_p50']:.1f} preprocess {x['server_preprocess_ms_p50']:.1f} "
+                     f"forward {x['server_forward_ms_p50']:.1f} ms")
+    h = r.get("cache_hits")
+    if h:
+        lines.append(f"  cache hit ({h['embedding_bytes'] / 1e6:.1f} MB): p50 {h['latency_p50_ms']:.1f} ms "
+                     f"p99 {h['latency_p99_ms']:.1f} ms; 32 clients {h['throughput_32_clients_per_s']:.0f}/s")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
