@@ -214,6 +214,29 @@ def build_metadata(grids: Sequence[Sequence[int]], spatial: SpatialConfig,
 # arrays live here so that its forward, like Qwen's, never derives a shape from a device tensor.
 
 
+@dataclass(frozen=True)
+class RasterBatchMetadata:
+    """Host arrays of one batch for a raster-order tower (all numpy); built before any device work."""
+
+    grids: tuple[Grid, ...]
+    attention: AttentionMetadata  # one sequence per image, all its frames
+    position_ids: np.ndarray  # int64 [patches, 2] raster (h, w)
+    pool: TemporalPoolIndex
+    tokens_per_image: tuple[int, ...]
+
+
+def build_raster_metadata(grids: Sequence[Sequence[int]], spatial: SpatialConfig) -> RasterBatchMetadata:
+    """Metadata of a batch for a tower that keeps raster order and pools each clip's frames into
+    one set of ``merge_unit``-patch tokens at the end."""
+    base = build_metadata(grids, spatial, merge_temporal=True)
+    m = spatial.spatial_merge_size
+    return RasterBatchMetadata(
+        grids=base.grids, attention=base.full, position_ids=raster_position_ids(base.grids),
+        pool=temporal_pool_index(base.grids, m, m),
+        tokens_per_image=tuple(h * w // spatial.merge_unit for _, h, w in base.grids),
+    )
+
+
 def raster_position_ids(grids: Sequence[Grid]) -> np.ndarray:
     """int64 [total_patches, 2]: (h, w) of every patch, raster order, repeated for each frame."""
     return np.concatenate([np.tile(_position_ids(h, w, 1), (t, 1)) for t, h, w in grids])

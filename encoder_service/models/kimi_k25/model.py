@@ -27,13 +27,7 @@ from torch import nn
 from ...attention import AttentionBackend
 from ...device import host_to_device
 from ...errors import InvalidInput
-from ...metadata import (
-    SpatialConfig,
-    bicubic_resample_matrix,
-    build_metadata,
-    raster_position_ids,
-    temporal_pool_index,
-)
+from ...metadata import RasterBatchMetadata, SpatialConfig, bicubic_resample_matrix, build_raster_metadata
 from ..base import Decoder, Grid, ModelSpec, VisionModel, validate_batch
 from ..layers import activation
 
@@ -248,17 +242,6 @@ class Projector(nn.Module):
         return self.proj(self.pre_norm(slots).reshape(-1, self.merged_dim))
 
 
-@dataclass(frozen=True)
-class KimiBatchMetadata:
-    """Host arrays of one batch (all numpy); built before any device work."""
-
-    grids: tuple[Grid, ...]
-    attention: Any  # AttentionMetadata: one sequence per image, all its frames
-    position_ids: np.ndarray  # int64 [patches, 2] raster (h, w)
-    pool: Any  # TemporalPoolIndex
-    tokens_per_image: tuple[int, ...]
-
-
 class KimiK25VisionTower(nn.Module):
     """``vision_tower`` + ``mm_projector`` of the original checkpoint, under those two names."""
 
@@ -309,7 +292,7 @@ class KimiK25VisionTower(nn.Module):
             parts.append(pos)
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
-    def forward(self, pixel_values: torch.Tensor, meta: KimiBatchMetadata, backend: AttentionBackend
+    def forward(self, pixel_values: torch.Tensor, meta: RasterBatchMetadata, backend: AttentionBackend
                 ) -> torch.Tensor:
         device = pixel_values.device
         position_ids = host_to_device(meta.position_ids, device)
@@ -383,20 +366,12 @@ class KimiK25VisionModel(VisionModel):
                                    "the 2-D rotary embedding covers", image_index=i)
         return checked
 
-    def metadata(self, grids: Sequence[Grid]) -> KimiBatchMetadata:
-        base = build_metadata(grids, self.spatial, merge_temporal=True)
-        return KimiBatchMetadata(
-            grids=base.grids, attention=base.full, position_ids=raster_position_ids(base.grids),
-            pool=temporal_pool_index(base.grids, self.kernel, self.kernel),
-            tokens_per_image=tuple(h * w // self.spec.merge_unit for _, h, w in base.grids),
-        )
-
     @torch.inference_mode()
     def encode_packed(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]
                       ) -> tuple[torch.Tensor, tuple[int, ...]]:
         # transformers' processor returns [patches, C, P, P]; the wire format is [patches, C*P*P].
         if pixel_values.ndim == 4:
             pixel_values = pixel_values.reshape(pixel_values.shape[0], -1)
-        meta = self.metadata(self.validate(pixel_values, grids))
+        meta = build_raster_metadata(self.validate(pixel_values, grids), self.spatial)
         x = self._pixels_to_device(pixel_values)
         return self.module(x.to(self.dtype), meta, self.backend), meta.tokens_per_image
