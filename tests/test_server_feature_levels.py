@@ -166,6 +166,8 @@ def test_a_sink_push_hands_the_receiver_the_levels_separately(encoder, client, l
                                         max_chunk_bytes=SMALL_CHUNK)
         assert [(h.num_tokens, h.hidden_size, h.feature_levels) for h in headers] == [(144, HIDDEN, LEVELS),
                                                                                        (16, HIDDEN, LEVELS)]
+        # Acknowledged, so held: the receiver's byte bound counts every level.
+        assert sink.receiver.buffered_bytes == (144 + 16) * LEVELS * HIDDEN * 4
         pushed = sink.wait("req-levels")
         assert_levels(pushed[0], model_levels(levels_model, 5))
         assert_levels(pushed[1], model_levels(levels_model, 6, (1, 8, 8)))
