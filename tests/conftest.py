@@ -27,13 +27,16 @@ class FakeVisionModel:
     Each token is the mean of its 4 merged patches times a fixed matrix. ``gate`` (a
     threading.Event) lets a test hold the device worker inside a forward; ``batches`` records the
     grids of every forward. Encoded "images" are ``b"img:T,H,W[:seed]"``; other bytes are not images.
+    With ``feature_levels`` > 1 each row also holds extra levels (as Qwen3-VL's deepstack does):
+    level k is the main embedding times (k + 1) plus k, concatenated after it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, feature_levels: int = 1) -> None:
         from encoder_service.models.base import ModelSpec
 
         self.spec = ModelSpec(model_id="fake", model_type="fake", hidden_size=8, patch_size=2,
-                              temporal_patch_size=1, spatial_merge_size=2, in_channels=1)
+                              temporal_patch_size=1, spatial_merge_size=2, in_channels=1,
+                              feature_levels=feature_levels)
         self.device = torch.device("cpu")
         self.dtype = torch.float32
         self.attn_backend = "none"
@@ -92,7 +95,10 @@ class FakeVisionModel:
 
     def reference(self, pixel_values: np.ndarray) -> torch.Tensor:
         x = torch.as_tensor(np.asarray(pixel_values, dtype=np.float32))
-        return x.reshape(-1, 4, 4).mean(1) @ self.weight
+        main = x.reshape(-1, 4, 4).mean(1) @ self.weight
+        if self.spec.feature_levels == 1:
+            return main
+        return torch.cat([main * (k + 1) + k for k in range(self.spec.feature_levels)], dim=1)
 
     def encode(self, pixel_values, grids):
         grids = [tuple(int(v) for v in g) for g in grids]

@@ -95,3 +95,22 @@ def test_async_lookup_model_info_health(target: str) -> None:
     assert cached == [True, False]
     assert info.cache_namespace == FAKE_NAMESPACE
     assert health == "SERVING"
+
+
+def test_async_encode_splits_feature_levels_into_main_and_deepstack() -> None:
+    fake = FakeVisionEncoder(feature_levels=2)
+
+    async def run():
+        async with AsyncEncoderClient(target) as client:
+            return (await client.encode([b"one", b"two"], output_dtype="bfloat16", max_chunk_bytes=32),
+                    await client.model_info())
+
+    with serve_fake(fake) as target:
+        results, info = asyncio.run(run())
+    assert info.feature_levels == 2
+    for r in results:
+        bits = float32_to_bf16_bits(fake_embedding(r.content_hash, feature_levels=2))
+        widened = np.split((bits.astype(np.uint32) << 16).view(np.float32), 2, axis=1)
+        np.testing.assert_array_equal(r.embedding, widened[0])
+        (deep,) = r.deepstack
+        np.testing.assert_array_equal(deep, widened[1])

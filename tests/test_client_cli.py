@@ -58,10 +58,28 @@ def test_encode_repeat_shows_cache_hits_after_the_first_run(
     assert [(r[0], r[5]) for r in rows] == [("1", "no"), ("2", "yes"), ("3", "yes")]
 
 
+def test_encode_of_a_model_with_feature_levels_shows_them_and_writes_each_level(
+    files: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "levels.npz"
+    with serve_fake(FakeVisionEncoder(feature_levels=3)) as target:
+        assert main(["encode", "--target", target, str(files[0]), "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["image", "tokens", "hidden", "levels", "hash", "cache", "hit", "ms"]
+    assert lines[1].split()[2:4] == ["8", "3"]
+    levels = np.split(fake_embedding(hashing.hash_encoded(FAKE_NAMESPACE, files[0].read_bytes()),
+                                     feature_levels=3), 3, axis=1)
+    with np.load(out) as npz:
+        assert sorted(npz.files) == ["hashes", "image_0", "image_0_deepstack_0", "image_0_deepstack_1"]
+        for key, level in zip(["image_0", "image_0_deepstack_0", "image_0_deepstack_1"], levels, strict=True):
+            np.testing.assert_array_equal(npz[key], level)
+
+
 def test_info_and_lookup(target: str, files: list[Path], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["info", "--target", target]) == 0
     out = capsys.readouterr().out
     assert f"cache_namespace: {FAKE_NAMESPACE}" in out and "hidden_size: 8" in out
+    assert "feature_levels: 1" in out
     assert main(["encode", "--target", target, str(files[0])]) == 0
     h = hashing.hash_encoded(FAKE_NAMESPACE, files[0].read_bytes())
     capsys.readouterr()

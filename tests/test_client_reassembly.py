@@ -104,3 +104,86 @@ def test_backoff_grows_exponentially_with_jitter_and_stops_after_the_retries() -
         assert all(ceiling / 2 <= d <= ceiling for d in delays)
         assert len(delays) > 1  # jittered
     assert policy.delay_s(4) is None
+
+
+# --- extra feature levels (Qwen3-VL deepstack): rows of main + extra levels, split by the client ---
+
+
+def _level_chunks(emb_levels: list[np.ndarray], rows_per_chunk: int, feature_levels: int,
+                  dtype: int = encoder_pb2.DTYPE_FLOAT32) -> list[encoder_pb2.EmbeddingChunk]:
+    """One image's chunks as the server sends them: each row is the levels side by side."""
+    rows = np.concatenate(emb_levels, axis=1)
+    chunks = _chunks(0, rows, rows_per_chunk, dtype)
+    for chunk in chunks:
+        chunk.hidden_size = emb_levels[0].shape[1]
+        chunk.feature_levels = feature_levels
+    return chunks
+
+
+def test_a_multi_chunk_image_with_three_levels_splits_into_main_and_two_deepstack_arrays() -> None:
+    rng = np.random.default_rng(3)
+    levels = [rng.standard_normal((7, HIDDEN)).astype(np.float32) for _ in range(3)]
+    chunks = _level_chunks(levels, rows_per_chunk=2, feature_levels=3)
+    assert len(chunks) == 4
+    r = Reassembler(1, bf16_as="float32", started_s=0.0)
+    for chunk in reversed(chunks[:-1]):  # rows out of order within the image
+        r.add(chunk)
+    r.add(chunks[-1])
+    (x,) = r.results()
+    assert (x.num_tokens, x.hidden_size, x.feature_levels) == (7, HIDDEN, 3)
+    np.testing.assert_array_equal(x.embedding, levels[0])
+    assert len(x.deepstack) == 2
+    for got, sent in zip(x.deepstack, levels[1:], strict=True):
+        np.testing.assert_array_equal(got, sent)
+    # Views of one buffer, each level contiguous [num_tokens, hidden_size]: nothing copied per level.
+    for array in (x.embedding, *x.deepstack):
+        assert array.shape == (7, HIDDEN) and array.flags.c_contiguous and not array.flags.owndata
+        assert np.shares_memory(array, x.embedding.base)
+    assert x.nbytes == 3 * 7 * HIDDEN * 4
+
+
+def test_bf16_levels_widen_to_float32_like_the_main_embedding() -> None:
+    rng = np.random.default_rng(4)
+    levels = [rng.standard_normal((5, HIDDEN)).astype(np.float32) for _ in range(2)]
+    bits = [float32_to_bf16_bits(level) for level in levels]
+    rows = np.concatenate(bits, axis=1)
+    chunk = encoder_pb2.EmbeddingChunk(
+        image_index=0, num_tokens=5, hidden_size=HIDDEN, feature_levels=2, dtype=encoder_pb2.DTYPE_BFLOAT16,
+        data=rows.astype("<u2").tobytes(), last=True)
+    for bf16_as, expect in (("float32", [bf16_bits_to_float32(b) for b in bits]), ("uint16", bits)):
+        r = Reassembler(1, bf16_as=bf16_as, started_s=0.0)
+        r.add(chunk)
+        (x,) = r.results()
+        np.testing.assert_array_equal(x.embedding, expect[0])
+        np.testing.assert_array_equal(x.deepstack[0], expect[1])
+
+
+def test_chunks_that_disagree_on_feature_levels_are_a_clear_error() -> None:
+    rng = np.random.default_rng(5)
+    levels = [rng.standard_normal((4, HIDDEN)).astype(np.float32) for _ in range(3)]
+    chunks = _level_chunks(levels, rows_per_chunk=2, feature_levels=3)
+    chunks[1].feature_levels = 2
+    details = _malformed(chunks)
+    assert "image 0" in details and "feature_levels" in details and "3" in details and "2" in details
+
+
+def test_rows_must_be_whole_rows_of_every_level() -> None:
+    rng = np.random.default_rng(6)
+    levels = [rng.standard_normal((4, HIDDEN)).astype(np.float32) for _ in range(3)]
+    (chunk,) = _level_chunks(levels, rows_per_chunk=4, feature_levels=3)
+    # Two levels' worth of bytes per row under feature_levels 3: not whole rows.
+    chunk.data = np.concatenate(levels[:2], axis=1).astype("<f4").tobytes()
+    assert "not whole rows" in _malformed([chunk])
+
+
+def test_a_model_without_levels_gives_no_deepstack_and_chunks_without_the_field() -> None:
+    emb = np.arange(6 * HIDDEN, dtype=np.float32).reshape(6, HIDDEN)
+    chunks = _chunks(0, emb, 4)
+    assert all(not c.feature_levels for c in chunks)
+    r = Reassembler(1, bf16_as="float32", started_s=0.0)
+    for chunk in chunks:
+        r.add(chunk)
+    (x,) = r.results()
+    assert x.deepstack == () and x.feature_levels == 1
+    np.testing.assert_array_equal(x.embedding, emb)
+    assert x.embedding.flags.c_contiguous and x.nbytes == emb.nbytes

@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 import pytest
 from encoder_client import EncoderClient, EncoderClientError, HashRef, ModelInfo, content_hash, hashing
-from encoder_client._proto.encoder.v1 import encoder_pb2
+from encoder_client._proto.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from encoder_client.testing import (
     FAKE_NAMESPACE,
     Failure,
@@ -236,3 +236,37 @@ def test_health_on_a_server_without_the_health_service_is_unimplemented() -> Non
             pytest.raises(EncoderClientError) as info:
         client.health()
     assert info.value.code == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_a_model_with_feature_levels_comes_back_as_main_embedding_and_deepstack() -> None:
+    fake = FakeVisionEncoder(feature_levels=3)
+    with serve_fake(fake) as target, EncoderClient(target, timeout_s=10) as client:
+        # 96 bytes = one float32 row of 3 levels x hidden 8: each image spans several chunks.
+        results = client.encode([b"first", b"second image"], output_dtype="float32", max_chunk_bytes=96)
+        for r in results:
+            levels = np.split(fake_embedding(r.content_hash, feature_levels=3), 3, axis=1)
+            assert r.embedding.shape == (r.num_tokens, r.hidden_size) == (levels[0].shape[0], 8)
+            np.testing.assert_array_equal(r.embedding, levels[0])
+            assert r.feature_levels == 3 and len(r.deepstack) == 2
+            for got, expected in zip(r.deepstack, levels[1:], strict=True):
+                np.testing.assert_array_equal(got, expected)
+        assert client.model_info().feature_levels == 3
+        channel = grpc.insecure_channel(target)
+        chunks = list(encoder_pb2_grpc.VisionEncoderStub(channel).Encode(encoder_pb2.EncodeRequest(
+            images=[encoder_pb2.Image(encoded=b"first")], max_chunk_bytes=96)))
+        channel.close()
+        assert len(chunks) > 1 and {c.feature_levels for c in chunks} == {3}
+        assert {len(c.data) for c in chunks} == {96}
+
+
+def test_a_model_without_feature_levels_sends_no_field_and_gives_no_deepstack(target: str) -> None:
+    with EncoderClient(target) as client:
+        (r,) = client.encode([b"img"])
+        assert r.deepstack == () and r.feature_levels == 1
+        assert client.model_info().feature_levels == 1
+    channel = grpc.insecure_channel(target)
+    stub = encoder_pb2_grpc.VisionEncoderStub(channel)
+    (chunk,) = stub.Encode(encoder_pb2.EncodeRequest(images=[encoder_pb2.Image(encoded=b"img")]))
+    info = stub.GetModelInfo(encoder_pb2.GetModelInfoRequest())
+    channel.close()
+    assert not chunk.feature_levels and not info.feature_levels

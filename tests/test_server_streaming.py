@@ -52,3 +52,22 @@ def test_chunks_of_embeddings_large_enough_to_be_filled_without_the_gil_parse_th
     assert len(got) == len(expected) and max(len(g) for g in got) > streaming.GIL_FREE_MIN_BYTES
     for raw, want in zip(got, expected):
         assert encoder_pb2.EmbeddingChunk.FromString(raw) == encoder_pb2.EmbeddingChunk.FromString(want)
+
+
+@pytest.mark.parametrize("out_dtype", [None, "bfloat16"])
+def test_rows_of_three_feature_levels_are_chunked_whole_and_say_one_levels_hidden_size(out_dtype):
+    embedding = torch.randn(7, 3 * 6, generator=torch.Generator().manual_seed(0))  # 3 levels of hidden 6
+    result = ImageResult(3, "ab" * 32, (1, 2, 14), embedding, cache_hit=False, feature_levels=3)
+    itemsize = 2 if out_dtype else 4
+    kwargs = {"request_id": "req-1", "out_dtype": out_dtype, "model_dtype": "float32",
+              "max_chunk_bytes": 2 * 18 * itemsize + 1}  # two whole rows, not three
+    expected = [c.SerializeToString() for c in embedding_chunks(result, **kwargs)]
+    got = [encoder_pb2.EmbeddingChunk.FromString(raw) for raw in serialized_chunks(result, **kwargs)]
+    assert got == [encoder_pb2.EmbeddingChunk.FromString(want) for want in expected]
+    assert [c.token_offset for c in got] == [0, 2, 4, 6]
+    for chunk in got:
+        assert (chunk.hidden_size, chunk.feature_levels, chunk.num_tokens) == (6, 3, 7)
+        assert len(chunk.data) % (18 * itemsize) == 0
+    data = b"".join(c.data for c in got)
+    assert data == streaming.rows_to_bytes(embedding, result.embedding.dtype if out_dtype is None
+                                           else torch.bfloat16, 0, 7)

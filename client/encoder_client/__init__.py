@@ -15,6 +15,7 @@ Usage::
         results = client.encode(images, output_dtype="bfloat16")   # request order, always
         for r in results:
             print(r.index, r.embedding.shape, r.content_hash[:12], r.cache_hit, r.latency_ms)
+            # r.deepstack: the extra feature levels of models that have them (Qwen3-VL), else ()
         # A cached embedding can be fetched again by its hash, without resending pixels:
         again = client.encode([HashRef(results[0].content_hash)])
         print(client.lookup([r.content_hash for r in results]))   # [True, True, True]

@@ -1,4 +1,10 @@
-"""Reassembly of the Encode stream: chunks of several images, interleaved, in completion order."""
+"""Reassembly of the Encode stream: chunks of several images, interleaved, in completion order.
+
+A row on the wire holds ``feature_levels`` levels side by side (the main embedding, then e.g.
+Qwen3-VL's deepstack levels), each ``hidden_size`` wide. Rows are placed level-major into one
+[levels, num_tokens, hidden_size] buffer as they arrive (the one copy out of the message), so each
+level the caller gets is a contiguous view of it.
+"""
 
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ def _malformed(message: str) -> EncoderClientError:
 @dataclass
 class _Partial:
     first: encoder_pb2.EmbeddingChunk  # fixes the image's header fields
-    rows: np.ndarray  # [num_tokens, hidden_size], wire numpy dtype, filled by token_offset
+    rows: np.ndarray  # [feature_levels, num_tokens, hidden_size], wire numpy dtype, filled by token_offset
     filled: np.ndarray  # [num_tokens] bool: which rows have arrived (catches overlaps and gaps)
     rows_received: int = 0
     result: EncodedImage | None = None
@@ -56,6 +62,9 @@ class Reassembler:
             part.first.num_tokens, part.first.hidden_size, part.first.dtype
         ):
             raise _malformed(f"image {index}: chunks disagree on num_tokens/hidden_size/dtype")
+        elif chunk.feature_levels != part.first.feature_levels:
+            raise _malformed(f"image {index}: chunks disagree on feature_levels "
+                             f"({_levels(part.first)}, then {_levels(chunk)})")
         if part.result is not None:
             raise _malformed(f"image {index}: chunk after its last chunk")
         self._place(part, chunk)
@@ -88,12 +97,13 @@ class Reassembler:
             raise _malformed(f"image {chunk.image_index}: hidden_size 0")
         return _Partial(
             first=chunk,
-            rows=np.empty((chunk.num_tokens, chunk.hidden_size), dtype=np_dtype),
+            rows=np.empty((_levels(chunk), chunk.num_tokens, chunk.hidden_size), dtype=np_dtype),
             filled=np.zeros(chunk.num_tokens, dtype=bool),
         )
 
     def _place(self, part: _Partial, chunk: encoder_pb2.EmbeddingChunk) -> None:
-        row_bytes = part.rows.dtype.itemsize * part.first.hidden_size
+        levels, _, hidden = part.rows.shape
+        row_bytes = part.rows.dtype.itemsize * hidden * levels
         if not chunk.data:
             return
         if row_bytes == 0 or len(chunk.data) % row_bytes:
@@ -108,7 +118,8 @@ class Reassembler:
         if part.filled[start:start + n].any():
             raise _malformed(f"image {chunk.image_index}: rows {start}..{start + n} sent twice")
         part.filled[start:start + n] = True
-        part.rows[start:start + n] = np.frombuffer(chunk.data, dtype=part.rows.dtype).reshape(n, -1)
+        wire_rows = np.frombuffer(chunk.data, dtype=part.rows.dtype).reshape(n, levels, hidden)
+        part.rows[:, start:start + n] = wire_rows.transpose(1, 0, 2)
         part.rows_received += n
 
     def _finish(self, index: int, part: _Partial, last: encoder_pb2.EmbeddingChunk) -> EncodedImage:
@@ -123,7 +134,8 @@ class Reassembler:
             timing = {"queue_ms": t.queue_ms, "preprocess_ms": t.preprocess_ms, "forward_ms": t.forward_ms}
         return EncodedImage(
             index=index,
-            embedding=rows,
+            embedding=rows[0],
+            deepstack=tuple(rows[1:]),
             content_hash=part.first.content_hash or last.content_hash,
             grid_thw=tuple(part.first.grid_thw),
             num_tokens=part.first.num_tokens,
@@ -133,6 +145,10 @@ class Reassembler:
             timing=timing,
             latency_ms=(time.monotonic() - self._started_s) * 1000.0,
         )
+
+
+def _levels(chunk: encoder_pb2.EmbeddingChunk) -> int:
+    return chunk.feature_levels or 1  # 0 on the wire (a model without extra levels) means 1
 
 
 def check_lookup_response(

@@ -30,21 +30,26 @@ def _encode(args: argparse.Namespace, client: EncoderClient | RoutingEncoderClie
     output_dtype = None if args.dtype == "model" else args.dtype
     # Read once: --repeat measures the service (cache hits on repeats), not the disk.
     images = [Path(f).read_bytes() for f in args.files]
-    header = ["image", "tokens", "hidden", "hash", "cache hit", "ms"]
+    runs: list[list[EncodedImage]] = []
+    kwargs = {} if isinstance(client, RoutingEncoderClient) else {"hash_first": args.hash_first}
+    for _ in range(args.repeat):
+        runs.append(client.encode(images, output_dtype=output_dtype, bf16_as=args.bf16_as, **kwargs))
+    results = runs[-1]
+    # A "levels" column only for models with extra feature levels (deepstack): others print as before.
+    levels = any(r.feature_levels > 1 for r in results)
+    header = ["image", "tokens", "hidden", *(["levels"] if levels else []), "hash", "cache hit", "ms"]
     if args.repeat > 1:
         header = ["run", *header]
     rows: list[list[str]] = []
-    results: list[EncodedImage] = []
-    kwargs = {} if isinstance(client, RoutingEncoderClient) else {"hash_first": args.hash_first}
-    for run in range(args.repeat):
-        results = client.encode(images, output_dtype=output_dtype, bf16_as=args.bf16_as, **kwargs)
-        for name, r in zip(args.files, results, strict=True):
-            row = [name, str(r.num_tokens), str(r.hidden_size), r.content_hash[:12],
-                   "yes" if r.cache_hit else "no", f"{r.latency_ms:.1f}"]
+    for run, run_results in enumerate(runs):
+        for name, r in zip(args.files, run_results, strict=True):
+            row = [name, str(r.num_tokens), str(r.hidden_size), *([str(r.feature_levels)] if levels else []),
+                   r.content_hash[:12], "yes" if r.cache_hit else "no", f"{r.latency_ms:.1f}"]
             rows.append([str(run + 1), *row] if args.repeat > 1 else row)
     print(_table(rows, header))
     if args.out is not None:
         arrays = {f"image_{r.index}": r.embedding for r in results}
+        arrays.update({f"image_{r.index}_deepstack_{k}": level for r in results for k, level in enumerate(r.deepstack)})
         # Fixed-width unicode, not object arrays, so np.load works without allow_pickle.
         arrays["hashes"] = np.array([r.content_hash for r in results], dtype=str)
         np.savez(args.out, **arrays)
@@ -119,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how bf16 embeddings are returned/saved (default float32, exact)")
     p.add_argument("--repeat", type=int, default=1,
                    help="send the same request N times (cache hits after the first)")
-    p.add_argument("--out", type=Path, help="write an .npz: image_0, image_1, ... and hashes")
+    p.add_argument("--out", type=Path, help="write an .npz: image_0, image_1, ... and hashes (and "
+                                            "image_0_deepstack_0, ... for a model with extra feature levels)")
     p.add_argument("--hash-first", action="store_true",
                    help="ask Lookup first and send pixels only for images the server does not cache "
                         "(always on with several targets)")

@@ -11,6 +11,10 @@ then lands here, and the decode server awaits it::
     first = await pending.image(0)                 # EncodedImage, as soon as image 0 is complete
     images = await receiver.wait("req-42", timeout_s=30)   # every image, in request order
 
+Each image is an ``EncodedImage``: ``embedding`` [num_tokens, hidden_size] and, for a model with
+extra feature levels (Qwen3-VL), ``deepstack``: one [num_tokens, hidden_size] array per extra level,
+in order, ready for the LLM's deepstack injection (empty for other models).
+
 TLS: the receiver is a servicer, so it speaks whatever the server's port speaks: bind it with
 ``server.add_secure_port(addr, grpc.ssl_server_credentials(...))`` (``root_certificates`` and
 ``require_client_auth=True`` to require the encoders' client certificates) and start the encoders
@@ -64,12 +68,13 @@ class PushedImage:
     hidden_size: int
     dtype: str
     cache_hit: bool
+    feature_levels: int = 1  # the main embedding plus the deepstack levels the sink received
 
     @classmethod
     def from_chunk(cls, chunk: encoder_pb2.EmbeddingChunk) -> PushedImage:
         return cls(index=chunk.image_index, content_hash=chunk.content_hash, grid_thw=tuple(chunk.grid_thw),
                    num_tokens=chunk.num_tokens, hidden_size=chunk.hidden_size, dtype=dtype_name(chunk.dtype),
-                   cache_hit=chunk.cache_hit)
+                   cache_hit=chunk.cache_hit, feature_levels=chunk.feature_levels or 1)
 
 
 def collect_headers(chunks: list[encoder_pb2.EmbeddingChunk], num_images: int) -> list[PushedImage]:
@@ -260,7 +265,7 @@ class EmbeddingSinkReceiver(encoder_pb2_grpc.EmbeddingSinkServicer):
         pending.num_images = chunk.num_images
         pending.stream += 1
         # A retried push starts over: bytes reserved for images still incomplete are given back.
-        kept = sum(r.embedding.nbytes for r in pending.results.values())
+        kept = sum(r.nbytes for r in pending.results.values())
         self.buffered_bytes -= pending.buffered_bytes - kept
         pending.buffered_bytes = kept
         reassembler = Reassembler(pending.num_images, bf16_as=self.bf16_as, started_s=time.monotonic())
@@ -273,7 +278,7 @@ class EmbeddingSinkReceiver(encoder_pb2_grpc.EmbeddingSinkServicer):
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"unsupported dtype {chunk.dtype}") from None
         if chunk.dtype == encoder_pb2.DTYPE_BFLOAT16 and self.bf16_as == "float32":
             itemsize = 4
-        nbytes = chunk.num_tokens * chunk.hidden_size * itemsize
+        nbytes = chunk.num_tokens * chunk.hidden_size * (chunk.feature_levels or 1) * itemsize
         if self.buffered_bytes + nbytes > self.max_buffered_bytes:
             raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                          f"sink buffer full: {self.buffered_bytes} + {nbytes} bytes over "

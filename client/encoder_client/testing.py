@@ -2,7 +2,8 @@
 
 The fake speaks the wire contract (chunking, completion order, cache hits, Lookup, GetModelInfo,
 health) but its embeddings are deterministic pseudo-random numbers derived from the content
-hash, not a model's output. Tests can script failures::
+hash, not a model's output. ``FakeVisionEncoder(feature_levels=3)`` serves a model with extra
+feature levels (rows of main + deepstack levels, as Qwen3-VL). Tests can script failures::
 
     fake = FakeVisionEncoder()
     fake.fail_next.append(Failure(grpc.StatusCode.UNAVAILABLE, "draining"))
@@ -30,12 +31,13 @@ FAKE_HIDDEN_SIZE = 8
 FAKE_DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 
 
-def fake_embedding(content_hash: str, hidden_size: int = FAKE_HIDDEN_SIZE) -> np.ndarray:
-    """The fake's float32 embedding for a content hash: [3..12 tokens, hidden_size]."""
+def fake_embedding(content_hash: str, hidden_size: int = FAKE_HIDDEN_SIZE, feature_levels: int = 1) -> np.ndarray:
+    """The fake's float32 rows for a content hash: [3..12 tokens, feature_levels * hidden_size], the
+    levels side by side as on the wire (``np.split(rows, feature_levels, axis=1)`` separates them)."""
     seed = int(content_hash[:16], 16)
     rng = np.random.default_rng(seed)
     num_tokens = 3 + seed % 10
-    return rng.standard_normal((num_tokens, hidden_size)).astype(np.float32)
+    return rng.standard_normal((num_tokens, hidden_size * feature_levels)).astype(np.float32)
 
 
 def float32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -67,8 +69,9 @@ class FakeVisionEncoder(encoder_pb2_grpc.VisionEncoderServicer):
     client that assumes request order or one image at a time fails against it."""
 
     def __init__(self, *, hidden_size: int = FAKE_HIDDEN_SIZE, model_dtype: int = encoder_pb2.DTYPE_FLOAT32,
-                 cache_namespace: str = FAKE_NAMESPACE) -> None:
+                 cache_namespace: str = FAKE_NAMESPACE, feature_levels: int = 1) -> None:
         self.hidden_size = hidden_size
+        self.feature_levels = feature_levels
         self.model_dtype = model_dtype
         self.cache_namespace = cache_namespace
         self.requests: list[encoder_pb2.EncodeRequest] = []
@@ -116,11 +119,12 @@ class FakeVisionEncoder(encoder_pb2_grpc.VisionEncoderServicer):
         dtype = request.output_dtype or self.model_dtype
         itemsize = 4 if dtype == encoder_pb2.DTYPE_FLOAT32 else 2
         chunk_bytes = request.max_chunk_bytes or FAKE_DEFAULT_CHUNK_BYTES
-        rows_per_chunk = max(1, chunk_bytes // (self.hidden_size * itemsize))
+        rows_per_chunk = max(1, chunk_bytes // (self.hidden_size * self.feature_levels * itemsize))
+        levels = self.feature_levels if self.feature_levels > 1 else 0  # as the server: 0 means 1
         per_image = []
         for index, image in enumerate(request.images):
             content_hash = self._content_hash(index, image, context)
-            embedding = fake_embedding(content_hash, self.hidden_size)
+            embedding = fake_embedding(content_hash, self.hidden_size, self.feature_levels)
             with self._lock:
                 cache_hit = content_hash in self.cached
                 self.cached.add(content_hash)
@@ -134,6 +138,7 @@ class FakeVisionEncoder(encoder_pb2_grpc.VisionEncoderServicer):
                     request_id=request.request_id, image_index=index, content_hash=content_hash,
                     grid_thw=grid, num_tokens=n, hidden_size=self.hidden_size, dtype=dtype,
                     token_offset=offset, data=_wire_bytes(rows, dtype), last=last, cache_hit=cache_hit,
+                    feature_levels=levels,
                     timing=encoder_pb2.ServerTiming(queue_ms=1.0, preprocess_ms=2.0, forward_ms=3.0)
                     if last else None,
                 ))
@@ -161,7 +166,7 @@ class FakeVisionEncoder(encoder_pb2_grpc.VisionEncoderServicer):
             patch_size=14, temporal_patch_size=2, spatial_merge_size=2, patch_dim=1176,
             attention_backend="none", device="cpu", cache_namespace=self.cache_namespace,
             max_batch_tokens=16384, max_message_bytes=64 * 1024 * 1024, max_image_pixels=12845056,
-            version="fake",
+            version="fake", feature_levels=self.feature_levels if self.feature_levels > 1 else 0,
         )
 
 

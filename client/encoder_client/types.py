@@ -42,6 +42,11 @@ class EncodedImage:
     server's account (``queue_ms``, ``preprocess_ms``, ``forward_ms``) when it sent one;
     ``latency_ms`` is what the client observed, from the start of the request (first attempt)
     until this image's last chunk.
+
+    ``embedding`` is the main embedding [num_tokens, hidden_size]. A model with extra feature levels
+    (Qwen3-VL's deepstack: intermediate vision layers the LLM injects into its first layers) also
+    fills ``deepstack``, one [num_tokens, hidden_size] array per extra level in order; it is empty
+    for other models. All of them are contiguous views of one buffer (nothing copied per level).
     """
 
     index: int
@@ -54,6 +59,17 @@ class EncodedImage:
     dtype: str
     timing: dict[str, float] | None
     latency_ms: float = 0.0
+    deepstack: tuple[np.ndarray, ...] = ()
+
+    @property
+    def feature_levels(self) -> int:
+        """Levels of this embedding: the main one plus the deepstack levels."""
+        return 1 + len(self.deepstack)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by every level."""
+        return self.embedding.nbytes + sum(level.nbytes for level in self.deepstack)
 
 
 @dataclass(frozen=True)
@@ -76,10 +92,14 @@ class ModelInfo:
     max_image_pixels: int
     version: str
     preprocess: str = ""  # "pil" or "torch"; empty from servers older than the field
+    # Levels in each embedding row (main + deepstack levels, each hidden_size wide); 1 for models
+    # without extra levels and from servers older than the field.
+    feature_levels: int = 1
 
     @classmethod
     def from_proto(cls, msg: encoder_pb2.ModelInfo) -> ModelInfo:
         values: dict[str, Any] = {f.name: getattr(msg, f.name) for f in fields(cls)}
+        values["feature_levels"] = msg.feature_levels or 1  # 0 on the wire means 1
         try:
             values["dtype"] = dtype_name(msg.dtype)
         except ValueError:

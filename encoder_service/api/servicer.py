@@ -125,4 +125,4 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
             patch_dim=d.patch_dim, attention_backend=d.attn_backend, device=d.device,
             cache_namespace=d.cache_namespace, max_batch_tokens=c.max_batch_tokens,
             max_message_bytes=c.max_message_bytes, max_image_pixels=c.max_image_pixels, version=__version__,
-            preprocess=d.preprocess)
+            preprocess=d.preprocess, feature_levels=d.feature_levels if d.feature_levels > 1 else 0)

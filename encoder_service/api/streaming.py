@@ -25,10 +25,13 @@ from . import dtypes
 
 def _headers(result: ImageResult, name: str, request_id: str, max_chunk_bytes: int
              ) -> Iterator[tuple[encoder_pb2.EmbeddingChunk, int, int]]:
-    """Each chunk's message without ``data``, with its row range [start, stop): whole rows, at least
-    one per chunk whatever the budget; the last one carries the server's timing."""
+    """Each chunk's message without ``data``, with its row range [start, stop): whole rows (every
+    feature level of a token), at least one per chunk whatever the budget; the last one carries the
+    server's timing."""
     num_tokens, hidden = result.num_tokens, result.hidden_size
-    rows_per_chunk = max(1, max_chunk_bytes // max(1, hidden * dtypes.ITEMSIZE[name]))
+    # Set only for extra levels: a model without them keeps the field off the wire (0 means 1).
+    levels = result.feature_levels if result.feature_levels > 1 else 0
+    rows_per_chunk = max(1, max_chunk_bytes // max(1, result.row_width * dtypes.ITEMSIZE[name]))
     start = 0
     while True:
         stop = min(num_tokens, start + rows_per_chunk)
@@ -36,7 +39,8 @@ def _headers(result: ImageResult, name: str, request_id: str, max_chunk_bytes: i
         header = encoder_pb2.EmbeddingChunk(
             request_id=request_id, image_index=result.index, content_hash=result.content_hash,
             grid_thw=list(result.grid), num_tokens=num_tokens, hidden_size=hidden,
-            dtype=dtypes.ENUM_BY_NAME[name], token_offset=start, last=last, cache_hit=result.cache_hit)
+            dtype=dtypes.ENUM_BY_NAME[name], token_offset=start, last=last, cache_hit=result.cache_hit,
+            feature_levels=levels)
         if last:
             t = result.timing
             header.timing.CopyFrom(encoder_pb2.ServerTiming(
@@ -89,7 +93,7 @@ def serialized_chunks(result: ImageResult, *, request_id: str, out_dtype: str | 
     """Like ``embedding_chunks``, as wire bytes (see the module docstring); parses to the same messages."""
     name = out_dtype or model_dtype
     data = np.frombuffer(wire_view(result.embedding, torch_output_dtype(name, result.embedding.dtype)), np.uint8)
-    row_bytes = result.hidden_size * dtypes.ITEMSIZE[name]
+    row_bytes = result.row_width * dtypes.ITEMSIZE[name]
     for header, start, stop in _headers(result, name, request_id, max_chunk_bytes):
         payload = data[start * row_bytes:stop * row_bytes]
         prefix = header.SerializeToString()

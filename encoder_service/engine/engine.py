@@ -159,7 +159,7 @@ class Engine:
             dtype=f.dtype, patch_size=spec.patch_size, temporal_patch_size=spec.temporal_patch_size,
             spatial_merge_size=spec.spatial_merge_size, patch_dim=spec.patch_dim,
             attn_backend=f.attn_backend, device=device, cache_namespace=self.namespace,
-            preprocess=f.preprocess_mode)
+            preprocess=f.preprocess_mode, feature_levels=spec.feature_levels)
 
     @property
     def busy(self) -> bool:
@@ -244,7 +244,8 @@ class Engine:
             for wait in waits:
                 self._enqueue(wait.job)
             for image, entry in hits:
-                yield ImageResult(image.index, entry.key, entry.grid, entry.embedding, cache_hit=True)
+                yield ImageResult(image.index, entry.key, entry.grid, entry.embedding, cache_hit=True,
+                                  feature_levels=self.front.spec.feature_levels)
                 self.cache.release(entry.key)  # streamed: unpin now, not at the end of the request
                 released_hits += 1
             async for result in self._completed(waits):
@@ -300,7 +301,7 @@ class Engine:
                         raise _retag(exc, wait.image.index)
                     job = wait.job
                     yield ImageResult(wait.image.index, job.key, job.grid, fut.result(), cache_hit=False,
-                                      timing=job.timing)
+                                      timing=job.timing, feature_levels=self.front.spec.feature_levels)
                     wait.leave(self)  # streamed: unpin now, not at the end of the request
 
     # --- jobs ------------------------------------------------------------------------------------------

@@ -58,8 +58,8 @@ def copy_out(buffer: SharedBuffer, batch: list[WorkItem], front) -> list:
     import torch
 
     dtype = torch_dtype(front.dtype)
-    hidden = front.spec.hidden_size
+    width = front.spec.row_width  # every feature level of a token travels in its row
     tokens = [front.num_tokens(item.grid) for item in batch]
-    total = sum(tokens) * hidden
-    packed = torch.frombuffer(buffer.array, dtype=dtype, count=total).view(-1, hidden)
+    total = sum(tokens) * width
+    packed = torch.frombuffer(buffer.array, dtype=dtype, count=total).view(-1, width)
     return [part.clone() for part in packed.split(tokens)]

@@ -215,7 +215,7 @@ class WorkerProcess:
             payload = item.payload
             layout.append((offset, payload))
             offset += (payload.nbytes + ALIGN - 1) // ALIGN * ALIGN
-        out_bytes = sum(self.front.num_tokens(item.grid) for item in batch) * self.front.spec.hidden_size \
+        out_bytes = sum(self.front.num_tokens(item.grid) for item in batch) * self.front.spec.row_width \
             * ITEMSIZE[self.front.dtype]
         self._ensure(self._in, "in", slot, offset)
         self._ensure(self._out, "out", slot, out_bytes)

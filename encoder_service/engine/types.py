@@ -43,7 +43,8 @@ class Timing:
 
 @dataclass(frozen=True)
 class ImageResult:
-    """One image's embedding, ready to stream: a CPU tensor [num_tokens, hidden] in the model dtype."""
+    """One image's embedding, ready to stream: a CPU tensor [num_tokens, row_width] in the model dtype,
+    each row ``feature_levels`` levels of ``hidden_size`` values (the main embedding first)."""
 
     index: int
     content_hash: str
@@ -51,14 +52,20 @@ class ImageResult:
     embedding: torch.Tensor
     cache_hit: bool
     timing: Timing = field(default_factory=Timing)
+    feature_levels: int = 1  # ModelSpec.feature_levels of the model that made it
 
     @property
     def num_tokens(self) -> int:
         return int(self.embedding.shape[0])
 
     @property
-    def hidden_size(self) -> int:
+    def row_width(self) -> int:
         return int(self.embedding.shape[1])
+
+    @property
+    def hidden_size(self) -> int:
+        """One level's width (what the wire's hidden_size says)."""
+        return self.row_width // self.feature_levels
 
 
 @dataclass
@@ -92,3 +99,4 @@ class ModelDescription:
     device: str
     cache_namespace: str
     preprocess: str = "pil"
+    feature_levels: int = 1  # levels per embedding row, each hidden_size wide
