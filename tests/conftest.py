@@ -7,13 +7,13 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from bench.reliability.server import EncoderProcess, start_server
+from encoder_service.models.base import Decoder, ModelSpec, VisionModel
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -21,8 +21,22 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # --- a fake VisionModel for fast in-process engine tests ----------------------------------------------
 
 
-class FakeVisionModel:
-    """Deterministic stand-in for a VisionModel: patch_dim 4, merge 2, hidden 8.
+def _decode_fake(data: bytes, _config, _mode: str, max_image_pixels: int | None = None):
+    """The fake family's CPU half: ``b"img:T,H,W[:seed]"`` -> its float32 patches as raw bytes."""
+    from encoder_service.errors import InvalidInput
+    from encoder_service.preprocess.staged import RawPatches
+
+    if not data.startswith(b"img:"):
+        raise InvalidInput("not a decodable image: format not recognised")
+    parts = data[4:].decode().split(":")
+    grid = tuple(int(x) for x in parts[0].split(","))
+    seed = int(parts[1]) if len(parts) > 1 else 0
+    return RawPatches(FakeVisionModel.patches(grid, seed).tobytes(), "float32", grid)
+
+
+class FakeVisionModel(VisionModel):
+    """A VisionModel whose forward is a fixed matrix: patch_dim 4, merge 2, hidden 8. Everything
+    else (staging, validation, the pending result, the front end's view) is VisionModel's own.
 
     Each token is the mean of its 4 merged patches times a fixed matrix. ``gate`` (a
     threading.Event) lets a test hold the device worker inside a forward; ``batches`` records the
@@ -31,16 +45,15 @@ class FakeVisionModel:
     level k is the main embedding times (k + 1) plus k, concatenated after it.
     """
 
-    def __init__(self, feature_levels: int = 1) -> None:
-        from encoder_service.models.base import ModelSpec
+    cache_namespace = "fake:ns"
 
+    def __init__(self, feature_levels: int = 1) -> None:
         self.spec = ModelSpec(model_id="fake", model_type="fake", hidden_size=8, patch_size=2,
                               temporal_patch_size=1, spatial_merge_size=2, in_channels=1,
                               feature_levels=feature_levels)
         self.device = torch.device("cpu")
         self.dtype = torch.float32
         self.attn_backend = "none"
-        self.cache_namespace = "fake:ns"
         self.weight = torch.arange(32, dtype=torch.float32).reshape(4, 8) / 32.0
         self.gate = threading.Event()
         self.gate.set()
@@ -48,50 +61,18 @@ class FakeVisionModel:
         self.batches: list[list[tuple[int, int, int]]] = []
         self.warmups = 0
 
-    def num_patches(self, grid: Sequence[int]) -> int:
-        t, h, w = grid
-        return int(t) * int(h) * int(w)
-
-    def num_tokens(self, grid: Sequence[int]) -> int:
-        return self.num_patches(grid) // 4
-
-    def preprocess(self, data: bytes, max_image_pixels: int | None = None):
-        from encoder_service.errors import InvalidInput
-
-        if not data.startswith(b"img:"):
-            raise InvalidInput("not a decodable image: format not recognised")
-        parts = data[4:].decode().split(":")
-        grid = tuple(int(x) for x in parts[0].split(","))
-        seed = int(parts[1]) if len(parts) > 1 else 0
-        return self.patches(grid, seed), grid
-
     @staticmethod
     def patches(grid: Sequence[int], seed: int = 0) -> np.ndarray:
         n = int(np.prod(grid))
         return np.random.default_rng(seed).standard_normal((n, 4)).astype(np.float32)
 
-    def decode(self, data: bytes, max_image_pixels: int | None = None):
-        """The CPU half: the fake's "decoded image" is its float32 patches as raw bytes."""
-        from encoder_service.preprocess.staged import RawPatches
-
-        pixels, grid = self.preprocess(data, max_image_pixels)
-        return RawPatches(pixels.tobytes(), "float32", grid)
-
-    def front(self):
-        from encoder_service.models.base import Decoder, ModelFront
-
-        decoder = Decoder(lambda data, _config, _mode, limit: self.decode(data, limit), None, "pil")
-        return ModelFront(self.spec, "float32", "cpu", self.attn_backend, "pil", self.cache_namespace, decoder)
+    def decoder(self) -> Decoder:
+        return Decoder(_decode_fake, None, "pil")
 
     def warmup_inputs(self):
         from encoder_service.preprocess.staged import RawPatches
 
         return [[RawPatches(bytes(self.num_patches(g) * 4 * 4), "float32", g)] for g in ((1, 4, 4), (1, 8, 4))]
-
-    def validate(self, pixel_values, grids):
-        from encoder_service.models.base import validate_batch
-
-        return validate_batch(pixel_values, grids, self.spec)
 
     def reference(self, pixel_values: np.ndarray) -> torch.Tensor:
         x = torch.as_tensor(np.asarray(pixel_values, dtype=np.float32))
@@ -100,30 +81,16 @@ class FakeVisionModel:
             return main
         return torch.cat([main * (k + 1) + k for k in range(self.spec.feature_levels)], dim=1)
 
-    def encode(self, pixel_values, grids):
-        grids = [tuple(int(v) for v in g) for g in grids]
+    def encode_packed(self, pixel_values, grids):
+        checked = self.validate(pixel_values, grids)
         # The worker's warm-up forwards are all-zero pixels (of two grid sizes).
         if float(torch.as_tensor(pixel_values).abs().sum()) == 0.0:
             self.warmups += 1
         else:
-            self.batches.append(grids)
+            self.batches.append([tuple(g) for g in checked])
             self.entered.set()
             self.gate.wait(30)
-        out = self.reference(torch.as_tensor(pixel_values).numpy())
-        return list(out.split([self.num_tokens(g) for g in grids]))
-
-    def encode_async(self, pixel_values, grids):
-        """VisionModel.encode_async: the CPU result, already waited for."""
-        out = self.encode(pixel_values, grids)
-        return SimpleNamespace(wait=lambda: out, device_seconds=lambda: None)
-
-    def encode_inputs_async(self, inputs):
-        """The worker's entry point (VisionModel.encode_inputs_async), with the real byte conversion."""
-        from encoder_service.preprocess.staged import host_tensor, patches_from_bytes
-
-        pixels = torch.cat([patches_from_bytes(host_tensor(item.host_bytes()), item, 4, torch.float32)
-                            for item in inputs])
-        return self.encode_async(pixels, [list(item.grid) for item in inputs])
+        return self.reference(torch.as_tensor(pixel_values).numpy()), tuple(self.num_tokens(g) for g in checked)
 
 
 @pytest.fixture

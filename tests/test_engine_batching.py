@@ -112,7 +112,7 @@ def test_images_of_concurrent_requests_share_one_forward(fake_model):
         async with running_engine(fake_model) as engine:
             blocker = await hold_worker(engine, fake_model)
             tasks = [asyncio.create_task(encode_all(engine, [patches(0, seed=s)])) for s in (1, 2, 3)]
-            await until(lambda: engine.queued_images == 3)
+            await until(lambda: len(engine._queue) == 3)  # queued for a forward, not still being prepared
             fake_model.gate.set()
             await asyncio.gather(blocker, *tasks)
             assert fake_model.batches == [[(1, 4, 4)], [(1, 4, 4)] * 3]
@@ -225,7 +225,7 @@ def test_next_batch_is_enqueued_before_waiting_for_the_one_in_flight(fake_model)
             blocker = await hold_worker(engine, fake_model)
             images = [patches(i, seed=20 + i) for i in range(3)]
             task = asyncio.create_task(encode_all(engine, images))
-            await until(lambda: engine.queued_images == 3)
+            await until(lambda: len(engine._queue) == 3)  # queued for a forward, not still being prepared
             fake_model.gate.set()
             await blocker
             results = await task
