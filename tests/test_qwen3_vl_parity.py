@@ -90,3 +90,24 @@ def test_frames_attend_only_within_themselves(model):
     out_clip = model.encode(clip, [[2, 6, 8]])[0]
     out_alone = model.encode(second, [[1, 6, 8]])[0]
     assert rel_err(out_clip[12:], out_alone) <= 1e-6
+
+
+@pytest.mark.parametrize("mistake", ["rotary_rows_and_columns_swapped", "position_table_transposed"])
+def test_parity_would_catch_a_wrong_position_order(mistake):
+    # Guards the parity test itself: with these random weights a rotary with row and column swapped,
+    # or a position table read transposed, is far outside the tolerance on every level (the tower
+    # is the same for the four types: one with deepstack levels is enough here).
+    model, ref = ours("qwen3_vl"), reference("qwen3_vl")
+    tower = model.module
+    if mistake == "rotary_rows_and_columns_swapped":
+        rotary = tower.rotary
+        tower.rotary = lambda positions: rotary(positions.flip(-1))
+    else:
+        side = model.cfg.num_grid_per_side
+        table = tower.pos_embed.weight
+        table.data = table.data.view(side, side, -1).transpose(0, 1).reshape(side * side, -1)
+    grids = BATCHES["several_sizes"]
+    x = pixels(grids, model.patch_dim)
+    wrong = model.encode_packed(x, grids)[0]
+    for level, (a, b) in enumerate(zip(wrong.split(OUT_HIDDEN, dim=-1), reference_levels(ref, x, grids))):
+        assert rel_err(a, b) > 1e-2, f"level {level}"
