@@ -1,0 +1,105 @@
+"""A loaded Qwen3-VL / Qwen3.5 vision tower with its preprocessing: the public ``VisionModel`` API.
+
+Preprocessing is transformers' ``Qwen2VLImageProcessor`` (preprocess/qwen2_vl.py), the class both
+families' processors use, with the checkpoint's settings. Each output row carries the main
+embedding, then (Qwen3-VL) one deepstack level per deepstack merger, each ``out_hidden_size``
+wide (``ModelSpec.feature_levels``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ...errors import InvalidInput
+from ..base import Decoder, Grid, ModelSpec, VisionModel, validate_batch
+from .config import Qwen3VLVisionConfig
+from .metadata import Qwen3VLBatchMetadata, build_qwen3_vl_metadata
+from .tower import Qwen3VLVisionTower
+
+# The preprocessor_config.json published with Qwen3-VL and Qwen3.5 checkpoints. Used only where a
+# checkpoint has none (transformers cannot build a processor then); a file that omits a key gets
+# transformers' class default for it, as there.
+QWEN3_VL_PREPROCESSOR = {
+    "image_processor_type": "Qwen2VLImageProcessorFast",
+    "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
+
+
+class Qwen3VLVisionModel(VisionModel):
+    def __init__(self, cfg: Qwen3VLVisionConfig, module: Qwen3VLVisionTower, *, model_id: str,
+                 preprocess_config: dict | None, device: torch.device, dtype: torch.dtype,
+                 attn_backend: str) -> None:
+        from ...preprocess import Qwen2VLPreprocessConfig
+
+        self.cfg = cfg
+        self.module = module
+        self.device = device
+        self.dtype = dtype
+        self.preprocess_config = Qwen2VLPreprocessConfig.from_dict(
+            QWEN3_VL_PREPROCESSOR if preprocess_config is None else preprocess_config)
+        self._check_preprocess_matches(model_id)
+        self._attach_backend(attn_backend, cfg.num_heads, cfg.head_dim)
+        self.spec = ModelSpec(
+            model_id=model_id, model_type=cfg.model_type, hidden_size=cfg.out_hidden_size,
+            patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
+            spatial_merge_size=cfg.spatial_merge_size, in_channels=cfg.in_channels,
+            feature_levels=cfg.feature_levels,
+            fingerprint={"vision_config": cfg.to_dict(), "preprocess": self.preprocess_config.fingerprint()},
+        )
+
+    def _check_preprocess_matches(self, model_id: str) -> None:
+        """The processor's patches must be the tower's: otherwise every request would fail later."""
+        pre, cfg = self.preprocess_config, self.cfg
+        for pre_name, pre_value, name, value in (
+                ("patch_size", pre.patch_size, "patch_size", cfg.patch_size),
+                ("temporal_patch_size", pre.temporal_patch_size, "temporal_patch_size", cfg.temporal_patch_size),
+                ("merge_size", pre.merge_size, "spatial_merge_size", cfg.spatial_merge_size)):
+            if pre_value != value:
+                raise InvalidInput(f"{model_id!r}: preprocessor_config {pre_name} {pre_value} differs from the "
+                                   f"vision_config's {name} {value}")
+        if cfg.in_channels != 3:
+            raise InvalidInput(f"{model_id!r}: vision_config in_channels {cfg.in_channels}; the image processor "
+                               "makes RGB patches (3 channels)")
+
+    def decoder(self) -> Decoder:
+        from ...preprocess.qwen2_vl import decode_qwen2_vl
+
+        return Decoder(decode_qwen2_vl, self.preprocess_config, self.preprocess_mode)
+
+    def _check_preprocess_mode(self, mode: str) -> None:
+        from ...preprocess.qwen2_vl import check_mode
+
+        check_mode(self.preprocess_config, mode)
+
+    def _value_table(self) -> torch.Tensor:
+        from ...preprocess.qwen2_vl import value_table
+
+        return value_table(self.preprocess_config, self.preprocess_mode)
+
+    def _patchify(self, image: torch.Tensor) -> torch.Tensor:
+        from ...preprocess.qwen2_vl import patchify
+
+        return patchify(image, self.preprocess_config)
+
+    def validate(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]) -> list[Grid]:
+        # Any grid the merge rules allow: the position table is resampled to any size.
+        return validate_batch(pixel_values, grids, self.spec)
+
+    def metadata(self, grids: Sequence[Grid]) -> Qwen3VLBatchMetadata:
+        cfg = self.cfg
+        return build_qwen3_vl_metadata(grids, cfg.spatial_merge_size, cfg.patch_size, cfg.num_grid_per_side)
+
+    @torch.inference_mode()
+    def encode_packed(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]
+                      ) -> tuple[torch.Tensor, tuple[int, ...]]:
+        meta = self.metadata(self.validate(pixel_values, grids))
+        x = self._pixels_to_device(pixel_values).to(self.dtype)
+        return self.module(x, meta, self.backend), meta.tokens_per_image

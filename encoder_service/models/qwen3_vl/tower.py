@@ -1,0 +1,178 @@
+"""Qwen3-VL / Qwen3.5 vision tower: Conv3d patch embedding (applied as one GEMM), a learned square
+position table resampled bilinearly to each grid, 2-D rotary (rotate-half), pre-LayerNorm blocks
+with fused QKV and a GELU-tanh MLP, full attention within each frame, a patch merger, and (Qwen3-VL)
+deepstack mergers reading the hidden states after chosen blocks.
+
+Parameter names are transformers' (``patch_embed.proj``, ``pos_embed``, ``blocks.N.attn.qkv``,
+``merger.linear_fc1``, ``deepstack_merger_list.N.norm``, ...), so a checkpoint loads after
+stripping ``model.visual.``. Patches stay in merge-block order throughout, as the processor emits
+them. Every shape-dependent input comes from the host metadata (metadata.py), copied to the device
+once per batch; the forward never reads a device value on the host.
+
+Operations are those of transformers in the same order (float32 statistics in LayerNorm as torch
+does, rotary and the position-embedding sum in float32), so float32 on the CPU agrees to rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...attention import AttentionBackend
+from ...device import host_to_device
+from ..layers import activation, apply_rotary
+from .config import Qwen3VLVisionConfig
+from .metadata import INDEX_COLUMNS, POSITION_COLUMNS, WEIGHT_COLUMNS, Qwen3VLBatchMetadata
+
+# transformers hard-codes this epsilon for every LayerNorm of the tower (blocks and mergers).
+LAYER_NORM_EPS = 1e-6
+
+
+def rope_inv_freq(cfg: Qwen3VLVisionConfig) -> torch.Tensor:
+    """float32 [head_dim / 4]: the frequencies shared by the row and the column halves."""
+    half = cfg.head_dim // 2
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32) / half))
+
+
+class PatchEmbed(nn.Module):
+    """Conv3d with kernel == stride over each flattened (C, T, P, P) patch is a matrix product."""
+
+    def __init__(self, cfg: Qwen3VLVisionConfig) -> None:
+        super().__init__()
+        kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+        # Kept Conv3d-shaped so checkpoints load unchanged; applied as one GEMM.
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel, stride=kernel, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.proj.weight
+        return F.linear(x.to(w.dtype), w.view(w.shape[0], -1), self.proj.bias)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Qwen3VLVisionConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
+                plan: Any) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)
+        q, k = apply_rotary(q, k, cos, sin)
+        # Contiguous: kernels that want [T, H, D] packed would otherwise copy it themselves.
+        return self.proj(backend.forward(q, k, v.contiguous(), plan).reshape(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Qwen3VLVisionConfig) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
+        self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
+        self.act = activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Qwen3VLVisionConfig) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=LAYER_NORM_EPS)
+        self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=LAYER_NORM_EPS)
+        self.attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
+                plan: Any) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, backend, plan)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """LayerNorm, the merge block's ``spatial_merge_size**2`` patches concatenated (adjacent rows in
+    merge-block order), Linear-GELU-Linear into the LLM's width. The main merger normalises each
+    patch (``postshuffle=False``); the deepstack mergers normalise the concatenated row."""
+
+    def __init__(self, cfg: Qwen3VLVisionConfig, postshuffle: bool) -> None:
+        super().__init__()
+        self.merged_dim = cfg.hidden_size * cfg.merge_unit
+        self.postshuffle = postshuffle
+        self.norm = nn.LayerNorm(self.merged_dim if postshuffle else cfg.hidden_size, eps=LAYER_NORM_EPS)
+        self.linear_fc1 = nn.Linear(self.merged_dim, self.merged_dim, bias=True)
+        self.linear_fc2 = nn.Linear(self.merged_dim, cfg.out_hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Deepstack: the concatenated row normalised; main: each patch, then concatenated.
+        x = self.norm(x.view(-1, self.merged_dim)) if self.postshuffle else self.norm(x).view(-1, self.merged_dim)
+        # Exact GELU here, GELU-tanh (hidden_act) in the blocks, as transformers' nn.GELU().
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
+@dataclass
+class Staged:
+    """A batch's metadata on the device and its attention plan (``Qwen3VLVisionTower.stage``)."""
+
+    packed: torch.Tensor  # float32 [patches, PACKED_WIDTH] (metadata.py)
+    plan: Any  # the backend's plan for one sequence per frame
+
+
+class Qwen3VLVisionTower(nn.Module):
+    def __init__(self, cfg: Qwen3VLVisionConfig) -> None:
+        super().__init__()
+        cfg.check()
+        self.cfg = cfg
+        self.patch_embed = PatchEmbed(cfg)
+        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
+        self.merger = PatchMerger(cfg, postshuffle=False)
+        self.deepstack_merger_list = nn.ModuleList(
+            PatchMerger(cfg, postshuffle=True) for _ in cfg.deepstack_visual_indexes)
+        # block index -> its deepstack merger (the config keeps the indexes increasing).
+        self.deepstack_after = {block: j for j, block in enumerate(cfg.deepstack_visual_indexes)}
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def forward(self, pixel_values: torch.Tensor, meta: Qwen3VLBatchMetadata,
+                backend: AttentionBackend) -> torch.Tensor:
+        """[patches, patch_dim] -> [tokens, feature_levels * out_hidden_size]: the main merger's
+        output, then each deepstack level in the order of ``deepstack_visual_indexes``."""
+        return self.run(pixel_values, self.stage(meta, backend, pixel_values.device), backend)
+
+    def stage(self, meta: Qwen3VLBatchMetadata, backend: AttentionBackend, device: torch.device) -> Staged:
+        """The batch's one host-to-device copy and its attention plan; no sync."""
+        return Staged(host_to_device(meta.packed(), device), backend.prepare(meta.attention))
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # [N, 2] (row, col) -> [N, 2, head_dim/4] -> [N, head_dim/2] (rows' angles, then columns')
+        # -> [N, head_dim] twice over for rotate-half, float32.
+        freqs = (positions[..., None] * self.inv_freq).flatten(1)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+    def position_embedding(self, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """float32 [N, hidden]: the 4 weighted table rows of each patch, summed tap by tap in the
+        reference's order (one [N, hidden] temporary per tap instead of an [N, 4, hidden] one)."""
+        table = self.pos_embed.weight
+        out = table[indices[:, 0]] * weights[:, 0:1]
+        for tap in range(1, indices.shape[1]):
+            out = out + table[indices[:, tap]] * weights[:, tap:tap + 1]
+        return out
+
+    def run(self, pixel_values: torch.Tensor, staged: Staged, backend: AttentionBackend) -> torch.Tensor:
+        """The forward on staged metadata: device work only."""
+        packed = staged.packed
+        x = self.patch_embed(pixel_values)
+        pos = self.position_embedding(packed[:, INDEX_COLUMNS].long(), packed[:, WEIGHT_COLUMNS])
+        x = x + pos.to(x.dtype)
+        cos, sin = self.rotary(packed[:, POSITION_COLUMNS])
+        levels: list[torch.Tensor] = []
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, backend, staged.plan)
+            if i in self.deepstack_after:
+                levels.append(self.deepstack_merger_list[self.deepstack_after[i]](x))
+        main = self.merger(x)
+        return torch.cat([main, *levels], dim=-1) if levels else main

@@ -1,0 +1,111 @@
+"""Qwen3-VL on the GPU (pytest -m gpu on the GPU machine, which has torchvision): every CUDA backend
+against sdpa with the whole forward under ``torch.cuda.set_sync_debug_mode("error")`` (no hidden
+device sync), bf16 on the GPU against float32 on the CPU for every feature level, and the ``torch``
+preprocessing mode equal to transformers' torchvision-backed processor. Skipped without CUDA."""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from qwen3_vl_tiny import PREPROCESSOR, rel_err
+
+from encoder_service.attention.registry import BACKENDS, backend_class
+from encoder_service.models.qwen3_vl.config import Qwen3VLVisionConfig
+from encoder_service.models.qwen3_vl.loading import build, checkpoint_config, random_state
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.allow_skip_on_cpu("needs a CUDA GPU, and torchvision for transformers' processors")]
+
+DEVICE = torch.device("cuda")
+HEAD_DIM = 72
+OUT_HIDDEN = 2048
+# Sizes around the 48 x 48 table, a 3-frame clip beside images, the smallest grid, a long thin one.
+GRIDS = [[1, 36, 36], [1, 10, 14], [3, 12, 8], [1, 2, 2], [1, 48, 48], [1, 16, 92]]
+
+
+def cuda_backends():
+    if not torch.cuda.is_available():
+        return []
+    return [n for n in BACKENDS if n != "sdpa"
+            and backend_class(n).unsupported_reason(DEVICE, torch.bfloat16, HEAD_DIM) is None]
+
+
+@pytest.fixture(scope="module")
+def short_qwen3_vl():
+    """Real Qwen3-VL vision sizes (head_dim 72, 48 x 48 table), 4 blocks with 2 deepstack levels."""
+    vision = {"depth": 4, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+              "num_position_embeddings": 2304, "deepstack_visual_indexes": [1, 3]}
+    cfg = Qwen3VLVisionConfig.from_config(checkpoint_config("qwen3_vl", vision, OUT_HIDDEN))
+    return cfg, random_state(cfg, seed=0)
+
+
+def _model(state, backend, device=DEVICE, dtype=torch.bfloat16):
+    cfg, weights = state
+    return build(cfg, {k: v.to(dtype) for k, v in weights.items()}, model_id="short-qwen3-vl",
+                 preprocess_config=PREPROCESSOR, device=device, dtype=dtype, attn_backend=backend)
+
+
+def _pixels():
+    n = sum(t * h * w for t, h, w in GRIDS)
+    return np.random.default_rng(0).standard_normal((n, 1536), dtype=np.float32)
+
+
+def test_cuda_backends_are_available_here():
+    assert "varlen" in cuda_backends(), cuda_backends()
+
+
+@pytest.mark.parametrize("name", ["sdpa", *cuda_backends()])
+def test_forward_has_no_device_sync_and_matches_sdpa(short_qwen3_vl, name):
+    pixels = _pixels()
+    reference = [o.float() for o in _model(short_qwen3_vl, "sdpa").encode(pixels, GRIDS)]
+    model = _model(short_qwen3_vl, name)
+    model.encode(pixels, GRIDS)  # warm-up: lazy kernel/plan set-up may sync once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = model.encode(pixels, GRIDS)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert [tuple(o.shape) for o in out] == [(t * h * w // 4, 3 * OUT_HIDDEN) for t, h, w in GRIDS]
+    for i, (a, b) in enumerate(zip(out, reference)):
+        assert rel_err(a.float(), b) <= 2e-2, f"{name}, image {i}: relative error {rel_err(a.float(), b):.2e}"
+
+
+def test_bf16_on_the_gpu_is_float32_on_the_cpu_within_bf16_rounding(short_qwen3_vl):
+    pixels = _pixels()
+    gpu = _model(short_qwen3_vl, "auto").encode(pixels, GRIDS)
+    cpu = _model(short_qwen3_vl, "sdpa", torch.device("cpu"), torch.float32).encode(pixels, GRIDS)
+    for i, (a, b) in enumerate(zip(gpu, cpu)):
+        for level, (x, y) in enumerate(zip(a.float().cpu().split(OUT_HIDDEN, -1), b.split(OUT_HIDDEN, -1))):
+            assert rel_err(x, y) <= 3e-2, f"image {i}, level {level}: relative error {rel_err(x, y):.2e}"
+
+
+def _photo(height: int, width: int, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:height, 0:width]
+    base = np.stack([xx * 255 / width, yy * 255 / height, (xx * yy) % 255], axis=-1)
+    buffer = io.BytesIO()
+    Image.fromarray(np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype(np.uint8)).save(buffer, "JPEG")
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("size", [(61, 97), (1080, 1920), (333, 500), (2000, 37)])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_torch_mode_equals_transformers_default_processor(short_qwen3_vl, size, device):
+    # Exact, as for Qwen2.5-VL (test_gpu_preprocess.py): the same torch resize on the same device,
+    # the normalisation a table of the same float32 operations, the patch order a permutation.
+    pytest.importorskip("torchvision")
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+    data = _photo(*size, seed=size[0])
+    config = {k: v for k, v in PREPROCESSOR.items() if k != "image_processor_type"}
+    out = Qwen2VLImageProcessor(**config)(Image.open(io.BytesIO(data)), return_tensors="pt", device=device)
+    model = _model(short_qwen3_vl, "sdpa", torch.device(device), torch.float32)
+    model.set_preprocess_mode("torch")
+    item = model.decode(data)
+    ours = model.stage([item], dtype=torch.float32)
+    assert [list(item.grid)] == out["image_grid_thw"].tolist()
+    assert (ours - out["pixel_values"].to(ours.device)).abs().max().item() == 0.0
