@@ -7,12 +7,18 @@ types, one after the first block and one after the last.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import torch
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModel
 
+from encoder_service.models.family import random_state
+from encoder_service.models.qwen3_vl import FAMILY
 from encoder_service.models.qwen3_vl.config import Qwen3VLVisionConfig
-from encoder_service.models.qwen3_vl.loading import build, checkpoint_config, random_state
+from encoder_service.models.qwen3_vl.loading import build, checkpoint_config
 
 MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 OUT_HIDDEN = 48
@@ -39,7 +45,7 @@ def tiny_config(model_type: str) -> dict:
 
 
 def tiny_state(model_type: str, seed: int = 0) -> dict[str, torch.Tensor]:
-    return random_state(Qwen3VLVisionConfig.from_config(tiny_config(model_type)), seed)
+    return random_state(FAMILY, Qwen3VLVisionConfig.from_config(tiny_config(model_type)), seed)
 
 
 def ours(model_type: str, seed: int = 0, attn_backend: str = "sdpa", preprocess_config: dict | None = None):
@@ -74,3 +80,17 @@ def pixels(grids: list[list[int]], patch_dim: int) -> torch.Tensor:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def write_checkpoint(out: Path, config: dict, preprocessor_config: dict | None, state: dict[str, torch.Tensor],
+                     prefix: str = "model.visual.", extra: dict[str, torch.Tensor] | None = None) -> Path:
+    """config.json, preprocessor_config.json (if given) and model.safetensors holding ``state`` under
+    ``prefix`` plus ``extra`` tensors under their own full names (an LLM's, say)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    if preprocessor_config is not None:
+        (out / "preprocessor_config.json").write_text(json.dumps(preprocessor_config, indent=2))
+    tensors = {prefix + k: v.contiguous() for k, v in state.items()}
+    tensors.update({k: v.contiguous() for k, v in (extra or {}).items()})
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

@@ -12,8 +12,10 @@ from PIL import Image
 from qwen3_vl_tiny import PREPROCESSOR, rel_err
 
 from encoder_service.attention.registry import BACKENDS, backend_class
+from encoder_service.models.family import random_state
+from encoder_service.models.qwen3_vl import FAMILY
 from encoder_service.models.qwen3_vl.config import Qwen3VLVisionConfig
-from encoder_service.models.qwen3_vl.loading import build, checkpoint_config, random_state
+from encoder_service.models.qwen3_vl.loading import build, checkpoint_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.allow_skip_on_cpu("needs a CUDA GPU, and torchvision for transformers' processors")]
@@ -38,7 +40,7 @@ def short_qwen3_vl():
     vision = {"depth": 4, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
               "num_position_embeddings": 2304, "deepstack_visual_indexes": [1, 3]}
     cfg = Qwen3VLVisionConfig.from_config(checkpoint_config("qwen3_vl", vision, OUT_HIDDEN))
-    return cfg, random_state(cfg, seed=0)
+    return cfg, random_state(FAMILY, cfg, seed=0)
 
 
 def _model(state, backend, device=DEVICE, dtype=torch.bfloat16):

@@ -5,15 +5,14 @@ import json
 
 import pytest
 import torch
-from qwen3_vl_tiny import MODEL_TYPES, PREPROCESSOR, ours, pixels, tiny_config, tiny_state
-from safetensors import safe_open
+from qwen3_vl_tiny import MODEL_TYPES, PREPROCESSOR, ours, pixels, tiny_config, tiny_state, write_checkpoint
 from safetensors.torch import save_file
 
 from encoder_service.errors import InvalidInput
-from encoder_service.models.loader import INDEX_FILE, CheckpointFiles
-from encoder_service.models.qwen3_vl.loading import VISION_PREFIXES, load, write_checkpoint
+from encoder_service.models import load_vision_model
+from encoder_service.models.loader import INDEX_FILE
+from encoder_service.models.qwen3_vl import FAMILY
 
-CPU = torch.device("cpu")
 # Tensors of the LLM (and Qwen3.5's multi-token-prediction head) beside the tower: never read.
 LLM_TENSORS = {
     "model.language_model.embed_tokens.weight": torch.zeros(16, 48),
@@ -23,26 +22,15 @@ LLM_TENSORS = {
 }
 
 
-def _read(root) -> CheckpointFiles:
-    """``loader.read_checkpoint`` without its registry check (the family is registered separately)."""
-    config = json.loads((root / "config.json").read_text())
-    pre = root / "preprocessor_config.json"
-    index = root / INDEX_FILE
-    if index.is_file():
-        weight_map = {k: root / v for k, v in json.loads(index.read_text())["weight_map"].items()}
-    else:
-        with safe_open(root / "model.safetensors", framework="pt") as handle:
-            weight_map = {name: root / "model.safetensors" for name in handle.keys()}  # noqa: SIM118
-    return CheckpointFiles(root, config, json.loads(pre.read_text()) if pre.is_file() else None, weight_map)
-
-
 def _load(root, dtype=torch.float32):
-    return load(_read(root), model_id=str(root), device=CPU, dtype=dtype, attn_backend="sdpa")
+    return load_vision_model(root, dtype=dtype, attn_backend="sdpa")
 
 
 # Every type under the hub's prefix; the bare prefix (save_pretrained of the *Model classes) once.
-@pytest.mark.parametrize(("model_type", "prefix"),
-                         [(t, VISION_PREFIXES[0]) for t in MODEL_TYPES] + [("qwen3_5", VISION_PREFIXES[1])])
+HUB, BARE = FAMILY.vision_prefixes
+
+
+@pytest.mark.parametrize(("model_type", "prefix"), [(t, HUB) for t in MODEL_TYPES] + [("qwen3_5", BARE)])
 def test_loads_only_the_tower_and_encodes_as_built_from_its_state(tmp_path, model_type, prefix):
     state = tiny_state(model_type, seed=5)
     write_checkpoint(tmp_path, tiny_config(model_type), PREPROCESSOR, state, prefix, LLM_TENSORS)

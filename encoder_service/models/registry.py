@@ -15,6 +15,7 @@ from .family import ModelFamily, Preset
 FAMILY_PACKAGES: tuple[str, ...] = (
     "encoder_service.models.qwen2_5_vl",
     "encoder_service.models.kimi_k25",
+    "encoder_service.models.qwen3_vl",
 )
 
 

@@ -19,19 +19,6 @@ from .config import Qwen3VLVisionConfig
 from .metadata import Qwen3VLBatchMetadata, build_qwen3_vl_metadata
 from .tower import Qwen3VLVisionTower
 
-# The preprocessor_config.json published with Qwen3-VL and Qwen3.5 checkpoints. Used only where a
-# checkpoint has none (transformers cannot build a processor then); a file that omits a key gets
-# transformers' class default for it, as there.
-QWEN3_VL_PREPROCESSOR = {
-    "image_processor_type": "Qwen2VLImageProcessorFast",
-    "size": {"shortest_edge": 65536, "longest_edge": 16777216},
-    "patch_size": 16,
-    "temporal_patch_size": 2,
-    "merge_size": 2,
-    "image_mean": [0.5, 0.5, 0.5],
-    "image_std": [0.5, 0.5, 0.5],
-}
-
 
 class Qwen3VLVisionModel(VisionModel):
     def __init__(self, cfg: Qwen3VLVisionConfig, module: Qwen3VLVisionTower, *, model_id: str,
@@ -44,7 +31,7 @@ class Qwen3VLVisionModel(VisionModel):
         self.device = device
         self.dtype = dtype
         self.preprocess_config = Qwen2VLPreprocessConfig.from_dict(
-            QWEN3_VL_PREPROCESSOR if preprocess_config is None else preprocess_config)
+            _published_preprocessor() if preprocess_config is None else preprocess_config)
         self._check_preprocess_matches(model_id)
         self._attach_backend(attn_backend, cfg.num_heads, cfg.head_dim)
         self.spec = ModelSpec(
@@ -103,3 +90,11 @@ class Qwen3VLVisionModel(VisionModel):
         meta = self.metadata(self.validate(pixel_values, grids))
         x = self._pixels_to_device(pixel_values).to(self.dtype)
         return self.module(x, meta, self.backend), meta.tokens_per_image
+
+
+def _published_preprocessor() -> dict:
+    """The preprocessor_config.json published with Qwen3-VL and Qwen3.5 checkpoints. Used only where a
+    checkpoint has none; a file that omits a key gets transformers' class default for it, as there."""
+    from . import QWEN3_VL_PREPROCESSOR
+
+    return QWEN3_VL_PREPROCESSOR
