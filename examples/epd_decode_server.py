@@ -4,7 +4,9 @@ A prefill/decode server that never holds the vision tower. It mounts ``Embedding
 ``encoder_client``: no torch needed for that part) on its gRPC server; the encoder service, started
 with ``--allowed-sinks <this host:port>``, pushes each request's image embeddings here. The server
 then splices them into ``inputs_embeds`` at the image placeholder tokens and runs the language
-model of a transformers Qwen2.5-VL checkpoint (the same one the encoder serves)::
+model of a transformers Qwen2.5-VL or Qwen3-VL checkpoint (the same one the encoder serves). Qwen3-VL's
+deepstack levels (``EncodedImage.deepstack``) are added to the hidden states of the LLM's first
+layers at the image positions, as the monolithic model does with its own vision tower::
 
     python examples/epd_decode_server.py --model /ckpt --port 9000
     encoder-service serve --model /ckpt --allowed-sinks 'localhost:9000,127.0.0.1:9000'
@@ -16,7 +18,8 @@ request is JSON ``{"request_id", "input_ids", "image_grid_thw", "max_new_tokens"
 whose response is an ``.npz``: ``prefill_logits`` [seq, vocab] of the prompt, ``step_logits``
 [max_new_tokens, vocab] (the logits each greedy token was picked from) and ``tokens``.
 
-Copy ``splice_image_embeddings`` and ``mrope_position_ids``: they are what a real server needs.
+Copy ``splice_image_embeddings``, ``deepstack_inputs`` and ``mrope_position_ids``: they are what a
+real server needs.
 """
 
 from __future__ import annotations
@@ -53,6 +56,20 @@ def splice_image_embeddings(model, input_ids: torch.Tensor, images: Sequence[Enc
     return inputs_embeds
 
 
+def deepstack_inputs(model, input_ids: torch.Tensor, images: Sequence[EncodedImage]
+                     ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+    """Qwen3-VL's deepstack: (visual_pos_masks [1, seq], one [image tokens, hidden] tensor per level),
+    level k for LLM layer k, rows in the order of the image placeholders; None for models without."""
+    levels = len(images[0].deepstack) if images else 0
+    if levels == 0:
+        return None
+    mask = input_ids == model.config.image_token_id
+    dtype = model.get_input_embeddings().weight.dtype
+    per_level = [torch.cat([torch.from_numpy(np.asarray(im.deepstack[k])) for im in images]).to(dtype)
+                 for k in range(levels)]
+    return mask, per_level
+
+
 def mrope_position_ids(model, input_ids: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
     """Qwen2.5-VL's 3-D rotary positions [3, 1, seq]: they need only the ids and the grids."""
     mm_token_type_ids = (input_ids == model.config.image_token_id).int()
@@ -68,11 +85,20 @@ def greedy_decode(model, input_ids: list[int], image_grid_thw: list[list[int]], 
     ids = torch.tensor([input_ids], dtype=torch.long)
     grids = torch.tensor(image_grid_thw, dtype=torch.long)
     embeds = splice_image_embeddings(model, ids, images)
+    deepstack = deepstack_inputs(model, ids, images)
     embed = model.get_input_embeddings()
     step_logits, tokens, prefill_logits = [], [], None
     for _ in range(max_new_tokens):
-        out = model(inputs_embeds=embeds, position_ids=mrope_position_ids(model, ids, grids))
-        logits = out.logits[0].float()
+        position_ids = mrope_position_ids(model, ids, grids)
+        if deepstack is None:
+            logits = model(inputs_embeds=embeds, position_ids=position_ids).logits[0].float()
+        else:
+            # Generated tokens are text: the image positions are the prompt's, padded with False.
+            mask = torch.zeros_like(ids, dtype=torch.bool)
+            mask[:, :deepstack[0].shape[1]] = deepstack[0]
+            hidden = model.model.language_model(inputs_embeds=embeds, position_ids=position_ids,
+                                                visual_pos_masks=mask, deepstack_visual_embeds=deepstack[1])
+            logits = model.lm_head(hidden.last_hidden_state)[0].float()
         if prefill_logits is None:
             prefill_logits = logits.numpy().copy()
         step_logits.append(logits[-1].numpy().copy())
@@ -87,9 +113,9 @@ def greedy_decode(model, input_ids: list[int], image_grid_thw: list[list[int]], 
 
 def load_language_model(path: str):
     """The checkpoint's LLM; the vision tower is dropped: here it would be dead weight."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     model.model.visual = None
     return model
 

@@ -1,11 +1,12 @@
 """EPD equals the monolithic model: three processes (encoder service, decode sink, this driver).
 
-A tiny random Qwen2.5-VL built with transformers is run two ways. Monolithic: ``pixel_values`` and
-``image_grid_thw`` into ``Qwen2_5_VLForConditionalGeneration``. EPD: the encoder service (its own
-process) loads the same checkpoint and pushes the image embeddings to the decode server
-(``examples/epd_decode_server.py``, another process, no vision tower), which splices them into
-``inputs_embeds`` and runs the same LLM. Same logits (float32, relative error <= 1e-5) and the same
-greedy tokens.
+A tiny random Qwen2.5-VL, and a tiny Qwen3-VL with two deepstack levels, built with transformers,
+are each run two ways. Monolithic: ``pixel_values`` and ``image_grid_thw`` into the
+``*ForConditionalGeneration`` model. EPD: the encoder service (its own process) loads the same
+checkpoint and pushes the image embeddings (with Qwen3-VL's deepstack levels in each row) to the
+decode server (``examples/epd_decode_server.py``, another process, no vision tower), which splices
+them into ``inputs_embeds``, adds the deepstack levels in the LLM's first layers, and runs the same
+LLM. Same logits (float32, relative error <= 1e-5) and the same greedy tokens.
 """
 
 from __future__ import annotations
@@ -35,24 +36,46 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.fixture(scope="module")
-def qwen_checkpoint(tmp_path_factory):
-    """A tiny random Qwen2_5_VLForConditionalGeneration saved with save_pretrained, and the model."""
+TEXT = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+        "initializer_range": 0.2, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+TOKENS = {"image_token_id": IMAGE_TOKEN, "video_token_id": 101, "vision_start_token_id": VISION_START,
+          "vision_end_token_id": VISION_END}
+
+
+def _qwen2_5_vl():
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "in_channels": 3,
               "out_hidden_size": 32, "patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2,
               "window_size": 56, "fullatt_block_indexes": [1], "hidden_act": "silu", "initializer_range": 0.2}
-    text = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
-            "rope_scaling": {"type": "mrope", "mrope_section": [2, 1, 1]}, "initializer_range": 0.2,
-            "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
-    config = Qwen2_5_VLConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN,
-                              video_token_id=101, vision_start_token_id=VISION_START,
-                              vision_end_token_id=VISION_END)
+    text = {**TEXT, "rope_scaling": {"type": "mrope", "mrope_section": [2, 1, 1]}}
+    return Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig(vision_config=vision, text_config=text, **TOKENS)
+
+
+def _qwen3_vl():
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    # Deepstack after both blocks, into LLM layers 0 and 1; a 4 x 4 position table, smaller than
+    # some grids, so its interpolation matters.
+    vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "in_channels": 3,
+              "out_hidden_size": 32, "patch_size": 16, "temporal_patch_size": 2, "spatial_merge_size": 2,
+              "num_position_embeddings": 16, "deepstack_visual_indexes": [0, 1], "initializer_range": 0.2}
+    text = {**TEXT, "head_dim": 8, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                       "mrope_section": [2, 1, 1], "mrope_interleaved": True}}
+    return Qwen3VLForConditionalGeneration, Qwen3VLConfig(vision_config=vision, text_config=text, **TOKENS)
+
+
+FAMILIES = {"qwen2.5-vl": _qwen2_5_vl, "qwen3-vl": _qwen3_vl}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def qwen_checkpoint(request, tmp_path_factory):
+    """A tiny random *ForConditionalGeneration saved with save_pretrained, and the model."""
+    model_class, config = FAMILIES[request.param]()
     torch.manual_seed(7)
-    model = Qwen2_5_VLForConditionalGeneration(config).eval()
-    path = tmp_path_factory.mktemp("tiny-qwen2.5-vl-full")
+    model = model_class(config).eval()
+    path = tmp_path_factory.mktemp(f"tiny-{request.param}-full")
     model.save_pretrained(path)
     return path, model
 
@@ -97,15 +120,17 @@ def make_prompt(grids) -> list[int]:
     return ids
 
 
-def make_patches(grids, seed: int = 0) -> list[np.ndarray]:
-    """pixel_values per image, as Qwen2VLImageProcessor returns them ([t*h*w, 3*2*14*14] float32)."""
+def make_patches(model, grids, seed: int = 0) -> list[np.ndarray]:
+    """pixel_values per image, as Qwen2VLImageProcessor returns them ([t*h*w, 3*2*p*p] float32)."""
+    vision = model.config.vision_config
+    dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
     rng = np.random.default_rng(seed)
-    first = rng.standard_normal((int(np.prod(grids[0])), 1176), dtype=np.float32)
+    first = rng.standard_normal((int(np.prod(grids[0])), dim), dtype=np.float32)
     out = [first]
     for i, grid in enumerate(grids[1:], start=1):
         # The last "several_images" image is the first one again: a cache hit on the way to the sink.
         same = i == len(grids) - 1 and tuple(grid) == tuple(grids[0])
-        out.append(first if same else rng.standard_normal((int(np.prod(grid)), 1176), dtype=np.float32))
+        out.append(first if same else rng.standard_normal((int(np.prod(grid)), dim), dtype=np.float32))
     return out
 
 
@@ -152,7 +177,7 @@ def test_epd_logits_and_greedy_tokens_equal_the_monolithic_model(prompt, qwen_ch
                                                                    decode_server):
     _, model = qwen_checkpoint
     grids = PROMPTS[prompt]
-    patches = make_patches(grids)
+    patches = make_patches(model, grids)
     input_ids = make_prompt(grids)
 
     reference = monolithic(model, input_ids, grids, patches)
@@ -170,6 +195,36 @@ def test_images_change_the_logits(qwen_checkpoint):
     _, model = qwen_checkpoint
     grids = PROMPTS["several_images"]
     input_ids = make_prompt(grids)
-    a = monolithic(model, input_ids, grids, make_patches(grids, seed=0))
-    b = monolithic(model, input_ids, grids, make_patches(grids, seed=1))
+    a = monolithic(model, input_ids, grids, make_patches(model, grids, seed=0))
+    b = monolithic(model, input_ids, grids, make_patches(model, grids, seed=1))
     assert rel_err(a["prefill_logits"], b["prefill_logits"]) > 1e-2
+
+
+@pytest.mark.parametrize("qwen_checkpoint", ["qwen3-vl"], indirect=True)
+def test_deepstack_levels_change_the_logits(qwen_checkpoint):
+    """Guards the Qwen3-VL proof against deepstack too weak to matter: the decode server's own path
+    without the extra levels must give other logits (a lost level would then fail the proof)."""
+    import dataclasses
+
+    from encoder_service.models import load_vision_model
+
+    path, model = qwen_checkpoint
+    sys.path.insert(0, str(REPO_ROOT / "examples"))
+    from encoder_client import EncodedImage
+    from epd_decode_server import greedy_decode
+
+    grids = PROMPTS["several_images"]
+    encoder = load_vision_model(path, attn_backend="sdpa")
+    images = []
+    for i, (pixels, grid) in enumerate(zip(make_patches(model, grids), grids, strict=True)):
+        rows = encoder.encode(pixels, [grid])[0].numpy()
+        levels = np.split(rows, encoder.spec.feature_levels, axis=1)
+        images.append(EncodedImage(index=i, embedding=levels[0], content_hash=str(i), grid_thw=tuple(grid),
+                                   num_tokens=rows.shape[0], hidden_size=levels[0].shape[1], cache_hit=False,
+                                   dtype="float32", timing=None, deepstack=tuple(levels[1:])))
+    input_ids = make_prompt(grids)
+    with_levels = greedy_decode(model, input_ids, [list(g) for g in grids], images, 1)
+    without = greedy_decode(model, input_ids, [list(g) for g in grids],
+                            [dataclasses.replace(im, deepstack=()) for im in images], 1)
+    assert len(images[0].deepstack) == 2
+    assert rel_err(without["prefill_logits"], with_levels["prefill_logits"]) > 1e-2
