@@ -1,5 +1,7 @@
 """The benchmark's FLOP count (what 'share of the GEMM ceiling' divides by) against the hand count below."""
 
+from pathlib import Path
+
 from encoder_service.bench import grids_for, model_flops
 from encoder_service.models.presets import PRESETS
 from encoder_service.models.qwen2_5_vl.model import Qwen2_5_VisionConfig
@@ -30,3 +32,24 @@ def test_the_service_benchmark_runs_end_to_end_through_the_cli(tmp_path):
     assert report["command"].startswith("encoder-service bench --service --model tiny-qwen2.5-vl")
     assert report["new_images"][0]["images"] > 0 and report["new_images"][0]["latency_p50_ms"] > 0
     assert report["cache_hits"]["embedding_bytes"] > 0
+
+
+def test_the_qwen3_vl_benchmark_counts_the_towers_gemm_flops_exactly():
+    # torch's FLOP counter sees every matmul of the tiny tower's forward (patch embedding, blocks,
+    # merger and deepstack mergers) but not the CPU attention kernel: compare the rest.
+    import sys
+
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from qwen3_vl_throughput import attention_flops, tower_flops
+
+    from encoder_service.models import load_vision_model
+
+    model = load_vision_model("tiny-qwen3-vl", attn_backend="sdpa")
+    grids = [[1, 4, 6], [2, 8, 8]]
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), model.spec.patch_dim)
+    with FlopCounterMode(display=False) as counter:
+        model.encode_packed(pixels, grids)
+    assert counter.get_total_flops() == tower_flops(model.cfg, grids) - attention_flops(model.cfg, grids)
