@@ -64,7 +64,7 @@ class Watchdog:
         stalled = frozenset(d for d, state in states.items()
                             if state == DEAD or (state == UP and self._stuck(d, now, oldest_queued)))
         for device in sorted(stalled - self.stalled):
-            log.error("device worker %s %s: NOT_SERVING on it until it completes a forward", device,
+            log.error("device worker %s %s: stalled until it completes a forward", device,
                       "died" if states[device] == DEAD else
                       f"has completed no forward for over {self.timeout_s:g} s while it had work")
         for device in sorted(self.stalled - stalled):
