@@ -5,7 +5,8 @@ of the same content (in-flight de-duplication), or a new job. A job is prepared 
 pixels, or its patch bytes checked) in a thread pool, queued for the device worker once every image of
 its request validated, batched with other requests' images, and cached when its forward returns.
 A job lives while some request still waits for it; the last one leaving removes it from the queue
-and frees its admission slot.
+and frees its admission slot. The engine serves while some device worker is up and making progress
+(engine/watchdog.py); what it counts goes to the ServiceMetrics it is given.
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ class Engine:
         self._started = False
         self._watch_task: asyncio.Task | None = None
         self._serving = False
-        # Called on the loop with True/False when the engine starts or stops being able to serve
-        # (with worker processes: some worker up / none up).
+        # Called on the loop with True/False when the engine starts or stops being able to serve:
+        # some device worker up and progressing (engine/watchdog.py) / none.
         self.on_serving_change: Callable[[bool], None] | None = None
         self.namespace = self.front.cache_namespace if self.front is not None else ""
 
@@ -111,7 +112,8 @@ class Engine:
         return self._serving
 
     def _update_serving(self, _any_up: object = None) -> None:
-        """Called when a worker comes up or goes down, and at every watchdog check."""
+        """Called when a worker comes up or goes down (the pool's flag is re-read from the devices'
+        states, with the watchdog's verdict), and after every watchdog check."""
         states = self.devices.states()
         serving = self._started and any(s == UP and d not in self._watchdog.stalled for d, s in states.items())
         if serving != self._serving and not self._closed:
