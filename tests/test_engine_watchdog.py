@@ -24,9 +24,9 @@ class Clock:
         return self.now
 
 
-def watchdog(timeout_s: float = 10.0) -> tuple[Watchdog, Clock, ServiceMetrics]:
+def watchdog(timeout_s: float = 10.0, batch_wait_s: float = 0.0) -> tuple[Watchdog, Clock, ServiceMetrics]:
     metrics, clock = ServiceMetrics(CollectorRegistry()), Clock()
-    return Watchdog(timeout_s, metrics.worker_stalled, clock), clock, metrics
+    return Watchdog(timeout_s, metrics.worker_stalled, batch_wait_s=batch_wait_s, clock=clock), clock, metrics
 
 
 def stalled_gauge(metrics: ServiceMetrics, device: str) -> float | None:
@@ -76,6 +76,15 @@ def test_an_idle_device_that_leaves_queued_images_waiting_is_stalled():
     assert w.check({"cpu": UP}, queued_at)
     clock.now += 6  # ... but images waiting 11 s with nobody taking them is
     assert not w.check({"cpu": UP}, queued_at) and w.stalled == {"cpu"}
+
+
+def test_images_left_queued_while_the_worker_waits_for_a_fuller_batch_are_no_stall():
+    w, clock, _ = watchdog(1.0, batch_wait_s=2.0)  # --batch-wait-ms 2000 with a short timeout
+    queued_at = clock.now
+    clock.now += 2.5
+    assert w.check({"cpu": UP}, queued_at)
+    clock.now += 1.0
+    assert not w.check({"cpu": UP}, queued_at)
 
 
 def test_one_stalled_device_of_two_leaves_the_node_serving_on_the_other():

@@ -56,7 +56,8 @@ class Engine:
         self.front = model.front() if model is not None else None  # a ModelFront, once known
         self.cache = EmbeddingCache(config.cache_bytes, on_evict=lambda _entry: metrics.cache_evictions.inc())
         self._admission = Admission(config.max_queue_images, metrics.queue_images)
-        self._watchdog = Watchdog(config.watchdog_timeout_s, metrics.worker_stalled)
+        self._watchdog = Watchdog(config.watchdog_timeout_s, metrics.worker_stalled,
+                                  batch_wait_s=config.batch_wait_ms / 1000.0)
         self._queue = BatchQueue()
         self._inflight: dict[str, Job] = {}
         self._tasks: set[asyncio.Task] = set()

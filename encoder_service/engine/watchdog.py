@@ -32,8 +32,10 @@ MAX_PERIOD_S = 1.0  # a dead thread is noticed within this even with the progres
 
 
 class Watchdog:
-    def __init__(self, timeout_s: float, stalled: Gauge, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, timeout_s: float, stalled: Gauge, *, batch_wait_s: float = 0.0,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.timeout_s = timeout_s  # 0: no progress check (dead threads are still noticed)
+        self._batch_wait_s = batch_wait_s  # --batch-wait-ms: a worker may leave images queued that long
         self._gauge = stalled
         self._clock = clock
         self._in_flight: dict[str, int] = {}  # batches handed to a device and not answered yet
@@ -80,7 +82,7 @@ class Watchdog:
         if self._in_flight.get(device):
             waiting_since = self._busy_since[device]
         elif oldest_queued is not None:  # idle while images wait: it should have taken them
-            waiting_since = oldest_queued
+            waiting_since = oldest_queued + self._batch_wait_s
         else:
             return False  # nothing to do is no stall
         return now - max(waiting_since, self._last_done.get(device, -math.inf)) > self.timeout_s
