@@ -41,6 +41,7 @@ class ServiceConfig:
     batch_wait_ms: float = 1.0
     preprocess_threads: int = -1  # -1 = by device
     grace_period_s: float = 30.0
+    watchdog_timeout_s: float = 120.0  # 0 = no progress check (engine/watchdog.py)
     metrics_port: int = -1  # -1 = no metrics endpoint; 0 = any free port (logged)
     log_level: str = "INFO"
     allowed_sinks: str = ""  # comma-separated host:port glob patterns; empty = no sink allowed
@@ -151,6 +152,12 @@ _OPTIONS: list[tuple[str, type, str]] = [
                         "default torchvision-backed processor; auto: torch on a GPU, pil on the CPU. "
                         "Part of cache_namespace."),
     ("grace_period_s", float, "on SIGTERM: seconds in-flight requests get to finish before the server exits."),
+    ("watchdog_timeout_s", float, "a device worker that has work (a batch in flight or images queued) and "
+                                  "completes no forward for this long is stalled: "
+                                  "encoder_service_worker_stalled says so, and health is NOT_SERVING while no "
+                                  "device is up and progressing, SERVING again after its next forward. Generous "
+                                  "by default: a cold, large batch can take long. 0 turns the check off (a dead "
+                                  "worker thread is still noticed)."),
     ("metrics_port", int, "port of the Prometheus /metrics HTTP endpoint; 0 picks a free one, -1 disables it."),
     ("log_level", str, "DEBUG, INFO, WARNING or ERROR."),
     ("cuda_graphs", int, "on CUDA: how many batch compositions (the grids of a batch's images) are kept as CUDA "
@@ -266,6 +273,8 @@ def _check(c: ServiceConfig) -> None:
     problems.extend(check_devices(c.devices))
     if c.grace_period_s < 0:
         problems.append("grace-period-s must be >= 0")
+    if c.watchdog_timeout_s < 0:
+        problems.append("watchdog-timeout-s must be >= 0 (0: off)")
     try:
         SinkAllowlist(c.allowed_sink_patterns)
     except ValueError as exc:

@@ -1,7 +1,7 @@
 """Typed errors raised anywhere below the API layer.
 
 Each carries the gRPC status name it maps to; the API layer turns them into statuses in one place
-(``encoder_service.api.errors``). Layers below the API never import grpc.
+(the server interceptor of ``encoder_service.api.calls``). Layers below the API never import grpc.
 """
 
 from __future__ import annotations
@@ -48,6 +48,12 @@ class ResourceExhausted(EncoderError):
     """Over a configured limit: message size, image size, batch tokens, queue depth."""
 
     code = "RESOURCE_EXHAUSTED"
+
+
+class Unauthenticated(EncoderError):
+    """A call without the credentials the server requires (a bearer token)."""
+
+    code = "UNAUTHENTICATED"
 
 
 class PermissionDenied(EncoderError):

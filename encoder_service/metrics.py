@@ -1,5 +1,10 @@
 """Prometheus metrics of the service, defined in one place (names: deploy/, README "Operations").
 
+``ServiceMetrics(registry)`` declares every metric on the ``CollectorRegistry`` it is given: the
+server builds one and serves it on ``--metrics-port``; the engine and the API record into the
+object they are handed; a test builds its own and reads it with ``registry.get_sample_value``.
+Nothing is global, so several engines or servers in one process never share counts.
+
 Conventions: one prefix ``encoder_service_``, base units (seconds, bytes), counters end in
 ``_total`` (prometheus-client appends it to a Counter's name). Recording is a lock-protected add in
 process memory: it never blocks the event loop for long and never touches a device tensor (no GPU
@@ -16,7 +21,19 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 
 import grpc
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram, Info, disable_created_metrics, start_http_server
+from encoder_client._proto.encoder.v1 import encoder_pb2
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+    start_http_server,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -36,86 +53,12 @@ LATENCY_BUCKETS_S = (0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0
 BATCH_TOKEN_BUCKETS = tuple(float(2**k) for k in range(4, 18))  # 16 .. 131072 patches
 BATCH_IMAGE_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0)
 
-RPC_METHODS = ("Encode", "Lookup", "GetModelInfo")
+# The served gRPC service, from the generated descriptor: its methods are the ``method`` label's
+# values (a method added to the proto gets its series without a list kept by hand).
+VISION_ENCODER = encoder_pb2.DESCRIPTOR.services_by_name["VisionEncoder"]
+RPC_METHODS = tuple(m.name for m in VISION_ENCODER.methods)
 IMAGE_SOURCES = ("encoded", "patches", "content_hash")
 STATUS_CODES = tuple(code.name for code in grpc.StatusCode)
-
-# --- requests (api/) --------------------------------------------------------------------------------
-REQUESTS = Counter(
-    "encoder_service_requests", "gRPC requests finished, by method and status code (OK included).",
-    ["method", "code"])
-REQUEST_SECONDS = Histogram(
-    "encoder_service_request_seconds", "End-to-end time of a request, from the handler's start to "
-    "its last message or error, by method.", ["method"], buckets=LATENCY_BUCKETS_S)
-FIRST_CHUNK_SECONDS = Histogram(
-    "encoder_service_time_to_first_chunk_seconds",
-    "Time from an Encode request's start to its first streamed EmbeddingChunk.", buckets=LATENCY_BUCKETS_S)
-REQUESTS_IN_FLIGHT = Gauge(
-    "encoder_service_requests_in_flight", "gRPC requests being handled right now.")
-SINK_PUSH_FAILURES = Counter(
-    "encoder_service_sink_push_failures", "Requests whose embeddings could not be pushed to an EmbeddingSink, "
-    "by the --allowed-sinks pattern that admitted the target (callers choose targets, not series) and "
-    "reason: unavailable, deadline, refused (another status) or bad_ack.", ["pattern", "reason"])
-
-# --- images and the device (engine/) -----------------------------------------------------------------
-IMAGES = Counter(
-    "encoder_service_images", "Images received in requests, by input kind and served model.",
-    ["source", "model"])
-FORWARD_BATCHES = Counter(
-    "encoder_service_forward_batches", "Forward passes of the vision tower (one per batch, warm-up excluded), "
-    "by device.", ["device"])
-IMAGES_ENCODED = Counter(
-    "encoder_service_images_encoded", "Images that went through a forward pass, by device.", ["device"])
-PATCHES_ENCODED = Counter(
-    "encoder_service_patches_encoded", "Patches (ViT input tokens) that went through a forward pass.")
-TOKENS_ENCODED = Counter(
-    "encoder_service_tokens_encoded", "Embedding tokens produced by forward passes (rows of the "
-    "[num_tokens, hidden] outputs, i.e. LLM input tokens).")
-INFLIGHT_JOINS = Counter(
-    "encoder_service_inflight_joins", "Images that joined a forward already under way for the same content.")
-QUEUE_IMAGES = Gauge(
-    "encoder_service_queue_images", "Images admitted and waiting for a forward pass (bounded by --max-queue-images).")
-QUEUE_CAPACITY_IMAGES = Gauge(
-    "encoder_service_queue_capacity_images", "--max-queue-images: beyond it a request is RESOURCE_EXHAUSTED.")
-
-QUEUE_SECONDS = Histogram(
-    "encoder_service_queue_seconds", "Time an image waited between admission and its forward.",
-    buckets=LATENCY_BUCKETS_S)
-PREPROCESS_SECONDS = Histogram(
-    "encoder_service_preprocess_seconds", "Decode + patchify time of one encoded image.",
-    buckets=LATENCY_BUCKETS_S)
-FORWARD_SECONDS = Histogram(
-    "encoder_service_forward_seconds", "Time of one forward pass on its device (preprocessing on the device "
-    "and the copy to the CPU included), by device.", ["device"], buckets=LATENCY_BUCKETS_S)
-BATCH_TOKENS = Histogram(
-    "encoder_service_batch_tokens", "Patches (ViT input tokens, what --max-batch-tokens bounds) per forward "
-    "pass, by device.", ["device"], buckets=BATCH_TOKEN_BUCKETS)
-BATCH_IMAGES = Histogram(
-    "encoder_service_batch_images", "Images per forward pass, by device.", ["device"], buckets=BATCH_IMAGE_BUCKETS)
-WORKERS_UP = Gauge(
-    "encoder_service_workers_up", "1 while the device's worker is loaded and serving, 0 while it is down or "
-    "restarting, by device. The node serves while any is 1.", ["device"])
-WORKER_RESTARTS = Counter(
-    "encoder_service_worker_restarts", "Device worker processes that died (killed, CUDA error, out of memory) "
-    "and were started again, by device.", ["device"])
-
-# --- the embedding cache (engine/cache.py) ------------------------------------------------------------
-CACHE_HITS = Counter(
-    "encoder_service_cache_hits", "Images served from the embedding cache.")
-CACHE_MISSES = Counter(
-    "encoder_service_cache_misses", "Images that needed a new forward pass.")
-CACHE_EVICTIONS = Counter(
-    "encoder_service_cache_evictions", "Cache entries evicted to make room (LRU by bytes).")
-CACHE_ENTRIES = Gauge(
-    "encoder_service_cache_entries", "Embeddings held by the cache (read at scrape time).")
-CACHE_BYTES = Gauge(
-    "encoder_service_cache_bytes", "Bytes of embeddings held by the cache (read at scrape time).")
-CACHE_CAPACITY_BYTES = Gauge(
-    "encoder_service_cache_capacity_bytes", "--cache-bytes: the cache evicts beyond it.")
-
-MODEL_INFO = Info(
-    "encoder_service_model", "The served model: service version, model id and type, attention backend, "
-    "device, dtype. Always 1.")
 
 
 class GpuMemoryCollector(Collector):
@@ -143,47 +86,156 @@ class GpuMemoryCollector(Collector):
         yield reserved
 
 
-GPU_MEMORY = GpuMemoryCollector()
-REGISTRY.register(GPU_MEMORY)
+class ServiceMetrics:
+    """Every metric of one server (or one test's engine), on ``registry``.
 
-
-def _initialise_request_series(methods: Sequence[str] = RPC_METHODS) -> None:
-    for method in methods:
-        REQUEST_SECONDS.labels(method=method)
-        for code in STATUS_CODES:
-            REQUESTS.labels(method=method, code=code)
-
-
-_initialise_request_series()
-
-
-def track_engine(*, model_id: str, model_type: str, attn_backend: str, device: str, dtype: str,
-                 cache: object, cache_capacity_bytes: int, queue_capacity_images: int,
-                 device_memory: dict[str, Callable[[], tuple[int, int]]]) -> None:
-    """Points the scrape-time metrics at a started engine and publishes the model's facts.
-
-    ``cache`` needs ``__len__`` and ``used_bytes``; reading them from the scrape thread is safe
-    (an int read in CPython), and costs the event loop nothing.
+    ``process=True`` adds prometheus-client's ``process_*`` and ``python_*`` series (the server's
+    registry; a test's needs none).
     """
-    MODEL_INFO.info({"version": __version__, "model": model_id, "model_type": model_type,
-                     "backend": attn_backend, "device": str(device), "dtype": dtype})
-    GPU_MEMORY.sources = dict(device_memory)
-    for name in device_memory:  # each device's series exist at zero before its first forward
-        FORWARD_BATCHES.labels(device=name)
-        IMAGES_ENCODED.labels(device=name)
-        FORWARD_SECONDS.labels(device=name)
-        BATCH_TOKENS.labels(device=name)
-        BATCH_IMAGES.labels(device=name)
-        WORKER_RESTARTS.labels(device=name)
-    CACHE_ENTRIES.set_function(lambda: len(cache))
-    CACHE_BYTES.set_function(lambda: cache.used_bytes)
-    CACHE_CAPACITY_BYTES.set(cache_capacity_bytes)
-    QUEUE_CAPACITY_IMAGES.set(queue_capacity_images)
-    for source in IMAGE_SOURCES:
-        IMAGES.labels(source=source, model=model_id)
 
+    def __init__(self, registry: CollectorRegistry | None = None, *, process: bool = False) -> None:
+        self.registry = r = registry if registry is not None else CollectorRegistry()
+        if process:
+            ProcessCollector(registry=r)
+            PlatformCollector(registry=r)
+            GCCollector(registry=r)
 
-def start_metrics_server(port: int, host: str) -> int:
-    """Starts the /metrics endpoint in a daemon thread; returns the bound port."""
-    server, _thread = start_http_server(port, addr=host)
-    return int(server.server_port)
+        # --- requests (api/) ----------------------------------------------------------------------
+        self.requests = Counter(
+            "encoder_service_requests", "gRPC requests finished, by method and status code (OK included).",
+            ["method", "code"], registry=r)
+        self.request_seconds = Histogram(
+            "encoder_service_request_seconds", "End-to-end time of a request, from the handler's start to "
+            "its last message or error, by method.", ["method"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.first_chunk_seconds = Histogram(
+            "encoder_service_time_to_first_chunk_seconds",
+            "Time from an Encode request's start to its first streamed EmbeddingChunk.", buckets=LATENCY_BUCKETS_S,
+            registry=r)
+        self.requests_in_flight = Gauge(
+            "encoder_service_requests_in_flight", "gRPC requests being handled right now.", registry=r)
+        self.sink_push_failures = Counter(
+            "encoder_service_sink_push_failures", "Requests whose embeddings could not be pushed to an "
+            "EmbeddingSink, by the --allowed-sinks pattern that admitted the target (callers choose targets, "
+            "not series) and reason: unavailable, deadline, refused (another status) or bad_ack.",
+            ["pattern", "reason"], registry=r)
+
+        # --- images and the device (engine/) -----------------------------------------------------
+        self.images = Counter(
+            "encoder_service_images", "Images received in requests, by input kind and served model.",
+            ["source", "model"], registry=r)
+        self.forward_batches = Counter(
+            "encoder_service_forward_batches", "Forward passes of the vision tower (one per batch, warm-up "
+            "excluded), by device.", ["device"], registry=r)
+        self.images_encoded = Counter(
+            "encoder_service_images_encoded", "Images that went through a forward pass, by device.", ["device"],
+            registry=r)
+        self.patches_encoded = Counter(
+            "encoder_service_patches_encoded", "Patches (ViT input tokens) that went through a forward pass.",
+            registry=r)
+        self.tokens_encoded = Counter(
+            "encoder_service_tokens_encoded", "Embedding tokens produced by forward passes (rows of the "
+            "[num_tokens, hidden] outputs, i.e. LLM input tokens).", registry=r)
+        self.inflight_joins = Counter(
+            "encoder_service_inflight_joins", "Images that joined a forward already under way for the same "
+            "content.", registry=r)
+        self.images_abandoned = Counter(
+            "encoder_service_images_abandoned", "Images dropped before their forward because every request "
+            "waiting for them went away (cancelled, deadline, failed): work not done.", registry=r)
+        self.queue_images = Gauge(
+            "encoder_service_queue_images", "Images admitted and waiting for a forward pass (bounded by "
+            "--max-queue-images).", registry=r)
+        self.queue_capacity_images = Gauge(
+            "encoder_service_queue_capacity_images", "--max-queue-images: beyond it a request is "
+            "RESOURCE_EXHAUSTED.", registry=r)
+        self.queue_seconds = Histogram(
+            "encoder_service_queue_seconds", "Time an image waited between admission and its forward.",
+            buckets=LATENCY_BUCKETS_S, registry=r)
+        self.preprocess_seconds = Histogram(
+            "encoder_service_preprocess_seconds", "Decode + patchify time of one encoded image.",
+            buckets=LATENCY_BUCKETS_S, registry=r)
+        self.forward_seconds = Histogram(
+            "encoder_service_forward_seconds", "Time of one forward pass on its device (preprocessing on the "
+            "device and the copy to the CPU included), by device.", ["device"], buckets=LATENCY_BUCKETS_S,
+            registry=r)
+        self.batch_tokens = Histogram(
+            "encoder_service_batch_tokens", "Patches (ViT input tokens, what --max-batch-tokens bounds) per "
+            "forward pass, by device.", ["device"], buckets=BATCH_TOKEN_BUCKETS, registry=r)
+        self.batch_images = Histogram(
+            "encoder_service_batch_images", "Images per forward pass, by device.", ["device"],
+            buckets=BATCH_IMAGE_BUCKETS, registry=r)
+        self.workers_up = Gauge(
+            "encoder_service_workers_up", "1 while the device's worker is loaded and serving, 0 while it is "
+            "down or restarting, by device. The node serves while any is 1.", ["device"], registry=r)
+        self.worker_restarts = Counter(
+            "encoder_service_worker_restarts", "Device worker processes that died (killed, CUDA error, out of "
+            "memory) and were started again, by device.", ["device"], registry=r)
+        self.worker_stalled = Gauge(
+            "encoder_service_worker_stalled", "1 while the device's worker makes no progress: it had work and "
+            "completed no forward for longer than --watchdog-timeout-s, or its thread died. Health is "
+            "NOT_SERVING while no device is up and progressing.", ["device"], registry=r)
+
+        # --- the embedding cache (engine/cache.py) ------------------------------------------------
+        self.cache_hits = Counter(
+            "encoder_service_cache_hits", "Images served from the embedding cache.", registry=r)
+        self.cache_misses = Counter(
+            "encoder_service_cache_misses", "Images that needed a new forward pass.", registry=r)
+        self.cache_evictions = Counter(
+            "encoder_service_cache_evictions", "Cache entries evicted to make room (LRU by bytes).", registry=r)
+        self.cache_entries = Gauge(
+            "encoder_service_cache_entries", "Embeddings held by the cache (read at scrape time).", registry=r)
+        self.cache_bytes = Gauge(
+            "encoder_service_cache_bytes", "Bytes of embeddings held by the cache (read at scrape time).",
+            registry=r)
+        self.cache_capacity_bytes = Gauge(
+            "encoder_service_cache_capacity_bytes", "--cache-bytes: the cache evicts beyond it.", registry=r)
+
+        self.model_info = Info(
+            "encoder_service_model", "The served model: service version, model id and type, attention "
+            "backend, device, dtype. Always 1.", registry=r)
+        self.gpu_memory = GpuMemoryCollector()
+        r.register(self.gpu_memory)
+        self._initialise_request_series(RPC_METHODS)
+
+    def _initialise_request_series(self, methods: Sequence[str]) -> None:
+        for method in methods:
+            self.request_seconds.labels(method=method)
+            for code in STATUS_CODES:
+                self.requests.labels(method=method, code=code)
+
+    def track_engine(self, *, model_id: str, model_type: str, attn_backend: str, device: str, dtype: str,
+                     cache: object, cache_capacity_bytes: int, queue_capacity_images: int,
+                     device_memory: dict[str, Callable[[], tuple[int, int]]]) -> None:
+        """Points the scrape-time metrics at a started engine and publishes the model's facts.
+
+        ``cache`` needs ``__len__`` and ``used_bytes``; reading them from the scrape thread is safe
+        (an int read in CPython), and costs the event loop nothing.
+        """
+        self.model_info.info({"version": __version__, "model": model_id, "model_type": model_type,
+                              "backend": attn_backend, "device": str(device), "dtype": dtype})
+        self.gpu_memory.sources = dict(device_memory)
+        for name in device_memory:  # each device's series exist at zero before its first forward
+            self.forward_batches.labels(device=name)
+            self.images_encoded.labels(device=name)
+            self.forward_seconds.labels(device=name)
+            self.batch_tokens.labels(device=name)
+            self.batch_images.labels(device=name)
+            self.worker_restarts.labels(device=name)
+            self.worker_stalled.labels(device=name)
+        self.cache_entries.set_function(lambda: len(cache))
+        self.cache_bytes.set_function(lambda: cache.used_bytes)
+        self.cache_capacity_bytes.set(cache_capacity_bytes)
+        self.queue_capacity_images.set(queue_capacity_images)
+        for source in IMAGE_SOURCES:
+            self.images.labels(source=source, model=model_id)
+
+    def record_forward(self, device: str, forward_s: float, images: int, patches: int) -> None:
+        """One batch came back from ``device`` (successful or not: its time and size were spent)."""
+        self.forward_batches.labels(device=device).inc()
+        self.forward_seconds.labels(device=device).observe(forward_s)
+        self.batch_images.labels(device=device).observe(images)
+        self.batch_tokens.labels(device=device).observe(patches)
+
+    def serve_http(self, port: int, host: str) -> int:
+        """Starts the /metrics endpoint of this registry in a daemon thread; returns the bound port."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(server.server_port)

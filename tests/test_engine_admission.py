@@ -5,11 +5,15 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from test_engine_batching import encode_all, hold_worker, patches, running_engine, until
+from test_engine_batching import encode_all, forwards, hold_worker, joins, patches, running_engine, sample, until
 
 from encoder_service.errors import ResourceExhausted, Unavailable
 
 pytestmark = pytest.mark.timeout(60)
+
+
+def abandoned(engine) -> float:
+    return sample(engine, "encoder_service_images_abandoned_total")
 
 
 def test_full_queue_is_refused_at_once(fake_model):
@@ -27,7 +31,7 @@ def test_full_queue_is_refused_at_once(fake_model):
             assert loop.time() - started < 10.0
             # Cached or in-flight images take no slot: joining the waiting request is admitted.
             joiner = asyncio.create_task(encode_all(engine, [patches(0, seed=1)]))
-            await until(lambda: engine.stats.inflight_joins == 1)
+            await until(lambda: joins(engine) == 1)
             fake_model.gate.set()
             await asyncio.gather(blocker, waiting, joiner)
             assert engine.queued_images == 0
@@ -54,7 +58,7 @@ def test_cancelled_request_frees_its_slots_and_its_images_are_never_encoded(fake
             await until(lambda: engine.queued_images == 2)
             waiting.cancel()
             await asyncio.gather(waiting, return_exceptions=True)
-            assert engine.queued_images == 0 and engine.stats.abandoned == 2
+            assert engine.queued_images == 0 and abandoned(engine) == 2
             fake_model.gate.set()
             await blocker
             await encode_all(engine, [patches(0, seed=3)])
@@ -69,7 +73,7 @@ def test_deadline_passing_while_queued_stops_the_work(fake_model):
             blocker = await hold_worker(engine, fake_model)
             with pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(encode_all(engine, [patches(0, seed=1)]), timeout=0.2)
-            assert engine.queued_images == 0 and engine.stats.abandoned == 1
+            assert engine.queued_images == 0 and abandoned(engine) == 1
             fake_model.gate.set()
             await blocker
             assert len(fake_model.batches) == 1
@@ -83,10 +87,10 @@ def test_cancelling_one_waiter_keeps_the_image_for_another(fake_model):
             blocker = await hold_worker(engine, fake_model)
             first = asyncio.create_task(encode_all(engine, [patches(0, seed=1)]))
             second = asyncio.create_task(encode_all(engine, [patches(0, seed=1)]))
-            await until(lambda: engine.stats.inflight_joins == 1 and engine.queued_images == 1)
+            await until(lambda: joins(engine) == 1 and engine.queued_images == 1)
             first.cancel()
             await asyncio.gather(first, return_exceptions=True)
-            assert engine.queued_images == 1 and engine.stats.abandoned == 0
+            assert engine.queued_images == 1 and abandoned(engine) == 0
             fake_model.gate.set()
             (result,) = await second
             await blocker
@@ -104,7 +108,7 @@ def test_cancel_after_the_forward_started_still_caches_the_result(fake_model):
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             fake_model.gate.set()
-            await until(lambda: engine.stats.forward_batches == 1)
+            await until(lambda: forwards(engine) == 1)
             (again,) = await encode_all(engine, [patches(0, seed=1)])
             assert again.cache_hit and len(fake_model.batches) == 1
 

@@ -9,23 +9,40 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from encoder_service.config import ServiceConfig
 from encoder_service.engine import Engine, ImageInput
 from encoder_service.errors import InvalidInput, ResourceExhausted
+from encoder_service.metrics import ServiceMetrics
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @contextlib.asynccontextmanager
 async def running_engine(model, **overrides):
-    engine = Engine(ServiceConfig(**{"batch_wait_ms": 0.0, **overrides}), model)
+    """An engine recording into a registry of its own: its counts are this test's alone."""
+    engine = Engine(ServiceConfig(**{"batch_wait_ms": 0.0, **overrides}), model,
+                    metrics=ServiceMetrics(CollectorRegistry()))
     await engine.start()
     try:
         yield engine
     finally:
         model.gate.set()
         await engine.stop()
+
+
+def sample(engine, name: str, **labels: str) -> float:
+    """One series of the engine's registry (0 before it exists): what /metrics would show."""
+    return engine.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def forwards(engine) -> float:
+    return sample(engine, "encoder_service_forward_batches_total", device="cpu")
+
+
+def joins(engine) -> float:
+    return sample(engine, "encoder_service_inflight_joins_total")
 
 
 def patches(index: int, grid=(1, 4, 4), seed: int = 0) -> ImageInput:
@@ -78,14 +95,33 @@ def test_second_encode_of_same_image_is_a_cache_hit_and_runs_no_forward(fake_mod
     async def main():
         async with running_engine(fake_model) as engine:
             (first,) = await encode_all(engine, [encoded(0)])
-            forwards = engine.stats.forward_batches
+            after_first = forwards(engine)
             (second,) = await encode_all(engine, [encoded(0)])
             assert not first.cache_hit and second.cache_hit
-            assert engine.stats.forward_batches == forwards == 1
+            assert forwards(engine) == after_first == 1
+            assert sample(engine, "encoder_service_cache_hits_total") == 1
+            assert sample(engine, "encoder_service_cache_misses_total") == 1
             assert first.content_hash == second.content_hash
             torch.testing.assert_close(first.embedding, second.embedding, rtol=0, atol=0)
             (by_hash,) = await encode_all(engine, [ImageInput(0, "content_hash", content_hash=first.content_hash)])
             assert by_hash.cache_hit and engine.lookup([first.content_hash, "nope"]) == [True, False]
+
+    asyncio.run(main())
+
+
+def test_two_engines_in_one_process_count_apart(fake_model):
+    from conftest import FakeVisionModel
+
+    async def main():
+        async with running_engine(fake_model) as a, running_engine(FakeVisionModel()) as b:
+            await encode_all(a, [encoded(0, seed=1), encoded(1, seed=2)])
+            await encode_all(b, [encoded(0, seed=1)])
+            await encode_all(b, [encoded(0, seed=1)])
+            misses, hits = "encoder_service_cache_misses_total", "encoder_service_cache_hits_total"
+            assert (sample(a, misses), sample(a, hits)) == (2, 0)
+            assert (sample(b, misses), sample(b, hits)) == (1, 1)
+            assert sample(a, "encoder_service_images_total", source="encoded", model="fake") == 2
+            assert sample(b, "encoder_service_images_total", source="encoded", model="fake") == 2
 
     asyncio.run(main())
 
@@ -95,10 +131,10 @@ def test_16_concurrent_requests_for_the_same_new_image_run_one_forward(fake_mode
         async with running_engine(fake_model) as engine:
             fake_model.gate.clear()
             tasks = [asyncio.create_task(encode_all(engine, [patches(0, seed=5)])) for _ in range(16)]
-            await until(lambda: engine.stats.inflight_joins == 15)
+            await until(lambda: joins(engine) == 15)
             fake_model.gate.set()
             results = [r for rs in await asyncio.gather(*tasks) for r in rs]
-            assert len(fake_model.batches) == 1 and engine.stats.forward_batches == 1
+            assert len(fake_model.batches) == 1 and forwards(engine) == 1
             assert len({r.content_hash for r in results}) == 1
             for r in results:
                 torch.testing.assert_close(r.embedding, results[0].embedding, rtol=0, atol=0)
@@ -116,7 +152,9 @@ def test_images_of_concurrent_requests_share_one_forward(fake_model):
             fake_model.gate.set()
             await asyncio.gather(blocker, *tasks)
             assert fake_model.batches == [[(1, 4, 4)], [(1, 4, 4)] * 3]
-            assert engine.stats.forward_batches == 2 and engine.stats.images_encoded == 4
+            assert forwards(engine) == 2
+            assert sample(engine, "encoder_service_images_encoded_total", device="cpu") == 4
+            assert sample(engine, "encoder_service_patches_encoded_total") == 4 * 16
 
     asyncio.run(main())
 

@@ -10,7 +10,8 @@ from conftest import REPO_ROOT, find_tool
 
 RULES_DIR = REPO_ROOT / "deploy" / "prometheus"
 REQUIRED_ALERTS = {"EncoderServiceInstanceDown", "EncoderServiceHighErrorRatio", "EncoderServiceLatencySLOFastBurn",
-                   "EncoderServiceLatencySLOSlowBurn", "EncoderServiceQueueSaturated", "EncoderServiceCacheThrash"}
+                   "EncoderServiceLatencySLOSlowBurn", "EncoderServiceQueueSaturated", "EncoderServiceCacheThrash",
+                   "EncoderServiceWorkerStalled"}
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,9 @@ from encoder_client._proto.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from encoder_client._request import build_request
 from PIL import Image
 
+from encoder_service.api.calls import CallBook, ServiceInterceptor
 from encoder_service.api.limits import PerClientLimitInterceptor, peer_address
+from encoder_service.metrics import ServiceMetrics
 
 ENCODE = "/encoder.v1.VisionEncoder/Encode"
 
@@ -106,7 +108,8 @@ async def _limited_server(interceptor: PerClientLimitInterceptor, gate: asyncio.
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad image")
         yield b"chunk"
 
-    server = grpc.aio.server(interceptors=[interceptor])
+    # As in the server: the service interceptor first, answering the limit's refusal.
+    server = grpc.aio.server(interceptors=[ServiceInterceptor(ServiceMetrics(), CallBook()), interceptor])
     behaviour = encode if style == "coroutine" else encode_generator
     handlers = {"Encode": grpc.unary_stream_rpc_method_handler(behaviour)}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("encoder.v1.VisionEncoder", handlers),))

@@ -16,10 +16,12 @@ from encoder_client._proto.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from encoder_client.testing import float32_to_bf16_bits
 
 from bench.reliability.sinks import SinkServer, receiver
+from encoder_service.api.calls import CallBook, ServiceInterceptor
 from encoder_service.api.server import _add_vision_encoder, _grpc_options
 from encoder_service.api.servicer import VisionEncoderServicer
 from encoder_service.config import ServiceConfig
 from encoder_service.engine import Engine
+from encoder_service.metrics import ServiceMetrics
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,11 +48,13 @@ class InProcessEncoder:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
     async def _start(self) -> None:
-        self.servicer = VisionEncoderServicer(self.config)
-        self.engine = Engine(self.config, self.model)
+        self.metrics, calls = ServiceMetrics(), CallBook()
+        self.servicer = VisionEncoderServicer(self.config, self.metrics, calls)
+        self.engine = Engine(self.config, self.model, metrics=self.metrics)
         await self.engine.start()
         self.servicer.engine = self.engine
-        self.server = grpc.aio.server(options=_grpc_options(self.config))
+        self.server = grpc.aio.server(options=_grpc_options(self.config),
+                                      interceptors=[ServiceInterceptor(self.metrics, calls)])
         _add_vision_encoder(self.servicer, self.server)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()

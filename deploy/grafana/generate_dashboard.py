@@ -99,6 +99,11 @@ ROWS: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]], str]]]] =
             (f"sum by (instance, device) (encoder_service_gpu_memory_reserved_bytes{_sel()})",
              "reserved {{instance}} {{device}}"),
         ], "torch's caching allocator on the model's device (0 on a CPU model)."),
+        ("Device workers", "short", "timeseries", [
+            (f"sum by (instance, device) (encoder_service_workers_up{_sel()})", "up {{instance}} {{device}}"),
+            (f"sum by (instance, device) (encoder_service_worker_stalled{_sel()})", "stalled {{instance}} {{device}}"),
+        ], "1 while the device's worker is up; stalled: it had work and completed no forward for longer than "
+           "--watchdog-timeout-s, or its thread died (alert EncoderServiceWorkerStalled)."),
         ("Sink push failures / s", "ops", "timeseries", [
             # No series exists before the first failure: show 0.
             (f"sum by (pattern, reason) ({rate('encoder_service_sink_push_failures_total')}) or on() vector(0)",

@@ -21,7 +21,8 @@ import threading
 
 import grpc
 
-from .interceptors import OPEN_SERVICE_PREFIXES, metadata_value, method_name, refusal
+from ..errors import PermissionDenied, Unauthenticated
+from .interceptors import OPEN_SERVICE_PREFIXES, metadata_value, refusal
 
 log = logging.getLogger(__name__)
 
@@ -132,10 +133,9 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
             return handler
         token = presented_token(details)
         if token is None:
-            return refusal(handler, method_name(details), grpc.StatusCode.UNAUTHENTICATED,
-                           "this server requires a bearer token: send metadata 'authorization: Bearer <token>'")
+            return refusal(handler, Unauthenticated(
+                "this server requires a bearer token: send metadata 'authorization: Bearer <token>'"))
         if not self.tokens.accepts(token):
             log.info("%s refused: the bearer token is not accepted (%s)", details.method, client_identity(token))
-            return refusal(handler, method_name(details), grpc.StatusCode.PERMISSION_DENIED,
-                           "the bearer token is not accepted by this server")
+            return refusal(handler, PermissionDenied("the bearer token is not accepted by this server"))
         return handler

@@ -1,5 +1,6 @@
 """What the server interceptors share: refusing a call before it reaches its handler, and wrapping
-a handler's behaviour, whatever its cardinality."""
+a handler's behaviour, whatever its cardinality. A refusal raises a typed error; the service
+interceptor (api/calls.py), outermost, turns it into a status and counts it like any answer."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 
 import grpc
+from google.protobuf.descriptor import MethodDescriptor
 
-from .. import metrics
+from ..errors import EncoderError
 
 log = logging.getLogger(__name__)
 
@@ -33,30 +35,22 @@ def metadata_value(details: grpc.HandlerCallDetails, key: str) -> str | None:
     return None
 
 
-def method_name(details: grpc.HandlerCallDetails) -> str:
-    """``Encode`` of ``/encoder.v1.VisionEncoder/Encode``: the label the request metrics use."""
-    return details.method.rsplit("/", 1)[-1]
+def method_path(method: MethodDescriptor) -> str:
+    """``/encoder.v1.VisionEncoder/Encode``: how gRPC names a method of the descriptor in a call."""
+    return f"/{method.containing_service.full_name}/{method.name}"
 
 
-async def refuse(context: grpc.aio.ServicerContext, method: str, code: grpc.StatusCode, message: str) -> None:
-    """Ends the call with code/message, counted in the request metrics like the servicer's answers
-    (a refused call never reaches ``map_errors``)."""
-    metrics.REQUESTS.labels(method, code.name).inc()
-    await context.abort(code, message)
-
-
-def refusal(handler: grpc.RpcMethodHandler, method: str, code: grpc.StatusCode,
-            message: str) -> grpc.RpcMethodHandler:
-    """A handler of handler's kind that answers code/message without reading the request: the
-    payload is not even deserialized."""
+def refusal(handler: grpc.RpcMethodHandler, error: EncoderError) -> grpc.RpcMethodHandler:
+    """A handler of handler's kind that raises ``error`` without reading the request: the payload
+    is not even deserialized."""
 
     async def refuse_call(request, context: grpc.aio.ServicerContext):
-        await refuse(context, method, code, message)
+        raise error
 
     for kind, factory in _KINDS:
         if getattr(handler, kind) is not None:
             return factory(refuse_call)
-    raise TypeError(f"unknown kind of method handler for {method}")
+    raise TypeError("unknown kind of method handler")
 
 
 def wrap_behaviour(handler: grpc.RpcMethodHandler,

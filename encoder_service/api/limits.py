@@ -18,12 +18,15 @@ from collections import Counter
 
 import grpc
 
+from ..errors import ResourceExhausted
+from ..metrics import VISION_ENCODER
 from .auth import client_identity, presented_token
-from .interceptors import method_name, refuse, wrap_behaviour
+from .interceptors import method_path, wrap_behaviour
 
 log = logging.getLogger(__name__)
 
-LIMITED_METHODS = frozenset({"/encoder.v1.VisionEncoder/Encode"})
+# Encode holds the server's work; Lookup and GetModelInfo answer at once and stay unlimited.
+LIMITED_METHODS = frozenset({method_path(VISION_ENCODER.methods_by_name["Encode"])})
 
 
 def peer_address(peer: str) -> str:
@@ -93,10 +96,9 @@ class PerClientLimitInterceptor(grpc.aio.ServerInterceptor):
             client = self._client(details, context)  # the peer is known only inside the call
             if not limits.try_acquire(client):
                 log.info("%s refused: %s has %d Encode calls in progress", details.method, client, limits.limit)
-                await refuse(context, method_name(details), grpc.StatusCode.RESOURCE_EXHAUSTED,
-                             f"{client} already has {limits.limit} Encode calls in progress, the most "
-                             f"this server allows per client (--max-requests-per-client {limits.limit}); "
-                             "retry when one has finished")
+                raise ResourceExhausted(f"{client} already has {limits.limit} Encode calls in progress, the "
+                                        f"most this server allows per client (--max-requests-per-client "
+                                        f"{limits.limit}); retry when one has finished")
             try:
                 yield
             finally:

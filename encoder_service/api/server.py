@@ -1,7 +1,8 @@
 """Server life cycle: bind, load and warm the model, serve, drain on SIGTERM, exit.
 
 Health (grpc.health.v1) says NOT_SERVING from the start until the model is loaded and a warm-up
-forward ran, SERVING after, NOT_SERVING again while draining. Reflection is on, so grpcurl works
+forward ran, SERVING after, NOT_SERVING while no device worker is up and making progress (the
+engine's watchdog) and again while draining. Reflection is on, so grpcurl works
 without the proto files. With ``--health-port`` a second, plaintext server answers grpc.health.v1
 only, from the same HealthServicer (Kubernetes' gRPC probes cannot speak TLS). TLS, tokens and
 per-client limits are set up in api/security.py.
@@ -15,13 +16,15 @@ import signal
 import time
 
 import grpc
-from encoder_client._proto.encoder.v1 import encoder_pb2
+from google.protobuf import message_factory
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from .. import memory, metrics
+from .. import memory
 from ..config import ServiceConfig
 from ..engine import Engine
+from ..metrics import VISION_ENCODER, ServiceMetrics
+from .calls import CallBook, ServiceInterceptor
 from .security import SecurityFileError, build_security
 from .servicer import VisionEncoderServicer
 from .streaming import serialize_chunk
@@ -33,7 +36,15 @@ DRAIN_QUIET_S = 0.5  # no call began for this long: the backlog is answered, clo
 DRAIN_MAX_QUIET_S = 5.0
 MEMORY_CHECK_S = 5.0
 TRIM_BUSY_EVERY_S = 15.0
-SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["VisionEncoder"].full_name
+SERVICE_NAME = VISION_ENCODER.full_name
+# (client streaming, server streaming) -> the handler factory of that kind
+_HANDLER_KINDS = {(False, False): grpc.unary_unary_rpc_method_handler,
+                  (False, True): grpc.unary_stream_rpc_method_handler,
+                  (True, False): grpc.stream_unary_rpc_method_handler,
+                  (True, True): grpc.stream_stream_rpc_method_handler}
+# Encode's responses may be wire bytes already (api/streaming.py writes them without copying
+# embeddings into messages).
+_RESPONSE_SERIALIZERS = {"Encode": serialize_chunk}
 
 
 def _grpc_options(config: ServiceConfig) -> list[tuple[str, int]]:
@@ -46,19 +57,16 @@ def _grpc_options(config: ServiceConfig) -> list[tuple[str, int]]:
 
 
 def _add_vision_encoder(servicer: VisionEncoderServicer, server: grpc.aio.Server) -> None:
-    """The generated ``add_VisionEncoderServicer_to_server``, except that Encode's responses may be
-    wire bytes already (api/streaming.py writes them without copying embeddings into messages)."""
-    handlers = {
-        "Encode": grpc.unary_stream_rpc_method_handler(
-            servicer.Encode, request_deserializer=encoder_pb2.EncodeRequest.FromString,
-            response_serializer=serialize_chunk),
-        "Lookup": grpc.unary_unary_rpc_method_handler(
-            servicer.Lookup, request_deserializer=encoder_pb2.LookupRequest.FromString,
-            response_serializer=encoder_pb2.LookupResponse.SerializeToString),
-        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-            servicer.GetModelInfo, request_deserializer=encoder_pb2.GetModelInfoRequest.FromString,
-            response_serializer=encoder_pb2.ModelInfo.SerializeToString),
-    }
+    """The generated ``add_VisionEncoderServicer_to_server``, built from the service descriptor,
+    except for the response serializers of ``_RESPONSE_SERIALIZERS``."""
+    handlers = {}
+    for method in VISION_ENCODER.methods:
+        request = message_factory.GetMessageClass(method.input_type)
+        response = message_factory.GetMessageClass(method.output_type)
+        make = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = make(getattr(servicer, method.name), request_deserializer=request.FromString,
+                                     response_serializer=_RESPONSE_SERIALIZERS.get(method.name,
+                                                                                   response.SerializeToString))
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
@@ -80,17 +88,17 @@ def _gib(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
-async def _release_free_memory(engine: Engine, interval_s: float = MEMORY_CHECK_S,
+async def _release_free_memory(engine: Engine, calls: CallBook, interval_s: float = MEMORY_CHECK_S,
                                busy_every_s: float = TRIM_BUSY_EVERY_S) -> None:
     """Hands memory the allocator holds but nobody uses back to the kernel: once after each burst
     (no request for a whole interval), and every ``busy_every_s`` under steady load, where freed
     decode buffers would otherwise pile up in the arenas and RSS creep up for minutes. A trim takes
     milliseconds in a thread; allocations wait for it only that long."""
     loop = asyncio.get_running_loop()
-    last_seen, trimmed_at, last_trim = -1, 0, loop.time()
+    last_seen, trimmed_at, last_trim = -1.0, 0.0, loop.time()
     while True:
         await asyncio.sleep(interval_s)
-        seen = engine.stats.requests
+        seen = calls.last_started  # changes whenever a call began
         idle_after_burst = seen == last_seen and seen != trimmed_at and not engine.busy
         if idle_after_burst or (seen != last_seen and loop.time() - last_trim >= busy_every_s):
             await loop.run_in_executor(None, memory.release_free_memory)
@@ -98,7 +106,7 @@ async def _release_free_memory(engine: Engine, interval_s: float = MEMORY_CHECK_
         last_seen = seen
 
 
-async def _lame_duck(servicer: VisionEncoderServicer, grace_s: float) -> float:
+async def _lame_duck(calls: CallBook, grace_s: float) -> float:
     """Keeps the port open while the calls in flight finish; returns the grace left.
 
     New calls still reach a handler, which answers UNAVAILABLE at once: clients retry that on
@@ -112,10 +120,10 @@ async def _lame_duck(servicer: VisionEncoderServicer, grace_s: float) -> float:
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace_s
-    while servicer.calls_in_flight > 0 and loop.time() < deadline:
+    while calls.in_flight > 0 and loop.time() < deadline:
         await asyncio.sleep(DRAIN_POLL_S)
     give_up = min(deadline, loop.time() + DRAIN_MAX_QUIET_S)
-    while loop.time() < give_up and time.monotonic() - servicer.last_call_started < DRAIN_QUIET_S:
+    while loop.time() < give_up and time.monotonic() - calls.last_started < DRAIN_QUIET_S:
         await asyncio.sleep(DRAIN_POLL_S)
     return max(0.0, deadline - loop.time())
 
@@ -128,13 +136,17 @@ async def serve(config: ServiceConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
+    metrics = ServiceMetrics(process=True)  # what --metrics-port serves
+    calls = CallBook()
     try:
         security = build_security(config)
-        servicer = VisionEncoderServicer(config)  # reads the --sink-tls-* files
+        servicer = VisionEncoderServicer(config, metrics, calls)  # reads the --sink-tls-* files
     except SecurityFileError as exc:
         log.error("cannot start: %s", exc)
         return 1
-    server = grpc.aio.server(options=_grpc_options(config), interceptors=security.interceptors)
+    # First, so that it sees every call to its end, the security interceptors' refusals included.
+    interceptors = [ServiceInterceptor(metrics, calls), *security.interceptors]
+    server = grpc.aio.server(options=_grpc_options(config), interceptors=interceptors)
     health_servicer = health.aio.HealthServicer()
     _add_vision_encoder(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -166,13 +178,13 @@ async def serve(config: ServiceConfig) -> int:
     log.info("encoder-service listening on %s:%d (NOT_SERVING until the model is warm)", config.host, port)
     log.info("security: %s", "; ".join(security.summary))
     if config.metrics_port >= 0:
-        metrics_port = metrics.start_metrics_server(config.metrics_port, config.host)
+        metrics_port = metrics.serve_http(config.metrics_port, config.host)
         log.info("metrics on http://%s:%d/metrics", config.host, metrics_port)
 
     if config.uses_default_model:
         log.info("no --model given: serving the built-in %s preset (random weights) on %s",
                  config.model_or_default, config.device)
-    engine = Engine(config)
+    engine = Engine(config, metrics=metrics)
     try:
         start = asyncio.ensure_future(engine.start())  # loads the model (in workers with --devices)
         stopped = asyncio.ensure_future(stop.wait())
@@ -200,15 +212,17 @@ async def serve(config: ServiceConfig) -> int:
              d.preprocess, config.preprocess_threads, _gib(config.cache_bytes), config.max_batch_tokens,
              config.max_queue_images, warmup_s * 1000)
     servicer.engine = engine
-    trimmer = asyncio.ensure_future(_release_free_memory(engine))
+    trimmer = asyncio.ensure_future(_release_free_memory(engine, calls))
     await _set_health(health_servicer, engine.serving)
     health_tasks: set[asyncio.Task] = set()
 
     def on_serving_change(serving: bool) -> None:
-        # With worker processes: NOT_SERVING only while no worker is up (the others keep serving).
-        if servicer.draining:
+        # With worker processes: NOT_SERVING only while no worker is up and progressing (the others
+        # keep serving).
+        if calls.draining:
             return
-        log.warning("%s", "a device worker is up again: SERVING" if serving else "no device worker is up: NOT_SERVING")
+        log.warning("%s", "a device worker is up and progressing again: SERVING" if serving
+                    else "no device worker is up and progressing: NOT_SERVING")
         task = asyncio.ensure_future(_set_health(health_servicer, serving))
         health_tasks.add(task)
         task.add_done_callback(health_tasks.discard)
@@ -220,9 +234,9 @@ async def serve(config: ServiceConfig) -> int:
     trimmer.cancel()
     log.info("draining: NOT_SERVING, refusing new requests, up to %.1f s for in-flight ones",
              config.grace_period_s)
-    servicer.draining = True
+    calls.draining = True
     await health_servicer.enter_graceful_shutdown()
-    remaining_s = await _lame_duck(servicer, config.grace_period_s)
+    remaining_s = await _lame_duck(calls, config.grace_period_s)
     await _stop(server, health_server, remaining_s)
     await engine.stop()
     await servicer.sink_channels.close()

@@ -1,4 +1,7 @@
-"""The VisionEncoder gRPC service: checks requests, hands them to the engine, streams the results."""
+"""The VisionEncoder gRPC service: checks requests, hands them to the engine, streams the results.
+
+Methods raise typed errors; the service interceptor (api/calls.py) answers them as statuses and
+records the request metrics."""
 
 from __future__ import annotations
 
@@ -11,13 +14,14 @@ import time
 import grpc
 from encoder_client._proto.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 
-from .. import __version__, metrics
+from .. import __version__
 from ..config import ServiceConfig
 from ..engine import Engine
 from ..errors import ResourceExhausted, Unavailable
+from ..metrics import ServiceMetrics
 from ..sink_allowlist import SinkAllowlist
 from . import dtypes
-from .errors import map_errors
+from .calls import CallBook
 from .sink import PUSH_MAX_CHUNK_BYTES, SinkChannels, SinkFailed, SinkPush, fail_uniformly, header_chunk
 from .streaming import embedding_chunks, serialized_chunks
 from .tls import sink_channel_credentials
@@ -34,23 +38,21 @@ _ids = itertools.count()
 class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
     """Serves once ``engine`` is set (model loaded and warmed); UNAVAILABLE before and while draining."""
 
-    def __init__(self, config: ServiceConfig) -> None:
+    def __init__(self, config: ServiceConfig, metrics: ServiceMetrics, calls: CallBook) -> None:
         self.config = config
+        self.metrics = metrics
+        self.calls = calls  # whether the server drains
         self.engine: Engine | None = None
-        self.draining = False
-        self.calls_in_flight = 0  # kept by map_errors
-        self.last_call_started = 0.0  # time.monotonic(), kept by map_errors
         self.sink_channels = SinkChannels(config.max_message_bytes, credentials=sink_channel_credentials(config))
         self.sink_allowlist = SinkAllowlist(config.allowed_sink_patterns)
 
     def _ready_engine(self) -> Engine:
-        if self.draining:
+        if self.calls.draining:
             raise Unavailable("server is draining (shutting down); retry on another replica")
         if self.engine is None:
             raise Unavailable("server is starting: the model is not loaded and warmed up yet")
         return self.engine
 
-    @map_errors
     async def Encode(self, request: encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext) -> None:
         started = time.perf_counter()
         first_chunk = True
@@ -70,7 +72,7 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
                     await context.write(chunk)
                     if first_chunk:
                         first_chunk = False
-                        metrics.FIRST_CHUNK_SECONDS.observe(time.perf_counter() - started)
+                        self.metrics.first_chunk_seconds.observe(time.perf_counter() - started)
 
     async def _encode_to_sink(self, engine: Engine, plan: EncodePlan, request_id: str, model_dtype: str,
                               context: grpc.aio.ServicerContext) -> None:
@@ -96,7 +98,7 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
                     headers.append(header_chunk(chunks[-1], request_id))
             await push.finish()
         except SinkFailed as exc:
-            raise await fail_uniformly(sink, exc, started, bound) from None
+            raise await fail_uniformly(sink, exc, started, bound, self.metrics.sink_push_failures) from None
         finally:
             if push is not None:
                 push.cancel()
@@ -104,7 +106,6 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
         for header in headers:
             await context.write(header)
 
-    @map_errors
     async def Lookup(self, request: encoder_pb2.LookupRequest,
                      context: grpc.aio.ServicerContext) -> encoder_pb2.LookupResponse:
         engine = self._ready_engine()
@@ -113,7 +114,6 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
                                     f"{MAX_LOOKUP_HASHES} per call")
         return encoder_pb2.LookupResponse(cached=engine.lookup(list(request.content_hashes)))
 
-    @map_errors
     async def GetModelInfo(self, request: encoder_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> encoder_pb2.ModelInfo:
         d = self._ready_engine().describe()

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 
 import grpc
 from encoder_client._proto.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from prometheus_client import Counter
 
-from .. import metrics
 from ..errors import EncoderError, Unavailable
 from .validation import SinkSpec
 
@@ -221,11 +221,12 @@ async def _status(call: grpc.aio.StreamUnaryCall | None, exc: BaseException) -> 
     return grpc.StatusCode.UNAVAILABLE, str(exc)
 
 
-async def fail_uniformly(spec: SinkSpec, exc: SinkFailed, started: float, bound_s: float) -> Unavailable:
-    """Logs and counts the real reason, waits until ``bound_s`` after ``started``, and returns the one
-    error every sink failure gets (raise it)."""
+async def fail_uniformly(spec: SinkSpec, exc: SinkFailed, started: float, bound_s: float,
+                         failures: Counter) -> Unavailable:
+    """Logs and counts (in ``failures``, encoder_service_sink_push_failures) the real reason, waits
+    until ``bound_s`` after ``started``, and returns the one error every sink failure gets (raise it)."""
     log.warning("push to sink %s (pattern %r) failed: %s: %s", spec.target, spec.pattern, exc.reason, exc.message)
-    metrics.SINK_PUSH_FAILURES.labels(pattern=spec.pattern, reason=exc.reason).inc()
+    failures.labels(pattern=spec.pattern, reason=exc.reason).inc()
     await asyncio.sleep(max(0.0, started + bound_s - time.monotonic()))
     return Unavailable(f"sink {spec.target} did not take the push within {bound_s:g} s "
                        "(the encoder's log says why)")

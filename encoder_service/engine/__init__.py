@@ -5,6 +5,6 @@ Knows tensors and requests; knows nothing of protobuf.
 
 from .cache import EmbeddingCache
 from .engine import Engine
-from .types import EngineStats, ImageInput, ImageResult, ModelDescription, Timing
+from .types import ImageInput, ImageResult, ModelDescription, Timing
 
-__all__ = ["EmbeddingCache", "Engine", "EngineStats", "ImageInput", "ImageResult", "ModelDescription", "Timing"]
+__all__ = ["EmbeddingCache", "Engine", "ImageInput", "ImageResult", "ModelDescription", "Timing"]

@@ -6,14 +6,16 @@ only grows: the caller can retry elsewhere, and latency stays bounded for the ad
 
 from __future__ import annotations
 
-from .. import metrics
+from prometheus_client import Gauge
+
 from ..errors import ResourceExhausted
 
 
 class Admission:
-    def __init__(self, max_waiting_images: int) -> None:
+    def __init__(self, max_waiting_images: int, waiting_gauge: Gauge) -> None:
         self.max_waiting_images = int(max_waiting_images)
         self.waiting = 0
+        self._gauge = waiting_gauge  # encoder_service_queue_images
 
     def admit(self, n: int) -> None:
         """Takes ``n`` slots for one request, all or none."""
@@ -28,8 +30,8 @@ class Admission:
                 f"queue full: {self.waiting} images waiting, {n} more would exceed --max-queue-images "
                 f"{self.max_waiting_images}; retry later or on another replica")
         self.waiting += n
-        metrics.QUEUE_IMAGES.set(self.waiting)
+        self._gauge.set(self.waiting)
 
     def release(self, n: int = 1) -> None:
         self.waiting = max(0, self.waiting - n)
-        metrics.QUEUE_IMAGES.set(self.waiting)
+        self._gauge.set(self.waiting)

@@ -39,6 +39,11 @@ class BatchQueue:
         with self._cond:
             return len(self._items)
 
+    def oldest_enqueued_at(self) -> float | None:
+        """perf_counter time at which the item waiting longest was queued; None if none waits."""
+        with self._cond:
+            return self._items[0].enqueued_at if self._items else None
+
     def put(self, item: WorkItem) -> None:
         with self._cond:
             if self._closed:

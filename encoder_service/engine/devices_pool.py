@@ -10,26 +10,29 @@ from collections.abc import Callable
 
 import torch
 
-from .. import metrics
 from ..config import ServiceConfig
+from ..metrics import ServiceMetrics
 from ..models.served import ServedModel
 from .batch_queue import BatchQueue, WorkItem
 from .devices import parse_devices
 from .loading import load_model
 from .process_worker import WorkerProcess
+from .watchdog import DEAD, DOWN, UP
 from .worker import BatchOutcome, DeviceWorker
 
-BatchStart = Callable[[list[WorkItem]], None]
+BatchStart = Callable[[list[WorkItem], str], None]  # the batch, the label of the device it went to
 BatchDone = Callable[[BatchOutcome], None]
 
 
 class InProcessDevice:
     """The model in this process, driven by one ``DeviceWorker`` thread."""
 
-    def __init__(self, config: ServiceConfig, model: ServedModel | None = None) -> None:
+    def __init__(self, config: ServiceConfig, metrics: ServiceMetrics, model: ServedModel | None = None) -> None:
         self.config = config
+        self.metrics = metrics
         self.model = model
         self._worker: DeviceWorker | None = None
+        self._dead = False
 
     @property
     def label(self) -> str:
@@ -44,11 +47,19 @@ class InProcessDevice:
         self._worker = DeviceWorker(
             self.model, queue, max_batch_patches=self.config.max_batch_tokens,
             batch_wait_s=self.config.batch_wait_ms / 1000.0, loop=loop,
-            on_batch_start=on_batch_start, on_batch_done=on_batch_done)
+            on_batch_start=lambda batch: on_batch_start(batch, self.label), on_batch_done=on_batch_done)
         m = self.model.spec.spatial_merge_size
         warmup_s = await asyncio.wrap_future(self._worker.start((1, 2 * m, 2 * m)))
-        metrics.WORKERS_UP.labels(device=self.label).set(1)
+        self.metrics.workers_up.labels(device=self.label).set(1)
         return self.model.front(), warmup_s
+
+    def states(self) -> dict[str, str]:
+        """The worker thread ends only when the queue is closed; ended before that, an exception
+        escaped its loop and nothing will take a batch again (no restart in-process)."""
+        if not self._dead and self._worker is not None and not self._worker.alive:
+            self._dead = True
+            self.metrics.workers_up.labels(device=self.label).set(0)
+        return {self.label: DEAD if self._dead else UP}
 
     async def stop(self) -> None:
         """After the queue closed: waits for the forward in flight."""
@@ -65,8 +76,9 @@ class InProcessDevice:
 class WorkerProcesses:
     """One ``WorkerProcess`` per entry of ``--devices``; serving while any of them is up."""
 
-    def __init__(self, config: ServiceConfig) -> None:
+    def __init__(self, config: ServiceConfig, metrics: ServiceMetrics) -> None:
         self.config = config
+        self.metrics = metrics
         self.workers: list[WorkerProcess] = []
         self._on_serving: Callable[[bool], None] | None = None
         self._started = False
@@ -85,7 +97,8 @@ class WorkerProcesses:
         threads = max(1, (os.cpu_count() or 1) // len(devices))
         self._on_serving = on_serving
         self.workers = [
-            WorkerProcess(self.config, device, queue, loop=loop, on_batch_start=on_batch_start,
+            WorkerProcess(self.config, device, queue, loop=loop,
+                          on_batch_start=lambda batch, label=device.label: on_batch_start(batch, label),
                           on_batch_done=on_batch_done, on_state=self._on_worker_state, threads=threads)
             for device in devices]
         results = await asyncio.gather(*(asyncio.wrap_future(w.start()) for w in self.workers),
@@ -116,10 +129,16 @@ class WorkerProcesses:
         """As each worker last reported it: the front end never touches a device."""
         return {w.device.label: (lambda w=w: w.memory) for w in self.workers}
 
+    def states(self) -> dict[str, str]:
+        """A worker's thread ends only when the engine stops; ended before that, an exception
+        escaped it: its process may live on, but no batch will reach it again."""
+        return {w.device.label: DEAD if not w.alive and not self._stopping else UP if w.up else DOWN
+                for w in self.workers}
+
     def _on_worker_state(self, worker: WorkerProcess) -> None:
-        metrics.WORKERS_UP.labels(device=worker.device.label).set(1 if worker.up else 0)
+        self.metrics.workers_up.labels(device=worker.device.label).set(1 if worker.up else 0)
         if self._stopping or not self._started:
             return  # stopping, or still starting (the engine turns serving on after start)
         if not worker.up:
-            metrics.WORKER_RESTARTS.labels(device=worker.device.label).inc()
+            self.metrics.worker_restarts.labels(device=worker.device.label).inc()
         self._on_serving(any(w.up for w in self.workers))

@@ -5,7 +5,8 @@ of the same content (in-flight de-duplication), or a new job. A job is prepared 
 pixels, or its patch bytes checked) in a thread pool, queued for the device worker once every image of
 its request validated, batched with other requests' images, and cached when its forward returns.
 A job lives while some request still waits for it; the last one leaving removes it from the queue
-and frees its admission slot.
+and frees its admission slot. The engine serves while some device worker is up and making progress
+(engine/watchdog.py); what it counts goes to the ServiceMetrics it is given.
 """
 
 from __future__ import annotations
@@ -15,14 +16,13 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 from encoder_client.hashing import hash_encoded, hash_patches
 
-from .. import metrics
 from ..config import ServiceConfig
-from ..errors import EncoderError, InvalidInput, NotFound, ResourceExhausted, Unavailable
+from ..errors import InvalidInput, NotFound, ResourceExhausted, Unavailable
+from ..metrics import ServiceMetrics
 from ..models.base import validate_grid
 from ..models.served import ServedModel
 from ..preprocess.staged import StagedInput, check_patch_bytes
@@ -30,7 +30,9 @@ from .admission import Admission
 from .batch_queue import BatchQueue, WorkItem
 from .cache import CacheEntry, EmbeddingCache
 from .devices_pool import InProcessDevice, WorkerProcesses
-from .types import EngineStats, Grid, ImageInput, ImageResult, ModelDescription, Timing
+from .jobs import Job, Wait, retag
+from .types import Grid, ImageInput, ImageResult, ModelDescription
+from .watchdog import UP, Watchdog
 from .worker import BatchOutcome
 
 log = logging.getLogger(__name__)
@@ -41,69 +43,33 @@ HASH_INLINE_BYTES = 64 * 1024
 HASH_THREADS = 2  # sha256 releases the GIL: two threads keep large requests off the loop
 
 
-@dataclass(eq=False)
-class _Job:
-    """One uncached image being computed; shared by every request that asked for the same key."""
-
-    key: str
-    refs: int = 1  # requests (image slots) still waiting for it
-    state: str = "preparing"  # preparing -> prepared -> queued -> running -> done | failed | abandoned
-    payload: StagedInput | None = None  # what the device worker turns into patches
-    grid: Grid | None = None
-    item: WorkItem | None = None
-    holds_slot: bool = True  # an admission slot, until it enters a forward or is dropped
-    stored: bool = False  # whether the cache took it (then each remaining ref holds a pin)
-    timing: Timing = field(default_factory=Timing)
-    prepared: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-
-    def __post_init__(self) -> None:
-        for fut in (self.prepared, self.done):  # an error nobody waits for is not worth a warning
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-
-
-@dataclass(eq=False)
-class _Wait:
-    """One image slot of one request waiting for a job; leaves it exactly once."""
-
-    image: ImageInput
-    job: _Job
-    left: bool = False
-
-    def leave(self, engine: Engine) -> None:
-        if not self.left:
-            self.left = True
-            engine._leave(self.job)
-
-
-def _retag(exc: BaseException, index: int) -> BaseException:
-    """A copy of a typed error naming this request's image index (jobs are shared across requests)."""
-    if isinstance(exc, EncoderError):
-        return type(exc)(exc.message, image_index=index)
-    return exc
-
-
 class Engine:
-    """``Engine(config)`` loads the configured model when started: in this process (one device
-    worker thread on ``--device``), or, with ``--devices``, one worker process per device.
-    ``Engine(config, model)`` serves an already loaded model in this process (tests, embedding)."""
+    """``Engine(config, metrics=...)`` loads the configured model when started: in this process (one
+    device worker thread on ``--device``), or, with ``--devices``, one worker process per device.
+    ``Engine(config, model, metrics=...)`` serves an already loaded model in this process (tests,
+    embedding). Everything it counts goes to ``metrics`` (its registry is the engine's only record)."""
 
-    def __init__(self, config: ServiceConfig, model: ServedModel | None = None) -> None:
+    def __init__(self, config: ServiceConfig, model: ServedModel | None = None, *, metrics: ServiceMetrics) -> None:
         self.config = config
-        self.devices = WorkerProcesses(config) if config.devices else InProcessDevice(config, model)
+        self.metrics = metrics
+        self.devices = (WorkerProcesses(config, metrics) if config.devices
+                        else InProcessDevice(config, metrics, model))
         self.front = model.front() if model is not None else None  # a ModelFront, once known
-        self.stats = EngineStats()
-        self.cache = EmbeddingCache(config.cache_bytes, on_evict=self._count_eviction)
-        self._admission = Admission(config.max_queue_images)
+        self.cache = EmbeddingCache(config.cache_bytes, on_evict=lambda _entry: metrics.cache_evictions.inc())
+        self._admission = Admission(config.max_queue_images, metrics.queue_images)
+        self._watchdog = Watchdog(config.watchdog_timeout_s, metrics.worker_stalled,
+                                  batch_wait_s=config.batch_wait_ms / 1000.0)
         self._queue = BatchQueue()
-        self._inflight: dict[str, _Job] = {}
+        self._inflight: dict[str, Job] = {}
         self._tasks: set[asyncio.Task] = set()
         self._pool = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="preprocess")
         self._hash_pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="hash")
         self._closed = False
+        self._started = False
+        self._watch_task: asyncio.Task | None = None
         self._serving = False
-        # Called on the loop with True/False when the engine starts or stops being able to serve
-        # (with worker processes: some worker up / none up).
+        # Called on the loop with True/False when the engine starts or stops being able to serve:
+        # some device worker up and progressing (engine/watchdog.py) / none.
         self.on_serving_change: Callable[[bool], None] | None = None
         self.namespace = self.front.cache_namespace if self.front is not None else ""
 
@@ -112,15 +78,17 @@ class Engine:
         """Loads the model if needed, starts the device worker(s) and waits for their warm-up
         forwards; returns the warm-up seconds (the slowest worker's)."""
         self.front, warmup_s = await self.devices.start(self._queue, self._on_batch_start, self._on_batch_done,
-                                                        self._set_serving)
+                                                        self._update_serving)
         self.namespace = self.front.cache_namespace
         d = self.describe()
-        metrics.track_engine(model_id=d.model_id, model_type=d.model_type, attn_backend=d.attn_backend,
-                             device=d.device, dtype=d.dtype, cache=self.cache,
-                             cache_capacity_bytes=self.config.cache_bytes,
-                             queue_capacity_images=self.config.max_queue_images,
-                             device_memory=self.devices.memory_sources())
-        self._set_serving(True)
+        self.metrics.track_engine(model_id=d.model_id, model_type=d.model_type, attn_backend=d.attn_backend,
+                                  device=d.device, dtype=d.dtype, cache=self.cache,
+                                  cache_capacity_bytes=self.config.cache_bytes,
+                                  queue_capacity_images=self.config.max_queue_images,
+                                  device_memory=self.devices.memory_sources())
+        self._started = True
+        self._update_serving()
+        self._watch_task = asyncio.get_running_loop().create_task(self._watch())
         return warmup_s
 
     async def stop(self) -> None:
@@ -128,8 +96,10 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        if self._watch_task is not None:  # a worker thread ending from here on is no death
+            self._watch_task.cancel()
         for item in self._queue.close():
-            job: _Job = item.job
+            job: Job = item.job
             job.state = "failed"
             self._inflight.pop(job.key, None)
             if not job.done.done():
@@ -140,14 +110,24 @@ class Engine:
 
     @property
     def serving(self) -> bool:
-        """Whether some device can run a forward now."""
+        """Whether some device is up and making progress (see engine/watchdog.py)."""
         return self._serving
 
-    def _set_serving(self, serving: bool) -> None:
+    def _update_serving(self, _any_up: object = None) -> None:
+        """Called when a worker comes up or goes down (the pool's flag is re-read from the devices'
+        states, with the watchdog's verdict), and after every watchdog check."""
+        states = self.devices.states()
+        serving = self._started and any(s == UP and d not in self._watchdog.stalled for d, s in states.items())
         if serving != self._serving and not self._closed:
             self._serving = serving
             if self.on_serving_change is not None:
                 self.on_serving_change(serving)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self._watchdog.period_s)
+            self._watchdog.check(self.devices.states(), self._queue.oldest_enqueued_at())
+            self._update_serving()
 
     # --- plain facts ---------------------------------------------------------------------------------
     def describe(self) -> ModelDescription:
@@ -197,9 +177,8 @@ class Engine:
             raise Unavailable("server is draining")
         if not images:
             raise InvalidInput("no images in the request")
-        self.stats.requests += 1
         for image in images:
-            metrics.IMAGES.labels(source=image.kind, model=self.front.spec.model_id).inc()
+            self.metrics.images.labels(source=image.kind, model=self.front.spec.model_id).inc()
         keys = await self._hash(images)
 
         # Everything from here to the first await runs atomically on the loop: admission counts
@@ -212,29 +191,27 @@ class Engine:
         self._admission.admit(len(new_keys))
 
         hits: list[tuple[ImageInput, CacheEntry]] = []
-        waits: list[_Wait] = []
+        waits: list[Wait] = []
         try:
             for image, key in zip(images, keys):
                 entry = self.cache.acquire(key)
                 if entry is not None:
                     hits.append((image, entry))
-                    self._count_hit()
+                    self.metrics.cache_hits.inc()
                     continue
                 job = self._inflight.get(key)
                 if job is not None:
                     job.refs += 1
-                    self.stats.inflight_joins += 1
-                    metrics.INFLIGHT_JOINS.inc()
+                    self.metrics.inflight_joins.inc()
                 else:
-                    job = _Job(key)
+                    job = Job(key)
                     self._inflight[key] = job
                     new_keys.discard(key)  # from here on the job holds (and frees) its slot
-                    self.stats.cache_misses += 1
-                    metrics.CACHE_MISSES.inc()
+                    self.metrics.cache_misses.inc()
                     task = asyncio.get_running_loop().create_task(self._prepare(job, image))
                     self._tasks.add(task)  # the loop keeps only weak references to tasks
                     task.add_done_callback(self._tasks.discard)
-                waits.append(_Wait(image, job))
+                waits.append(Wait(image, job))
         finally:
             self._admission.release(len(new_keys))  # slots of jobs not created (only on a bug)
 
@@ -254,7 +231,7 @@ class Engine:
             for _, entry in hits[released_hits:]:
                 self.cache.release(entry.key)
             for wait in waits:
-                wait.leave(self)
+                wait.leave(self._leave)
 
     async def _hash(self, images: Sequence[ImageInput]) -> list[str]:
         """The images' keys, never behind other requests' decoding: that would make cache hits and
@@ -277,7 +254,7 @@ class Engine:
                 keys.append(image.content_hash)
         return keys
 
-    async def _await_prepared(self, waits: list[_Wait]) -> None:
+    async def _await_prepared(self, waits: list[Wait]) -> None:
         futures = {w.job.prepared for w in waits}
         if futures:
             # asyncio.wait, not gather: a cancelled request must not cancel futures others share.
@@ -285,10 +262,10 @@ class Engine:
         for wait in sorted(waits, key=lambda w: w.image.index):
             exc = wait.job.prepared.exception()
             if exc is not None:
-                raise _retag(exc, wait.image.index) from None
+                raise retag(exc, wait.image.index) from None
 
-    async def _completed(self, waits: list[_Wait]) -> AsyncIterator[ImageResult]:
-        by_future: dict[asyncio.Future, list[_Wait]] = {}
+    async def _completed(self, waits: list[Wait]) -> AsyncIterator[ImageResult]:
+        by_future: dict[asyncio.Future, list[Wait]] = {}
         for wait in waits:
             by_future.setdefault(wait.job.done, []).append(wait)
         pending = set(by_future)
@@ -298,14 +275,14 @@ class Engine:
                 for wait in by_future[fut]:
                     exc = fut.exception()
                     if exc is not None:
-                        raise _retag(exc, wait.image.index)
+                        raise retag(exc, wait.image.index)
                     job = wait.job
                     yield ImageResult(wait.image.index, job.key, job.grid, fut.result(), cache_hit=False,
                                       timing=job.timing, feature_levels=self.front.spec.feature_levels)
-                    wait.leave(self)  # streamed: unpin now, not at the end of the request
+                    wait.leave(self._leave)  # streamed: unpin now, not at the end of the request
 
     # --- jobs ------------------------------------------------------------------------------------------
-    async def _prepare(self, job: _Job, image: ImageInput) -> None:
+    async def _prepare(self, job: Job, image: ImageInput) -> None:
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         try:
@@ -318,7 +295,7 @@ class Engine:
             return
         job.timing.preprocess_ms = (time.perf_counter() - started) * 1000.0
         if image.kind == "encoded":
-            metrics.PREPROCESS_SECONDS.observe(job.timing.preprocess_ms / 1000.0)
+            self.metrics.preprocess_seconds.observe(job.timing.preprocess_ms / 1000.0)
         if job.state != "preparing":  # abandoned while it was being prepared
             return
         job.payload, job.grid, job.state = payload, payload.grid, "prepared"
@@ -333,7 +310,7 @@ class Engine:
             return decoded
         return check_patch_bytes(image.data, image.patch_dtype, image.grid, self.front.spec.patch_dim)
 
-    def _enqueue(self, job: _Job) -> None:
+    def _enqueue(self, job: Job) -> None:
         if job.state != "prepared":
             return  # already queued by another request, or further along
         if self._closed:
@@ -343,7 +320,7 @@ class Engine:
         job.state = "queued"
         self._queue.put(job.item)
 
-    def _leave(self, job: _Job) -> None:
+    def _leave(self, job: Job) -> None:
         """One waiting image slot is done with the job (streamed it, failed or was cancelled)."""
         job.refs -= 1
         if job.state == "done":
@@ -357,10 +334,10 @@ class Engine:
             return  # the worker took it a moment ago; its result will still be cached
         job.state = "abandoned"
         job.item = job.payload = None
-        self.stats.abandoned += 1
+        self.metrics.images_abandoned.inc()
         self._drop(job)
 
-    def _drop(self, job: _Job) -> None:
+    def _drop(self, job: Job) -> None:
         if self._inflight.get(job.key) is job:
             del self._inflight[job.key]
         if job.holds_slot:
@@ -368,29 +345,27 @@ class Engine:
             self._admission.release()
 
     # --- worker callbacks (on the loop) ---------------------------------------------------------------
-    def _on_batch_start(self, items: list[WorkItem]) -> None:
+    def _on_batch_start(self, items: list[WorkItem], device: str) -> None:
+        self._watchdog.batch_started(device)
         now = time.perf_counter()
         for item in items:
-            job: _Job = item.job
+            job: Job = item.job
             if job.state != "queued":
                 continue
             job.state = "running"
             job.timing.queue_ms = (now - item.enqueued_at) * 1000.0
-            metrics.QUEUE_SECONDS.observe(now - item.enqueued_at)
+            self.metrics.queue_seconds.observe(now - item.enqueued_at)
             if job.holds_slot:
                 job.holds_slot = False
                 self._admission.release()
 
     def _on_batch_done(self, outcome: BatchOutcome) -> None:
-        self.stats.forward_batches += 1
-        device = outcome.device
-        metrics.FORWARD_BATCHES.labels(device=device).inc()
-        metrics.FORWARD_SECONDS.labels(device=device).observe(outcome.forward_s)
-        metrics.BATCH_IMAGES.labels(device=device).observe(len(outcome.items))
-        metrics.BATCH_TOKENS.labels(device=device).observe(sum(item.num_patches for item in outcome.items))
+        device, m = outcome.device, self.metrics
+        self._watchdog.batch_done(device)
+        m.record_forward(device, outcome.forward_s, len(outcome.items), sum(item.num_patches for item in outcome.items))
         forward_ms = outcome.forward_s * 1000.0
         for i, item in enumerate(outcome.items):
-            job: _Job = item.job
+            job: Job = item.job
             job.item = None
             if self._inflight.get(job.key) is job:
                 del self._inflight[job.key]
@@ -401,21 +376,11 @@ class Engine:
                 continue
             embedding: torch.Tensor = outcome.embeddings[i]
             patches = item.num_patches
-            self.stats.images_encoded += 1
-            self.stats.patches_encoded += patches
-            metrics.IMAGES_ENCODED.labels(device=device).inc()
-            metrics.PATCHES_ENCODED.inc(patches)
-            metrics.TOKENS_ENCODED.inc(int(embedding.shape[0]))  # a shape: no device sync
+            m.images_encoded.labels(device=device).inc()
+            m.patches_encoded.inc(patches)
+            m.tokens_encoded.inc(int(embedding.shape[0]))  # a shape: no device sync
             job.state = "done"
             # Pin once per request still waiting: each unpins after streaming it.
             job.stored = self.config.cache_bytes > 0 and self.cache.put(job.key, embedding, job.grid,
                                                                         pins=job.refs)
             job.done.set_result(embedding)
-
-    def _count_hit(self) -> None:
-        self.stats.cache_hits += 1
-        metrics.CACHE_HITS.inc()
-
-    def _count_eviction(self, entry: CacheEntry) -> None:
-        self.stats.evictions += 1
-        metrics.CACHE_EVICTIONS.inc()

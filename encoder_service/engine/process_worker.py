@@ -99,6 +99,11 @@ class WorkerProcess:
     def join(self, timeout_s: float | None = None) -> None:
         self._thread.join(timeout_s)
 
+    @property
+    def alive(self) -> bool:
+        """False once the thread ended: stopped, or an exception escaped it (the watchdog's concern)."""
+        return self._thread.is_alive()
+
     # --- the thread ---------------------------------------------------------------------------------------
     def _run(self) -> None:
         attempt = 0
@@ -205,6 +210,8 @@ class WorkerProcess:
             code = self._exit_code()
             error = Unavailable(f"device worker {self.device.label} stopped (exit code {code}) during the "
                                 "forward; retry")
+            if answered is not None:  # answered, but its embeddings go with the buffers
+                in_flight.appendleft(answered[0])
             for _, _, batch, started in in_flight:
                 self._fail(batch, started, error)
             raise WorkerDied(f"exit code {code}") from exc

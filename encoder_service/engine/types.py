@@ -68,21 +68,6 @@ class ImageResult:
         return self.row_width // self.feature_levels
 
 
-@dataclass
-class EngineStats:
-    """Counters readable in-process (tests); the same events also feed the Prometheus metrics."""
-
-    requests: int = 0
-    forward_batches: int = 0
-    images_encoded: int = 0
-    patches_encoded: int = 0
-    cache_hits: int = 0
-    cache_misses: int = 0
-    inflight_joins: int = 0
-    evictions: int = 0
-    abandoned: int = 0
-
-
 @dataclass(frozen=True)
 class ModelDescription:
     """Plain facts about the served model, for GetModelInfo and the start-up log."""

@@ -84,6 +84,11 @@ class DeviceWorker:
     def join(self, timeout_s: float | None = None) -> None:
         self._thread.join(timeout_s)
 
+    @property
+    def alive(self) -> bool:
+        """False once the thread ended: the queue closed, or an exception escaped its loop."""
+        return self._thread.is_alive()
+
     def _run(self) -> None:
         try:
             self._warmup.set_result(self._run_warmup())

@@ -1,0 +1,55 @@
+"""The engine's bookkeeping of one uncached image (a job, shared by every request asking for it)
+and of one request's image slot waiting for it. Lives on the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..errors import EncoderError
+from ..preprocess.staged import StagedInput
+from .batch_queue import WorkItem
+from .types import Grid, ImageInput, Timing
+
+
+@dataclass(eq=False)
+class Job:
+    """One uncached image being computed; shared by every request that asked for the same key."""
+
+    key: str
+    refs: int = 1  # requests (image slots) still waiting for it
+    state: str = "preparing"  # preparing -> prepared -> queued -> running -> done | failed | abandoned
+    payload: StagedInput | None = None  # what the device worker turns into patches
+    grid: Grid | None = None
+    item: WorkItem | None = None
+    holds_slot: bool = True  # an admission slot, until it enters a forward or is dropped
+    stored: bool = False  # whether the cache took it (then each remaining ref holds a pin)
+    timing: Timing = field(default_factory=Timing)
+    prepared: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    def __post_init__(self) -> None:
+        for fut in (self.prepared, self.done):  # an error nobody waits for is not worth a warning
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
+@dataclass(eq=False)
+class Wait:
+    """One image slot of one request waiting for a job; leaves it exactly once."""
+
+    image: ImageInput
+    job: Job
+    left: bool = False
+
+    def leave(self, release: Callable[[Job], None]) -> None:
+        if not self.left:
+            self.left = True
+            release(self.job)
+
+
+def retag(exc: BaseException, index: int) -> BaseException:
+    """A copy of a typed error naming this request's image index (jobs are shared across requests)."""
+    if isinstance(exc, EncoderError):
+        return type(exc)(exc.message, image_index=index)
+    return exc
