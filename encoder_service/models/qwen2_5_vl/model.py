@@ -19,8 +19,9 @@ from torch import nn
 from ...attention import AttentionBackend, fused_window
 from ...device import host_to_device
 from ...metadata import BatchMetadata, SpatialConfig, build_metadata
-from ..base import Decoder, ModelSpec, VisionModel
+from ..base import ModelSpec, VisionModel
 from ..layers import RMSNorm, activation, apply_rotary, rms_norm
+from ..qwen2_vl_processor import Qwen2VLProcessorHooks
 from . import folded
 
 MODEL_TYPE = "qwen2_5_vl"
@@ -314,7 +315,7 @@ class Qwen2_5_VisionTower(nn.Module):
         return self.merger(x)[reverse_index]
 
 
-class Qwen2_5_VLVisionModel(VisionModel):
+class Qwen2_5_VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
     """A loaded Qwen2.5-VL vision tower with its preprocessing (the public API)."""
 
     def __init__(self, cfg: Qwen2_5_VisionConfig, module: Qwen2_5_VisionTower, *, model_id: str,
@@ -346,26 +347,6 @@ class Qwen2_5_VLVisionModel(VisionModel):
 
         usable = self.device.type == "cuda" and self.backend.graph_safe
         self.graphs = GraphCache(capacity) if usable and capacity > 0 else None
-
-    def decoder(self) -> Decoder:
-        from ...preprocess.qwen2_vl import decode_qwen2_vl
-
-        return Decoder(decode_qwen2_vl, self.preprocess_config, self.preprocess_mode)
-
-    def _check_preprocess_mode(self, mode: str) -> None:
-        from ...preprocess.qwen2_vl import check_mode
-
-        check_mode(self.preprocess_config, mode)
-
-    def _value_table(self) -> torch.Tensor:
-        from ...preprocess.qwen2_vl import value_table
-
-        return value_table(self.preprocess_config, self.preprocess_mode)
-
-    def _patchify(self, image: torch.Tensor) -> torch.Tensor:
-        from ...preprocess.qwen2_vl import patchify
-
-        return patchify(image, self.preprocess_config)
 
     @torch.inference_mode()
     def encode_packed(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]

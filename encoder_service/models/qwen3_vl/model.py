@@ -14,13 +14,14 @@ import numpy as np
 import torch
 
 from ...errors import InvalidInput
-from ..base import Decoder, Grid, ModelSpec, VisionModel, validate_batch
+from ..base import Grid, ModelSpec, VisionModel, validate_batch
+from ..qwen2_vl_processor import Qwen2VLProcessorHooks
 from .config import Qwen3VLVisionConfig
 from .metadata import Qwen3VLBatchMetadata, build_qwen3_vl_metadata
 from .tower import Qwen3VLVisionTower
 
 
-class Qwen3VLVisionModel(VisionModel):
+class Qwen3VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
     def __init__(self, cfg: Qwen3VLVisionConfig, module: Qwen3VLVisionTower, *, model_id: str,
                  preprocess_config: dict | None, device: torch.device, dtype: torch.dtype,
                  attn_backend: str) -> None:
@@ -55,26 +56,6 @@ class Qwen3VLVisionModel(VisionModel):
         if cfg.in_channels != 3:
             raise InvalidInput(f"{model_id!r}: vision_config in_channels {cfg.in_channels}; the image processor "
                                "makes RGB patches (3 channels)")
-
-    def decoder(self) -> Decoder:
-        from ...preprocess.qwen2_vl import decode_qwen2_vl
-
-        return Decoder(decode_qwen2_vl, self.preprocess_config, self.preprocess_mode)
-
-    def _check_preprocess_mode(self, mode: str) -> None:
-        from ...preprocess.qwen2_vl import check_mode
-
-        check_mode(self.preprocess_config, mode)
-
-    def _value_table(self) -> torch.Tensor:
-        from ...preprocess.qwen2_vl import value_table
-
-        return value_table(self.preprocess_config, self.preprocess_mode)
-
-    def _patchify(self, image: torch.Tensor) -> torch.Tensor:
-        from ...preprocess.qwen2_vl import patchify
-
-        return patchify(image, self.preprocess_config)
 
     def validate(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]) -> list[Grid]:
         # Any grid the merge rules allow: the position table is resampled to any size.
