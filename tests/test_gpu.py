@@ -198,6 +198,7 @@ def test_cuda_graph_replays_read_each_batch_new_pixels(name, short_7b_state):
     eager.set_cuda_graphs(0)
     refs = [torch.cat(eager.encode(p, GRIDS)).float() for p in batches]
     model = short_7b(short_7b_state, name)
+    model.set_cuda_graphs(4)  # off by default (--cuda-graphs 0)
     outs = [torch.cat(model.encode(p, GRIDS)).float() for p in (*batches, batches[0])]
     assert (model.graphs.captures, model.graphs.replays) == (1, 3)  # eager, capture + replay, replays
     for out, ref in zip(outs, [*refs, refs[0]]):

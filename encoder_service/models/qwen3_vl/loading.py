@@ -38,6 +38,8 @@ def build(cfg: Qwen3VLVisionConfig, state: dict[str, torch.Tensor], *, model_id:
     # (the rotary angles are computed at full precision whatever the weights' dtype).
     module.inv_freq = rope_inv_freq(cfg)
     module = module.to(device=device).eval().requires_grad_(False)
+    if device.type == "cuda":  # the CPU keeps transformers' exact operations, uncompiled
+        module.compile()
     return Qwen3VLVisionModel(cfg, module, model_id=model_id, preprocess_config=preprocess_config,
                               device=device, dtype=dtype, attn_backend=attn_backend)
 

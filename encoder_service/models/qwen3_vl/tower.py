@@ -55,17 +55,8 @@ class PatchEmbed(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: Qwen3VLVisionConfig) -> None:
         super().__init__()
-        self.num_heads = cfg.num_heads
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
-                plan: Any) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)
-        q, k = apply_rotary(q, k, cos, sin)
-        # Contiguous: kernels that want [T, H, D] packed would otherwise copy it themselves.
-        return self.proj(backend.forward(q, k, v.contiguous(), plan).reshape(n, -1))
 
 
 class MLP(nn.Module):
@@ -73,13 +64,11 @@ class MLP(nn.Module):
         super().__init__()
         self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
         self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
-        self.act = activation(cfg.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
 class Block(nn.Module):
+    """The parameters of one block; its computation is ``pre_attention`` / ``post_attention``."""
+
     def __init__(self, cfg: Qwen3VLVisionConfig) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=LAYER_NORM_EPS)
@@ -87,10 +76,42 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
-                plan: Any) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, backend, plan)
-        return x + self.mlp(self.norm2(x))
+    def pre_args(self) -> tuple[torch.Tensor, ...]:
+        return self.norm1.weight, self.norm1.bias, self.attn.qkv.weight, self.attn.qkv.bias
+
+    def post_args(self) -> tuple[torch.Tensor, ...]:
+        return (self.attn.proj.weight, self.attn.proj.bias, self.norm2.weight, self.norm2.bias,
+                self.mlp.linear_fc1.weight, self.mlp.linear_fc1.bias, self.mlp.linear_fc2.weight,
+                self.mlp.linear_fc2.bias)
+
+
+# A block's work outside attention, as plain functions of tensors: torch.compile (on CUDA) fuses
+# each into few kernels; on the CPU they run as written, transformers' operations in its order.
+def pre_attention(x: torch.Tensor, norm_w: torch.Tensor, norm_b: torch.Tensor, qkv_w: torch.Tensor,
+                  qkv_b: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LayerNorm, fused QKV projection, rotary."""
+    qkv = F.linear(F.layer_norm(x, (x.shape[-1],), norm_w, norm_b, LAYER_NORM_EPS), qkv_w, qkv_b)
+    q, k, v = qkv.view(x.shape[0], 3, num_heads, -1).unbind(1)
+    q, k = apply_rotary(q, k, cos, sin)
+    # Contiguous: kernels that want [T, H, D] packed would otherwise copy it themselves.
+    return q, k, v.contiguous()
+
+
+def post_attention(x: torch.Tensor, attn: torch.Tensor, proj_w: torch.Tensor, proj_b: torch.Tensor,
+                   norm_w: torch.Tensor, norm_b: torch.Tensor, fc1_w: torch.Tensor, fc1_b: torch.Tensor,
+                   fc2_w: torch.Tensor, fc2_b: torch.Tensor, act: str) -> torch.Tensor:
+    """Output projection, residual, LayerNorm, MLP, residual."""
+    x = x + F.linear(attn.reshape(x.shape[0], -1), proj_w, proj_b)
+    h = F.layer_norm(x, (x.shape[-1],), norm_w, norm_b, LAYER_NORM_EPS)
+    return x + F.linear(activation(act)(F.linear(h, fc1_w, fc1_b)), fc2_w, fc2_b)
+
+
+def between_attentions(x, attn, post_args, pre_args, cos, sin, num_heads: int, act: str):
+    """Block i after its attention and block i+1 before its own, as one graph: the residual add
+    fuses with the next LayerNorm."""
+    x = post_attention(x, attn, *post_args, act)
+    return (x, *pre_attention(x, *pre_args, cos, sin, num_heads))
 
 
 class PatchMerger(nn.Module):
@@ -135,6 +156,14 @@ class Qwen3VLVisionTower(nn.Module):
         # block index -> its deepstack merger (the config keeps the indexes increasing).
         self.deepstack_after = {block: j for j, block in enumerate(cfg.deepstack_visual_indexes)}
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self._pre, self._post, self._between = pre_attention, post_attention, between_attentions
+
+    def compile(self, mode: str | None = None) -> None:
+        """torch.compile the work between attentions (attention stays with the backend). Automatic
+        dynamic shapes: a second token count recompiles once with that dimension symbolic."""
+        self._pre = torch.compile(pre_attention, fullgraph=True, mode=mode)
+        self._post = torch.compile(post_attention, fullgraph=True, mode=mode)
+        self._between = torch.compile(between_attentions, fullgraph=True, mode=mode)
 
     def forward(self, pixel_values: torch.Tensor, meta: Qwen3VLBatchMetadata,
                 backend: AttentionBackend) -> torch.Tensor:
@@ -170,8 +199,14 @@ class Qwen3VLVisionTower(nn.Module):
         x = x + pos.to(x.dtype)
         cos, sin = self.rotary(packed[:, POSITION_COLUMNS])
         levels: list[torch.Tensor] = []
-        for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, backend, staged.plan)
+        heads, act, blocks = self.cfg.num_heads, self.cfg.hidden_act, list(self.blocks)
+        qkv = self._pre(x, *blocks[0].pre_args(), cos, sin, heads)
+        for i, block in enumerate(blocks):
+            out = backend.forward(*qkv, staged.plan)
+            if i + 1 < len(blocks):
+                x, *qkv = self._between(x, out, block.post_args(), blocks[i + 1].pre_args(), cos, sin, heads, act)
+            else:
+                x = self._post(x, out, *block.post_args(), act)
             if i in self.deepstack_after:
                 levels.append(self.deepstack_merger_list[self.deepstack_after[i]](x))
         main = self.merger(x)
