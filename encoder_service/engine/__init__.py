@@ -1,6 +1,8 @@
-"""Admission, the embedding cache, batching across requests and the device worker.
+"""Admission, the embedding cache, batching across requests, the device workers (a thread, or one
+process per device), model loading, metrics recording and the liveness watchdog.
 
-Knows tensors and requests; knows nothing of protobuf.
+Knows tensors and requests; knows nothing of gRPC or protobuf (tests/test_architecture.py checks).
+Talks to a model only through ``models.served.ServedModel``.
 """
 
 from .cache import EmbeddingCache
