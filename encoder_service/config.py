@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import Field, dataclass, field, fields
 
 from .sink_allowlist import SinkAllowlist
 
@@ -22,42 +22,166 @@ GiB = 1 << 30
 MIN_CHUNK_BYTES = 4096
 
 
+def option(default, help: str, *, choices: tuple[str, ...] | None = None, at_least: float | None = None,
+           above: float | None = None, note: str | None = None):
+    """One option, declared once: its default (and so its type), the --help text, the allowed values
+    and the bound checked at start-up (``note`` names the special value the bound leaves out). The
+    flag ``--some-option`` and the variable ``ENCODER_SERVICE_SOME_OPTION`` are derived from the name."""
+    return field(default=default, metadata={"help": help, "choices": choices, "at_least": at_least,
+                                            "above": above, "note": note})
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
-    model: str = ""  # empty = the built-in tiny preset on the CPU
-    device: str = "cpu"
-    devices: str = ""  # one worker process per entry (0,1 / cpu,cpu / all); empty = in-process on device
-    dtype: str = "float32"
-    attn_backend: str = "auto"
-    host: str = "0.0.0.0"
-    port: int = 50051
-    cache_bytes: int = -1  # -1 = by device (see _device_defaults)
-    max_batch_tokens: int = 16384
-    max_queue_images: int = 256
-    max_message_bytes: int = 64 * MiB
-    max_image_pixels: int = 64 * MiB
-    max_chunk_bytes: int = 4 * MiB
-    max_images_per_request: int = 256
-    batch_wait_ms: float = 1.0
-    preprocess_threads: int = -1  # -1 = by device
-    grace_period_s: float = 30.0
-    watchdog_timeout_s: float = 120.0  # 0 = no progress check (engine/watchdog.py)
-    metrics_port: int = -1  # -1 = no metrics endpoint; 0 = any free port (logged)
-    log_level: str = "INFO"
-    allowed_sinks: str = ""  # comma-separated host:port glob patterns; empty = no sink allowed
-    sink_timeout_s: float = 10.0
-    cuda_graphs: int = 0  # batch compositions kept as CUDA graphs; 0 = none
-    preprocess: str = "auto"  # auto, pil, torch
+    # empty = the built-in tiny preset on the CPU
+    model: str = option("",
+        "checkpoint directory (transformers format) or a built-in preset name "
+        f"(e.g. {DEFAULT_PRESET}, qwen2.5-vl-7b: random weights). Default: the tiny random "
+        f"{DEFAULT_PRESET} preset on the CPU, for trying the service out.")
+    device: str = option("cpu",
+        "torch device the vision tower runs on: cpu, cuda, cuda:1, ...")
+    # one worker process per entry (0,1 / cpu,cpu / all); empty = in-process on device
+    devices: str = option("",
+        "one worker process per device, behind this one front end (one port, one cache, one set "
+        "of metrics): GPU indices (0,1 or cuda:0,cuda:1), all (every visible GPU) or cpu,cpu. The "
+        "front end decodes, caches and batches, and never touches a GPU; each worker owns its model. "
+        "A worker that dies is started again while the others serve. Empty: one device, --device, "
+        "in this process.")
+    dtype: str = option("float32",
+        "model dtype: float32, float16 or bfloat16. Embeddings are cached in it and "
+        "streamed in it unless a request asks for another output_dtype.",
+        choices=("float32", "float16", "bfloat16"))
+    attn_backend: str = option("auto",
+        "attention backend: auto (first one that works here), sdpa, varlen, "
+        "flashinfer, aiter.")
+    host: str = option("0.0.0.0",
+        "address the gRPC server binds to (127.0.0.1 for loopback only).")
+    port: int = option(50051,
+        "gRPC port; 0 picks a free one (the log says which).")
+    # -1 = by device (see _device_defaults)
+    cache_bytes: int = option(-1,
+        "embedding cache size in bytes (sum of the cached embeddings' bytes, kept on "
+        "the CPU); least recently used entries are evicted beyond it. 0 disables caching; "
+        "-1: 1 GiB on the CPU, on a GPU a quarter of the host's RAM up to 16 GiB.",
+        at_least=0, note="or -1: by device")
+    max_batch_tokens: int = option(16384,
+        "most patches in one forward pass; concurrent requests are batched up to "
+        "it. One image with more patches than this is rejected (RESOURCE_EXHAUSTED).",
+        at_least=1)
+    max_queue_images: int = option(256,
+        "most images admitted and waiting for a forward pass; a request that "
+        "would exceed it is rejected at once with RESOURCE_EXHAUSTED.",
+        at_least=1)
+    max_message_bytes: int = option(64 * MiB,
+        "largest gRPC message accepted or sent, in bytes (RESOURCE_EXHAUSTED over it).",
+        at_least=64 * 1024)
+    max_image_pixels: int = option(64 * MiB,
+        "largest encoded image accepted, in pixels as read from its header "
+        "(guards against decompression bombs).",
+        at_least=1)
+    max_chunk_bytes: int = option(4 * MiB,
+        "default (and upper bound) of the embedding bytes in one streamed chunk; "
+        f"a request may ask for less, down to {MIN_CHUNK_BYTES}.",
+        at_least=MIN_CHUNK_BYTES)
+    max_images_per_request: int = option(256,
+        "most images (pixels, patches or content-hash references) in one Encode "
+        "request; more is INVALID_ARGUMENT. Bounds what one request can make "
+        "the server hold and send.",
+        at_least=1)
+    batch_wait_ms: float = option(1.0,
+        "how long the device worker waits for more images before starting a forward "
+        "that is not full (0 = run what is queued right away).",
+        at_least=0)
+    # -1 = by device
+    preprocess_threads: int = option(-1,
+        "threads decoding images (CPU work kept off the event loop; resize, "
+        "normalize and patchify run on the model's device). -1: 2 on the CPU, "
+        "on a GPU the host's cores minus 2, from 2 to 8.",
+        at_least=1, note="or -1: by device")
+    grace_period_s: float = option(30.0,
+        "on SIGTERM: seconds in-flight requests get to finish before the server exits.",
+        at_least=0)
+    # 0 = no progress check (engine/watchdog.py)
+    watchdog_timeout_s: float = option(120.0,
+        "a device worker that has work (a batch in flight or images queued) and "
+        "completes no forward for this long is stalled: "
+        "encoder_service_worker_stalled says so, and health is NOT_SERVING while no "
+        "device is up and progressing, SERVING again after its next forward. Generous "
+        "by default: a cold, large batch can take long. 0 turns the check off (a dead "
+        "worker thread is still noticed).",
+        at_least=0, note="0: off")
+    # -1 = no metrics endpoint; 0 = any free port (logged)
+    metrics_port: int = option(-1,
+        "port of the Prometheus /metrics HTTP endpoint; 0 picks a free one, -1 disables it.")
+    log_level: str = option("INFO",
+        "DEBUG, INFO, WARNING or ERROR.",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    # comma-separated host:port glob patterns; empty = no sink allowed
+    allowed_sinks: str = option("",
+        "comma-separated host:port patterns (e.g. 'prefill-*.svc:9000,10.0.0.*:9000') "
+        "of the EmbeddingSink targets a request may push to; any other target is "
+        "PERMISSION_DENIED before a connection is tried. IP patterns (a.b.c.*) match only "
+        "IP addresses, octet by octet; host patterns match host names label by label "
+        "(* never crosses a dot); '*:PORT' matches any host. Empty: sinks are refused.")
+    sink_timeout_s: float = option(10.0,
+        "bound on every push to a sink (connecting, retrying, writing, the ack), also "
+        "without a caller deadline. Any failure toward a sink is answered UNAVAILABLE "
+        "with one message once this bound has passed (the log and the metric say "
+        "why), so a caller cannot tell a closed port from an open one.",
+        above=0)
+    # batch compositions kept as CUDA graphs; 0 = none
+    cuda_graphs: int = option(0,
+        "on CUDA: how many batch compositions (the grids of a batch's images) are kept as CUDA "
+        "graphs, each captured the second time it is seen and replayed from then on; each "
+        "holds its forward's activations in GPU memory. 0 (the default) runs every forward "
+        "eagerly: under mixed traffic compositions rarely repeat and captures cost more "
+        "than replays save.",
+        at_least=0)
+    # auto, pil, torch
+    preprocess: str = option("auto",
+        "pil: resize on the CPU with Pillow, bit-exact with transformers' PIL image processor; "
+        "torch: resize on the model's device (bicubic, antialiased), equal to transformers' "
+        "default torchvision-backed processor; auto: torch on a GPU, pil on the CPU. "
+        "Part of cache_namespace.",
+        choices=("auto", "pil", "torch"))
     # Security (README "Security"): every path empty = that feature off.
-    tls_cert: str = ""  # PEM certificate chain of the gRPC port; with tls_key
-    tls_key: str = ""
-    tls_client_ca: str = ""  # PEM CA bundle: clients must present a certificate it signed (mTLS)
-    health_port: int = -1  # plaintext grpc.health.v1-only port; -1 = none
-    auth_token_file: str = ""  # bearer tokens, one a line
-    max_requests_per_client: int = 0  # concurrent Encode calls per client; 0 = no limit
-    sink_tls_ca: str = ""  # PEM CA bundle the sinks' certificates are checked against
-    sink_tls_cert: str = ""  # PEM client certificate presented to sinks (mTLS); with sink_tls_key
-    sink_tls_key: str = ""
+    # PEM certificate chain of the gRPC port; with tls_key
+    tls_cert: str = option("",
+        "PEM certificate (chain) of the gRPC port; with --tls-key the port speaks TLS only. "
+        "Re-read when the file changes (certificate rotation without a restart).")
+    tls_key: str = option("",
+        "PEM private key of --tls-cert (unencrypted).")
+    # PEM CA bundle: clients must present a certificate it signed (mTLS)
+    tls_client_ca: str = option("",
+        "PEM CA bundle: with it, clients must present a certificate signed by one of these "
+        "CAs (mutual TLS). Needs --tls-cert. Re-read when the file changes.")
+    # plaintext grpc.health.v1-only port; -1 = none
+    health_port: int = option(-1,
+        "a second, plaintext port serving only grpc.health.v1 (the same SERVING/NOT_SERVING "
+        "as the main port), for Kubernetes gRPC probes, which cannot speak TLS; 0 picks a "
+        "free one, -1 (the default) opens none.")
+    # bearer tokens, one a line
+    auth_token_file: str = option("",
+        "file of accepted bearer tokens, one a line (blank lines and # comments ignored); "
+        "callers send 'authorization: Bearer <token>' metadata. Without a token: "
+        "UNAUTHENTICATED; a wrong one: PERMISSION_DENIED; health and reflection stay "
+        "open. Re-read when the file changes.")
+    # concurrent Encode calls per client; 0 = no limit
+    max_requests_per_client: int = option(0,
+        "most concurrent Encode calls of one client (its bearer token with "
+        "--auth-token-file, else its IP address); beyond it RESOURCE_EXHAUSTED "
+        "at once. 0: no limit.",
+        at_least=0, note="0: no limit")
+    # PEM CA bundle the sinks' certificates are checked against
+    sink_tls_ca: str = option("",
+        "PEM CA bundle: pushes to EmbeddingSinks use TLS and check the sink's certificate "
+        "against it.")
+    # PEM client certificate presented to sinks (mTLS); with sink_tls_key
+    sink_tls_cert: str = option("",
+        "PEM client certificate presented to EmbeddingSinks (mutual TLS); with "
+        "--sink-tls-key. Without --sink-tls-ca the system's root CAs check the sink.")
+    sink_tls_key: str = option("",
+        "PEM private key of --sink-tls-cert.")
 
     def __post_init__(self) -> None:
         if self.devices.strip():
@@ -110,119 +234,28 @@ def _device_defaults(device: str, workers: int = 1) -> dict[str, int]:
             "preprocess_threads": max(2, min(8 * workers, (os.cpu_count() or 2) - 2))}
 
 
-# (field, type, help). The order here is the order of --help.
-_OPTIONS: list[tuple[str, type, str]] = [
-    ("model", str, "checkpoint directory (transformers format) or a built-in preset name "
-                   f"(e.g. {DEFAULT_PRESET}, qwen2.5-vl-7b: random weights). Default: the tiny random "
-                   f"{DEFAULT_PRESET} preset on the CPU, for trying the service out."),
-    ("device", str, "torch device the vision tower runs on: cpu, cuda, cuda:1, ..."),
-    ("devices", str, "one worker process per device, behind this one front end (one port, one cache, one set "
-                     "of metrics): GPU indices (0,1 or cuda:0,cuda:1), all (every visible GPU) or cpu,cpu. The "
-                     "front end decodes, caches and batches, and never touches a GPU; each worker owns its model. "
-                     "A worker that dies is started again while the others serve. Empty: one device, --device, "
-                     "in this process."),
-    ("dtype", str, "model dtype: float32, float16 or bfloat16. Embeddings are cached in it and "
-                   "streamed in it unless a request asks for another output_dtype."),
-    ("attn_backend", str, "attention backend: auto (first one that works here), sdpa, varlen, "
-                          "flashinfer, aiter."),
-    ("host", str, "address the gRPC server binds to (127.0.0.1 for loopback only)."),
-    ("port", int, "gRPC port; 0 picks a free one (the log says which)."),
-    ("cache_bytes", int, "embedding cache size in bytes (sum of the cached embeddings' bytes, kept on "
-                         "the CPU); least recently used entries are evicted beyond it. 0 disables caching; "
-                         "-1: 1 GiB on the CPU, on a GPU a quarter of the host's RAM up to 16 GiB."),
-    ("max_batch_tokens", int, "most patches in one forward pass; concurrent requests are batched up to "
-                              "it. One image with more patches than this is rejected (RESOURCE_EXHAUSTED)."),
-    ("max_queue_images", int, "most images admitted and waiting for a forward pass; a request that "
-                              "would exceed it is rejected at once with RESOURCE_EXHAUSTED."),
-    ("max_message_bytes", int, "largest gRPC message accepted or sent, in bytes (RESOURCE_EXHAUSTED over it)."),
-    ("max_image_pixels", int, "largest encoded image accepted, in pixels as read from its header "
-                              "(guards against decompression bombs)."),
-    ("max_chunk_bytes", int, "default (and upper bound) of the embedding bytes in one streamed chunk; "
-                             f"a request may ask for less, down to {MIN_CHUNK_BYTES}."),
-    ("max_images_per_request", int, "most images (pixels, patches or content-hash references) in one Encode "
-                                    "request; more is INVALID_ARGUMENT. Bounds what one request can make "
-                                    "the server hold and send."),
-    ("batch_wait_ms", float, "how long the device worker waits for more images before starting a forward "
-                             "that is not full (0 = run what is queued right away)."),
-    ("preprocess_threads", int, "threads decoding images (CPU work kept off the event loop; resize, "
-                                "normalize and patchify run on the model's device). -1: 2 on the CPU, "
-                                "on a GPU the host's cores minus 2, from 2 to 8."),
-    ("preprocess", str, "pil: resize on the CPU with Pillow, bit-exact with transformers' PIL image processor; "
-                        "torch: resize on the model's device (bicubic, antialiased), equal to transformers' "
-                        "default torchvision-backed processor; auto: torch on a GPU, pil on the CPU. "
-                        "Part of cache_namespace."),
-    ("grace_period_s", float, "on SIGTERM: seconds in-flight requests get to finish before the server exits."),
-    ("watchdog_timeout_s", float, "a device worker that has work (a batch in flight or images queued) and "
-                                  "completes no forward for this long is stalled: "
-                                  "encoder_service_worker_stalled says so, and health is NOT_SERVING while no "
-                                  "device is up and progressing, SERVING again after its next forward. Generous "
-                                  "by default: a cold, large batch can take long. 0 turns the check off (a dead "
-                                  "worker thread is still noticed)."),
-    ("metrics_port", int, "port of the Prometheus /metrics HTTP endpoint; 0 picks a free one, -1 disables it."),
-    ("log_level", str, "DEBUG, INFO, WARNING or ERROR."),
-    ("cuda_graphs", int, "on CUDA: how many batch compositions (the grids of a batch's images) are kept as CUDA "
-                         "graphs, each captured the second time it is seen and replayed from then on; each "
-                         "holds its forward's activations in GPU memory. 0 (the default) runs every forward "
-                         "eagerly: under mixed traffic compositions rarely repeat and captures cost more "
-                         "than replays save."),
-    ("allowed_sinks", str, "comma-separated host:port patterns (e.g. 'prefill-*.svc:9000,10.0.0.*:9000') "
-                           "of the EmbeddingSink targets a request may push to; any other target is "
-                           "PERMISSION_DENIED before a connection is tried. IP patterns (a.b.c.*) match only "
-                           "IP addresses, octet by octet; host patterns match host names label by label "
-                           "(* never crosses a dot); '*:PORT' matches any host. Empty: sinks are refused."),
-    ("sink_timeout_s", float, "bound on every push to a sink (connecting, retrying, writing, the ack), also "
-                              "without a caller deadline. Any failure toward a sink is answered UNAVAILABLE "
-                              "with one message once this bound has passed (the log and the metric say "
-                              "why), so a caller cannot tell a closed port from an open one."),
-    ("tls_cert", str, "PEM certificate (chain) of the gRPC port; with --tls-key the port speaks TLS only. "
-                      "Re-read when the file changes (certificate rotation without a restart)."),
-    ("tls_key", str, "PEM private key of --tls-cert (unencrypted)."),
-    ("tls_client_ca", str, "PEM CA bundle: with it, clients must present a certificate signed by one of these "
-                           "CAs (mutual TLS). Needs --tls-cert. Re-read when the file changes."),
-    ("health_port", int, "a second, plaintext port serving only grpc.health.v1 (the same SERVING/NOT_SERVING "
-                         "as the main port), for Kubernetes gRPC probes, which cannot speak TLS; 0 picks a "
-                         "free one, -1 (the default) opens none."),
-    ("auth_token_file", str, "file of accepted bearer tokens, one a line (blank lines and # comments ignored); "
-                             "callers send 'authorization: Bearer <token>' metadata. Without a token: "
-                             "UNAUTHENTICATED; a wrong one: PERMISSION_DENIED; health and reflection stay "
-                             "open. Re-read when the file changes."),
-    ("max_requests_per_client", int, "most concurrent Encode calls of one client (its bearer token with "
-                                     "--auth-token-file, else its IP address); beyond it RESOURCE_EXHAUSTED "
-                                     "at once. 0: no limit."),
-    ("sink_tls_ca", str, "PEM CA bundle: pushes to EmbeddingSinks use TLS and check the sink's certificate "
-                         "against it."),
-    ("sink_tls_cert", str, "PEM client certificate presented to EmbeddingSinks (mutual TLS); with "
-                           "--sink-tls-key. Without --sink-tls-ca the system's root CAs check the sink."),
-    ("sink_tls_key", str, "PEM private key of --sink-tls-cert."),
-]
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
 
-_CHOICES = {
-    "dtype": ("float32", "float16", "bfloat16"),
-    "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
-    "preprocess": ("auto", "pil", "torch"),
-}
+
+def _typ(f: Field):
+    return str.upper if f.name == "log_level" else type(f.default)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds one flag per ServiceConfig field; defaults stay None so the environment can fill them."""
-    defaults = {f.name: f.default for f in fields(ServiceConfig)}  # unresolved: -1 reads "by device"
-    for name, typ, help_text in _OPTIONS:
-        flag = "--" + name.replace("_", "-")
-        env = ENV_PREFIX + name.upper()
-        default = defaults[name]
-        shown = repr(default) if default != "" else "none"
-        if name == "log_level":
-            typ = str.upper
-        parser.add_argument(flag, dest=name, type=typ, default=None, metavar=name.upper(),
-                            choices=_CHOICES.get(name),
-                            help=f"{help_text} [env {env}; default {shown}]")
+    """Adds one flag per ServiceConfig field, in field order; defaults stay None so the environment
+    can fill them."""
+    for f in fields(ServiceConfig):
+        env = ENV_PREFIX + f.name.upper()
+        shown = repr(f.default) if f.default != "" else "none"  # unresolved: -1 reads "by device"
+        parser.add_argument("--" + _flag(f.name), dest=f.name, type=_typ(f), default=None, metavar=f.name.upper(),
+                            choices=f.metadata["choices"], help=f"{f.metadata['help']} [env {env}; default {shown}]")
 
 
 def build_config(args: argparse.Namespace | None = None,
                  environ: Mapping[str, str] | None = None) -> ServiceConfig:
     """Flags over environment over defaults; raises ValueError on a bad environment value."""
     environ = os.environ if environ is None else environ
-    types = {name: typ for name, typ, _ in _OPTIONS}
     values: dict[str, object] = {}
     for f in fields(ServiceConfig):
         flag_value = getattr(args, f.name, None) if args is not None else None
@@ -232,12 +265,10 @@ def build_config(args: argparse.Namespace | None = None,
         env_value = environ.get(ENV_PREFIX + f.name.upper())
         if env_value is not None and env_value != "":
             try:
-                value = types[f.name](env_value)
+                value = _typ(f)(env_value)
             except ValueError as exc:
                 raise ValueError(f"{ENV_PREFIX}{f.name.upper()}={env_value!r}: {exc}") from None
-            if f.name == "log_level":
-                value = str(value).upper()
-            choices = _CHOICES.get(f.name)
+            choices = f.metadata["choices"]
             if choices and value not in choices:
                 raise ValueError(f"{ENV_PREFIX}{f.name.upper()}={env_value!r}: choose from {', '.join(choices)}")
             values[f.name] = value
@@ -248,33 +279,14 @@ def build_config(args: argparse.Namespace | None = None,
 
 def _check(c: ServiceConfig) -> None:
     problems = []
-    if c.cache_bytes < 0:
-        problems.append("cache-bytes must be >= 0 (or -1: by device)")
-    if c.max_batch_tokens < 1:
-        problems.append("max-batch-tokens must be >= 1")
-    if c.max_queue_images < 1:
-        problems.append("max-queue-images must be >= 1")
-    if c.max_message_bytes < 64 * 1024:
-        problems.append("max-message-bytes must be >= 65536")
-    if c.max_chunk_bytes < MIN_CHUNK_BYTES:
-        problems.append(f"max-chunk-bytes must be >= {MIN_CHUNK_BYTES}")
-    if c.max_images_per_request < 1:
-        problems.append("max-images-per-request must be >= 1")
-    if c.sink_timeout_s <= 0:
-        problems.append("sink-timeout-s must be > 0")
-    if c.max_image_pixels < 1:
-        problems.append("max-image-pixels must be >= 1")
-    if c.batch_wait_ms < 0:
-        problems.append("batch-wait-ms must be >= 0")
-    if c.cuda_graphs < 0:
-        problems.append("cuda-graphs must be >= 0")
-    if c.preprocess_threads < 1:
-        problems.append("preprocess-threads must be >= 1 (or -1: by device)")
+    for f in fields(ServiceConfig):
+        value, meta = getattr(c, f.name), f.metadata
+        note = f" ({meta['note']})" if meta["note"] else ""
+        if meta["at_least"] is not None and value < meta["at_least"]:
+            problems.append(f"{_flag(f.name)} must be >= {meta['at_least']}{note}")
+        if meta["above"] is not None and value <= meta["above"]:
+            problems.append(f"{_flag(f.name)} must be > {meta['above']}{note}")
     problems.extend(check_devices(c.devices))
-    if c.grace_period_s < 0:
-        problems.append("grace-period-s must be >= 0")
-    if c.watchdog_timeout_s < 0:
-        problems.append("watchdog-timeout-s must be >= 0 (0: off)")
     try:
         SinkAllowlist(c.allowed_sink_patterns)
     except ValueError as exc:
@@ -322,8 +334,6 @@ def _check_security(c: ServiceConfig) -> list[str]:
         problems.append("health-port must be in 0..65535 (or -1: none)")
     elif c.health_port > 0 and c.health_port == c.port:
         problems.append(f"health-port {c.health_port} is the gRPC port; it needs a port of its own")
-    if c.max_requests_per_client < 0:
-        problems.append("max-requests-per-client must be >= 0 (0: no limit)")
     return problems
 
 
