@@ -71,3 +71,14 @@ def test_make_checkpoint_writes_a_loadable_checkpoint(tmp_path, capsys):
 
     model = load_vision_model(out)
     assert model.spec.model_type == "qwen2_5_vl" and model.spec.hidden_size == 48
+
+
+def test_the_readme_lists_every_serve_option():
+    from dataclasses import fields
+
+    from conftest import REPO_ROOT
+
+    from encoder_service.config import ServiceConfig
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert [f.name for f in fields(ServiceConfig) if f"`--{f.name.replace('_', '-')}`" not in readme] == []
