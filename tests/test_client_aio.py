@@ -68,6 +68,53 @@ def test_async_retries_unavailable_only(target: str, fake: FakeVisionEncoder) ->
     assert fake.encode_calls == 3
 
 
+def test_async_a_stream_that_already_sent_chunks_is_not_retried(target: str, fake: FakeVisionEncoder) -> None:
+    fake.fail_next.append(Failure(grpc.StatusCode.UNAVAILABLE, "draining", after_chunks=1))
+
+    async def run():
+        async with AsyncEncoderClient(target, retries=3, **FAST_RETRY) as client:
+            with pytest.raises(EncoderClientError) as info:
+                await client.encode([b"a", b"b"], max_chunk_bytes=32)
+            return info.value
+
+    assert asyncio.run(run()).code == grpc.StatusCode.UNAVAILABLE
+    assert fake.encode_calls == 1
+
+
+def test_async_a_request_larger_than_grpcs_default_retry_buffer_is_retried(
+    target: str, fake: FakeVisionEncoder
+) -> None:
+    image = bytes(range(256)) * (8 * 1024)  # 2 MiB: gRPC's default per-RPC retry buffer is 256 KiB
+    fake.fail_next += [Failure(grpc.StatusCode.UNAVAILABLE, "starting")] * 2
+
+    async def run():
+        async with AsyncEncoderClient(target, retries=2, **FAST_RETRY) as client:
+            return await client.encode([image])
+
+    (r,) = asyncio.run(run())
+    assert r.num_tokens == fake_embedding(r.content_hash).shape[0]
+    assert fake.encode_calls == 3 and all(req.images[0].encoded == image for req in fake.requests)
+
+
+def test_async_retries_never_extend_the_deadline(target: str, fake: FakeVisionEncoder) -> None:
+    fake.fail_next += [Failure(grpc.StatusCode.UNAVAILABLE, "starting")] * 100
+
+    async def run():
+        # 4 retries backing off 0.15, 0.3, 0.6, 1.2 s (+-20%) would take 1.8 s or more if they could
+        # run past the 0.5 s deadline.
+        async with AsyncEncoderClient(target, retries=4, backoff_base_s=0.15, backoff_max_s=2.0) as client:
+            with pytest.raises(EncoderClientError) as info:
+                await client.encode([b"img"], timeout_s=0.5)
+            return info.value
+
+    start = time.monotonic()
+    err = asyncio.run(run())
+    elapsed = time.monotonic() - start
+    assert err.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert elapsed < 1.6  # the deadline (and a loaded CI machine), not the 1.8 s or more of all retries
+    assert 1 < fake.encode_calls < 5
+
+
 def test_async_deadline(target: str, fake: FakeVisionEncoder) -> None:
     fake.delay_s = 60.0  # the server's work: the 0.3 s deadline must end the call long before it
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import struct
 
@@ -11,7 +12,7 @@ import pytest
 from encoder_client import EncoderClientError, bf16_bits_to_float32
 from encoder_client._proto.encoder.v1 import encoder_pb2
 from encoder_client._reassembly import Reassembler
-from encoder_client._rpc import RetryPolicy, decode_health_response, encode_health_request
+from encoder_client._rpc import RetryPolicy, build_channel_options, decode_health_response, encode_health_request
 from encoder_client.testing import float32_to_bf16_bits
 from grpc_health.v1 import health_pb2
 
@@ -97,13 +98,40 @@ def test_health_messages_are_encoded_like_protobuf() -> None:
     assert decode_health_response(resp.SerializeToString()) == "SERVICE_UNKNOWN"
 
 
-def test_backoff_grows_exponentially_with_jitter_and_stops_after_the_retries() -> None:
-    policy = RetryPolicy(retries=4, backoff_base_s=0.1, backoff_max_s=0.5)
-    for attempt, ceiling in enumerate([0.1, 0.2, 0.4, 0.5]):
-        delays = {policy.delay_s(attempt) for _ in range(20)}
-        assert all(ceiling / 2 <= d <= ceiling for d in delays)
-        assert len(delays) > 1  # jittered
-    assert policy.delay_s(4) is None
+def test_the_retry_policy_is_grpcs_service_config_with_a_retry_buffer_for_whole_requests() -> None:
+    policy = RetryPolicy(retries=3, backoff_base_s=0.1, backoff_max_s=0.5)
+    options = dict(build_channel_options(64 << 20, [], policy))
+    assert options["grpc.enable_retries"] == 1
+    assert options["grpc.per_rpc_retry_buffer_size"] == 64 << 20  # the largest request, not 256 KiB
+    assert options["grpc.max_send_message_length"] == options["grpc.max_receive_message_length"] == 64 << 20
+    (method,) = json.loads(options["grpc.service_config"])["methodConfig"]
+    assert method["name"] == [{}]  # every method: Encode, Lookup, GetModelInfo, Health/Check
+    assert method["retryPolicy"] == {
+        "maxAttempts": 4, "initialBackoff": "0.100000000s", "maxBackoff": "0.500000000s",
+        "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"],
+    }
+    # gRPC allows 5 attempts at most; its first backoff is not capped by maxBackoff, so the client caps it.
+    clamped = RetryPolicy(retries=100, backoff_base_s=2.0, backoff_max_s=0.5).service_config()
+    assert clamped["methodConfig"][0]["retryPolicy"]["maxAttempts"] == 5
+    assert clamped["methodConfig"][0]["retryPolicy"]["initialBackoff"] == "0.500000000s"
+    # Zero backoff means at once: gRPC needs a positive duration.
+    assert RetryPolicy(retries=1, backoff_base_s=0).service_config()["methodConfig"][0]["retryPolicy"][
+        "initialBackoff"] == "0.000000001s"
+    # No retries: no policy at all (gRPC refuses maxAttempts < 2).
+    assert RetryPolicy(retries=0).service_config() is None
+    assert "grpc.service_config" not in dict(build_channel_options(1024, [], RetryPolicy(retries=0)))
+    with pytest.raises(ValueError, match="retries"):
+        RetryPolicy(retries=-1)
+    with pytest.raises(ValueError, match="backoff"):
+        RetryPolicy(backoff_base_s=-0.1)
+
+
+def test_a_callers_channel_options_override_the_clients() -> None:
+    # gRPC keeps the first option of a key, so the client leaves out its own of a key given.
+    extra = [("grpc.per_rpc_retry_buffer_size", 1000), ("grpc.service_config", "{}")]
+    options = build_channel_options(1 << 20, extra, RetryPolicy())
+    assert [v for k, v in options if k == "grpc.per_rpc_retry_buffer_size"] == [1000]
+    assert [v for k, v in options if k == "grpc.service_config"] == ["{}"]
 
 
 # --- extra feature levels (Qwen3-VL deepstack): rows of main + extra levels, split by the client ---

@@ -200,6 +200,96 @@ def test_retries_never_extend_the_deadline(target: str, fake: FakeVisionEncoder)
     assert 1 < fake.encode_calls < 100
 
 
+def test_retries_wait_the_backoff_given_to_the_client(target: str, fake: FakeVisionEncoder) -> None:
+    fake.fail_next += [Failure(grpc.StatusCode.UNAVAILABLE, "starting")] * 2
+    # gRPC waits 0.2 s before each retry (backoff_max_s caps the doubling), jittered by +-20%.
+    with EncoderClient(target, retries=2, backoff_base_s=0.2, backoff_max_s=0.2) as client:
+        start = time.monotonic()
+        client.encode([b"img"])
+    assert time.monotonic() - start >= 2 * 0.2 * 0.8
+    assert fake.encode_calls == 3
+
+
+def test_more_than_four_retries_are_gRPCs_limit_of_five_attempts(target: str, fake: FakeVisionEncoder) -> None:
+    fake.fail_next += [Failure(grpc.StatusCode.UNAVAILABLE, "draining")] * 10
+    with EncoderClient(target, retries=100, **FAST_RETRY) as client, pytest.raises(EncoderClientError) as info:
+        client.encode([b"img"])
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    assert fake.encode_calls == 5
+
+
+@pytest.mark.parametrize("retries", [1, 0])
+def test_a_request_larger_than_grpcs_default_retry_buffer_is_retried(
+    target: str, fake: FakeVisionEncoder, retries: int
+) -> None:
+    image = bytes(range(256)) * (8 * 1024)  # 2 MiB: gRPC's default per-RPC retry buffer is 256 KiB
+    fake.fail_next.append(Failure(grpc.StatusCode.UNAVAILABLE, "starting"))
+    with EncoderClient(target, retries=retries, **FAST_RETRY) as client:
+        if retries:
+            (r,) = client.encode([image])
+            assert r.content_hash == hashing.hash_encoded(FAKE_NAMESPACE, image)
+            assert [req.images[0].encoded == image for req in fake.requests] == [True, True]
+        else:
+            with pytest.raises(EncoderClientError) as info:
+                client.encode([image])
+            assert info.value.code == grpc.StatusCode.UNAVAILABLE
+            assert fake.encode_calls == 1
+
+
+def test_with_grpcs_default_retry_buffer_a_large_request_would_not_be_retried(
+    target: str, fake: FakeVisionEncoder
+) -> None:
+    # The control for the test above: the buffer the client raises is what makes the retry happen.
+    image = bytes(range(256)) * (8 * 1024)
+    fake.fail_next.append(Failure(grpc.StatusCode.UNAVAILABLE, "starting"))
+    default_buffer = [("grpc.per_rpc_retry_buffer_size", 256 * 1024)]
+    with EncoderClient(target, retries=3, channel_options=default_buffer, **FAST_RETRY) as client:
+        with pytest.raises(EncoderClientError) as info:
+            client.encode([image])
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        assert fake.encode_calls == 1
+        client.encode([b"small"])  # a small request is still retried on the same channel
+    fake.fail_next.append(Failure(grpc.StatusCode.UNAVAILABLE, "starting"))
+    with EncoderClient(target, retries=3, channel_options=default_buffer, **FAST_RETRY) as client:
+        client.encode([b"small again"])
+    assert fake.encode_calls == 4
+
+
+class _FlakyInfo(FakeVisionEncoder):
+    """GetModelInfo and Lookup fail UNAVAILABLE a given number of times, then answer."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+        self.unary_calls = 0
+
+    def _flake(self, context: grpc.ServicerContext) -> None:
+        self.unary_calls += 1
+        if self.failures > 0:
+            self.failures -= 1
+            context.abort(grpc.StatusCode.UNAVAILABLE, "starting")
+
+    def GetModelInfo(self, request, context):
+        self._flake(context)
+        return super().GetModelInfo(request, context)
+
+    def Lookup(self, request, context):
+        self._flake(context)
+        return super().Lookup(request, context)
+
+
+def test_unary_calls_are_retried_too() -> None:
+    fake = _FlakyInfo(failures=2)
+    with serve_fake(fake) as target, EncoderClient(target, retries=2, **FAST_RETRY) as client:
+        assert client.model_info().cache_namespace == FAKE_NAMESPACE
+        assert fake.unary_calls == 3
+        fake.failures = 3
+        with pytest.raises(EncoderClientError) as info:
+            client.lookup(["0" * 64])
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        assert fake.unary_calls == 6
+
+
 def test_unreachable_server_is_unavailable() -> None:
     client = EncoderClient("127.0.0.1:1", timeout_s=5, retries=1, **FAST_RETRY)
     with client, pytest.raises(EncoderClientError) as info:

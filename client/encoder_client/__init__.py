@@ -26,11 +26,13 @@ Usage::
         results = await client.encode([b"..."])
 
 Every failed RPC raises ``EncoderClientError`` with ``.code`` (grpc.StatusCode) and ``.details``
-(the server's message, verbatim); bad arguments raise ValueError/TypeError before anything is
-sent. Calls are retried with exponential backoff and jitter on UNAVAILABLE only, and an Encode
-stream only if none of its response had arrived. bf16 embeddings are returned as float32 (exact)
-unless ``bf16_as="uint16"`` asks for the raw bit patterns. ``content_hash(image, namespace)``
-computes the server's cache key locally, for ``lookup`` before sending pixels.
+(the server's message, verbatim); bad arguments raise ValueError/TypeError before anything is sent.
+Calls are retried on UNAVAILABLE only, with exponential backoff and jitter, and an Encode stream
+only if none of its response had arrived: gRPC's own retry policy, which the client sets in its
+channel's service config (``retries`` at most 4: gRPC's limit of 5 attempts). bf16 embeddings are
+returned as float32 (exact) unless ``bf16_as="uint16"`` asks for the raw bit patterns.
+``content_hash(image, namespace)`` computes the server's cache key locally, for ``lookup`` before
+sending pixels.
 
 EPD: ``client.encode(images, hash_first=True)`` sends pixels only for images the server does not
 cache; ``client.encode_to_sink(images, "decode-0:9000", sink_request_id="r1")`` has the encoder push

@@ -2,43 +2,40 @@
 
 from __future__ import annotations
 
-import random
-import time
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import grpc
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_RETRIES = 3
 MAX_GRPC_INT_OPTION = 2**31 - 1
+# gRPC clamps a retryPolicy's maxAttempts at 5 (gRFC A6; no channel argument raises it), so at
+# most 4 retries: more are clamped here rather than by the C core (which logs an error for it).
+MAX_GRPC_ATTEMPTS = 5
+RETRYABLE_CODES = ("UNAVAILABLE",)
 
 HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"
 # grpc.health.v1.HealthCheckResponse.ServingStatus
 SERVING_STATUS_NAMES = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
 
 
-def build_channel_options(max_message_bytes: int, extra: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    if not 0 < max_message_bytes <= MAX_GRPC_INT_OPTION:
-        raise ValueError(f"max_message_bytes must be in 1..{MAX_GRPC_INT_OPTION}, got {max_message_bytes}")
-    # Extra options come last so a caller can override these.
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        *extra,
-    ]
-
-
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Exponential backoff with jitter, for UNAVAILABLE only.
+    """Retries on UNAVAILABLE only, with exponential backoff, done by gRPC itself.
 
     UNAVAILABLE is what a server says while starting or draining, and what the channel says when
     it cannot connect: the request did no work, so sending it again is safe. Every other code is
     an answer (bad input, not found, overloaded, deadline) that a retry would not change or
     would make worse.
+
+    The policy becomes the channel's service config (``service_config``), so gRPC's C core runs
+    the retries: the n-th retry waits ``min(backoff_base_s * 2**(n-1), backoff_max_s)``, jittered
+    by +-20%; a call whose response has started (response headers or a message received) is
+    committed and never retried; every attempt lives within the call's one deadline, so retries
+    never extend it; and a server's ``grpc-retry-pushback-ms`` is honoured. ``retries`` above 4 is
+    clamped to 4 (gRPC's limit of 5 attempts).
     """
 
     retries: int = DEFAULT_RETRIES
@@ -48,36 +45,67 @@ class RetryPolicy:
     def __post_init__(self) -> None:
         if self.retries < 0:
             raise ValueError(f"retries must be >= 0, got {self.retries}")
+        if self.backoff_base_s < 0 or self.backoff_max_s < 0:
+            raise ValueError(f"backoff_base_s and backoff_max_s must be >= 0, got {self.backoff_base_s} "
+                             f"and {self.backoff_max_s}")
 
-    def delay_s(self, attempt: int) -> float | None:
-        """Seconds to wait before retry number ``attempt + 1``, or None when retries are spent."""
-        if attempt >= self.retries:
-            return None
-        ceiling = min(self.backoff_max_s, self.backoff_base_s * (2**attempt))
-        # Jitter spreads clients that failed together (a server restart) so they do not return
-        # together; the floor at half keeps the backoff a backoff.
-        return ceiling * random.uniform(0.5, 1.0)
+    @property
+    def max_attempts(self) -> int:
+        """Attempts gRPC makes, the first included."""
+        return min(self.retries + 1, MAX_GRPC_ATTEMPTS)
 
-    def retry_delay_s(self, err: grpc.RpcError, attempt: int, deadline_s: float | None) -> float | None:
-        """The wait before retrying after err, or None when err must be raised."""
-        code = err.code() if hasattr(err, "code") else None
-        if code != grpc.StatusCode.UNAVAILABLE:
-            return None
-        delay = self.delay_s(attempt)
-        if delay is None:
-            return None
-        if deadline_s is not None and time.monotonic() + delay >= deadline_s:
-            return None  # no time left for another attempt: the UNAVAILABLE is the truthful answer
-        return delay
+    def service_config(self) -> dict[str, Any] | None:
+        """The service config carrying this policy for every method of the channel (None: no retries)."""
+        if self.max_attempts < 2:
+            return None  # gRPC requires maxAttempts >= 2; without a policy nothing is retried
+        return {
+            "methodConfig": [{
+                "name": [{}],  # every service and method on the channel: Encode, Lookup, ..., Health
+                "retryPolicy": {
+                    "maxAttempts": self.max_attempts,
+                    # gRPC's first retry waits initialBackoff as is, later ones are capped at
+                    # maxBackoff; both must be > 0 (0 here means "at once": 1 ns).
+                    "initialBackoff": _duration(min(self.backoff_base_s, self.backoff_max_s)),
+                    "maxBackoff": _duration(self.backoff_max_s),
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": list(RETRYABLE_CODES),
+                },
+            }],
+        }
+
+    def channel_options(self, max_message_bytes: int) -> list[tuple[str, Any]]:
+        config = self.service_config()
+        if config is None:
+            return []
+        return [
+            ("grpc.enable_retries", 1),
+            ("grpc.service_config", json.dumps(config)),
+            # gRPC keeps a call's request for a retry only while it fits this buffer (256 KiB by
+            # default), and commits the call (no retry) once it does not: images are megabytes.
+            ("grpc.per_rpc_retry_buffer_size", max_message_bytes),
+            # The retry policy is this client's arguments, never a DNS TXT record's.
+            ("grpc.service_config_disable_resolution", 1),
+        ]
 
 
-def deadline_after(timeout_s: float | None) -> float | None:
-    return None if timeout_s is None else time.monotonic() + timeout_s
+def _duration(seconds: float) -> str:
+    """A protobuf JSON Duration, > 0 as gRPC requires."""
+    return f"{max(seconds, 1e-9):.9f}s"
 
 
-def remaining_s(deadline_s: float | None) -> float | None:
-    # Each attempt gets what is left of the call's deadline, so retries never extend it.
-    return None if deadline_s is None else max(deadline_s - time.monotonic(), 0.0)
+def build_channel_options(max_message_bytes: int, extra: Sequence[tuple[str, Any]],
+                          retry: RetryPolicy | None = None) -> list[tuple[str, Any]]:
+    if not 0 < max_message_bytes <= MAX_GRPC_INT_OPTION:
+        raise ValueError(f"max_message_bytes must be in 1..{MAX_GRPC_INT_OPTION}, got {max_message_bytes}")
+    options = [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        *(retry.channel_options(max_message_bytes) if retry is not None else ()),
+    ]
+    # A caller's extra options override these: gRPC keeps the first of two options with one key,
+    # so ours of the same key are left out.
+    overridden = {key for key, _ in extra}
+    return [option for option in options if option[0] not in overridden] + list(extra)
 
 
 # grpc.health.v1 messages, hand-encoded: grpcio-health-checking is a server dependency, and

@@ -21,10 +21,8 @@ from encoder_client._rpc import (
     HEALTH_CHECK_METHOD,
     RetryPolicy,
     build_channel_options,
-    deadline_after,
     decode_health_response,
     encode_health_request,
-    remaining_s,
 )
 from encoder_client.dtypes import BF16_AS
 from encoder_client.errors import EncoderClientError
@@ -61,7 +59,7 @@ class AsyncEncoderClient:
         self.timeout_s = timeout_s
         self._retry = RetryPolicy(retries, backoff_base_s, backoff_max_s)
         self._metadata = call_metadata(metadata, token)
-        options = build_channel_options(max_message_bytes, channel_options)
+        options = build_channel_options(max_message_bytes, channel_options, self._retry)
         self._channel = (
             grpc.aio.secure_channel(target, credentials, options=options)
             if credentials is not None
@@ -129,24 +127,9 @@ class AsyncEncoderClient:
         request.sink.request_id = sink_request_id or request.request_id
         if not request.images:
             return []
-        deadline = deadline_after(self._timeout(timeout_s))
-        attempt = 0
-        while True:
-            chunks: list[encoder_pb2.EmbeddingChunk] = []
-            call = self._stub.Encode(request, timeout=remaining_s(deadline), metadata=self._metadata)
-            try:
-                async for chunk in call:
-                    chunks.append(chunk)
-                return collect_headers(chunks, len(request.images))
-            except grpc.RpcError as err:
-                delay = self._retry.retry_delay_s(err, attempt, deadline) if not chunks else None
-                if delay is None:
-                    raise EncoderClientError.from_rpc_error(err) from err
-            except BaseException:
-                call.cancel()
-                raise
-            await asyncio.sleep(delay)
-            attempt += 1
+        chunks: list[encoder_pb2.EmbeddingChunk] = []
+        await self._call_encode(request, timeout_s, chunks.append)
+        return collect_headers(chunks, len(request.images))
 
     async def cache_namespace(self) -> str:
         """The server's cache_namespace (asked once: it is fixed for a server's life)."""
@@ -175,28 +158,25 @@ class AsyncEncoderClient:
             request = build_request(images, **kwargs)
         if not request.images:
             return []
-        deadline = deadline_after(self._timeout(timeout_s))
-        started = time.monotonic()
-        attempt = 0
-        while True:
-            reassembler = Reassembler(len(request.images), bf16_as=bf16_as, started_s=started)
-            call = self._stub.Encode(request, timeout=remaining_s(deadline), metadata=self._metadata)
-            try:
-                async for chunk in call:
-                    reassembler.add(chunk)
-                return reassembler.results()
-            except grpc.RpcError as err:
-                # Only a stream that failed before its first chunk is retried: no duplicated work.
-                delay = None
-                if reassembler.chunks_received == 0:
-                    delay = self._retry.retry_delay_s(err, attempt, deadline)
-                if delay is None:
-                    raise EncoderClientError.from_rpc_error(err) from err
-            except BaseException:
-                call.cancel()  # includes asyncio cancellation: stop the server's work too
-                raise
-            await asyncio.sleep(delay)
-            attempt += 1
+        # gRPC retries an attempt that failed UNAVAILABLE before any response arrived (see
+        # RetryPolicy); this call's iteration sees only the attempt that answered.
+        reassembler = Reassembler(len(request.images), bf16_as=bf16_as, started_s=time.monotonic())
+        await self._call_encode(request, timeout_s, reassembler.add)
+        return reassembler.results()
+
+    async def _call_encode(self, request: encoder_pb2.EncodeRequest, timeout_s: float | None,
+                           on_chunk: Callable[[encoder_pb2.EmbeddingChunk], object]) -> None:
+        """One Encode stream, each chunk given to on_chunk (retried by gRPC on UNAVAILABLE while
+        nothing of it has arrived)."""
+        call = self._stub.Encode(request, timeout=self._timeout(timeout_s), metadata=self._metadata)
+        try:
+            async for chunk in call:
+                on_chunk(chunk)
+        except grpc.RpcError as err:
+            raise EncoderClientError.from_rpc_error(err) from err
+        except BaseException:
+            call.cancel()  # includes asyncio cancellation: stop the server's work too
+            raise
 
     async def lookup(self, content_hashes: Sequence[str], *, timeout_s: float | None = None) -> list[bool]:
         """Which of content_hashes the server caches now (a hint: entries may be evicted later)."""
@@ -220,14 +200,7 @@ class AsyncEncoderClient:
 
     async def _unary(self, method: Callable[..., Awaitable[_Resp]], request: Any,
                      timeout_s: float | None) -> _Resp:
-        deadline = deadline_after(self._timeout(timeout_s))
-        attempt = 0
-        while True:
-            try:
-                return await method(request, timeout=remaining_s(deadline), metadata=self._metadata)
-            except grpc.RpcError as err:
-                delay = self._retry.retry_delay_s(err, attempt, deadline)
-                if delay is None:
-                    raise EncoderClientError.from_rpc_error(err) from err
-            await asyncio.sleep(delay)
-            attempt += 1
+        try:
+            return await method(request, timeout=self._timeout(timeout_s), metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise EncoderClientError.from_rpc_error(err) from err

@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="HOST:PORT of the encoder service (encode also takes several, comma-separated, "
                             "or dns:///NAME:PORT: images are then routed by content hash)")
         p.add_argument("--timeout", type=float, default=60.0, help="deadline per call, seconds (default 60)")
-        p.add_argument("--retries", type=int, default=3, help="retries on UNAVAILABLE (default 3)")
+        p.add_argument("--retries", type=int, default=3, help="retries on UNAVAILABLE (default 3, at most 4)")
         tls = p.add_argument_group("security (each flag falls back to an environment variable: "
                                    "ENCODER_CLIENT_TLS_CA, ..._TLS_CERT, ..._TLS_KEY, ..._TOKEN_FILE)")
         tls.add_argument("--tls-ca", default=_env("TLS_CA"),

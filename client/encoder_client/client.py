@@ -18,10 +18,8 @@ from encoder_client._rpc import (
     HEALTH_CHECK_METHOD,
     RetryPolicy,
     build_channel_options,
-    deadline_after,
     decode_health_response,
     encode_health_request,
-    remaining_s,
 )
 from encoder_client.dtypes import BF16_AS
 from encoder_client.errors import EncoderClientError
@@ -38,7 +36,9 @@ class EncoderClient:
 
     ``timeout_s`` is the default deadline of each call (None: no deadline), retries included;
     ``retries`` is how many times a call is sent again after UNAVAILABLE (never after any other
-    code, and never once part of a response has arrived). ``credentials`` makes the channel a
+    code, and never once part of a response has arrived; at most 4, gRPC's limit), after
+    ``backoff_base_s`` doubling up to ``backoff_max_s``: gRPC's own retry policy, set in the
+    channel's service config (see ``_rpc.RetryPolicy``). ``credentials`` makes the channel a
     secure one (``encoder_client.tls_credentials``); ``metadata`` is sent with every call, and
     ``token`` adds ``authorization: Bearer <token>`` to it (the server's ``--auth-token-file``).
     """
@@ -61,7 +61,7 @@ class EncoderClient:
         self.timeout_s = timeout_s
         self._retry = RetryPolicy(retries, backoff_base_s, backoff_max_s)
         self._metadata = call_metadata(metadata, token)
-        options = build_channel_options(max_message_bytes, channel_options)
+        options = build_channel_options(max_message_bytes, channel_options, self._retry)
         self._channel = (
             grpc.secure_channel(target, credentials, options=options)
             if credentials is not None
@@ -163,55 +163,22 @@ class EncoderClient:
         )
         if not request.images:
             return []
-        deadline = deadline_after(self._timeout(timeout_s))
-        started = time.monotonic()
-        attempt = 0
-        while True:
-            reassembler = Reassembler(len(request.images), bf16_as=bf16_as, started_s=started)
-            call = self._stub.Encode(request, timeout=remaining_s(deadline), metadata=self._metadata)
-            try:
-                for chunk in call:
-                    reassembler.add(chunk)
-                return reassembler.results()
-            except grpc.RpcError as err:
-                # Once a chunk has arrived the server has done work for us; a retry would
-                # duplicate it, so only a stream that failed before its first chunk is retried.
-                delay = None
-                if reassembler.chunks_received == 0:
-                    delay = self._retry.retry_delay_s(err, attempt, deadline)
-                if delay is None:
-                    raise EncoderClientError.from_rpc_error(err) from err
-            except BaseException:
-                call.cancel()  # stop the server's work for a response nobody will read
-                raise
-            time.sleep(delay)
-            attempt += 1
+        # gRPC retries an attempt that failed UNAVAILABLE before any response arrived (see
+        # RetryPolicy); this call's iteration sees only the attempt that answered.
+        reassembler = Reassembler(len(request.images), bf16_as=bf16_as, started_s=time.monotonic())
+        return self._call_encode(request, timeout_s, lambda chunks: _reassemble(reassembler, chunks))
 
     def _call_encode(self, request: encoder_pb2.EncodeRequest, timeout_s: float | None,
                      consume: Callable[[Any], _Resp]) -> _Resp:
-        """One Encode stream, retried on UNAVAILABLE while nothing of it has arrived."""
-        deadline = deadline_after(self._timeout(timeout_s))
-        attempt = 0
-        while True:
-            call = self._stub.Encode(request, timeout=remaining_s(deadline), metadata=self._metadata)
-            received = []
-
-            def counted(call=call, received=received):
-                for chunk in call:
-                    received.append(chunk)
-                    yield chunk
-
-            try:
-                return consume(counted())
-            except grpc.RpcError as err:
-                delay = self._retry.retry_delay_s(err, attempt, deadline) if not received else None
-                if delay is None:
-                    raise EncoderClientError.from_rpc_error(err) from err
-            except BaseException:
-                call.cancel()
-                raise
-            time.sleep(delay)
-            attempt += 1
+        """One Encode stream (retried by gRPC on UNAVAILABLE while nothing of it has arrived)."""
+        call = self._stub.Encode(request, timeout=self._timeout(timeout_s), metadata=self._metadata)
+        try:
+            return consume(call)
+        except grpc.RpcError as err:
+            raise EncoderClientError.from_rpc_error(err) from err
+        except BaseException:
+            call.cancel()  # stop the server's work for a response nobody will read
+            raise
 
     def lookup(self, content_hashes: Sequence[str], *, timeout_s: float | None = None) -> list[bool]:
         """Which of content_hashes the server caches now (a hint: entries may be evicted later)."""
@@ -238,15 +205,13 @@ class EncoderClient:
         return self.timeout_s if timeout_s is None else timeout_s
 
     def _unary(self, method: Callable[..., _Resp], request: Any, timeout_s: float | None) -> _Resp:
-        deadline = deadline_after(self._timeout(timeout_s))
-        attempt = 0
-        while True:
-            try:
-                return method(request, timeout=remaining_s(deadline), metadata=self._metadata)
-            except grpc.RpcError as err:
-                delay = self._retry.retry_delay_s(err, attempt, deadline)
-                if delay is None:
-                    raise EncoderClientError.from_rpc_error(err) from err
-            time.sleep(delay)
-            attempt += 1
+        try:
+            return method(request, timeout=self._timeout(timeout_s), metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise EncoderClientError.from_rpc_error(err) from err
 
+
+def _reassemble(reassembler: Reassembler, chunks: Any) -> list[EncodedImage]:
+    for chunk in chunks:
+        reassembler.add(chunk)
+    return reassembler.results()
