@@ -11,6 +11,8 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
+from encoder_client.protocol.dtypes import OUTPUT_DTYPES
+
 from .sink_allowlist import SinkAllowlist
 
 ENV_PREFIX = "ENCODER_SERVICE_"
@@ -197,7 +199,7 @@ _OPTIONS: list[tuple[str, type, str]] = [
 ]
 
 _CHOICES = {
-    "dtype": ("float32", "float16", "bfloat16"),
+    "dtype": OUTPUT_DTYPES,
     "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
     "preprocess": ("auto", "pil", "torch"),
 }

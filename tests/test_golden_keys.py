@@ -11,8 +11,7 @@ write the new values in. The values were computed once from the code as it stood
 from __future__ import annotations
 
 import pytest
-from encoder_client import hashing
-from encoder_client._proto.encoder.v1 import encoder_pb2
+from encoder_client.protocol import encoder_pb2, hashing
 
 from encoder_service.models import load_vision_model
 
