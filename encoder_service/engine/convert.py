@@ -13,7 +13,7 @@ def patches_to_float32(data: bytes, patch_dtype: str, patch_dim: int) -> np.ndar
     """Wire patches -> a writable float32 array [n, patch_dim] (the model's input dtype)."""
     if patch_dtype == "bfloat16":
         # bf16 is the top half of a float32: widen the 16-bit pattern and shift it into place.
-        raw = np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16
+        raw = np.frombuffer(data, dtype=BY_NAME["bfloat16"].numpy).astype(np.uint32) << 16
         flat = raw.view(np.float32)
     else:
         flat = np.frombuffer(data, dtype=BY_NAME[patch_dtype].numpy).astype(np.float32)  # copies
