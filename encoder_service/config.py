@@ -11,6 +11,8 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields
 
+from encoder_client.protocol.dtypes import OUTPUT_DTYPES
+
 from .sink_allowlist import SinkAllowlist
 
 ENV_PREFIX = "ENCODER_SERVICE_"
@@ -50,7 +52,7 @@ class ServiceConfig:
     dtype: str = option("float32",
         "model dtype: float32, float16 or bfloat16. Embeddings are cached in it and "
         "streamed in it unless a request asks for another output_dtype.",
-        choices=("float32", "float16", "bfloat16"))
+        choices=OUTPUT_DTYPES)
     attn_backend: str = option("auto",
         "attention backend: auto (first one that works here), sdpa, varlen, "
         "flashinfer, aiter.")

@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 
 import grpc
-from encoder_client._proto.encoder.v1 import encoder_pb2
+from encoder_client.protocol import encoder_pb2
 from prometheus_client import (
     CollectorRegistry,
     Counter,

@@ -5,6 +5,7 @@
 
 The proto is compiled under the import path ``encoder_client/_proto/...`` so the generated modules
 import each other as ``encoder_client._proto.encoder.v1``; the wire package stays ``encoder.v1``.
+That package is private: everyone imports the stubs from ``encoder_client.protocol``.
 """
 
 from __future__ import annotations

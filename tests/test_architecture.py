@@ -8,17 +8,24 @@ import pytest
 
 from encoder_service.models.registry import FAMILY_PACKAGES, families
 
-PACKAGE = Path(__file__).resolve().parent.parent / "encoder_service"
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "encoder_service"
+PROTOCOL = ROOT / "client" / "encoder_client" / "protocol"
+PRIVATE_STUBS = "encoder_client._proto"
 
-# Below the API nothing speaks gRPC: the engine and the models are usable without a server.
-WIRE = ("grpc", "google.protobuf", "encoder_client._proto", "encoder_service.api")
+# Below the API nothing speaks gRPC: the engine and the models are usable without a server. They may
+# use the protocol's dtype table and hashing (encoder_client.protocol.dtypes/.hashing), not its stubs.
+WIRE = ("grpc", "google.protobuf", PRIVATE_STUBS, "encoder_client.protocol.stubs",
+        "encoder_client.protocol.encoder_pb2", "encoder_client.protocol.encoder_pb2_grpc", "encoder_service.api")
 BELOW_API = ("engine", "models", "preprocess", "attention", "metadata")
 BELOW_ENGINE = ("models", "preprocess", "attention", "metadata")
 BELOW_MODELS = ("preprocess", "attention", "metadata")
 
 
 def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    # The client's modules are named from client/ (its distribution's root), the rest from the repository.
+    root = next((r for r in (ROOT / "client", ROOT) if path.is_relative_to(r)), path.parent)
+    parts = list(path.relative_to(root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -55,7 +62,8 @@ def _violations(files: list[Path], forbidden: tuple[str, ...]) -> list[str]:
     for path in files:
         for name in _imports(path):
             if any(name == f or name.startswith(f + ".") for f in forbidden):
-                bad.append(f"{path.relative_to(PACKAGE)} imports {name}")
+                shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+                bad.append(f"{shown} imports {name}")
     return bad
 
 
@@ -98,3 +106,27 @@ def test_no_code_outside_a_family_branches_on_its_model_type(family):
             if isinstance(node, ast.Constant) and node.value in family.model_types:
                 hits.append(f"{path.relative_to(PACKAGE)}:{node.lineno} names {node.value!r}")
     assert hits == []
+
+
+def _python_files() -> list[Path]:
+    """Every Python file of the repository: the server, the client, tests, benches, scripts, examples."""
+    skip = {".venv", ".git", "node_modules", "build", "dist"}
+    return sorted(p for p in ROOT.rglob("*.py") if not skip.intersection(p.relative_to(ROOT).parts))
+
+
+def test_the_generated_stubs_are_imported_only_through_the_protocol_module():
+    # encoder_client._proto is where gen_protos.py writes; encoder_client.protocol is the public face
+    # that client and server share. The generated files import each other, and nothing else may.
+    stubs = ROOT / "client" / "encoder_client" / "_proto"
+    outside = [p for p in _python_files() if not p.is_relative_to(PROTOCOL) and not p.is_relative_to(stubs)]
+    assert len(outside) > 100  # the walk sees the whole tree
+    assert _violations(outside, (PRIVATE_STUBS,)) == []
+
+
+@pytest.mark.parametrize("source", ["from encoder_client._proto.encoder.v1 import encoder_pb2",
+                                    "import encoder_client._proto.encoder.v1.encoder_pb2_grpc",
+                                    "def f():\n    from encoder_client import _proto"])
+def test_the_private_stubs_check_sees_every_form_of_import(tmp_path, source):
+    bad = tmp_path / "bad.py"
+    bad.write_text(source + "\n")
+    assert _violations([bad], (PRIVATE_STUBS,)) != []

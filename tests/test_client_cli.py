@@ -8,8 +8,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from encoder_client import hashing
 from encoder_client.cli import main
+from encoder_client.protocol import hashing
 from encoder_client.testing import FAKE_NAMESPACE, Failure, FakeVisionEncoder, fake_embedding, serve_fake
 
 

@@ -11,7 +11,7 @@ from importlib import metadata
 def test_importing_the_client_does_not_import_torch() -> None:
     code = (
         "import sys, encoder_client, encoder_client.client, encoder_client.aio, encoder_client.cli, "
-        "encoder_client.testing; "
+        "encoder_client.testing, encoder_client.protocol; "
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'encoder_service')); "
         "print(','.join(bad)); sys.exit(1 if bad else 0)"
     )

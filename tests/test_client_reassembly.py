@@ -10,9 +10,9 @@ import grpc
 import numpy as np
 import pytest
 from encoder_client import EncoderClientError, bf16_bits_to_float32
-from encoder_client._proto.encoder.v1 import encoder_pb2
 from encoder_client._reassembly import Reassembler
 from encoder_client._rpc import RetryPolicy, build_channel_options, decode_health_response, encode_health_request
+from encoder_client.protocol import encoder_pb2
 from encoder_client.testing import float32_to_bf16_bits
 from grpc_health.v1 import health_pb2
 

@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import pytest
 from encoder_client import EncoderClient, EncoderClientError
-from encoder_client._proto.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
 
 from bench.reliability.sinks import SinkServer, receiver
 

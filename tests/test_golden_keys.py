@@ -1,7 +1,7 @@
 """Golden vectors of the cache keys: the content hash and the tiny presets' ``cache_namespace``.
 
 DO NOT UPDATE THESE LITERALS TO MAKE A TEST PASS. Deployed clients compute the same content hash
-locally (``encoder_client.hashing``, to ask ``Lookup`` before sending pixels) from the namespace the
+locally (``encoder_client.protocol.hashing``, to ask ``Lookup`` before sending pixels) from the namespace the
 server reports: a change to either format breaks every deployed client's keys (all its lookups
 miss, and the server's cache is cold after an upgrade). A change here must be deliberate: bump
 ``HASH_VERSION`` (or the namespace's inputs) on purpose, say so in the release notes, and only then
@@ -11,8 +11,7 @@ write the new values in. The values were computed once from the code as it stood
 from __future__ import annotations
 
 import pytest
-from encoder_client import hashing
-from encoder_client._proto.encoder.v1 import encoder_pb2
+from encoder_client.protocol import DTYPES, encoder_pb2, hashing
 
 from encoder_service.models import load_vision_model
 
@@ -72,6 +71,13 @@ def test_the_wire_dtype_numbers_in_the_hash_are_the_protos():
     # hash_patches hashes the enum's number: renumbering the proto would change every patches key.
     assert (encoder_pb2.DTYPE_UNSPECIFIED, encoder_pb2.DTYPE_FLOAT32, encoder_pb2.DTYPE_FLOAT16,
             encoder_pb2.DTYPE_BFLOAT16, encoder_pb2.DTYPE_UINT8) == (0, 1, 2, 3, 4)
+
+
+def test_the_one_dtype_table_is_the_deployed_wire():
+    # Names, enum numbers (hashed), little-endian element types and sizes that deployed clients read.
+    assert [(d.name, d.enum, d.numpy.str, d.itemsize, d.embedding) for d in DTYPES] == [
+        ("float32", 1, "<f4", 4, True), ("float16", 2, "<f2", 2, True), ("bfloat16", 3, "<u2", 2, True),
+        ("uint8", 4, "|u1", 1, False)]
 
 
 @pytest.mark.parametrize("preset, kwargs, expected", NAMESPACES,

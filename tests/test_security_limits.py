@@ -11,8 +11,8 @@ import time
 import grpc
 import pytest
 from encoder_client import EncoderClient
-from encoder_client._proto.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from encoder_client._request import build_request
+from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
 from PIL import Image
 
 from encoder_service.api.calls import CallBook, ServiceInterceptor

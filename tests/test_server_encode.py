@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from encoder_client import EncoderClient, HashRef
-from encoder_client._proto.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
 from PIL import Image
 
 from encoder_service.models import load_vision_model

@@ -9,8 +9,8 @@ import grpc
 import numpy as np
 import pytest
 from encoder_client import EncoderClient, EncoderClientError, HashRef
-from encoder_client._proto.encoder.v1 import encoder_pb2 as pb
-from encoder_client._proto.encoder.v1 import encoder_pb2_grpc
+from encoder_client.protocol import encoder_pb2 as pb
+from encoder_client.protocol import encoder_pb2_grpc
 from PIL import Image
 
 pytestmark = pytest.mark.timeout(120)

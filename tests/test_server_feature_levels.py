@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from encoder_client import EncoderClient, HashRef
-from encoder_client._proto.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
 from encoder_client.testing import float32_to_bf16_bits
 
 from bench.reliability.sinks import SinkServer, receiver

@@ -10,8 +10,8 @@ import grpc
 import numpy as np
 import pytest
 from encoder_client import EncoderClient
-from encoder_client._proto.encoder.v1 import encoder_pb2 as pb
-from encoder_client._proto.encoder.v1 import encoder_pb2_grpc
+from encoder_client.protocol import encoder_pb2 as pb
+from encoder_client.protocol import encoder_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 pytestmark = pytest.mark.timeout(180)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from encoder_client._proto.encoder.v1 import encoder_pb2
+from encoder_client.protocol import encoder_pb2
 
 from encoder_service.api import streaming
 from encoder_service.api.streaming import embedding_chunks, serialized_chunks, wire_view

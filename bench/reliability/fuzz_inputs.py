@@ -9,7 +9,7 @@ import struct
 import zlib
 
 import numpy as np
-from encoder_client._proto.encoder.v1 import encoder_pb2 as pb
+from encoder_client.protocol import encoder_pb2 as pb
 from hypothesis import strategies as st
 from PIL import Image
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import grpc
 from encoder_client import EmbeddingSinkReceiver
-from encoder_client._proto.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
 
 
 class WrongAck(encoder_pb2_grpc.EmbeddingSinkServicer):

@@ -51,12 +51,12 @@ Command line: ``encoder-client encode --target HOST:PORT FILE...``, ``encoder-cl
 from encoder_client._request import content_hash
 from encoder_client.aio import AsyncEncoderClient
 from encoder_client.client import EncoderClient
-from encoder_client.dtypes import bf16_bits_to_float32
 from encoder_client.errors import EncoderClientError
+from encoder_client.protocol import ModelInfo, bf16_bits_to_float32
 from encoder_client.routing import RoutingEncoderClient
 from encoder_client.security import read_token_file, tls_credentials
 from encoder_client.sink import EmbeddingSinkReceiver, PushedImage
-from encoder_client.types import EncodedImage, HashRef, ImageInput, ModelInfo
+from encoder_client.types import EncodedImage, HashRef, ImageInput
 
 __all__ = [
     "AsyncEncoderClient",

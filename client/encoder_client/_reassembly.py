@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from encoder_client._proto.encoder.v1 import encoder_pb2
-from encoder_client.dtypes import bf16_bits_to_float32, dtype_name, wire_numpy_dtype
 from encoder_client.errors import EncoderClientError
+from encoder_client.protocol import encoder_pb2
+from encoder_client.protocol.dtypes import bf16_bits_to_float32, dtype_name, wire_numpy_dtype
 from encoder_client.types import EncodedImage
 
 

@@ -9,20 +9,16 @@ from pathlib import Path
 
 import numpy as np
 
-from encoder_client import hashing
-from encoder_client._proto.encoder.v1 import encoder_pb2
-from encoder_client.dtypes import DTYPE_BY_NAME, output_dtype_enum
+from encoder_client.dtypes import output_dtype_enum
+from encoder_client.protocol import BY_NAME, DTYPES, encoder_pb2, hashing
 from encoder_client.types import HashRef, ImageInput
 
 MAX_UINT32 = 2**32 - 1
 
 # numpy dtypes sent as patches as they are. float64 (numpy's default) is narrowed to float32, the
 # dtype image processors return; anything else is refused rather than guessed at.
-_PATCH_WIRE_DTYPE = {
-    np.dtype(np.float32): encoder_pb2.DTYPE_FLOAT32,
-    np.dtype(np.float16): encoder_pb2.DTYPE_FLOAT16,
-    np.dtype(np.uint8): encoder_pb2.DTYPE_UINT8,
-}
+# numpy has no bfloat16 of its own: it is handled apart (below).
+_PATCH_WIRE_DTYPE = {np.dtype(d.name): d.enum for d in DTYPES if d.name != "bfloat16"}
 
 
 def _patches_to_proto(index: int, patches: object, grid: object) -> encoder_pb2.Patches:
@@ -46,7 +42,7 @@ def _patches_to_proto(index: int, patches: object, grid: object) -> encoder_pb2.
         patches = patches.astype(np.float32)
     if patches.dtype.name == "bfloat16":
         # e.g. ml_dtypes.bfloat16: same 2-byte pattern as the wire's bf16.
-        wire_dtype, array = DTYPE_BY_NAME["bfloat16"], patches.view(np.uint16)
+        wire_dtype, array = BY_NAME["bfloat16"].enum, patches.view(np.uint16)
     else:
         wire_dtype = _PATCH_WIRE_DTYPE.get(patches.dtype.newbyteorder("="))
         if wire_dtype is None:

@@ -11,7 +11,6 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 
-from encoder_client._proto.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from encoder_client._reassembly import Reassembler, check_lookup_response
 from encoder_client._request import build_request, check_images_sequence
 from encoder_client._rpc import (
@@ -27,9 +26,10 @@ from encoder_client._rpc import (
 from encoder_client.dtypes import BF16_AS
 from encoder_client.errors import EncoderClientError
 from encoder_client.hash_first import HashFirstPlan, is_eviction_race
+from encoder_client.protocol import ModelInfo, encoder_pb2, encoder_pb2_grpc
 from encoder_client.security import call_metadata
 from encoder_client.sink import PushedImage, collect_headers
-from encoder_client.types import EncodedImage, ImageInput, ModelInfo
+from encoder_client.types import EncodedImage, ImageInput
 
 _Resp = TypeVar("_Resp")
 

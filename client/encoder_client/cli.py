@@ -13,6 +13,7 @@ import numpy as np
 
 from encoder_client.client import EncoderClient
 from encoder_client.errors import EncoderClientError
+from encoder_client.protocol import OUTPUT_DTYPES
 from encoder_client.routing import RoutingEncoderClient
 from encoder_client.security import read_token_file, tls_credentials
 from encoder_client.types import EncodedImage
@@ -118,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("encode", "encode image files and print one row per image")
     p.add_argument("files", nargs="+", metavar="FILE")
-    p.add_argument("--dtype", choices=["model", "float32", "float16", "bfloat16"], default="model",
+    p.add_argument("--dtype", choices=["model", *OUTPUT_DTYPES], default="model",
                    help="output dtype (default: the model's)")
     p.add_argument("--bf16-as", choices=["float32", "uint16"], default="float32",
                    help="how bf16 embeddings are returned/saved (default float32, exact)")

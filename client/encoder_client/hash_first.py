@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from encoder_client._proto.encoder.v1 import encoder_pb2
 from encoder_client._request import check_images_sequence, content_hash, image_to_proto
 from encoder_client.errors import EncoderClientError
+from encoder_client.protocol import encoder_pb2
 from encoder_client.types import HashRef, ImageInput
 
 

@@ -28,7 +28,8 @@ import grpc
 from encoder_client._request import check_images_sequence, content_hash, image_to_proto
 from encoder_client.client import EncoderClient
 from encoder_client.errors import EncoderClientError
-from encoder_client.types import EncodedImage, ImageInput, ModelInfo
+from encoder_client.protocol import ModelInfo
+from encoder_client.types import EncodedImage, ImageInput
 
 # Codes after which the same request may go to another encoder: it did no lasting work there.
 FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE,)

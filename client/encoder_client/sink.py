@@ -46,10 +46,10 @@ import grpc
 import grpc.aio
 import numpy as np
 
-from encoder_client._proto.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from encoder_client._reassembly import Reassembler
-from encoder_client.dtypes import dtype_name, wire_numpy_dtype
 from encoder_client.errors import EncoderClientError
+from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
+from encoder_client.protocol.dtypes import dtype_name, wire_numpy_dtype
 from encoder_client.types import EncodedImage
 
 DEFAULT_MAX_BUFFERED_BYTES = 1 << 30

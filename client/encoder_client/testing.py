@@ -23,8 +23,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from encoder_client import hashing
-from encoder_client._proto.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from encoder_client.protocol import BY_ENUM, BY_NAME, WireDType, encoder_pb2, encoder_pb2_grpc, hashing
 
 FAKE_NAMESPACE = "fake-model/ns-1"
 FAKE_HIDDEN_SIZE = 8
@@ -47,12 +46,17 @@ def float32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     return rounded.astype(np.uint16)
 
 
+def _embedding_dtype(dtype: int) -> WireDType:
+    """The wire dtype the fake sends embeddings in: float32 for anything but float16 and bfloat16."""
+    wire = BY_ENUM.get(dtype)
+    return wire if wire is not None and wire.embedding else BY_NAME["float32"]
+
+
 def _wire_bytes(embedding: np.ndarray, dtype: int) -> bytes:
-    if dtype == encoder_pb2.DTYPE_FLOAT16:
-        return embedding.astype("<f2").tobytes()
-    if dtype == encoder_pb2.DTYPE_BFLOAT16:
-        return float32_to_bf16_bits(embedding).astype("<u2").tobytes()
-    return embedding.astype("<f4").tobytes()
+    wire = _embedding_dtype(dtype)
+    if wire.name == "bfloat16":
+        embedding = float32_to_bf16_bits(embedding)
+    return embedding.astype(wire.numpy).tobytes()
 
 
 @dataclass
@@ -117,7 +121,7 @@ class FakeVisionEncoder(encoder_pb2_grpc.VisionEncoderServicer):
                 return
             time.sleep(0.005)
         dtype = request.output_dtype or self.model_dtype
-        itemsize = 4 if dtype == encoder_pb2.DTYPE_FLOAT32 else 2
+        itemsize = _embedding_dtype(dtype).itemsize
         chunk_bytes = request.max_chunk_bytes or FAKE_DEFAULT_CHUNK_BYTES
         rows_per_chunk = max(1, chunk_bytes // (self.hidden_size * self.feature_levels * itemsize))
         levels = self.feature_levels if self.feature_levels > 1 else 0  # as the server: 0 means 1

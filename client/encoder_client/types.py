@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
-from typing import Any, Union
+from dataclasses import dataclass
+from typing import Union
 
 import numpy as np
 
-from encoder_client._proto.encoder.v1 import encoder_pb2
-from encoder_client.dtypes import dtype_name
+from encoder_client.protocol import ModelInfo, encoder_pb2
+
+__all__ = ["EncodedImage", "HashRef", "ImageInput", "ModelInfo"]  # ModelInfo: encoder_client.protocol's
 
 
 @dataclass(frozen=True)
@@ -70,39 +71,3 @@ class EncodedImage:
     def nbytes(self) -> int:
         """Bytes held by every level."""
         return self.embedding.nbytes + sum(level.nbytes for level in self.deepstack)
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the server runs (GetModelInfo); ``dtype`` is a name, e.g. "bfloat16"."""
-
-    model_id: str
-    model_type: str
-    hidden_size: int
-    dtype: str
-    patch_size: int
-    temporal_patch_size: int
-    spatial_merge_size: int
-    patch_dim: int
-    attention_backend: str
-    device: str
-    cache_namespace: str
-    max_batch_tokens: int
-    max_message_bytes: int
-    max_image_pixels: int
-    version: str
-    preprocess: str = ""  # "pil" or "torch"; empty from servers older than the field
-    # Levels in each embedding row (main + deepstack levels, each hidden_size wide); 1 for models
-    # without extra levels and from servers older than the field.
-    feature_levels: int = 1
-
-    @classmethod
-    def from_proto(cls, msg: encoder_pb2.ModelInfo) -> ModelInfo:
-        values: dict[str, Any] = {f.name: getattr(msg, f.name) for f in fields(cls)}
-        values["feature_levels"] = msg.feature_levels or 1  # 0 on the wire means 1
-        try:
-            values["dtype"] = dtype_name(msg.dtype)
-        except ValueError:
-            # A newer server may know dtypes this client does not; do not fail the whole call.
-            values["dtype"] = f"dtype({msg.dtype})"
-        return cls(**values)

@@ -12,7 +12,7 @@ import os
 import time
 
 import grpc
-from encoder_client._proto.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from encoder_client.protocol import ModelInfo, encoder_pb2, encoder_pb2_grpc
 
 from .. import __version__
 from ..config import ServiceConfig
@@ -20,7 +20,6 @@ from ..engine import Engine
 from ..errors import ResourceExhausted, Unavailable
 from ..metrics import ServiceMetrics
 from ..sink_allowlist import SinkAllowlist
-from . import dtypes
 from .calls import CallBook
 from .sink import PUSH_MAX_CHUNK_BYTES, SinkChannels, SinkFailed, SinkPush, fail_uniformly, header_chunk
 from .streaming import embedding_chunks, serialized_chunks
@@ -118,11 +117,11 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
                            context: grpc.aio.ServicerContext) -> encoder_pb2.ModelInfo:
         d = self._ready_engine().describe()
         c = self.config
-        return encoder_pb2.ModelInfo(
+        return ModelInfo(
             model_id=d.model_id, model_type=d.model_type, hidden_size=d.hidden_size,
-            dtype=dtypes.ENUM_BY_NAME[d.dtype], patch_size=d.patch_size,
+            dtype=d.dtype, patch_size=d.patch_size,
             temporal_patch_size=d.temporal_patch_size, spatial_merge_size=d.spatial_merge_size,
             patch_dim=d.patch_dim, attention_backend=d.attn_backend, device=d.device,
             cache_namespace=d.cache_namespace, max_batch_tokens=c.max_batch_tokens,
             max_message_bytes=c.max_message_bytes, max_image_pixels=c.max_image_pixels, version=__version__,
-            preprocess=d.preprocess, feature_levels=d.feature_levels if d.feature_levels > 1 else 0)
+            preprocess=d.preprocess, feature_levels=d.feature_levels).to_proto()

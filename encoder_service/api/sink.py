@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 
 import grpc
-from encoder_client._proto.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
 from prometheus_client import Counter
 
 from ..errors import EncoderError, Unavailable

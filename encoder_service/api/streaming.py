@@ -15,12 +15,11 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
-from encoder_client._proto.encoder.v1 import encoder_pb2
+from encoder_client.protocol import BY_NAME, encoder_pb2
 
 from ..engine import ImageResult
 from ..engine.convert import output_dtype as torch_output_dtype
 from ..engine.convert import rows_to_bytes
-from . import dtypes
 
 
 def _headers(result: ImageResult, name: str, request_id: str, max_chunk_bytes: int
@@ -31,7 +30,7 @@ def _headers(result: ImageResult, name: str, request_id: str, max_chunk_bytes: i
     num_tokens, hidden = result.num_tokens, result.hidden_size
     # Set only for extra levels: a model without them keeps the field off the wire (0 means 1).
     levels = result.feature_levels if result.feature_levels > 1 else 0
-    rows_per_chunk = max(1, max_chunk_bytes // max(1, result.row_width * dtypes.ITEMSIZE[name]))
+    rows_per_chunk = max(1, max_chunk_bytes // max(1, result.row_width * BY_NAME[name].itemsize))
     start = 0
     while True:
         stop = min(num_tokens, start + rows_per_chunk)
@@ -39,7 +38,7 @@ def _headers(result: ImageResult, name: str, request_id: str, max_chunk_bytes: i
         header = encoder_pb2.EmbeddingChunk(
             request_id=request_id, image_index=result.index, content_hash=result.content_hash,
             grid_thw=list(result.grid), num_tokens=num_tokens, hidden_size=hidden,
-            dtype=dtypes.ENUM_BY_NAME[name], token_offset=start, last=last, cache_hit=result.cache_hit,
+            dtype=BY_NAME[name].enum, token_offset=start, last=last, cache_hit=result.cache_hit,
             feature_levels=levels)
         if last:
             t = result.timing
@@ -93,7 +92,7 @@ def serialized_chunks(result: ImageResult, *, request_id: str, out_dtype: str | 
     """Like ``embedding_chunks``, as wire bytes (see the module docstring); parses to the same messages."""
     name = out_dtype or model_dtype
     data = np.frombuffer(wire_view(result.embedding, torch_output_dtype(name, result.embedding.dtype)), np.uint8)
-    row_bytes = result.row_width * dtypes.ITEMSIZE[name]
+    row_bytes = result.row_width * BY_NAME[name].itemsize
     for header, start, stop in _headers(result, name, request_id, max_chunk_bytes):
         payload = data[start * row_bytes:stop * row_bytes]
         prefix = header.SerializeToString()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from encoder_client._proto.encoder.v1 import encoder_pb2
+from encoder_client.protocol import BY_NAME, encoder_pb2
 
 from ..config import MIN_CHUNK_BYTES
 from ..engine import Engine, ImageInput
@@ -101,7 +101,7 @@ def _parse_patches(index: int, patches: encoder_pb2.Patches, engine: Engine) -> 
     grid = engine.check_grid(list(patches.grid_thw))
     dtype = dtypes.patch_dtype(patches.dtype)
     patch_dim = engine.describe().patch_dim
-    itemsize = dtypes.ITEMSIZE[dtype]
+    itemsize = BY_NAME[dtype].itemsize
     t, h, w = grid
     num_patches = t * h * w
     expected = num_patches * patch_dim * itemsize

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from encoder_client.hashing import hash_encoded, hash_patches
+from encoder_client.protocol.hashing import hash_encoded, hash_patches
 
 from ..config import ServiceConfig
 from ..errors import InvalidInput, NotFound, ResourceExhausted, Unavailable

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import warnings
 
+from ..torch_dtypes import torch_dtype
 from .batch_queue import WorkItem
-from .convert import torch_dtype
 from .shared_buffer import SharedBuffer
 
 IN_FLIGHT = 2  # one batch on the device, the next staged behind it

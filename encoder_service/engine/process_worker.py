@@ -32,10 +32,11 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
 
+from encoder_client.protocol.dtypes import BY_NAME
+
 from ..config import ServiceConfig
 from ..errors import Unavailable
 from .batch_queue import BatchQueue, WorkItem
-from .convert import ITEMSIZE
 from .devices import WorkerDevice
 from .handoff import ALIGN, IN_FLIGHT, SLOTS, copy_bytes, copy_out, describe
 from .shared_buffer import SharedBuffer, grown
@@ -223,7 +224,7 @@ class WorkerProcess:
             layout.append((offset, payload))
             offset += (payload.nbytes + ALIGN - 1) // ALIGN * ALIGN
         out_bytes = sum(self.front.num_tokens(item.grid) for item in batch) * self.front.spec.row_width \
-            * ITEMSIZE[self.front.dtype]
+            * BY_NAME[self.front.dtype].itemsize
         self._ensure(self._in, "in", slot, offset)
         self._ensure(self._out, "out", slot, out_bytes)
         buffer = self._in[slot]

@@ -10,10 +10,6 @@ import torch
 Grid = tuple[int, int, int]
 InputKind = Literal["encoded", "patches", "content_hash"]
 
-# Wire dtypes of patches the engine accepts, with their numpy names; the model always gets float32.
-PATCH_DTYPES = ("float32", "float16", "bfloat16", "uint8")
-OUTPUT_DTYPES = ("float32", "float16", "bfloat16")
-
 
 @dataclass(frozen=True)
 class ImageInput:

@@ -14,15 +14,13 @@ from pathlib import Path
 import torch
 
 from ..errors import InvalidInput
+from ..torch_dtypes import MODEL_DTYPES as DTYPES
 from .base import ModelSpec, VisionModel
 from .family import load_checkpoint, load_preset
 from .presets import PRESETS, make_checkpoint
 from .registry import family_for
 
 __all__ = ["PRESETS", "ModelSpec", "VisionModel", "load_vision_model", "make_checkpoint"]
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
 def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:

@@ -26,17 +26,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+from encoder_client.protocol.dtypes import BY_NAME
 
 from ..errors import InvalidInput
+from ..torch_dtypes import torch_dtype
 
 Grid = tuple[int, int, int]
 PREPROCESS_MODES = ("pil", "torch")
 # Staging offsets are aligned so every input can be viewed in its own dtype on the device.
 _ALIGN = 64
-
-_TORCH_PATCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-                       "uint8": torch.uint8}
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "uint8": 1}
 
 
 def resolve_mode(mode: str, device: torch.device) -> str:
@@ -91,10 +89,10 @@ StagedInput = DecodedImage | RawPatches
 
 def check_patch_bytes(data: bytes, dtype: str, grid: Grid, patch_dim: int) -> RawPatches:
     """A client's patch bytes checked against their grid (cheap: lengths only, no conversion)."""
-    if dtype not in _ITEMSIZE:
+    if dtype not in BY_NAME:
         raise InvalidInput(f"unsupported patches dtype {dtype!r}")
     t, h, w = grid
-    expected = t * h * w * patch_dim * _ITEMSIZE[dtype]
+    expected = t * h * w * patch_dim * BY_NAME[dtype].itemsize
     if len(data) != expected:
         raise InvalidInput(f"patches data has {len(data)} bytes; grid {[t, h, w]} x patch_dim {patch_dim} "
                            f"in {dtype} needs {expected}")
@@ -166,7 +164,7 @@ def stage_to_device(inputs: list[StagedInput], device: torch.device) -> list[tor
 
 def patches_from_bytes(raw: torch.Tensor, item: RawPatches, patch_dim: int, dtype: torch.dtype) -> torch.Tensor:
     """A client's patch bytes (a uint8 tensor on the device) -> [n, patch_dim] in ``dtype``."""
-    values = raw.view(_TORCH_PATCH_DTYPES[item.dtype]) if item.dtype != "uint8" else raw
+    values = raw.view(torch_dtype(item.dtype)) if item.dtype != "uint8" else raw
     # Through float32: the model's reference input dtype (a uint8 or bf16 patch widens exactly).
     return values.view(-1, patch_dim).to(torch.float32).to(dtype)
 

@@ -19,9 +19,9 @@ import time
 
 import grpc
 from encoder_client import EncoderClient
-from encoder_client._proto.encoder.v1 import encoder_pb2 as pb
-from encoder_client._proto.encoder.v1 import encoder_pb2_grpc
-from encoder_client.hashing import hash_encoded
+from encoder_client.protocol import encoder_pb2 as pb
+from encoder_client.protocol import encoder_pb2_grpc
+from encoder_client.protocol.hashing import hash_encoded
 
 from ..images import ImageSource
 from ..result import ScenarioResult

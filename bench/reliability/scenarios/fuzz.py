@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 
 import grpc
-from encoder_client._proto.encoder.v1 import encoder_pb2 as pb
-from encoder_client._proto.encoder.v1 import encoder_pb2_grpc
+from encoder_client.protocol import BY_ENUM, encoder_pb2_grpc
+from encoder_client.protocol import encoder_pb2 as pb
 from hypothesis import HealthCheck, given, settings
 
 from ..fuzz_inputs import CORPUS, encode_requests, mutated_image, sink_targets, texts
@@ -20,7 +20,6 @@ from ..server import ServerSpec, start_server
 # on the ports fuzzed), so a well-formed allowed sink earns the uniform UNAVAILABLE after the bound.
 EXPECTED = {"OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "NOT_FOUND", "PERMISSION_DENIED"}
 SINK_TIMEOUT_S = 0.5
-ITEMSIZE = {pb.DTYPE_FLOAT32: 4, pb.DTYPE_FLOAT16: 2, pb.DTYPE_BFLOAT16: 2}
 MAX_MESSAGE_BYTES = 8 << 20
 
 
@@ -64,7 +63,8 @@ class Caller:
         if request.sink.target:
             return
         heads = {c.image_index: c for c in chunks if c.last}
-        payload = sum(h.num_tokens * h.hidden_size * ITEMSIZE.get(h.dtype, 4) for h in heads.values())
+        payload = sum(h.num_tokens * h.hidden_size * (BY_ENUM[h.dtype].itemsize if h.dtype in BY_ENUM else 4)
+                      for h in heads.values())
         sent = sum(c.ByteSize() for c in chunks)
         if payload:
             overhead = (sent - payload) / payload

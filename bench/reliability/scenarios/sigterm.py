@@ -13,8 +13,8 @@ from functools import partial
 import grpc
 import numpy as np
 from encoder_client import AsyncEncoderClient, EncoderClient, EncoderClientError
-from encoder_client._proto.encoder.v1 import encoder_pb2 as pb
-from encoder_client._proto.encoder.v1 import encoder_pb2_grpc
+from encoder_client.protocol import encoder_pb2 as pb
+from encoder_client.protocol import encoder_pb2_grpc
 
 from ..images import ImageSource
 from ..load import Background, Recorder, closed_loop, mixed_request, timed

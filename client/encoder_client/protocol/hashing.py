@@ -1,0 +1,41 @@
+"""The content hash that keys the server's embedding cache.
+
+The server computes it itself (a caller-supplied hash is only a reference to look up), and a
+client can compute the same value locally to ask ``Lookup`` before sending pixels. It covers the
+server's ``cache_namespace`` (model and preprocessing fingerprint), the kind of input, the grid
+and dtype for patches, and the exact bytes. sha256 from the standard library, so the client
+needs nothing beyond its three dependencies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+HASH_VERSION = b"encoder.v1/content-hash/1"
+KIND_ENCODED = b"encoded"
+KIND_PATCHES = b"patches"
+
+
+def _frame(h: hashlib._Hash, part: bytes) -> None:
+    # Length-prefix every part so no two different inputs can concatenate to the same stream.
+    h.update(struct.pack("<Q", len(part)))
+    h.update(part)
+
+
+def hash_encoded(cache_namespace: str, data: bytes) -> str:
+    """Hash of an encoded image (JPEG/PNG/... bytes, exactly as sent)."""
+    h = hashlib.sha256()
+    for part in (HASH_VERSION, cache_namespace.encode(), KIND_ENCODED, data):
+        _frame(h, part)
+    return h.hexdigest()
+
+
+def hash_patches(cache_namespace: str, grid_thw: Sequence[int], dtype: int, data: bytes) -> str:
+    """Hash of preprocessed patches: the grid, the wire dtype enum value and the raw bytes."""
+    h = hashlib.sha256()
+    header = struct.pack("<4I", *(int(x) for x in grid_thw), int(dtype))
+    for part in (HASH_VERSION, cache_namespace.encode(), KIND_PATCHES, header, data):
+        _frame(h, part)
+    return h.hexdigest()
