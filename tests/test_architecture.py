@@ -79,6 +79,11 @@ def test_nothing_below_the_api_speaks_grpc():
     assert _violations(_files(*BELOW_API), WIRE) == []
 
 
+def test_the_api_never_touches_torch():
+    # The engine hands the API embedding bytes (ImageResult.wire_bytes), not tensors.
+    assert _violations(_files("api"), ("torch",)) == []
+
+
 def test_models_and_what_they_use_never_reach_up_to_the_engine():
     assert _violations(_files(*BELOW_ENGINE), ("encoder_service.engine",)) == []
 

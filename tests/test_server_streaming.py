@@ -8,8 +8,10 @@ import torch
 from encoder_client.protocol import encoder_pb2
 
 from encoder_service.api import streaming
-from encoder_service.api.streaming import embedding_chunks, serialized_chunks, wire_view
+from encoder_service.api.streaming import embedding_chunks, serialized_chunks
+from encoder_service.engine.convert import rows_to_bytes
 from encoder_service.engine.types import ImageResult, Timing
+from encoder_service.torch_dtypes import torch_dtype
 
 
 def _result(dtype: torch.dtype, tokens: int = 7, hidden: int = 6) -> ImageResult:
@@ -31,11 +33,17 @@ def test_serialized_chunks_parse_to_the_protobuf_messages(model_dtype, out_dtype
     assert len(got) == len(expected) and len(got) >= 1
     for raw, want in zip(got, expected):
         assert encoder_pb2.EmbeddingChunk.FromString(raw) == encoder_pb2.EmbeddingChunk.FromString(want)
+    # Both share the engine's wire bytes: check those against a conversion done here, row by row.
+    name = out_dtype or model_name
+    sent = b"".join(encoder_pb2.EmbeddingChunk.FromString(raw).data for raw in got)
+    n = result.embedding.shape[0]
+    assert sent == b"".join(rows_to_bytes(result.embedding, torch_dtype(name), i, i + 1) for i in range(n))
 
 
 def test_embedding_in_the_wire_dtype_is_sent_from_its_own_memory():
-    embedding = _result(torch.bfloat16).embedding
-    view = wire_view(embedding, torch.bfloat16)
+    result = _result(torch.bfloat16)
+    embedding = result.embedding
+    view = result.wire_bytes("bfloat16")
     assert view.nbytes == embedding.nbytes
     embedding[0, 0] = 42.0  # a view, not a copy: the change shows through
     assert bytes(view[:2]) == embedding[0, :1].view(torch.int16).numpy().tobytes()
@@ -69,5 +77,5 @@ def test_rows_of_three_feature_levels_are_chunked_whole_and_say_one_levels_hidde
         assert (chunk.hidden_size, chunk.feature_levels, chunk.num_tokens) == (6, 3, 7)
         assert len(chunk.data) % (18 * itemsize) == 0
     data = b"".join(c.data for c in got)
-    assert data == streaming.rows_to_bytes(embedding, result.embedding.dtype if out_dtype is None
-                                           else torch.bfloat16, 0, 7)
+    assert data == rows_to_bytes(embedding, result.embedding.dtype if out_dtype is None
+                                 else torch.bfloat16, 0, 7)

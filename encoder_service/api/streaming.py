@@ -14,12 +14,9 @@ import sys
 from collections.abc import Iterator
 
 import numpy as np
-import torch
 from encoder_client.protocol import BY_NAME, encoder_pb2
 
 from ..engine import ImageResult
-from ..engine.convert import output_dtype as torch_output_dtype
-from ..engine.convert import rows_to_bytes
 
 
 def _headers(result: ImageResult, name: str, request_id: str, max_chunk_bytes: int
@@ -53,9 +50,10 @@ def _headers(result: ImageResult, name: str, request_id: str, max_chunk_bytes: i
 def embedding_chunks(result: ImageResult, *, request_id: str, out_dtype: str | None, model_dtype: str,
                      max_chunk_bytes: int) -> Iterator[encoder_pb2.EmbeddingChunk]:
     name = out_dtype or model_dtype
-    torch_dtype = torch_output_dtype(name, result.embedding.dtype)
+    data = result.wire_bytes(name)
+    row_bytes = result.row_width * BY_NAME[name].itemsize
     for chunk, start, stop in _headers(result, name, request_id, max_chunk_bytes):
-        chunk.data = rows_to_bytes(result.embedding, torch_dtype, start, stop)
+        chunk.data = bytes(data[start * row_bytes:stop * row_bytes])
         yield chunk
 
 
@@ -74,14 +72,6 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
-def wire_view(embedding: torch.Tensor, out_dtype: torch.dtype) -> memoryview:
-    """The embedding as raw little-endian bytes in ``out_dtype``: a view of its own memory when it
-    is already in that dtype (the cache keeps embeddings in the model dtype), else one conversion."""
-    if embedding.dtype != out_dtype or not embedding.is_contiguous() or sys.byteorder != "little":
-        return memoryview(rows_to_bytes(embedding, out_dtype, 0, embedding.shape[0]))
-    return memoryview(embedding.view(torch.uint8).numpy()).cast("B")
-
-
 def serialize_chunk(chunk: bytes | encoder_pb2.EmbeddingChunk) -> bytes:
     """The Encode response serializer: chunks from ``serialized_chunks`` are already bytes."""
     return chunk if isinstance(chunk, bytes) else chunk.SerializeToString()
@@ -91,7 +81,7 @@ def serialized_chunks(result: ImageResult, *, request_id: str, out_dtype: str | 
                       max_chunk_bytes: int) -> Iterator[bytes]:
     """Like ``embedding_chunks``, as wire bytes (see the module docstring); parses to the same messages."""
     name = out_dtype or model_dtype
-    data = np.frombuffer(wire_view(result.embedding, torch_output_dtype(name, result.embedding.dtype)), np.uint8)
+    data = np.frombuffer(result.wire_bytes(name), np.uint8)
     row_bytes = result.row_width * BY_NAME[name].itemsize
     for header, start, stop in _headers(result, name, request_id, max_chunk_bytes):
         payload = data[start * row_bytes:stop * row_bytes]

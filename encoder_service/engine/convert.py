@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import torch
 from encoder_client.protocol.dtypes import BY_NAME
@@ -20,8 +22,13 @@ def patches_to_float32(data: bytes, patch_dtype: str, patch_dim: int) -> np.ndar
     return flat.reshape(-1, patch_dim)
 
 
-def output_dtype(name: str | None, model_dtype: torch.dtype) -> torch.dtype:
-    return model_dtype if name is None else torch_dtype(name)
+def wire_view(embedding: torch.Tensor, dtype_name: str) -> memoryview:
+    """A CPU embedding as flat raw little-endian bytes in ``dtype_name``: a view of its own memory
+    when it is already in that dtype, else one conversion."""
+    out_dtype = torch_dtype(dtype_name)
+    if embedding.dtype != out_dtype or not embedding.is_contiguous() or sys.byteorder != "little":
+        return memoryview(rows_to_bytes(embedding, out_dtype, 0, embedding.shape[0]))
+    return memoryview(embedding.view(torch.uint8).numpy()).cast("B")
 
 
 def rows_to_bytes(embedding: torch.Tensor, out_dtype: torch.dtype, start: int, stop: int) -> bytes:

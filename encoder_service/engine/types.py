@@ -63,6 +63,14 @@ class ImageResult:
         """One level's width (what the wire's hidden_size says)."""
         return self.row_width // self.feature_levels
 
+    def wire_bytes(self, dtype_name: str) -> memoryview:
+        """The rows as raw little-endian bytes in ``dtype_name``, flat: what the API streams, with no
+        torch on its side. A view of the embedding's own memory when it is already in that dtype
+        (the cache keeps embeddings in the model dtype), else one conversion."""
+        from .convert import wire_view
+
+        return wire_view(self.embedding, dtype_name)
+
 
 @dataclass(frozen=True)
 class ModelDescription:
