@@ -1,16 +1,22 @@
-"""AsyncEncoderClient against the fake VisionEncoder (each test runs its own event loop)."""
+"""AsyncEncoderClient against the fake VisionEncoder and the real tiny server (tests/client_servers.py);
+each test runs its own event loop.
+
+Tests that ask for ``target``/``srv`` run against both (``[fake]``, ``[real]``); tests that also ask for
+``fake`` use its internals (scripted failures, recorded requests, its delay) and run against the fake only.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
+import client_servers
 import grpc
 import numpy as np
 import pytest
-from encoder_client import AsyncEncoderClient, EncoderClientError, HashRef
+from client_servers import Server
+from encoder_client import AsyncEncoderClient, EncoderClientError, HashRef, content_hash
 from encoder_client.testing import (
     FAKE_NAMESPACE,
     Failure,
@@ -21,38 +27,40 @@ from encoder_client.testing import (
 )
 
 FAST_RETRY = {"backoff_base_s": 0.01, "backoff_max_s": 0.02}
+pytestmark = pytest.mark.timeout(120)
+
+# The fixtures (fake, srv, target, ...) and the fake/real parametrization: tests/client_servers.py.
+pytest_generate_tests = client_servers.pytest_generate_tests
+fake, server_kind, srv, target, real_model = (client_servers.fake, client_servers.server_kind, client_servers.srv,
+                                              client_servers.target, client_servers.real_model)
 
 
-@pytest.fixture
-def fake() -> FakeVisionEncoder:
-    return FakeVisionEncoder()
-
-
-@pytest.fixture
-def target(fake: FakeVisionEncoder) -> Iterator[str]:
-    with serve_fake(fake) as t:
-        yield t
-
-
-def test_async_encode_reassembles_in_request_order_and_decodes_bf16(target: str, tmp_path: Path) -> None:
+def test_async_encode_reassembles_in_request_order_and_decodes_bf16(target: str, srv: Server, tmp_path: Path) -> None:
     path = tmp_path / "a.png"
-    path.write_bytes(b"png bytes")
-    patches = np.ones((4, 6), np.float32)
+    path.write_bytes(srv.image("png bytes"))
+    patches = np.ones((4, 6), np.float32) if srv.is_fake else \
+        np.random.default_rng(time.time_ns() % 2**32).standard_normal((4, srv.patch_dim())).astype(np.float32)
+    images = [srv.image("one"), path, (patches, (1, 2, 2))]
 
     async def run():
-        async with AsyncEncoderClient(target) as client:
-            return await client.encode([b"one", path, (patches, (1, 2, 2))], output_dtype="bfloat16",
-                                       max_chunk_bytes=16)
+        async with AsyncEncoderClient(target, timeout_s=30) as client:
+            return (await client.encode(images, output_dtype="bfloat16", max_chunk_bytes=16),
+                    await client.encode(images, output_dtype="float32"))
 
-    results = asyncio.run(run())
+    results, f32 = asyncio.run(run())
     assert [r.index for r in results] == [0, 1, 2]
-    for r in results:
-        bits = float32_to_bf16_bits(fake_embedding(r.content_hash))
+    for r, want, image in zip(results, f32, images, strict=True):
+        # The fake's values; for the real server, the same server's float32 answer (itself checked).
+        srv.assert_embedding(want, path.read_bytes() if isinstance(image, Path) else image)
+        reference = fake_embedding(r.content_hash) if srv.is_fake else want.embedding
+        bits = float32_to_bf16_bits(reference)
         np.testing.assert_array_equal(r.embedding, (bits.astype(np.uint32) << 16).view(np.float32))
         assert r.dtype == "bfloat16" and r.embedding.dtype == np.float32
+        assert r.content_hash == want.content_hash
 
 
 def test_async_retries_unavailable_only(target: str, fake: FakeVisionEncoder) -> None:
+    # Fake only: scripted failures (fake.fail_next), counted by the fake's recorded requests.
     fake.fail_next += [Failure(grpc.StatusCode.UNAVAILABLE, "starting")] * 2
     fake.fail_next.append(Failure(grpc.StatusCode.INVALID_ARGUMENT, "image 0: empty image"))
 
@@ -69,6 +77,7 @@ def test_async_retries_unavailable_only(target: str, fake: FakeVisionEncoder) ->
 
 
 def test_async_a_stream_that_already_sent_chunks_is_not_retried(target: str, fake: FakeVisionEncoder) -> None:
+    # Fake only: scripted failures (fake.fail_next), counted by the fake's recorded requests.
     fake.fail_next.append(Failure(grpc.StatusCode.UNAVAILABLE, "draining", after_chunks=1))
 
     async def run():
@@ -84,6 +93,7 @@ def test_async_a_stream_that_already_sent_chunks_is_not_retried(target: str, fak
 def test_async_a_request_larger_than_grpcs_default_retry_buffer_is_retried(
     target: str, fake: FakeVisionEncoder
 ) -> None:
+    # Fake only: scripted failures (fake.fail_next), counted by the fake's recorded requests.
     image = bytes(range(256)) * (8 * 1024)  # 2 MiB: gRPC's default per-RPC retry buffer is 256 KiB
     fake.fail_next += [Failure(grpc.StatusCode.UNAVAILABLE, "starting")] * 2
 
@@ -97,6 +107,7 @@ def test_async_a_request_larger_than_grpcs_default_retry_buffer_is_retried(
 
 
 def test_async_retries_never_extend_the_deadline(target: str, fake: FakeVisionEncoder) -> None:
+    # Fake only: scripted failures (fake.fail_next), counted by the fake's recorded requests.
     fake.fail_next += [Failure(grpc.StatusCode.UNAVAILABLE, "starting")] * 100
 
     async def run():
@@ -116,6 +127,7 @@ def test_async_retries_never_extend_the_deadline(target: str, fake: FakeVisionEn
 
 
 def test_async_deadline(target: str, fake: FakeVisionEncoder) -> None:
+    # Fake only: the fake's delay holds the call at the server for 60 s (the next test: on both).
     fake.delay_s = 60.0  # the server's work: the 0.3 s deadline must end the call long before it
 
     async def run():
@@ -129,10 +141,41 @@ def test_async_deadline(target: str, fake: FakeVisionEncoder) -> None:
     assert time.monotonic() - start < 10.0  # generous: a loaded 2-core CI machine, and far below 60 s
 
 
-def test_async_lookup_model_info_health(target: str) -> None:
+def test_async_deadline_on_any_server(target: str, srv: Server) -> None:
+    # The fake is held 60 s; the real server gets more work than a 1 ms deadline allows.
+    if srv.is_fake:
+        srv.fake.delay_s = 60.0
+    images = [srv.image(f"slow {i}", (448, 448)) for i in range(4)]
+
     async def run():
         async with AsyncEncoderClient(target) as client:
-            (r,) = await client.encode([b"img"])
+            with pytest.raises(EncoderClientError) as info:
+                await client.encode(images, timeout_s=0.001)
+            return info.value
+
+    start = time.monotonic()
+    assert asyncio.run(run()).code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - start < 10.0
+
+
+def test_async_an_unknown_hash_is_not_found(target: str) -> None:
+    async def run():
+        async with AsyncEncoderClient(target, timeout_s=30) as client:
+            with pytest.raises(EncoderClientError) as info:
+                await client.encode([HashRef("cd" * 32)])
+            return info.value
+
+    err = asyncio.run(run())
+    assert err.code == grpc.StatusCode.NOT_FOUND
+    assert err.details.startswith("image 0: ") and "is not cached" in err.details
+
+
+def test_async_lookup_model_info_health(target: str, srv: Server) -> None:
+    data = srv.image("img")
+
+    async def run():
+        async with AsyncEncoderClient(target, timeout_s=30) as client:
+            (r,) = await client.encode([data])
             (hit,) = await client.encode([HashRef(r.content_hash)])
             return (r, hit, await client.lookup([r.content_hash, "f" * 64]), await client.model_info(),
                     await client.health())
@@ -140,7 +183,10 @@ def test_async_lookup_model_info_health(target: str) -> None:
     r, hit, cached, info, health = asyncio.run(run())
     assert hit.cache_hit and hit.content_hash == r.content_hash
     assert cached == [True, False]
-    assert info.cache_namespace == FAKE_NAMESPACE
+    assert info.cache_namespace == (FAKE_NAMESPACE if srv.is_fake else srv.model().cache_namespace)
+    assert r.content_hash == content_hash(data, info.cache_namespace)
+    np.testing.assert_array_equal(hit.embedding, r.embedding)
+    srv.assert_embedding(r, data)
     assert health == "SERVING"
 
 

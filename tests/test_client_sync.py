@@ -1,4 +1,9 @@
-"""EncoderClient against the fake VisionEncoder on a real loopback gRPC server."""
+"""EncoderClient against the fake VisionEncoder and the real tiny server (tests/client_servers.py).
+
+Tests that ask for ``target``/``client``/``srv`` run against both (``[fake]``, ``[real]``); tests that
+also ask for ``fake`` use the fake's internals (recorded requests, scripted failures, its delay) and
+run against the fake only.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import client_servers
 import grpc
 import numpy as np
 import pytest
+from client_servers import Server, namespace, png
 from encoder_client import EncoderClient, EncoderClientError, HashRef, ModelInfo, content_hash, hashing
 from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
 from encoder_client.testing import (
@@ -20,65 +27,86 @@ from encoder_client.testing import (
     serve_fake,
 )
 
+pytestmark = pytest.mark.timeout(120)
+
+# The fixtures (fake, srv, target, ...) and the fake/real parametrization: tests/client_servers.py.
+pytest_generate_tests = client_servers.pytest_generate_tests
+fake, server_kind, srv, target, real_model = (client_servers.fake, client_servers.server_kind, client_servers.srv,
+                                              client_servers.target, client_servers.real_model)
+
 FAST_RETRY = {"backoff_base_s": 0.01, "backoff_max_s": 0.02}
 
 
 @pytest.fixture
-def fake() -> FakeVisionEncoder:
-    return FakeVisionEncoder()
-
-
-@pytest.fixture
-def target(fake: FakeVisionEncoder) -> Iterator[str]:
-    with serve_fake(fake) as t:
-        yield t
-
-
-@pytest.fixture
 def client(target: str) -> Iterator[EncoderClient]:
-    with EncoderClient(target, timeout_s=10, retries=3, **FAST_RETRY) as c:
+    with EncoderClient(target, timeout_s=30, retries=3, **FAST_RETRY) as c:
         yield c
 
 
-def test_interleaved_chunks_of_several_images_come_back_in_request_order(
-    client: EncoderClient, fake: FakeVisionEncoder
-) -> None:
-    images = [b"first", b"second image", b"third", b"fourth"]
-    # 40 bytes = one float32 row of hidden 8 per chunk: every image arrives in several chunks,
-    # and the fake sends them round-robin, last image first.
-    results = client.encode(images, output_dtype="float32", max_chunk_bytes=40)
-    assert fake.requests[-1].max_chunk_bytes == 40
+def test_interleaved_chunks_of_several_images_come_back_in_request_order(client: EncoderClient, srv: Server) -> None:
+    images = [srv.image("first"), srv.image("second image", (112, 56)), srv.image("third", (56, 84)),
+              srv.image("fourth", (140, 56))]
+    # One float32 row per chunk (40 bytes for the fake's hidden 8, 200 for the tiny model's 48): every
+    # image arrives in several chunks (the fake sends them round-robin, last image first).
+    row_bytes = 40 if srv.is_fake else 200
+    results = client.encode(images, output_dtype="float32", max_chunk_bytes=row_bytes)
     assert [r.index for r in results] == [0, 1, 2, 3]
+    ns = namespace(client)
     for r, data in zip(results, images, strict=True):
-        expected_hash = hashing.hash_encoded(FAKE_NAMESPACE, data)
-        assert r.content_hash == expected_hash
-        np.testing.assert_array_equal(r.embedding, fake_embedding(expected_hash))
+        assert r.content_hash == hashing.hash_encoded(ns, data)
+        srv.assert_embedding(r, data)
         assert r.embedding.dtype == np.float32 and r.dtype == "float32"
-        assert (r.num_tokens, r.hidden_size) == r.embedding.shape
-        assert r.grid_thw == (1, 2, 2)
-        assert r.timing == {"queue_ms": 1.0, "preprocess_ms": 2.0, "forward_ms": 3.0}
+        assert (r.num_tokens, r.hidden_size) == r.embedding.shape and r.num_tokens > 1
+        assert r.grid_thw == srv.expected_grid(data)
+        if srv.is_fake:
+            assert r.timing == {"queue_ms": 1.0, "preprocess_ms": 2.0, "forward_ms": 3.0}
+        else:
+            assert set(r.timing) == {"queue_ms", "preprocess_ms", "forward_ms"}
+            assert all(v >= 0 for v in r.timing.values())
         assert r.latency_ms > 0
         assert not r.cache_hit
 
 
-def test_bf16_comes_back_as_exact_float32_or_raw_bits(client: EncoderClient) -> None:
-    (r,) = client.encode([b"img"], output_dtype="bfloat16", max_chunk_bytes=16)
-    reference = fake_embedding(r.content_hash)
+def test_max_chunk_bytes_is_sent(fake: FakeVisionEncoder, client: EncoderClient) -> None:
+    # Fake only: reads the request the fake recorded.
+    client.encode([b"img"], max_chunk_bytes=40)
+    assert fake.requests[-1].max_chunk_bytes == 40
+
+
+def test_bf16_comes_back_as_exact_float32_or_raw_bits(client: EncoderClient, srv: Server) -> None:
+    data = srv.image("img")
+    (f32,) = client.encode([data], output_dtype="float32")
+    (r,) = client.encode([data], output_dtype="bfloat16", max_chunk_bytes=16)
+    # The fake's values; for the real server, the same server's float32 answer (itself checked).
+    reference = fake_embedding(r.content_hash) if srv.is_fake else f32.embedding
+    srv.assert_embedding(f32, data)
     bits = float32_to_bf16_bits(reference)
     # numpy reference: put the 16 bits in the high half of a float32.
     widened = (bits.astype(np.uint32) << 16).view(np.float32)
     assert r.dtype == "bfloat16" and r.embedding.dtype == np.float32
     np.testing.assert_array_equal(r.embedding, widened)
     np.testing.assert_allclose(r.embedding, reference, rtol=2**-8)
-    (raw,) = client.encode([b"img"], output_dtype="bfloat16", bf16_as="uint16")
+    (raw,) = client.encode([data], output_dtype="bfloat16", bf16_as="uint16")
     assert raw.embedding.dtype == np.uint16
     np.testing.assert_array_equal(raw.embedding, bits)
 
 
-def test_float16_and_model_dtype(client: EncoderClient, fake: FakeVisionEncoder) -> None:
-    (r,) = client.encode([b"img"], output_dtype="float16")
+def test_float16_and_model_dtype(client: EncoderClient, srv: Server) -> None:
+    data = srv.image("img")
+    (r,) = client.encode([data], output_dtype="float16")
     assert r.embedding.dtype == np.float16 and r.dtype == "float16"
-    np.testing.assert_array_equal(r.embedding, fake_embedding(r.content_hash).astype(np.float16))
+    want = srv.expected(r, data).astype(np.float16)
+    if srv.is_fake:
+        np.testing.assert_array_equal(r.embedding, want)
+    else:  # the model's float32 answer in float16, to a float16 rounding of the 1e-6 model tolerance
+        np.testing.assert_allclose(r.embedding, want, rtol=2**-10, atol=1e-6)
+    (default,) = client.encode([data])  # no output_dtype: the model's dtype (float32 for both)
+    assert default.dtype == client.model_info().dtype == "float32"
+    srv.assert_embedding(default, data)
+
+
+def test_no_output_dtype_is_sent_as_unspecified(fake: FakeVisionEncoder, client: EncoderClient) -> None:
+    # Fake only: reads the request the fake recorded.
     client.encode([b"img"])
     assert fake.requests[-1].output_dtype == encoder_pb2.DTYPE_UNSPECIFIED
 
@@ -86,6 +114,7 @@ def test_float16_and_model_dtype(client: EncoderClient, fake: FakeVisionEncoder)
 def test_each_kind_of_input_becomes_the_right_image_message(
     client: EncoderClient, fake: FakeVisionEncoder, tmp_path: Path
 ) -> None:
+    # Fake only: reads the messages the fake recorded (the next test runs the same inputs on both).
     path = tmp_path / "cat.jpg"
     path.write_bytes(b"\xff\xd8 jpeg bytes")
     patches = np.arange(4 * 6, dtype=np.float32).reshape(4, 6)
@@ -113,7 +142,35 @@ def test_each_kind_of_input_becomes_the_right_image_message(
     assert results[7].cache_hit and results[6].content_hash == results[3].content_hash
 
 
+def test_each_kind_of_input_is_encoded_and_hashed_as_the_server_does(
+    client: EncoderClient, srv: Server, tmp_path: Path
+) -> None:
+    path = tmp_path / "cat.png"
+    path.write_bytes(srv.image("cat"))
+    rng = np.random.default_rng(int(time.time_ns()) % 2**32)  # fresh patches: a first encode is no cache hit
+    patches = rng.standard_normal((4, srv.patch_dim())).astype(np.float32)
+    half = rng.standard_normal((4, srv.patch_dim())).astype(np.float16)
+    pixels = rng.integers(0, 256, (4, srv.patch_dim()), dtype=np.uint8)
+    (cached,) = client.encode([srv.image("already cached")])
+    images = [srv.image("raw bytes"), path, str(path), (patches, (1, 2, 2)), (half, [1, 2, 2]),
+              (pixels, (1, 2, 2)), (patches.astype(np.float64), (1, 2, 2)), HashRef(cached.content_hash)]
+    results = client.encode(images)
+    ns = namespace(client)
+    # The client's local hash is the server's cache key, for every kind of input.
+    for image, r in zip(images, results, strict=True):
+        assert content_hash(image, ns) == r.content_hash
+    assert results[7].cache_hit and results[6].content_hash == results[3].content_hash
+    assert results[1].content_hash == results[2].content_hash
+    np.testing.assert_array_equal(results[7].embedding, cached.embedding)
+    np.testing.assert_array_equal(results[6].embedding, results[3].embedding)
+    for i in (0, 3):
+        srv.assert_embedding(results[i], images[i])
+    srv.assert_embedding(results[1], path.read_bytes())
+    assert [r.grid_thw for r in results[3:7]] == [(1, 2, 2)] * 4
+
+
 def test_bad_inputs_are_refused_before_anything_is_sent(client: EncoderClient, fake: FakeVisionEncoder) -> None:
+    # Fake only: that nothing reached the server is read from the fake's recorded requests.
     patches = np.zeros((4, 6), np.float32)
     with pytest.raises(ValueError, match="image 1: patches have 4 rows but grid"):
         client.encode([b"ok", (patches, (1, 2, 3))])
@@ -131,7 +188,30 @@ def test_bad_inputs_are_refused_before_anything_is_sent(client: EncoderClient, f
     assert fake.encode_calls == 0
 
 
+def test_an_invalid_image_is_invalid_argument_naming_it(target: str, srv: Server) -> None:
+    # An image with no source set (only a raw stub can send one): any server refuses it, naming it.
+    channel = grpc.insecure_channel(target)
+    stub = encoder_pb2_grpc.VisionEncoderStub(channel)
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Encode(encoder_pb2.EncodeRequest(
+            images=[encoder_pb2.Image(encoded=srv.image("ok")), encoder_pb2.Image()]), timeout=30))
+    channel.close()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("image 1: ")
+    assert "no source set" in info.value.details()
+
+
+def test_undecodable_bytes_are_invalid_argument_naming_the_image(client: EncoderClient, srv: Server) -> None:
+    if srv.is_fake:  # the fake takes any bytes as an image: nothing to refuse
+        assert client.encode([b"ok", b"not an image"])
+        return
+    with pytest.raises(EncoderClientError) as info:
+        client.encode([srv.image("ok"), b"not an image"])
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details.startswith("image 1: ")
+
 def test_unavailable_is_retried_until_success(target: str, fake: FakeVisionEncoder) -> None:
+    # Fake only: scripted failures (fake.fail_next), counted by the fake's recorded requests.
     fake.fail_next += [Failure(grpc.StatusCode.UNAVAILABLE, "starting")] * 2
     with EncoderClient(target, retries=2, **FAST_RETRY) as client:
         (r,) = client.encode([b"img"])
@@ -140,6 +220,7 @@ def test_unavailable_is_retried_until_success(target: str, fake: FakeVisionEncod
 
 
 def test_unavailable_after_the_retries_are_spent_is_raised(target: str, fake: FakeVisionEncoder) -> None:
+    # Fake only: scripted failures (fake.fail_next), counted by the fake's recorded requests.
     fake.fail_next += [Failure(grpc.StatusCode.UNAVAILABLE, "draining")] * 3
     with EncoderClient(target, retries=1, **FAST_RETRY) as client, pytest.raises(EncoderClientError) as info:
         client.encode([b"img"])
@@ -148,6 +229,7 @@ def test_unavailable_after_the_retries_are_spent_is_raised(target: str, fake: Fa
 
 
 def test_a_stream_that_already_sent_chunks_is_not_retried(client: EncoderClient, fake: FakeVisionEncoder) -> None:
+    # Fake only: scripted failures (fake.fail_next), counted by the fake's recorded requests.
     fake.fail_next.append(Failure(grpc.StatusCode.UNAVAILABLE, "draining", after_chunks=1))
     with pytest.raises(EncoderClientError) as info:
         client.encode([b"a", b"b"], max_chunk_bytes=32)
@@ -163,6 +245,7 @@ def test_a_stream_that_already_sent_chunks_is_not_retried(client: EncoderClient,
 def test_other_errors_are_raised_at_once_with_the_servers_message(
     client: EncoderClient, fake: FakeVisionEncoder, code: grpc.StatusCode, details: str
 ) -> None:
+    # Fake only: scripted failures (fake.fail_next), counted by the fake's recorded requests.
     fake.fail_next.append(Failure(code, details))
     with pytest.raises(EncoderClientError) as info:
         client.encode([b"a", b"b"])
@@ -171,14 +254,40 @@ def test_other_errors_are_raised_at_once_with_the_servers_message(
     assert fake.encode_calls == 1
 
 
-def test_an_unknown_hash_is_not_found(client: EncoderClient) -> None:
+def test_an_unknown_hash_is_not_found(client: EncoderClient, srv: Server) -> None:
     with pytest.raises(EncoderClientError) as info:
         client.encode([HashRef("ab" * 32)])
     assert info.value.code == grpc.StatusCode.NOT_FOUND
-    assert info.value.details == "image 0: content_hash is not cached"
+    if srv.is_fake:
+        assert info.value.details == "image 0: content_hash is not cached"
+    else:
+        assert info.value.details.startswith("image 0: ") and "is not cached" in info.value.details
+
+
+def test_hash_first_sends_pixels_only_for_what_the_server_does_not_cache(client: EncoderClient, srv: Server) -> None:
+    seen, new = srv.image("seen"), srv.image("new")
+    (first,) = client.encode([seen])
+    again, fresh = client.encode([seen, new], hash_first=True)
+    assert again.cache_hit and again.content_hash == first.content_hash
+    np.testing.assert_array_equal(again.embedding, first.embedding)
+    assert not fresh.cache_hit and fresh.content_hash == content_hash(new, namespace(client))
+    srv.assert_embedding(fresh, new)
+
+
+def test_deadline_exceeded_on_any_server(client: EncoderClient, srv: Server) -> None:
+    # The fake is held 60 s; the real server gets more work than a 1 ms deadline allows.
+    if srv.is_fake:
+        srv.fake.delay_s = 60.0
+    images = [srv.image(f"slow {i}", (448, 448)) for i in range(4)]
+    start = time.monotonic()
+    with pytest.raises(EncoderClientError) as info:
+        client.encode(images, timeout_s=0.001)
+    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - start < 10.0
 
 
 def test_deadline_exceeded(client: EncoderClient, fake: FakeVisionEncoder) -> None:
+    # Fake only: the fake's delay holds the call at the server for 60 s.
     fake.delay_s = 60.0  # the server's work: the 0.3 s deadline must end the call long before it
     start = time.monotonic()
     with pytest.raises(EncoderClientError) as info:
@@ -188,6 +297,7 @@ def test_deadline_exceeded(client: EncoderClient, fake: FakeVisionEncoder) -> No
 
 
 def test_retries_never_extend_the_deadline(target: str, fake: FakeVisionEncoder) -> None:
+    # Fake only: scripted failures (fake.fail_next), counted by the fake's recorded requests.
     fake.fail_next += [Failure(grpc.StatusCode.UNAVAILABLE, "starting")] * 100
     # 100 retries backing off 0.05, 0.1, then 0.2 s (at least half of each, with jitter) would take
     # 10 s or more if they could run past the 0.5 s deadline.
@@ -201,6 +311,7 @@ def test_retries_never_extend_the_deadline(target: str, fake: FakeVisionEncoder)
 
 
 def test_retries_wait_the_backoff_given_to_the_client(target: str, fake: FakeVisionEncoder) -> None:
+    # Fake only: scripted failures (fake.fail_next), counted by the fake's recorded requests.
     fake.fail_next += [Failure(grpc.StatusCode.UNAVAILABLE, "starting")] * 2
     # gRPC waits 0.2 s before each retry (backoff_max_s caps the doubling), jittered by +-20%.
     with EncoderClient(target, retries=2, backoff_base_s=0.2, backoff_max_s=0.2) as client:
@@ -211,6 +322,7 @@ def test_retries_wait_the_backoff_given_to_the_client(target: str, fake: FakeVis
 
 
 def test_more_than_four_retries_are_gRPCs_limit_of_five_attempts(target: str, fake: FakeVisionEncoder) -> None:
+    # Fake only: scripted failures (fake.fail_next), counted by the fake's recorded requests.
     fake.fail_next += [Failure(grpc.StatusCode.UNAVAILABLE, "draining")] * 10
     with EncoderClient(target, retries=100, **FAST_RETRY) as client, pytest.raises(EncoderClientError) as info:
         client.encode([b"img"])
@@ -222,6 +334,7 @@ def test_more_than_four_retries_are_gRPCs_limit_of_five_attempts(target: str, fa
 def test_a_request_larger_than_grpcs_default_retry_buffer_is_retried(
     target: str, fake: FakeVisionEncoder, retries: int
 ) -> None:
+    # Fake only: scripted failures (fake.fail_next), counted by the fake's recorded requests.
     image = bytes(range(256)) * (8 * 1024)  # 2 MiB: gRPC's default per-RPC retry buffer is 256 KiB
     fake.fail_next.append(Failure(grpc.StatusCode.UNAVAILABLE, "starting"))
     with EncoderClient(target, retries=retries, **FAST_RETRY) as client:
@@ -239,6 +352,7 @@ def test_a_request_larger_than_grpcs_default_retry_buffer_is_retried(
 def test_with_grpcs_default_retry_buffer_a_large_request_would_not_be_retried(
     target: str, fake: FakeVisionEncoder
 ) -> None:
+    # Fake only: scripted failures (fake.fail_next), counted by the fake's recorded requests.
     # The control for the test above: the buffer the client raises is what makes the retry happen.
     image = bytes(range(256)) * (8 * 1024)
     fake.fail_next.append(Failure(grpc.StatusCode.UNAVAILABLE, "starting"))
@@ -297,27 +411,41 @@ def test_unreachable_server_is_unavailable() -> None:
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
 
 
-def test_message_limits_come_from_max_message_bytes(target: str) -> None:
-    with EncoderClient(target, max_message_bytes=1024, retries=0) as client:
+def test_message_limits_come_from_max_message_bytes(target: str, srv: Server) -> None:
+    small = b"x" * 512 if srv.is_fake else png(7, (28, 28), solid=True)
+    assert len(small) <= 512
+    with EncoderClient(target, max_message_bytes=1024, retries=0, timeout_s=30) as client:
         with pytest.raises(EncoderClientError) as info:
             client.encode([b"x" * 4096])
         assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert client.encode([b"x" * 512])  # a small request and reply still pass
+        assert client.encode([small])  # a small request and reply still pass
 
 
-def test_lookup_model_info_health_and_metadata(target: str, fake: FakeVisionEncoder) -> None:
-    with EncoderClient(target, metadata=[("authorization", "Bearer t0k")]) as client:
-        (r,) = client.encode([b"img"])
+def test_lookup_model_info_health(target: str, srv: Server) -> None:
+    data = srv.image("img")
+    with EncoderClient(target, timeout_s=30) as client:
+        (r,) = client.encode([data])
         assert client.lookup([r.content_hash, "0" * 64]) == [True, False]
         assert client.lookup([]) == []
         info = client.model_info()
         assert isinstance(info, ModelInfo)
-        assert (info.hidden_size, info.dtype, info.cache_namespace) == (8, "float32", FAKE_NAMESPACE)
+        if srv.is_fake:
+            assert (info.hidden_size, info.dtype, info.cache_namespace) == (8, "float32", FAKE_NAMESPACE)
+        else:
+            model = srv.model()
+            assert (info.hidden_size, info.dtype) == (model.spec.hidden_size, "float32")
+            assert info.cache_namespace == model.cache_namespace and info.patch_dim == srv.patch_dim()
         assert client.health() == "SERVING"
         # A second encode of the same image is a cache hit with the same embedding.
-        (again,) = client.encode([b"img"])
+        (again,) = client.encode([data])
         assert again.cache_hit and again.content_hash == r.content_hash
         np.testing.assert_array_equal(again.embedding, r.embedding)
+
+
+def test_metadata_reaches_the_server(target: str, fake: FakeVisionEncoder) -> None:
+    # Fake only: reads the metadata the fake recorded.
+    with EncoderClient(target, metadata=[("authorization", "Bearer t0k")]) as client:
+        client.encode([b"img"])
     assert fake.metadata[-1]["authorization"] == "Bearer t0k"
 
 
@@ -349,14 +477,15 @@ def test_a_model_with_feature_levels_comes_back_as_main_embedding_and_deepstack(
         assert {len(c.data) for c in chunks} == {96}
 
 
-def test_a_model_without_feature_levels_sends_no_field_and_gives_no_deepstack(target: str) -> None:
-    with EncoderClient(target) as client:
-        (r,) = client.encode([b"img"])
+def test_a_model_without_feature_levels_sends_no_field_and_gives_no_deepstack(target: str, srv: Server) -> None:
+    data = srv.image("img")
+    with EncoderClient(target, timeout_s=30) as client:
+        (r,) = client.encode([data])
         assert r.deepstack == () and r.feature_levels == 1
         assert client.model_info().feature_levels == 1
     channel = grpc.insecure_channel(target)
     stub = encoder_pb2_grpc.VisionEncoderStub(channel)
-    (chunk,) = stub.Encode(encoder_pb2.EncodeRequest(images=[encoder_pb2.Image(encoded=b"img")]))
+    (chunk,) = stub.Encode(encoder_pb2.EncodeRequest(images=[encoder_pb2.Image(encoded=data)]), timeout=30)
     info = stub.GetModelInfo(encoder_pb2.GetModelInfoRequest())
     channel.close()
     assert not chunk.feature_levels and not info.feature_levels
