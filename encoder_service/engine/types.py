@@ -7,6 +7,8 @@ from typing import Literal
 
 import torch
 
+from .convert import wire_view
+
 Grid = tuple[int, int, int]
 InputKind = Literal["encoded", "patches", "content_hash"]
 
@@ -67,8 +69,6 @@ class ImageResult:
         """The rows as raw little-endian bytes in ``dtype_name``, flat: what the API streams, with no
         torch on its side. A view of the embedding's own memory when it is already in that dtype
         (the cache keeps embeddings in the model dtype), else one conversion."""
-        from .convert import wire_view
-
         return wire_view(self.embedding, dtype_name)
 
 

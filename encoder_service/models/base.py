@@ -165,6 +165,17 @@ class VisionModel:
     preprocess_mode: str = "pil"
     _tables: dict[tuple[torch.device, torch.dtype], torch.Tensor] | None = None  # value tables by device
 
+    def __init__(self, cfg, module: torch.nn.Module, *, device: torch.device, dtype: torch.dtype,
+                 attn_backend: str) -> None:
+        """What every family's model binds: its config (with ``num_heads`` and ``head_dim``), the
+        module, where it runs, and the attention backend, selected here once (fails here, with the
+        reason). Families set ``preprocess_config`` and ``spec`` around it."""
+        self.cfg = cfg
+        self.module = module
+        self.device = device
+        self.dtype = dtype
+        self._attach_backend(attn_backend, cfg.num_heads, cfg.head_dim)
+
     # --- sizes -------------------------------------------------------------------------------
     def num_patches(self, grid: Sequence[int]) -> int:
         t, h, w = grid

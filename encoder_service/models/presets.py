@@ -4,8 +4,9 @@ checkpoint directory."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -15,20 +16,8 @@ from .registry import family_for, get_preset, presets
 __all__ = ["PRESETS", "Preset", "get_preset", "make_checkpoint", "random_vision_state"]
 
 
-class _Presets(Mapping[str, Preset]):
-    """Every family's presets by name, gathered when first read (families import lazily)."""
-
-    def __getitem__(self, name: str) -> Preset:
-        return presets()[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(presets())
-
-    def __len__(self) -> int:
-        return len(presets())
-
-
-PRESETS: Mapping[str, Preset] = _Presets()
+# Every family's presets by name. The family packages are light (their models import on first use).
+PRESETS: Mapping[str, Preset] = MappingProxyType(presets())
 
 
 def random_vision_state(preset: Preset, seed: int = 0) -> dict[str, torch.Tensor]:

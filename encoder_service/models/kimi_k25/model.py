@@ -324,12 +324,8 @@ class KimiK25VisionModel(VisionModel):
                  attn_backend: str) -> None:
         from ...preprocess.kimi_k25 import KimiK25PreprocessConfig
 
-        self.cfg = cfg
-        self.module = module
-        self.device = device
-        self.dtype = dtype
         self.preprocess_config = KimiK25PreprocessConfig.from_dict(preprocess_config or {})
-        self._attach_backend(attn_backend, cfg.num_heads, cfg.head_dim)
+        super().__init__(cfg, module, device=device, dtype=dtype, attn_backend=attn_backend)
         self.kernel = cfg.merge_kernel_size[0]
         self.spatial = SpatialConfig(self.kernel, cfg.patch_size)
         self.spec = ModelSpec(

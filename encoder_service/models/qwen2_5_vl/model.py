@@ -323,12 +323,8 @@ class Qwen2_5_VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
                  attn_backend: str) -> None:
         from ...preprocess import Qwen2VLPreprocessConfig
 
-        self.cfg = cfg
-        self.module = module
-        self.device = device
-        self.dtype = dtype
         self.preprocess_config = Qwen2VLPreprocessConfig.from_dict(preprocess_config or {})
-        self._attach_backend(attn_backend, cfg.num_heads, cfg.head_dim)
+        super().__init__(cfg, module, device=device, dtype=dtype, attn_backend=attn_backend)
         # Whole forwards as CUDA graphs, per batch composition (models/cuda_graphs.py), where the
         # backend's plans can be captured; set_cuda_graphs(0) turns them off.
         self.set_cuda_graphs(DEFAULT_GRAPHS)

@@ -27,14 +27,10 @@ class Qwen3VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
                  attn_backend: str) -> None:
         from ...preprocess import Qwen2VLPreprocessConfig
 
-        self.cfg = cfg
-        self.module = module
-        self.device = device
-        self.dtype = dtype
         self.preprocess_config = Qwen2VLPreprocessConfig.from_dict(
             _published_preprocessor() if preprocess_config is None else preprocess_config)
-        self._check_preprocess_matches(model_id)
-        self._attach_backend(attn_backend, cfg.num_heads, cfg.head_dim)
+        self._check_preprocess_matches(cfg, model_id)
+        super().__init__(cfg, module, device=device, dtype=dtype, attn_backend=attn_backend)
         self.spec = ModelSpec(
             model_id=model_id, model_type=cfg.model_type, hidden_size=cfg.out_hidden_size,
             patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
@@ -43,9 +39,9 @@ class Qwen3VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
             fingerprint={"vision_config": cfg.to_dict(), "preprocess": self.preprocess_config.fingerprint()},
         )
 
-    def _check_preprocess_matches(self, model_id: str) -> None:
+    def _check_preprocess_matches(self, cfg: Qwen3VLVisionConfig, model_id: str) -> None:
         """The processor's patches must be the tower's: otherwise every request would fail later."""
-        pre, cfg = self.preprocess_config, self.cfg
+        pre = self.preprocess_config
         for pre_name, pre_value, name, value in (
                 ("patch_size", pre.patch_size, "patch_size", cfg.patch_size),
                 ("temporal_patch_size", pre.temporal_patch_size, "temporal_patch_size", cfg.temporal_patch_size),
