@@ -39,6 +39,7 @@ import numpy as np
 # the environment imports.
 _CHECKOUT = Path(__file__).resolve().parents[1]
 ROOT = _CHECKOUT if (_CHECKOUT / "pyproject.toml").is_file() else Path.cwd()
+SHM = "shared-memory"  # the transport that has the server write into the client's shared memory
 
 
 def photo_jpeg(seed: int, size: int = 1008, quality: int = 90) -> bytes:
@@ -149,10 +150,10 @@ def start_server(args, log_path: Path) -> tuple[subprocess.Popen, str]:
 
 
 def _client_proc(target: str, threads: int, images: list[bytes], duration_s: float, warmup: int,
-                 start_at: float, out: mp.Queue) -> None:
+                 start_at: float, out: mp.Queue, shared_memory: bool = False) -> None:
     from encoder_client import EncoderClient
 
-    client = EncoderClient(target)
+    client = EncoderClient(target, shared_memory=shared_memory)
     records: list[dict] = []
     lock = threading.Lock()
     cursor = [0]
@@ -211,7 +212,7 @@ def make_images(count: int, first_seed: int, procs: int) -> list[bytes]:
     return out
 
 
-def drive(target: str, concurrency: int, images: list[bytes], args, warmup: int) -> dict:
+def drive(target: str, concurrency: int, images: list[bytes], args, warmup: int, transport: str = "stream") -> dict:
     """``concurrency`` clients in up to ``--client-procs`` processes for ``--seconds``."""
     ctx = mp.get_context("spawn")
     procs = max(1, min(args.client_procs, concurrency))
@@ -220,7 +221,7 @@ def drive(target: str, concurrency: int, images: list[bytes], args, warmup: int)
     q = ctx.Queue()
     start_at = time.time() + 8.0 + 0.1 * concurrency  # after every process is up and warmed
     ps = [ctx.Process(target=_client_proc, args=(target, per[i], images[i * share:(i + 1) * share], args.seconds,
-                                                 warmup, start_at, q)) for i in range(procs)]
+                                                 warmup, start_at, q, transport == SHM)) for i in range(procs)]
     for p in ps:
         p.start()
     records = []
@@ -229,10 +230,10 @@ def drive(target: str, concurrency: int, images: list[bytes], args, warmup: int)
     for p in ps:
         p.join()
     if not records:
-        return {"concurrency": concurrency, "images": 0}
+        return {"concurrency": concurrency, "transport": transport, "images": 0}
     span = max(r["end"] for r in records) - start_at
     lat = [r["latency_ms"] for r in records]
-    out = {"concurrency": concurrency, "images": len(records), "seconds": span,
+    out = {"concurrency": concurrency, "transport": transport, "images": len(records), "seconds": span,
            "images_per_s": len(records) / span, "latency_p50_ms": _pct(lat, 50),
            "latency_p99_ms": _pct(lat, 99), "cache_hits": sum(r["hit"] for r in records)}
     for key in ("queue_ms", "preprocess_ms", "forward_ms"):
@@ -243,11 +244,11 @@ def drive(target: str, concurrency: int, images: list[bytes], args, warmup: int)
     return out
 
 
-def cache_hits(target: str, args) -> dict:
+def cache_hits(target: str, args, transport: str = "stream") -> dict:
     from encoder_client import EncoderClient
 
     img = photo_jpeg(10**6)
-    with EncoderClient(target) as client:
+    with EncoderClient(target, shared_memory=transport == SHM) as client:
         client.encode([img], output_dtype="bfloat16", timeout_s=120)
         lat = []
         for _ in range(args.hit_iters):
@@ -256,8 +257,9 @@ def cache_hits(target: str, args) -> dict:
             lat.append((time.perf_counter() - t0) * 1000)
             assert r.cache_hit
     embedding_bytes = r.nbytes  # every feature level (Qwen3-VL: main + deepstack)
-    many = drive(target, 32, [img] * (32 * 400), args, warmup=1)
-    return {"embedding_bytes": embedding_bytes, "latency_p50_ms": _pct(lat, 50), "latency_p99_ms": _pct(lat, 99),
+    many = drive(target, 32, [img] * (32 * 400), args, warmup=1, transport=transport)
+    return {"transport": transport, "embedding_bytes": embedding_bytes,
+            "latency_p50_ms": _pct(lat, 50), "latency_p99_ms": _pct(lat, 99),
             "throughput_32_clients_per_s": many.get("images_per_s"),
             "latency_32_clients_p50_ms": many.get("latency_p50_ms")}
 
@@ -286,13 +288,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--forward-iters", type=int, default=10)
     p.add_argument("--no-forward-only", action="store_true")
     p.add_argument("--no-hits", action="store_true")
+    p.add_argument("--transports", default="stream",
+                   help=f"comma-separated: stream (embeddings on the gRPC stream), {SHM} (written into the "
+                        f"client's shared memory; the server gets --shared-memory on); each level runs once per "
+                        "transport, on new images"),
     p.add_argument("--server-cwd", default=str(ROOT), help="checkout the server (and forward-only) run from")
     p.add_argument("--start-timeout-s", type=float, default=600)
     p.add_argument("--label", default="")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    if not transports or set(transports) - {"stream", SHM}:
+        p.error(f"--transports: stream and/or {SHM}, got {args.transports!r}")
+    if SHM in transports and "--shared-memory" not in serve_args:
+        serve_args = [*serve_args, "--shared-memory", "on"]
     args.serve_args = serve_args
     levels = [int(c) for c in args.concurrency.split(",")]
+    runs = [(c, t) for c in levels for t in transports]
     command = " ".join(["encoder-service bench --service", *argv, *(["--", *serve_args] if serve_args else [])])
 
     result: dict = {"label": args.label, "date": time.strftime("%Y-%m-%d %H:%M"), "host": platform.node(),
@@ -306,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     t0 = time.perf_counter()
-    images = make_images(args.images_per_level * len(levels), first_seed=1000, procs=min(16, os.cpu_count() or 2))
+    images = make_images(args.images_per_level * len(runs), first_seed=1000, procs=min(16, os.cpu_count() or 2))
     result["jpeg_bytes_mean"] = float(np.mean([len(i) for i in images[:50]]))
     print(f"generated {len(images)} JPEGs ({result['jpeg_bytes_mean'] / 1e3:.0f} KB each) in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
@@ -317,13 +329,13 @@ def main(argv: list[str] | None = None) -> int:
     proc, target = start_server(args, log_path)
     try:
         result["new_images"] = []
-        for i, c in enumerate(levels):
+        for i, (c, transport) in enumerate(runs):
             level_images = images[i * args.images_per_level:(i + 1) * args.images_per_level]
-            r = drive(target, c, level_images, args, warmup=2)
+            r = drive(target, c, level_images, args, warmup=2, transport=transport)
             print("new images:", json.dumps(r), flush=True)
             result["new_images"].append(r)
         if not args.no_hits:
-            result["cache_hits"] = cache_hits(target, args)
+            result["cache_hits"] = [cache_hits(target, args, t) for t in transports]
             print("cache hits:", json.dumps(result["cache_hits"]), flush=True)
     finally:
         proc.terminate()
@@ -350,15 +362,17 @@ def summary(r: dict) -> str:
     for x in r.get("new_images", []):
         if not x.get("images"):
             continue
-        lines.append(f"  new c={x['concurrency']:>3}: {x['images_per_s']:6.1f} img/s "
+        lines.append(f"  new c={x['concurrency']:>3} {x.get('transport', 'stream'):>13}: "
+                     f"{x['images_per_s']:6.1f} img/s "
                      f"(x{x.get('ratio_to_forward_only', float('nan')):.2f} of forward-only)  "
                      f"p50 {x['latency_p50_ms']:.1f} ms p99 {x['latency_p99_ms']:.1f} ms  server p50: queue "
                      f"{x['server_queue_ms_p50']:.1f} preprocess {x['server_preprocess_ms_p50']:.1f} "
                      f"forward {x['server_forward_ms_p50']:.1f} ms")
-    h = r.get("cache_hits")
-    if h:
-        lines.append(f"  cache hit ({h['embedding_bytes'] / 1e6:.1f} MB): p50 {h['latency_p50_ms']:.1f} ms "
-                     f"p99 {h['latency_p99_ms']:.1f} ms; 32 clients {h['throughput_32_clients_per_s']:.0f}/s")
+    hits = r.get("cache_hits") or []
+    for h in [hits] if isinstance(hits, dict) else hits:  # one dict in results from before transports
+        lines.append(f"  cache hit {h.get('transport', 'stream'):>13} ({h['embedding_bytes'] / 1e6:.1f} MB): p50 "
+                     f"{h['latency_p50_ms']:.1f} ms p99 {h['latency_p99_ms']:.1f} ms; 32 clients "
+                     f"{h['throughput_32_clients_per_s']:.0f}/s")
     return "\n".join(lines)
 
 

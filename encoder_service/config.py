@@ -146,6 +146,14 @@ class ServiceConfig:
         "default torchvision-backed processor; auto: torch on a GPU, pil on the CPU. "
         "Part of cache_namespace.",
         choices=("auto", "pil", "torch"))
+    # on: Encode may name an EncodeRequest.output_region (api/shared_memory.py)
+    shared_memory: str = option("off",
+        "on: a caller on this host may have its embeddings written into a shared-memory region "
+        "it created (/dev/shm/encoder-*, EncodeRequest.output_region) instead of the stream, "
+        "so the bytes never pass through gRPC (the client's shared_memory=True). Turn it on "
+        "only where every caller that can reach the port is trusted: the server writes into "
+        "the object a request names.",
+        choices=("off", "on"))
     # Security (README "Security"): every path empty = that feature off.
     # PEM certificate chain of the gRPC port; with tls_key
     tls_cert: str = option("",

@@ -26,12 +26,14 @@ def test_the_service_benchmark_runs_end_to_end_through_the_cli(tmp_path):
     subprocess.run([sys.executable, "-m", "encoder_service", "bench", "--service", "--model", "tiny-qwen2.5-vl",
                     "--device", "cpu", "--dtype", "float32", "--concurrency", "1", "--seconds", "1",
                     "--images-per-level", "4", "--client-procs", "1", "--hit-iters", "2", "--no-forward-only",
-                    "--out", str(out), "--", "--max-batch-tokens", "65536"],
+                    "--transports", "stream,shared-memory", "--out", str(out), "--", "--max-batch-tokens", "65536"],
                    check=True, capture_output=True, timeout=240)
     report = json.loads(out.read_text())
     assert report["command"].startswith("encoder-service bench --service --model tiny-qwen2.5-vl")
-    assert report["new_images"][0]["images"] > 0 and report["new_images"][0]["latency_p50_ms"] > 0
-    assert report["cache_hits"]["embedding_bytes"] > 0
+    assert [r["transport"] for r in report["new_images"]] == ["stream", "shared-memory"]
+    assert all(r["images"] > 0 and r["latency_p50_ms"] > 0 for r in report["new_images"])
+    assert [h["transport"] for h in report["cache_hits"]] == ["stream", "shared-memory"]
+    assert report["cache_hits"][1]["embedding_bytes"] == report["cache_hits"][0]["embedding_bytes"] > 0
 
 
 def test_the_qwen3_vl_benchmark_counts_the_towers_gemm_flops_exactly():

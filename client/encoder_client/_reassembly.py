@@ -8,7 +8,9 @@ level the caller gets is a contiguous view of it.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -17,6 +19,7 @@ import numpy as np
 from encoder_client.errors import EncoderClientError
 from encoder_client.protocol import encoder_pb2
 from encoder_client.protocol.dtypes import bf16_bits_to_float32, dtype_name, wire_numpy_dtype
+from encoder_client.shared_memory import OutputRegion, RegionPool, aligned
 from encoder_client.types import EncodedImage
 
 
@@ -41,12 +44,16 @@ class Reassembler:
     does not matter; an image is done when its ``last`` chunk has come and every row is filled.
     """
 
-    def __init__(self, num_images: int, *, bf16_as: str, started_s: float) -> None:
+    def __init__(self, num_images: int, *, bf16_as: str, started_s: float,
+                 region: OutputRegion | None = None) -> None:
         self._num_images = num_images
         self._bf16_as = bf16_as
         self._started_s = started_s
+        self._region = region  # the call's output_region: chunks with region_bytes point into it
         self._partials: dict[int, _Partial] = {}
         self.chunks_received = 0
+        # What the images take in a region (those on the stream included): sizes the next region.
+        self.region_bytes_needed = 0
 
     def add(self, chunk: encoder_pb2.EmbeddingChunk) -> EncodedImage | None:
         """Take one chunk; returns the image it completed, if it completed one."""
@@ -95,20 +102,23 @@ class Reassembler:
             raise _malformed(f"image {chunk.image_index}: unsupported dtype {chunk.dtype}") from None
         if chunk.hidden_size == 0 and chunk.num_tokens > 0:
             raise _malformed(f"image {chunk.image_index}: hidden_size 0")
-        return _Partial(
+        part = _Partial(
             first=chunk,
             rows=np.empty((_levels(chunk), chunk.num_tokens, chunk.hidden_size), dtype=np_dtype),
             filled=np.zeros(chunk.num_tokens, dtype=bool),
         )
+        self.region_bytes_needed += aligned(part.rows.nbytes)
+        return part
 
     def _place(self, part: _Partial, chunk: encoder_pb2.EmbeddingChunk) -> None:
         levels, _, hidden = part.rows.shape
         row_bytes = part.rows.dtype.itemsize * hidden * levels
-        if not chunk.data:
+        data = self._region_rows(part, chunk) if chunk.region_bytes else chunk.data
+        if not len(data):
             return
-        if row_bytes == 0 or len(chunk.data) % row_bytes:
-            raise _malformed(f"image {chunk.image_index}: {len(chunk.data)} bytes is not whole rows")
-        n = len(chunk.data) // row_bytes
+        if row_bytes == 0 or len(data) % row_bytes:
+            raise _malformed(f"image {chunk.image_index}: {len(data)} bytes is not whole rows")
+        n = len(data) // row_bytes
         start = chunk.token_offset
         if start + n > part.first.num_tokens:
             raise _malformed(
@@ -118,9 +128,23 @@ class Reassembler:
         if part.filled[start:start + n].any():
             raise _malformed(f"image {chunk.image_index}: rows {start}..{start + n} sent twice")
         part.filled[start:start + n] = True
-        wire_rows = np.frombuffer(chunk.data, dtype=part.rows.dtype).reshape(n, levels, hidden)
+        wire_rows = np.frombuffer(data, dtype=part.rows.dtype).reshape(n, levels, hidden)
         part.rows[:, start:start + n] = wire_rows.transpose(1, 0, 2)
         part.rows_received += n
+
+    def _region_rows(self, part: _Partial, chunk: encoder_pb2.EmbeddingChunk) -> np.ndarray:
+        """The image's rows in the call's region (the whole image, in one chunk without data)."""
+        index = chunk.image_index
+        if self._region is None:
+            raise _malformed(f"image {index}: rows in a shared-memory region, but the request lent none")
+        if chunk.data or chunk.token_offset or not chunk.last or chunk.region_bytes != part.rows.nbytes:
+            raise _malformed(f"image {index}: a region chunk must hold all {part.rows.nbytes} bytes of the "
+                             f"image alone (got {chunk.region_bytes} at token_offset {chunk.token_offset})")
+        rows = self._region.view(chunk.region_offset, chunk.region_bytes)
+        if rows is None:
+            raise _malformed(f"image {index}: bytes {chunk.region_offset}..+{chunk.region_bytes} are "
+                             f"outside the {self._region.size}-byte region")
+        return rows
 
     def _finish(self, index: int, part: _Partial, last: encoder_pb2.EmbeddingChunk) -> EncodedImage:
         rows = part.rows
@@ -145,6 +169,27 @@ class Reassembler:
             timing=timing,
             latency_ms=(time.monotonic() - self._started_s) * 1000.0,
         )
+
+
+@contextlib.contextmanager
+def reassembling(request: encoder_pb2.EncodeRequest, *, bf16_as: str,
+                 regions: RegionPool | None) -> Iterator[Reassembler]:
+    """A Reassembler for one Encode call of ``request``; with ``regions``, the call is lent a
+    shared-memory region (set as the request's output_region), returned to the pool afterwards."""
+    started = time.monotonic()
+    if regions is None:
+        yield Reassembler(len(request.images), bf16_as=bf16_as, started_s=started)
+        return
+    region = regions.acquire()
+    request.output_region.CopyFrom(region.proto())
+    reassembler = Reassembler(len(request.images), bf16_as=bf16_as, started_s=started, region=region)
+    failed = True
+    try:
+        yield reassembler
+        failed = False
+    finally:
+        # A failed call's region is not reused: the server may not have seen the end of the call yet.
+        regions.release(region, needed_bytes=reassembler.region_bytes_needed, failed=failed)
 
 
 def _levels(chunk: encoder_pb2.EmbeddingChunk) -> int:

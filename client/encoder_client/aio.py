@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
 
-from encoder_client._reassembly import Reassembler, check_lookup_response
+from encoder_client._reassembly import check_lookup_response, reassembling
 from encoder_client._request import build_request, check_images_sequence
 from encoder_client._rpc import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -28,6 +27,7 @@ from encoder_client.errors import EncoderClientError
 from encoder_client.hash_first import HashFirstPlan, is_eviction_race
 from encoder_client.protocol import ModelInfo, encoder_pb2, encoder_pb2_grpc
 from encoder_client.security import call_metadata
+from encoder_client.shared_memory import DEFAULT_INITIAL_BYTES, RegionPool
 from encoder_client.sink import PushedImage, collect_headers
 from encoder_client.types import EncodedImage, ImageInput
 
@@ -54,8 +54,11 @@ class AsyncEncoderClient:
         metadata: Sequence[tuple[str, str]] | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
         token: str | None = None,
+        shared_memory: bool = False,
+        shared_memory_bytes: int = DEFAULT_INITIAL_BYTES,
     ) -> None:
         self.target = target
+        self._regions = RegionPool(shared_memory_bytes) if shared_memory else None
         self.timeout_s = timeout_s
         self._retry = RetryPolicy(retries, backoff_base_s, backoff_max_s)
         self._metadata = call_metadata(metadata, token)
@@ -81,6 +84,8 @@ class AsyncEncoderClient:
 
     async def close(self) -> None:
         await self._channel.close()
+        if self._regions is not None:
+            self._regions.close()
 
     async def encode(
         self,
@@ -160,9 +165,9 @@ class AsyncEncoderClient:
             return []
         # gRPC retries an attempt that failed UNAVAILABLE before any response arrived (see
         # RetryPolicy); this call's iteration sees only the attempt that answered.
-        reassembler = Reassembler(len(request.images), bf16_as=bf16_as, started_s=time.monotonic())
-        await self._call_encode(request, timeout_s, reassembler.add)
-        return reassembler.results()
+        with reassembling(request, bf16_as=bf16_as, regions=self._regions) as reassembler:
+            await self._call_encode(request, timeout_s, reassembler.add)
+            return reassembler.results()
 
     async def _call_encode(self, request: encoder_pb2.EncodeRequest, timeout_s: float | None,
                            on_chunk: Callable[[encoder_pb2.EmbeddingChunk], object]) -> None:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
 
-from encoder_client._reassembly import Reassembler, check_lookup_response
+from encoder_client._reassembly import Reassembler, check_lookup_response, reassembling
 from encoder_client._request import build_request
 from encoder_client._rpc import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -25,6 +24,7 @@ from encoder_client.errors import EncoderClientError
 from encoder_client.hash_first import HashFirstPlan, is_eviction_race
 from encoder_client.protocol import ModelInfo, encoder_pb2, encoder_pb2_grpc
 from encoder_client.security import call_metadata
+from encoder_client.shared_memory import DEFAULT_INITIAL_BYTES, RegionPool
 from encoder_client.sink import PushedImage, collect_headers
 from encoder_client.types import EncodedImage, ImageInput
 
@@ -41,6 +41,9 @@ class EncoderClient:
     channel's service config (see ``_rpc.RetryPolicy``). ``credentials`` makes the channel a
     secure one (``encoder_client.tls_credentials``); ``metadata`` is sent with every call, and
     ``token`` adds ``authorization: Bearer <token>`` to it (the server's ``--auth-token-file``).
+    ``shared_memory``: on the server's host, have the server write embeddings into this process's
+    shared memory instead of the stream (the server needs ``--shared-memory on``; regions start at
+    ``shared_memory_bytes`` and grow as calls need; see ``encoder_client.shared_memory``).
     """
 
     def __init__(
@@ -56,8 +59,11 @@ class EncoderClient:
         metadata: Sequence[tuple[str, str]] | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
         token: str | None = None,
+        shared_memory: bool = False,
+        shared_memory_bytes: int = DEFAULT_INITIAL_BYTES,
     ) -> None:
         self.target = target
+        self._regions = RegionPool(shared_memory_bytes) if shared_memory else None
         self.timeout_s = timeout_s
         self._retry = RetryPolicy(retries, backoff_base_s, backoff_max_s)
         self._metadata = call_metadata(metadata, token)
@@ -83,6 +89,8 @@ class EncoderClient:
 
     def close(self) -> None:
         self._channel.close()
+        if self._regions is not None:
+            self._regions.close()
 
     def encode(
         self,
@@ -165,8 +173,8 @@ class EncoderClient:
             return []
         # gRPC retries an attempt that failed UNAVAILABLE before any response arrived (see
         # RetryPolicy); this call's iteration sees only the attempt that answered.
-        reassembler = Reassembler(len(request.images), bf16_as=bf16_as, started_s=time.monotonic())
-        return self._call_encode(request, timeout_s, lambda chunks: _reassemble(reassembler, chunks))
+        with reassembling(request, bf16_as=bf16_as, regions=self._regions) as reassembler:
+            return self._call_encode(request, timeout_s, lambda chunks: _reassemble(reassembler, chunks))
 
     def _call_encode(self, request: encoder_pb2.EncodeRequest, timeout_s: float | None,
                      consume: Callable[[Any], _Resp]) -> _Resp:

@@ -10,19 +10,21 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Iterator
 
 import grpc
 from encoder_client.protocol import ModelInfo, encoder_pb2, encoder_pb2_grpc
 
 from .. import __version__
 from ..config import ServiceConfig
-from ..engine import Engine
+from ..engine import Engine, ImageResult
 from ..errors import ResourceExhausted, Unavailable
 from ..metrics import ServiceMetrics
 from ..sink_allowlist import SinkAllowlist
 from .calls import CallBook
+from .shared_memory import RegionTable, RegionWriter
 from .sink import PUSH_MAX_CHUNK_BYTES, SinkChannels, SinkFailed, SinkPush, fail_uniformly, header_chunk
-from .streaming import embedding_chunks, serialized_chunks
+from .streaming import embedding_chunks, region_chunk, serialized_chunks
 from .tls import sink_channel_credentials
 from .validation import EncodePlan, parse_encode_request
 
@@ -44,6 +46,7 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
         self.engine: Engine | None = None
         self.sink_channels = SinkChannels(config.max_message_bytes, credentials=sink_channel_credentials(config))
         self.sink_allowlist = SinkAllowlist(config.allowed_sink_patterns)
+        self.regions = RegionTable(config.shared_memory == "on")
 
     def _ready_engine(self) -> Engine:
         if self.calls.draining:
@@ -63,11 +66,11 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
         if plan.sink is not None:
             await self._encode_to_sink(engine, plan, request_id, model_dtype, context)
             return
+        region = self.regions.writer(request.output_region) if request.HasField("output_region") else None
         # aclosing: a cancelled or failed stream releases its cache pins and queue slots right away.
         async with contextlib.aclosing(engine.encode(plan.images)) as results:
             async for result in results:
-                for chunk in serialized_chunks(result, request_id=request_id, out_dtype=plan.output_dtype,
-                                               model_dtype=model_dtype, max_chunk_bytes=plan.max_chunk_bytes):
+                for chunk in _response_chunks(result, request_id, plan, model_dtype, region):
                     await context.write(chunk)
                     if first_chunk:
                         first_chunk = False
@@ -124,4 +127,20 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
             patch_dim=d.patch_dim, attention_backend=d.attn_backend, device=d.device,
             cache_namespace=d.cache_namespace, max_batch_tokens=c.max_batch_tokens,
             max_message_bytes=c.max_message_bytes, max_image_pixels=c.max_image_pixels, version=__version__,
-            preprocess=d.preprocess, feature_levels=d.feature_levels).to_proto()
+            preprocess=d.preprocess, feature_levels=d.feature_levels,
+            shared_memory=self.regions.enabled).to_proto()
+
+
+def _response_chunks(result: ImageResult, request_id: str, plan: EncodePlan, model_dtype: str,
+                     region: RegionWriter | None) -> Iterator[bytes]:
+    """One image's Encode response: one header chunk when its rows went into the caller's region,
+    else its rows in chunks on the stream."""
+    if region is not None:
+        data = result.wire_bytes(plan.output_dtype or model_dtype)
+        placed = region.place(data) if len(data) else None
+        if placed is not None:
+            yield region_chunk(result, request_id=request_id, out_dtype=plan.output_dtype,
+                               model_dtype=model_dtype, offset=placed[0], length=placed[1])
+            return
+    yield from serialized_chunks(result, request_id=request_id, out_dtype=plan.output_dtype,
+                                 model_dtype=model_dtype, max_chunk_bytes=plan.max_chunk_bytes)

@@ -57,6 +57,16 @@ def embedding_chunks(result: ImageResult, *, request_id: str, out_dtype: str | N
         yield chunk
 
 
+def region_chunk(result: ImageResult, *, request_id: str, out_dtype: str | None, model_dtype: str,
+                 offset: int, length: int) -> bytes:
+    """The one chunk (wire bytes) of an image written into the caller's shared-memory region."""
+    name = out_dtype or model_dtype
+    (header, _, _), = _headers(result, name, request_id, max_chunk_bytes=length + 1)
+    header.region_offset = offset
+    header.region_bytes = length
+    return header.SerializeToString()
+
+
 _DATA_TAG = bytes([(9 << 3) | 2])  # EmbeddingChunk.data: field 9, length-delimited
 
 

@@ -64,6 +64,9 @@ def parse_encode_request(request: encoder_pb2.EncodeRequest, engine: Engine, def
                          allowed_sinks: SinkAllowlist | None = None, max_images: int = 256) -> EncodePlan:
     _check_id("request_id", request.request_id)
     sink = check_sink(request, allowed_sinks or SinkAllowlist(()))
+    if sink is not None and request.HasField("output_region"):
+        raise InvalidInput("output_region and sink are both set: the embeddings go either to the sink "
+                           "or into the region")
     if len(request.images) == 0:
         raise InvalidInput("no images in the request (images is empty)")
     if len(request.images) > max_images:

@@ -33,6 +33,8 @@ class ModelInfo:
     # Levels in each embedding row (main + deepstack levels, each hidden_size wide); 1 for models
     # without extra levels and from servers older than the field.
     feature_levels: int = 1
+    # Whether the server writes embeddings into a caller's shared-memory region (--shared-memory on).
+    shared_memory: bool = False
 
     @classmethod
     def from_proto(cls, msg: encoder_pb2.ModelInfo) -> ModelInfo:

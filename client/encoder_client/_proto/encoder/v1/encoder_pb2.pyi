@@ -49,21 +49,31 @@ class Sink(_message.Message):
     def __init__(self, target: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("request_id", "images", "output_dtype", "sink", "max_chunk_bytes")
+    __slots__ = ("request_id", "images", "output_dtype", "sink", "max_chunk_bytes", "output_region")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     SINK_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_REGION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     images: _containers.RepeatedCompositeFieldContainer[Image]
     output_dtype: DType
     sink: Sink
     max_chunk_bytes: int
-    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., output_dtype: _Optional[_Union[DType, str]] = ..., sink: _Optional[_Union[Sink, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+    output_region: SharedMemoryRegion
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., output_dtype: _Optional[_Union[DType, str]] = ..., sink: _Optional[_Union[Sink, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ..., output_region: _Optional[_Union[SharedMemoryRegion, _Mapping]] = ...) -> None: ...
+
+class SharedMemoryRegion(_message.Message):
+    __slots__ = ("name", "size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class EmbeddingChunk(_message.Message):
-    __slots__ = ("request_id", "image_index", "content_hash", "grid_thw", "num_tokens", "hidden_size", "dtype", "token_offset", "data", "last", "cache_hit", "timing", "num_images", "feature_levels")
+    __slots__ = ("request_id", "image_index", "content_hash", "grid_thw", "num_tokens", "hidden_size", "dtype", "token_offset", "data", "last", "cache_hit", "timing", "num_images", "feature_levels", "region_offset", "region_bytes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +88,8 @@ class EmbeddingChunk(_message.Message):
     TIMING_FIELD_NUMBER: _ClassVar[int]
     NUM_IMAGES_FIELD_NUMBER: _ClassVar[int]
     FEATURE_LEVELS_FIELD_NUMBER: _ClassVar[int]
+    REGION_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     image_index: int
     content_hash: str
@@ -92,7 +104,9 @@ class EmbeddingChunk(_message.Message):
     timing: ServerTiming
     num_images: int
     feature_levels: int
-    def __init__(self, request_id: _Optional[str] = ..., image_index: _Optional[int] = ..., content_hash: _Optional[str] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., token_offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., cache_hit: _Optional[bool] = ..., timing: _Optional[_Union[ServerTiming, _Mapping]] = ..., num_images: _Optional[int] = ..., feature_levels: _Optional[int] = ...) -> None: ...
+    region_offset: int
+    region_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., image_index: _Optional[int] = ..., content_hash: _Optional[str] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., token_offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., cache_hit: _Optional[bool] = ..., timing: _Optional[_Union[ServerTiming, _Mapping]] = ..., num_images: _Optional[int] = ..., feature_levels: _Optional[int] = ..., region_offset: _Optional[int] = ..., region_bytes: _Optional[int] = ...) -> None: ...
 
 class ServerTiming(_message.Message):
     __slots__ = ("queue_ms", "preprocess_ms", "forward_ms")
@@ -127,7 +141,7 @@ class PushAck(_message.Message):
     def __init__(self, images: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "model_type", "hidden_size", "dtype", "patch_size", "temporal_patch_size", "spatial_merge_size", "patch_dim", "attention_backend", "device", "cache_namespace", "max_batch_tokens", "max_message_bytes", "max_image_pixels", "version", "preprocess", "feature_levels")
+    __slots__ = ("model_id", "model_type", "hidden_size", "dtype", "patch_size", "temporal_patch_size", "spatial_merge_size", "patch_dim", "attention_backend", "device", "cache_namespace", "max_batch_tokens", "max_message_bytes", "max_image_pixels", "version", "preprocess", "feature_levels", "shared_memory")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +159,7 @@ class ModelInfo(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PREPROCESS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_LEVELS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_type: str
     hidden_size: int
@@ -162,4 +177,5 @@ class ModelInfo(_message.Message):
     version: str
     preprocess: str
     feature_levels: int
-    def __init__(self, model_id: _Optional[str] = ..., model_type: _Optional[str] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., patch_size: _Optional[int] = ..., temporal_patch_size: _Optional[int] = ..., spatial_merge_size: _Optional[int] = ..., patch_dim: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., cache_namespace: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., version: _Optional[str] = ..., preprocess: _Optional[str] = ..., feature_levels: _Optional[int] = ...) -> None: ...
+    shared_memory: bool
+    def __init__(self, model_id: _Optional[str] = ..., model_type: _Optional[str] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., patch_size: _Optional[int] = ..., temporal_patch_size: _Optional[int] = ..., spatial_merge_size: _Optional[int] = ..., patch_dim: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., cache_namespace: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., version: _Optional[str] = ..., preprocess: _Optional[str] = ..., feature_levels: _Optional[int] = ..., shared_memory: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,204 @@
+"""Embeddings through a shared-memory region (EncodeRequest.output_region) instead of the stream:
+the real server process (``--shared-memory on``), the real client with ``shared_memory=True``."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+
+import grpc
+import numpy as np
+import pytest
+from encoder_client import AsyncEncoderClient, EncoderClient, EncoderClientError
+from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
+from encoder_client.shared_memory import SHM_DIR, OutputRegion, RegionPool
+from PIL import Image
+
+from encoder_service.api.shared_memory import RegionTable, RegionUnusable
+from encoder_service.errors import InvalidInput
+
+ALSO_WITH_WORKER_PROCESSES = True
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def shm_server(start_encoder_server, server_mode):
+    workers = ("--devices", "cpu,cpu") if server_mode == "workers" else ()
+    return start_encoder_server("--shared-memory", "on", "--max-batch-tokens", "4096", *workers)
+
+
+@pytest.fixture(scope="module")
+def encoder_server(shm_server):  # makes the module run once per server mode (see conftest)
+    return shm_server
+
+
+def png(seed: int, size=(150, 100)) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def our_objects() -> set[str]:
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(f"encoder-{os.getpid()}-")}
+
+
+def test_embeddings_through_shared_memory_equal_the_streamed_ones(encoder_server):
+    images = [png(1), png(2, (80, 120)), png(3)]
+    with EncoderClient(encoder_server.target) as streamed, \
+            EncoderClient(encoder_server.target, shared_memory=True) as shared:
+        want = streamed.encode(images, output_dtype="bfloat16", bf16_as="uint16")
+        for _ in range(2):  # new images, then cache hits (the region reused)
+            got = shared.encode(images, output_dtype="bfloat16", bf16_as="uint16")
+            for g, w in zip(got, want):
+                assert g.content_hash == w.content_hash and g.grid_thw == w.grid_thw
+                np.testing.assert_array_equal(g.embedding, w.embedding)
+        assert got[0].cache_hit
+
+
+def test_the_region_chunk_says_where_and_carries_no_data(encoder_server):
+    region = OutputRegion(1 << 20)
+    try:
+        request = encoder_pb2.EncodeRequest(images=[encoder_pb2.Image(encoded=png(4))],
+                                            output_region=region.proto())
+        with grpc.insecure_channel(encoder_server.target) as channel:
+            chunks = list(encoder_pb2_grpc.VisionEncoderStub(channel).Encode(request, timeout=60))
+        (chunk,) = chunks
+        assert chunk.last and not chunk.data and chunk.token_offset == 0
+        assert chunk.region_offset == 0
+        assert chunk.region_bytes == chunk.num_tokens * chunk.hidden_size * 4  # float32 rows
+        with EncoderClient(encoder_server.target) as client:
+            (want,) = client.encode([png(4)])
+        got = region.view(0, chunk.region_bytes).view(np.float32).reshape(chunk.num_tokens, -1)
+        np.testing.assert_array_equal(got, want.embedding)
+    finally:
+        region.close()
+
+
+def test_an_image_that_does_not_fit_comes_on_the_stream_and_the_next_region_holds_it(encoder_server):
+    with EncoderClient(encoder_server.target) as client:
+        (want,) = client.encode([png(5, (300, 300))])
+    with EncoderClient(encoder_server.target, shared_memory=True, shared_memory_bytes=4096) as client:
+        (got,) = client.encode([png(5, (300, 300))])
+        np.testing.assert_array_equal(got.embedding, want.embedding)
+        assert client._regions.region_bytes >= want.embedding.nbytes
+        (again,) = client.encode([png(5, (300, 300))])
+        np.testing.assert_array_equal(again.embedding, want.embedding)
+
+
+def test_the_async_client_reads_the_region_too(encoder_server):
+    async def run():
+        async with AsyncEncoderClient(encoder_server.target, shared_memory=True) as client:
+            return await asyncio.gather(*(client.encode([png(10 + i)]) for i in range(4)))
+
+    results = asyncio.run(run())
+    with EncoderClient(encoder_server.target) as client:
+        for i, (got,) in enumerate(results):
+            (want,) = client.encode([png(10 + i)])
+            np.testing.assert_array_equal(got.embedding, want.embedding)
+
+
+def test_close_unlinks_every_region(encoder_server):
+    client = EncoderClient(encoder_server.target, shared_memory=True)
+    client.encode([png(20)])
+    assert our_objects()
+    client.close()
+    assert not our_objects()
+
+
+def test_a_region_that_is_not_on_the_servers_host_is_a_clear_error(encoder_server):
+    request = encoder_pb2.EncodeRequest(images=[encoder_pb2.Image(encoded=png(21))],
+                                        output_region=encoder_pb2.SharedMemoryRegion(name="encoder-nowhere",
+                                                                                     size=4096))
+    with grpc.insecure_channel(encoder_server.target) as channel, pytest.raises(grpc.RpcError) as err:
+        list(encoder_pb2_grpc.VisionEncoderStub(channel).Encode(request, timeout=60))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "encoder-nowhere" in err.value.details() and "host" in err.value.details()
+
+
+@pytest.mark.parametrize("name", ["../etc/passwd", "other-prefix", "encoder-a/b", "encoder-"])
+def test_a_region_name_outside_encoder_star_is_invalid(encoder_server, name):
+    request = encoder_pb2.EncodeRequest(images=[encoder_pb2.Image(encoded=png(22))],
+                                        output_region=encoder_pb2.SharedMemoryRegion(name=name, size=4096))
+    with grpc.insecure_channel(encoder_server.target) as channel, pytest.raises(grpc.RpcError) as err:
+        list(encoder_pb2_grpc.VisionEncoderStub(channel).Encode(request, timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "output_region.name" in err.value.details()
+
+
+def test_model_info_says_the_server_writes_shared_memory(encoder_server):
+    with EncoderClient(encoder_server.target) as client:
+        assert client.model_info().shared_memory is True
+
+
+def test_a_server_without_shared_memory_refuses_a_region_clearly(start_encoder_server):
+    server = start_encoder_server()
+    try:
+        with EncoderClient(server.target, shared_memory=True) as client:
+            assert client.model_info().shared_memory is False
+            with pytest.raises(EncoderClientError) as err:
+                client.encode([png(23)])
+            assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert "--shared-memory on" in err.value.details
+            assert not our_objects()  # the failed call's region was not kept
+        with EncoderClient(server.target) as client:
+            assert client.encode([png(23)])[0].num_tokens > 0  # and it goes on serving
+    finally:
+        server.stop()
+
+
+# --- the two ends' region handling, without a server -------------------------------------------------
+
+
+def test_the_server_writes_only_into_existing_regular_objects(tmp_path):
+    table = RegionTable(True, directory=str(tmp_path))
+    with pytest.raises(RegionUnusable, match="does not exist"):
+        table.writer(encoder_pb2.SharedMemoryRegion(name="encoder-x", size=10))
+    (tmp_path / "encoder-x").write_bytes(b"\0" * 120)
+    with pytest.raises(InvalidInput, match="larger than"):
+        table.writer(encoder_pb2.SharedMemoryRegion(name="encoder-x", size=121))
+    writer = table.writer(encoder_pb2.SharedMemoryRegion(name="encoder-x", size=110))
+    assert writer.place(b"abc") == (0, 3)
+    assert writer.place(b"d" * 40) == (64, 40)  # each image on a 64-byte boundary
+    assert writer.place(b"e" * 1) is None  # past the declared size (110): on the stream instead
+    assert (tmp_path / "encoder-x").read_bytes()[64:104] == b"d" * 40
+    os.mkdir(tmp_path / "encoder-dir")
+    with pytest.raises(RegionUnusable):
+        table.writer(encoder_pb2.SharedMemoryRegion(name="encoder-dir", size=10))
+
+
+def test_the_server_forgets_mappings_of_unlinked_regions(tmp_path):
+    table = RegionTable(True, directory=str(tmp_path))
+    for name in ("encoder-a", "encoder-b"):
+        (tmp_path / name).write_bytes(b"\0" * 64)
+        table.writer(encoder_pb2.SharedMemoryRegion(name=name, size=64))
+    assert len(table) == 2
+    os.unlink(tmp_path / "encoder-a")
+    (tmp_path / "encoder-c").write_bytes(b"\0" * 64)
+    table.writer(encoder_pb2.SharedMemoryRegion(name="encoder-c", size=64))
+    assert len(table) == 2  # b and c: a's memory is freed with its mapping
+
+
+def test_a_recreated_object_is_mapped_again(tmp_path):
+    table = RegionTable(True, directory=str(tmp_path))
+    path = tmp_path / "encoder-r"
+    path.write_bytes(b"\0" * 64)
+    table.writer(encoder_pb2.SharedMemoryRegion(name="encoder-r", size=64)).place(b"old")
+    os.unlink(path)
+    path.write_bytes(b"\0" * 64)
+    table.writer(encoder_pb2.SharedMemoryRegion(name="encoder-r", size=64)).place(b"new")
+    assert path.read_bytes()[:3] == b"new"
+
+
+def test_a_pool_reuses_regions_and_discards_a_failed_calls_region():
+    pool = RegionPool(4096)
+    try:
+        a = pool.acquire()
+        pool.release(a, needed_bytes=100, failed=False)
+        assert pool.acquire() is a
+        pool.release(a, needed_bytes=100, failed=True)
+        assert a.closed and pool.acquire() is not a
+    finally:
+        pool.close()
+    assert not our_objects()
