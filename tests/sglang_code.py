@@ -105,12 +105,11 @@ def load() -> types.SimpleNamespace:
     import random
     from collections import OrderedDict, defaultdict
     from http import HTTPStatus
-    from typing import Dict, List, Optional, Tuple
+    from typing import Optional
 
     import numpy as np
     import torch
     import zmq
-
     from sglang.srt.environ import envs
     from sglang.srt.multimodal.modality import Modality
 
@@ -122,7 +121,7 @@ def load() -> types.SimpleNamespace:
         "sglang.srt.disaggregation.encoder.receiver", receiver_path, _pick(receiver_path, _RECEIVER, _METHODS),
         {"asyncio": asyncio, "itertools": itertools, "random": random, "logging": logging,
          "logger": logging.getLogger("sglang.receiver"), "defaultdict": defaultdict, "OrderedDict": OrderedDict,
-         "Dict": Dict, "List": List, "Optional": Optional, "Tuple": Tuple, "HTTPStatus": HTTPStatus, "np": np,
+         "Dict": dict, "List": list, "Optional": Optional, "Tuple": tuple, "HTTPStatus": HTTPStatus, "np": np,
          "torch": torch, "zmq": zmq, "envs": envs, "Modality": Modality})
     identity_path = root / "srt" / "multimodal" / "cache" / "identity.py"
     identity = _module("sglang.srt.multimodal.cache.identity", identity_path, _pick(identity_path, _IDENTITY),

@@ -26,9 +26,8 @@ import pytest
 import torch
 import zmq
 import zmq.asyncio
-from PIL import Image
-
 from encoder_client import EncoderClient
+from PIL import Image
 
 SIZES = ((56, 56), (84, 56), (56, 112))
 
