@@ -303,3 +303,20 @@ def test_the_readme_encoder_command_parses():
     argv = shlex.split(commands[0].split("#")[0])
     config = parse_serve_args(argv[2:], environ={})
     assert config.sglang_compat_port > 0 and config.allowed_sink_patterns
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_the_header_is_what_sglangs_encoder_pickles(sg, dtype):
+    """Our hand-written pickle loads (through SGLang's allowlist) to the same object as SGLang's own
+    ``pickle.dumps(EmbeddingData(...).copy_without_embedding())``, attribute for attribute."""
+    import pickle
+
+    from encoder_service.api.sglang_header import embedding_data_header
+
+    ours = sg.common.safe_pickle_loads(embedding_data_header(
+        "rid", 3, 2, [(1, 4, 6), (2, 8, 8)], 38, 48, dtype, mm_content_hashes=["sha256:00"]))
+    embedding = torch.zeros(38, 48, dtype=getattr(torch, dtype))
+    real = sg.receiver.EmbeddingData("rid", 3, 2, [[1, 4, 6], [2, 8, 8]], sg.Modality.IMAGE, embedding,
+                                     mm_content_hashes=["sha256:00"])
+    theirs = sg.common.safe_pickle_loads(pickle.dumps(real.copy_without_embedding()))
+    assert type(ours) is type(theirs) and list(vars(ours).items()) == list(vars(theirs).items())
