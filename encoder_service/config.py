@@ -193,6 +193,21 @@ class ServiceConfig:
     sink_tls_key: str = option("",
         "PEM private key of --sink-tls-cert.")
 
+    # SGLang's encoder protocol (api/sglang_compat.py); -1 = off
+    sglang_compat_port: int = option(-1,
+        "port of the SGLang-compatible front end: SGLang's sglang.grpc.encoder.SglangEncoder service, "
+        "for a language server started with --language-only --encoder-urls grpc://HOST:PORT "
+        "(README 'Using it with SGLang'). Plaintext and without tokens; embeddings are pushed over "
+        "ZMQ to --allowed-sinks targets only. Needs the sglang extra. 0 picks a free one, -1 (the "
+        "default) opens none.")
+    # hosts whose http(s) image URLs the SGLang front end fetches; empty = none
+    allow_url_fetch: str = option("",
+        "comma-separated hosts whose http(s) image URLs the SGLang front end may fetch: host names "
+        "matched label by label (cdn.example.com, *.example.com), IPv4 patterns (10.0.0.*) or [IPv6] "
+        "literals, each optionally :PORT. A host name is resolved once and fetched at that address; "
+        "private, loopback and link-local addresses are refused unless an IP pattern lists them. "
+        "No redirects; size bounded by --max-message-bytes, 10 s per fetch. Empty: data URLs only.")
+
     def __post_init__(self) -> None:
         if self.devices.strip():
             # With worker processes, ``device`` is the kind of device they run on (cpu or cuda).
@@ -215,6 +230,11 @@ class ServiceConfig:
         return tuple(p.strip() for p in self.allowed_sinks.split(",") if p.strip())
 
     @property
+    def url_fetch_patterns(self) -> tuple[str, ...]:
+        """``--allow-url-fetch`` as ``host:port`` patterns (``host:*`` where no port is given)."""
+        return tuple(url_fetch_pattern(p.strip()) for p in self.allow_url_fetch.split(",") if p.strip())
+
+    @property
     def tls(self) -> bool:
         return bool(self.tls_cert)
 
@@ -229,6 +249,13 @@ class ServiceConfig:
     @property
     def uses_default_model(self) -> bool:
         return not self.model
+
+
+def url_fetch_pattern(entry: str) -> str:
+    """An ``--allow-url-fetch`` entry as an allowlist pattern: the port is a glob, any when left out."""
+    host, sep, port = entry.rpartition(":")
+    has_port = sep and port and not host.endswith(":") and (not host.startswith("[") or host.endswith("]"))
+    return entry if has_port else f"{entry}:*"
 
 
 def _device_defaults(device: str, workers: int = 1) -> dict[str, int]:
@@ -297,10 +324,11 @@ def _check(c: ServiceConfig) -> None:
         if meta["above"] is not None and value <= meta["above"]:
             problems.append(f"{_flag(f.name)} must be > {meta['above']}{note}")
     problems.extend(check_devices(c.devices))
-    try:
-        SinkAllowlist(c.allowed_sink_patterns)
-    except ValueError as exc:
-        problems.append(str(exc))
+    for patterns, name in ((c.allowed_sink_patterns, "allowed-sinks"), (c.url_fetch_patterns, "allow-url-fetch")):
+        try:
+            SinkAllowlist(patterns, name)
+        except ValueError as exc:
+            problems.append(str(exc))
     if not 0 <= c.port <= 65535:
         problems.append("port must be in 0..65535")
     problems.extend(_check_security(c))
@@ -344,6 +372,10 @@ def _check_security(c: ServiceConfig) -> list[str]:
         problems.append("health-port must be in 0..65535 (or -1: none)")
     elif c.health_port > 0 and c.health_port == c.port:
         problems.append(f"health-port {c.health_port} is the gRPC port; it needs a port of its own")
+    if not -1 <= c.sglang_compat_port <= 65535:
+        problems.append("sglang-compat-port must be in 0..65535 (or -1: none)")
+    elif c.sglang_compat_port > 0 and c.sglang_compat_port in (c.port, c.health_port):
+        problems.append(f"sglang-compat-port {c.sglang_compat_port} is taken by another port; it needs its own")
     return problems
 
 

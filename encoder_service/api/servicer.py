@@ -17,7 +17,7 @@ from encoder_client.protocol import ModelInfo, encoder_pb2, encoder_pb2_grpc
 
 from .. import __version__
 from ..config import ServiceConfig
-from ..engine import Engine, ImageResult
+from ..engine import Engine, ImageInput, ImageResult
 from ..errors import ResourceExhausted, Unavailable
 from ..metrics import ServiceMetrics
 from ..sink_allowlist import SinkAllowlist
@@ -75,6 +75,18 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
                     if first_chunk:
                         first_chunk = False
                         self.metrics.first_chunk_seconds.observe(time.perf_counter() - started)
+
+    async def encode_images(self, images: list[ImageInput]) -> list[tuple[ImageResult, bytes]]:
+        """Encode's engine path (cache, in-flight joins, admission, batching) for the other front
+        ends (api/sglang_compat.py): every image's result and its rows as raw bytes in the model
+        dtype, in request order. Each result's cache pin is released once its bytes are copied."""
+        engine = self._ready_engine()
+        dtype = engine.describe().dtype
+        out: list = [None] * len(images)
+        async with contextlib.aclosing(engine.encode(images)) as results:
+            async for result in results:
+                out[result.index] = (result, bytes(result.wire_bytes(dtype)))
+        return out
 
     async def _encode_to_sink(self, engine: Engine, plan: EncodePlan, request_id: str, model_dtype: str,
                               context: grpc.aio.ServicerContext) -> None:

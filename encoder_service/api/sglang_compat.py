@@ -1,0 +1,167 @@
+"""The SGLang-compatible front end (``--sglang-compat-port``): SGLang's own encoder protocol.
+
+An SGLang language server started with ``--language-only --encoder-urls grpc://HOST:PORT`` and
+``SGLANG_ENCODER_MM_RECEIVER_MODE=grpc`` calls ``sglang.grpc.encoder.SglangEncoder`` (the
+``smg-grpc-proto`` package's ``sglang_encoder.proto``) and receives the embeddings over ZMQ. This
+module serves that service on its own port, next to VisionEncoder, as SGLang's encoder server
+does (``sglang/srt/disaggregation/encoder/grpc_server.py``, SGLang 0.5.23):
+
+- ``Encode``: ``mm_items`` (image URLs, api/sglang_media.py) are encoded through the same engine
+  path as our Encode (cache, batching, admission: ``VisionEncoderServicer.encode_images``), then
+  this part (``num_parts``, ``part_idx``, as the language server split the request across its
+  encoders) is pushed as two ZMQ frames, a pickled ``EmbeddingData`` header
+  (api/sglang_header.py) and the rows' raw bytes, to ``prefill_host:embedding_port`` for every
+  port given, or, with none, to every scheduler rank that registered with ``SchedulerReceiveUrl``
+  (api/zmq_push.py). The call returns once every receiver has the data.
+- ``SchedulerReceiveUrl``: registers a receiver for a req_id.
+- ``Send`` is the Mooncake (RDMA) path, which SGLang's gRPC receiver refuses: UNIMPLEMENTED.
+
+Errors are typed (``EncoderError``) and become statuses in the service interceptor, as on the
+main port, so every bad input is a status naming it and the server serves on. The response's
+trailing metadata carries each image's SGLang content digest (``x-mm-content-hashes``:
+``sha256:<hex of the raw bytes>``, what SGLang's routers send as ``mm_content_hashes``) and our
+namespaced cache key (``x-encoder-content-hashes``), comma-separated in item order; the pushed
+header carries the same two lists as ``mm_content_hashes`` and ``encoder_content_hashes``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2_grpc
+from smg_grpc_proto import sglang_encoder_pb2, sglang_encoder_pb2_grpc
+
+from ..config import ServiceConfig
+from ..engine import ImageInput
+from ..errors import EncoderError, InvalidInput
+from ..metrics import ServiceMetrics
+from ..sink_allowlist import SinkAllowlist
+from .calls import CallBook, ServiceInterceptor
+from .servicer import VisionEncoderServicer
+from .sglang_header import embedding_data_header
+from .sglang_media import load_mm_items, sglang_content_hash
+from .url_fetch import UrlFetcher
+from .zmq_push import Destinations, ZmqPusher, checked_endpoint, host_port
+
+log = logging.getLogger(__name__)
+
+SGLANG_ENCODER = sglang_encoder_pb2.DESCRIPTOR.services_by_name["SglangEncoder"]
+LABEL_PREFIX = "sglang."  # encoder_service_requests_total{method="sglang.Encode"}
+# SGLang's own bound on an encoder's sends (SGLANG_ENCODER_SEND_TIMEOUT): waiting for the scheduler
+# ranks to register, and each push.
+SEND_TIMEOUT_S = 180.0
+MAX_REQ_ID_CHARS = 256
+
+
+class Unimplemented(EncoderError):
+    code = "UNIMPLEMENTED"
+
+
+def _check(request: sglang_encoder_pb2.EncodeRequest, max_images: int) -> None:
+    """What SGLang's ``validate_encode_request`` checks, plus our limits."""
+    if not request.req_id or len(request.req_id) > MAX_REQ_ID_CHARS:
+        raise InvalidInput(f"req_id must be 1..{MAX_REQ_ID_CHARS} characters, got {len(request.req_id)}")
+    if not request.mm_items:
+        raise InvalidInput("mm_items is empty")
+    if len(request.mm_items) > max_images:
+        raise InvalidInput(f"{len(request.mm_items)} mm_items in one request; at most {max_images} "
+                           "(--max-images-per-request)")
+    if request.num_parts <= 0:
+        raise InvalidInput("num_parts must be a positive integer")
+    if request.part_idx >= request.num_parts:
+        raise InvalidInput(f"part_idx must be in [0, {request.num_parts}), got {request.part_idx}")
+
+
+class SglangEncoderServicer(sglang_encoder_pb2_grpc.SglangEncoderServicer):
+    def __init__(self, config: ServiceConfig, servicer: VisionEncoderServicer,
+                 send_timeout_s: float = SEND_TIMEOUT_S) -> None:
+        self.config = config
+        self.servicer = servicer  # its engine path, its readiness and drain
+        self.sinks = SinkAllowlist(config.allowed_sink_patterns)
+        self.fetcher = UrlFetcher(config.url_fetch_patterns, config.max_message_bytes)
+        self.destinations = Destinations(ttl_s=send_timeout_s)
+        self.pusher = ZmqPusher(send_timeout_s)
+        self.send_timeout_s = send_timeout_s
+
+    async def Encode(self, request: sglang_encoder_pb2.EncodeRequest,
+                     context: grpc.aio.ServicerContext) -> sglang_encoder_pb2.EncodeResponse:
+        _check(request, self.config.max_images_per_request)
+        # Receivers named in the request are checked before any work; registered ones as they come.
+        ports = list(request.embedding_port)
+        endpoints = [checked_endpoint(host_port(request.prefill_host, p), self.sinks, "prefill_host:embedding_port")
+                     for p in ports]
+        registered = None
+        if not endpoints:  # zmq_to_scheduler: the ranks register (before, during or after the encode)
+            registered = asyncio.ensure_future(self.destinations.wait(request.req_id, self.send_timeout_s))
+        try:
+            blobs = await load_mm_items(list(request.mm_items), self.fetcher)
+            images = [ImageInput(index=i, kind="encoded", data=b) for i, b in enumerate(blobs)]
+            encoded = await self.servicer.encode_images(images)
+            if registered is not None:
+                endpoints = await registered
+        finally:
+            if registered is not None and not registered.done():
+                registered.cancel()
+        results = [r for r, _ in encoded]
+        payload = b"".join(data for _, data in encoded)
+        num_tokens = sum(r.num_tokens for r in results)
+        row_width = results[0].row_width
+        sglang_hashes = [sglang_content_hash(b) for b in blobs]
+        ours = [r.content_hash for r in results]
+        header = embedding_data_header(
+            request.req_id, request.num_parts, request.part_idx, [r.grid for r in results], num_tokens,
+            row_width, self.servicer.engine.describe().dtype,
+            mm_content_hashes=sglang_hashes, encoder_content_hashes=ours)
+        await asyncio.gather(*(self.pusher.push(e, [header, payload]) for e in endpoints))
+        log.debug("sglang Encode %s part %d/%d: %d images, %d tokens -> %s", request.req_id, request.part_idx,
+                  request.num_parts, len(results), num_tokens, ", ".join(endpoints))
+        context.set_trailing_metadata((("x-mm-content-hashes", ",".join(sglang_hashes)),
+                                       ("x-encoder-content-hashes", ",".join(ours))))
+        return sglang_encoder_pb2.EncodeResponse(embedding_size=len(payload), embedding_len=num_tokens,
+                                                 embedding_dim=row_width)
+
+    async def SchedulerReceiveUrl(self, request: sglang_encoder_pb2.SchedulerReceiveUrlRequest,
+                                  context: grpc.aio.ServicerContext) -> sglang_encoder_pb2.SchedulerReceiveUrlResponse:
+        if not request.req_id or len(request.req_id) > MAX_REQ_ID_CHARS:
+            raise InvalidInput(f"req_id must be 1..{MAX_REQ_ID_CHARS} characters, got {len(request.req_id)}")
+        if request.receive_count <= 0:
+            raise InvalidInput("receive_count must be a positive integer")
+        endpoint = checked_endpoint(request.receive_url, self.sinks, "receive_url")
+        self.destinations.register(request.req_id, endpoint, request.receive_count)
+        return sglang_encoder_pb2.SchedulerReceiveUrlResponse()
+
+    async def Send(self, request: sglang_encoder_pb2.SendRequest,
+                   context: grpc.aio.ServicerContext) -> sglang_encoder_pb2.SendResponse:
+        raise Unimplemented("Send is SGLang's Mooncake (RDMA) path, which this encoder does not offer; "
+                            "Encode pushes the embeddings over ZMQ (zmq_to_tokenizer / zmq_to_scheduler)")
+
+
+class SglangCompatServer:
+    """The extra gRPC server on ``--sglang-compat-port``: SglangEncoder and the health service."""
+
+    def __init__(self, server: grpc.aio.Server, servicer: SglangEncoderServicer, port: int) -> None:
+        self.server, self.servicer, self.port = server, servicer, port
+
+    @classmethod
+    async def start(cls, config: ServiceConfig, servicer: VisionEncoderServicer, metrics: ServiceMetrics,
+                    calls: CallBook, health_servicer: health.aio.HealthServicer) -> SglangCompatServer:
+        """Raises RuntimeError when the port cannot be bound."""
+        compat = SglangEncoderServicer(config, servicer)
+        server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", config.max_message_bytes),
+                     ("grpc.max_send_message_length", config.max_message_bytes), ("grpc.so_reuseport", 0)],
+            interceptors=[ServiceInterceptor(metrics, calls, SGLANG_ENCODER, LABEL_PREFIX)])
+        sglang_encoder_pb2_grpc.add_SglangEncoderServicer_to_server(compat, server)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        port = server.add_insecure_port(f"{config.host}:{config.sglang_compat_port}")
+        await server.start()
+        log.info("SGLang-compatible encoder (sglang.grpc.encoder.SglangEncoder, plaintext) on %s:%d; "
+                 "pushes to --allowed-sinks only; URL fetch: %s", config.host, port,
+                 config.allow_url_fetch or "off (data URLs only)")
+        return cls(server, compat, port)
+
+    async def stop(self, grace_s: float) -> None:
+        await self.server.stop(grace_s)
+        self.servicer.pusher.close()
