@@ -359,3 +359,15 @@ def test_the_connector_refuses_the_producer_role_and_unknown_settings():
             ECConnectorRole.WORKER)
     with pytest.raises(ValueError, match="unknown ec_connector_extra_config keys"):
         ECConnectorFactory.create_connector(vllm_config("localhost:1", encoder_host="x"), ECConnectorRole.WORKER)
+
+
+def test_the_staging_and_the_stager_import_neither_torch_nor_vllm():
+    import subprocess
+    import sys
+
+    code = ("import sys, encoder_client, encoder_client.integrations, encoder_client.integrations.staging, "
+            "encoder_client.integrations.stager; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'encoder_service')); "
+            "print(','.join(bad)); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"imported: {proc.stdout.strip()} {proc.stderr}"
