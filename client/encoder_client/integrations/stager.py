@@ -134,7 +134,7 @@ class EmbeddingStager:
         self._entries: dict[str, _Entry] = {}
         self._held: dict[str, set[str]] = {}  # request id -> content hashes it holds
         self._done_lock = threading.Lock()
-        self._done: list[tuple[str, StagedItem | None, str | None]] = []
+        self._done: list[tuple[str, bool, StagedItem | None, str | None]] = []  # hash, fetched, item, reason
         self._failed: dict[str, str] = {}  # request id -> reason, until taken
         self.reasons: dict[str, str] = {}  # request id -> reason of its failure (last 1000)
         self.stats: Counter[str] = Counter()
@@ -230,24 +230,24 @@ class EmbeddingStager:
         self._pool.submit(self._fetch, content_hash)
 
     def _fetch(self, content_hash: str) -> None:
-        item, reason = None, None
+        fetched, item, reason = False, None, None
         try:
             (result,) = self._client.encode([HashRef(content_hash)], output_dtype=self.output_dtype,
                                             timeout_s=self.settings.timeout_s, bf16_as="uint16")
             array = result.embedding if not result.deepstack else np.concatenate(
                 [result.embedding, *result.deepstack], axis=1)  # vLLM's layout: levels along the width
-            with self._done_lock:
-                self.stats["items_fetched"] += 1
+            fetched = True
             item = self.staging.stage(content_hash, array, result.dtype)
         except BaseException as err:  # every failure becomes the request's reason
             reason = describe_error(err, self.settings.timeout_s)
         with self._done_lock:
-            self._done.append((content_hash, item, reason))
+            self._done.append((content_hash, fetched, item, reason))
 
     def _poll(self) -> None:
         with self._done_lock:
             done, self._done = self._done, []
-        for content_hash, item, reason in done:
+        for content_hash, fetched, item, reason in done:
+            self.stats["items_fetched"] += fetched
             entry = self._entries.get(content_hash)
             if entry is None:  # released meanwhile: nobody wants it
                 if item is not None:
