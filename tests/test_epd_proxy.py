@@ -260,6 +260,14 @@ def test_an_undecodable_image_is_named_by_its_place_in_the_request(proxy):
     assert "messages[0].content[1]" in json.loads(answer)["error"]["message"]
 
 
+def test_an_image_over_the_size_limit_is_a_413(start_proxy, vllm):
+    port = start_proxy(max_image_bytes=1000)
+    before = len(vllm.received)
+    status, answer, _ = post(port, chat(data_url(png(716, size=(200, 200)))))
+    assert status == 413 and "larger than --max-image-bytes (1000 bytes)" in json.loads(answer)["error"]["message"]
+    assert len(vllm.received) == before
+
+
 def test_mm_kwargs_strip_forwards_the_request_without_them(start_proxy, vllm):
     port = start_proxy(mm_kwargs="strip")
     assert post(port, chat(data_url(png(710)), mm_processor_kwargs={"max_pixels": 1000}))[0] == 200

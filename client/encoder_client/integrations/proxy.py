@@ -167,6 +167,8 @@ class EpdProxy:
             hashes = await asyncio.to_thread(self.bridge.ensure_encoded, [raw for _, raw in media])
         except EncoderClientError as err:
             raise _encoder_error(err, parts) from None
+        except (ValueError, TypeError) as err:  # the client refused an image before sending it
+            raise bad_request(f"an image of this request cannot be sent to the encoder ({err})") from None
         for part, (url, _), uuid in zip(parts, media, hashes, strict=True):
             # The pixels stay: vLLM 0.33.0 takes a uuid alone only as a hit of its own processor
             # cache (it needs the image for the prompt's placeholder count), never on a first sight.
