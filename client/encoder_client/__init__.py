@@ -45,7 +45,8 @@ key="me.key"), token="...")`` speaks TLS (mutual TLS with cert/key) and sends ``
 Bearer <token>`` with every call; the async and routing clients take the same two arguments.
 
 Command line: ``encoder-client encode --target HOST:PORT FILE...``, ``encoder-client info``,
-``encoder-client lookup``, ``encoder-client health`` (see ``encoder-client --help``).
+``encoder-client lookup``, ``encoder-client health`` (see ``encoder-client --help``);
+``encoder-client proxy``, the OpenAI-compatible EPD front before vLLM (the ``proxy`` extra).
 """
 
 from encoder_client._request import content_hash

@@ -1,4 +1,4 @@
-"""``encoder-client``: encode files, show the model, look up hashes, check health."""
+"""``encoder-client``: encode files, show the model, look up hashes, check health; run the EPD proxy."""
 
 from __future__ import annotations
 
@@ -92,6 +92,21 @@ def _security(args: argparse.Namespace) -> dict:
     return kwargs
 
 
+def _add_security(p: argparse.ArgumentParser) -> None:
+    tls = p.add_argument_group("security (each flag falls back to an environment variable: "
+                               "ENCODER_CLIENT_TLS_CA, ..._TLS_CERT, ..._TLS_KEY, ..._TOKEN_FILE)")
+    tls.add_argument("--tls-ca", default=_env("TLS_CA"),
+                     help="PEM CA bundle the server's certificate must chain to; TLS is on when any --tls-* "
+                          "flag is given (without --tls-ca: the system's root CAs)")
+    tls.add_argument("--tls-cert", default=_env("TLS_CERT"),
+                     help="PEM client certificate, for a server that requires mutual TLS (with --tls-key)")
+    tls.add_argument("--tls-key", default=_env("TLS_KEY"), help="PEM private key of --tls-cert")
+    tls.add_argument("--token-file", default=_env("TOKEN_FILE"),
+                     help="file whose first token line (# comments skipped) is the bearer token sent as "
+                          "'authorization: Bearer ...' (a file, not a flag value: command lines are visible "
+                          "to other users)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="encoder-client", description="Client of the encoder-service vision encoder.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -103,18 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "or dns:///NAME:PORT: images are then routed by content hash)")
         p.add_argument("--timeout", type=float, default=60.0, help="deadline per call, seconds (default 60)")
         p.add_argument("--retries", type=int, default=3, help="retries on UNAVAILABLE (default 3, at most 4)")
-        tls = p.add_argument_group("security (each flag falls back to an environment variable: "
-                                   "ENCODER_CLIENT_TLS_CA, ..._TLS_CERT, ..._TLS_KEY, ..._TOKEN_FILE)")
-        tls.add_argument("--tls-ca", default=_env("TLS_CA"),
-                         help="PEM CA bundle the server's certificate must chain to; TLS is on when any --tls-* "
-                              "flag is given (without --tls-ca: the system's root CAs)")
-        tls.add_argument("--tls-cert", default=_env("TLS_CERT"),
-                         help="PEM client certificate, for a server that requires mutual TLS (with --tls-key)")
-        tls.add_argument("--tls-key", default=_env("TLS_KEY"), help="PEM private key of --tls-cert")
-        tls.add_argument("--token-file", default=_env("TOKEN_FILE"),
-                         help="file whose first token line (# comments skipped) is the bearer token sent as "
-                              "'authorization: Bearer ...' (a file, not a flag value: command lines are visible "
-                              "to other users)")
+        _add_security(p)
         return p
 
     p = add("encode", "encode image files and print one row per image")
@@ -139,7 +143,41 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("health", "grpc.health.v1 check; exit 0 only when SERVING")
     p.add_argument("--service", default="", help="service name to check (default: the server as a whole)")
     p.set_defaults(run=_health)
+    _add_proxy(sub)
     return parser
+
+
+def _add_proxy(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("proxy", help="OpenAI-compatible HTTP proxy before vLLM: has the encoder encode each image, "
+                                     "gives vLLM its content hash as the part's uuid (needs the 'proxy' extra)")
+    p.add_argument("--encoder", required=True,
+                   help="HOST:PORT of the encoder service; several comma-separated, or dns:///NAME:PORT "
+                        "(images are then routed by content hash)")
+    p.add_argument("--vllm", required=True, help="base URL of the vLLM server, e.g. http://vllm-0:8000")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port to listen on (default 8000)")
+    p.add_argument("--allowed-hosts", default="",
+                   help="comma-separated hosts whose http(s) image URLs the proxy may fetch (cdn.example.com, "
+                        "*.example.com, 10.0.0.*, or * for any); default none: only data: URLs")
+    p.add_argument("--mm-kwargs", choices=["refuse", "strip"], default="refuse",
+                   help="requests carrying mm_processor_kwargs or media_io_kwargs break the uuid contract: refuse "
+                        "them with a 400 (default) or strip those keys and forward the rest")
+    p.add_argument("--max-image-bytes", type=int, default=32 << 20, help="largest image, bytes (default 32 MiB)")
+    p.add_argument("--max-request-bytes", type=int, default=128 << 20,
+                   help="largest request body, bytes (default 128 MiB)")
+    p.add_argument("--timeout", type=float, default=60.0, help="deadline of each encoder call, seconds (default 60)")
+    p.add_argument("--fetch-timeout", type=float, default=10.0,
+                   help="deadline of fetching one image URL, seconds (default 10)")
+    _add_security(p)
+    p.set_defaults(run=_proxy)
+
+
+def _proxy(args: argparse.Namespace, security: dict) -> int:
+    try:
+        from encoder_client.integrations import proxy
+    except ImportError as err:  # aiohttp is the 'proxy' extra
+        raise ValueError(f"encoder-client proxy needs aiohttp: pip install 'encoder-client[proxy]' ({err})") from None
+    return proxy.run(args, security)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -149,6 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         security = _security(args)
+        if args.command == "proxy":
+            return args.run(args, security)
         if args.command == "encode" and ("," in args.target or args.target.startswith("dns:")):
             # A one-shot command would rather wait a few seconds for a busy encoder's health answer
             # than route around it (refused connections still fail at once).

@@ -1,0 +1,252 @@
+"""``encoder-client proxy``: an OpenAI-compatible HTTP front to put before vLLM (EPD).
+
+For each image of a ``/v1/chat/completions`` request it has the encoder service encode the image
+(hash-first: pixels go only to an encoder that does not cache it already), rewrites the image part
+with ``"uuid": <content hash>`` and forwards the request to vLLM, whose
+``EncoderServiceECConnector`` (``encoder_client.integrations.vllm``) then takes the embedding from
+the encoder by that key instead of running its own vision tower. vLLM's answer (SSE or JSON) and
+status code come back unchanged; every other path (``/v1/models``, ``/health``, ...) is passed
+through. Needs aiohttp (the client's ``proxy`` extra); the rewriting itself is
+``encoder_client.integrations.proxy_rewrite``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import grpc
+from aiohttp import web
+
+from encoder_client._request import content_hash
+from encoder_client.client import EncoderClient
+from encoder_client.errors import EncoderClientError
+from encoder_client.integrations.proxy_rewrite import (
+    HostAllowList,
+    ImagePart,
+    ProxyRequestError,
+    apply_mm_kwargs_policy,
+    bad_request,
+    decode_data_url,
+    image_parts,
+    rewrite_part,
+    to_data_url,
+)
+from encoder_client.routing import RoutingEncoderClient
+
+log = logging.getLogger("encoder_client.proxy")
+
+# Hop-by-hop headers, and those aiohttp recomputes for the body it sends.
+_NOT_FORWARDED = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+                            "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length"})
+_ENCODER_BUSY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+@dataclass
+class ProxySettings:
+    encoder: list[str]                      # host:port targets, or one dns:///name:port
+    vllm: str                               # base URL of the vLLM prefill/decode server
+    allowed_hosts: list[str] = field(default_factory=list)
+    mm_kwargs: str = "refuse"               # or "strip"
+    max_image_bytes: int = 32 << 20
+    max_request_bytes: int = 128 << 20
+    encoder_timeout_s: float = 60.0
+    fetch_timeout_s: float = 10.0
+    security: dict[str, Any] = field(default_factory=dict)  # credentials / token of the encoder clients
+
+
+class EncoderBridge:
+    """The blocking encoder calls of one request, run in a worker thread."""
+
+    def __init__(self, targets: Sequence[str], timeout_s: float, security: dict[str, Any]) -> None:
+        self.single = len(targets) == 1 and not targets[0].startswith("dns:")
+        self.client: EncoderClient | RoutingEncoderClient = (
+            EncoderClient(targets[0], timeout_s=timeout_s, **security) if self.single
+            else RoutingEncoderClient(list(targets), timeout_s=timeout_s, **security))
+
+    def close(self) -> None:
+        self.client.close()
+
+    def ensure_encoded(self, images: Sequence[bytes]) -> list[str]:
+        """Each image's content hash, once the encoder caches its embedding."""
+        namespace = self.client.cache_namespace()
+        hashes = [content_hash(image, namespace) for image in images]
+        unique = {h: image for h, image in zip(hashes, images, strict=True)}
+        todo = list(unique)
+        if self.single:  # skip what the encoder caches already (the routing client asks each encoder)
+            todo = [h for h, hit in zip(todo, self.client.lookup(todo), strict=True) if not hit]
+        if todo:
+            kwargs = {"hash_first": True} if self.single else {}
+            results = self.client.encode([unique[h] for h in todo], **kwargs)
+            for want, got in zip(todo, results, strict=True):
+                if got.content_hash != want:  # a server hashing otherwise would break the uuid contract
+                    raise EncoderClientError(grpc.StatusCode.INTERNAL, f"encoder returned content hash "
+                                             f"{got.content_hash} for an image hashed {want} here")
+        return hashes
+
+
+def _error(err: ProxyRequestError) -> web.Response:
+    return web.json_response(err.body(), status=err.status)
+
+
+def _encoder_error(err: EncoderClientError, parts: Sequence[ImagePart]) -> ProxyRequestError:
+    names = ", ".join(f"images[{k}] = {p.where}" for k, p in enumerate(parts))
+    if err.code in _ENCODER_BUSY:
+        return ProxyRequestError(503, f"encoder service unavailable ({err.code.name}: {err.details})")
+    if err.code == grpc.StatusCode.INVALID_ARGUMENT:
+        return bad_request(f"the encoder refused an image of this request ({err.details}); {names}")
+    return ProxyRequestError(502, f"encoder service failed ({err.code.name}: {err.details})")
+
+
+class EpdProxy:
+    def __init__(self, settings: ProxySettings) -> None:
+        self.settings = settings
+        self.vllm = settings.vllm.rstrip("/")
+        self.allowed = HostAllowList(settings.allowed_hosts)
+        self.bridge = EncoderBridge(settings.encoder, settings.encoder_timeout_s, settings.security)
+        self.session: aiohttp.ClientSession | None = None
+        self.fetcher: aiohttp.ClientSession | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.settings.max_request_bytes)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_route("*", "/{tail:.*}", self.passthrough)
+        app.on_startup.append(self._open)
+        app.on_cleanup.append(self._close)
+        return app
+
+    async def _open(self, _app: web.Application) -> None:
+        # Bytes go through verbatim (no decompression); a stream may take as long as vLLM needs.
+        self.session = aiohttp.ClientSession(auto_decompress=False, timeout=aiohttp.ClientTimeout(
+            total=None, sock_connect=10))
+        self.fetcher = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.settings.fetch_timeout_s))
+
+    async def _close(self, _app: web.Application) -> None:
+        for session in (self.session, self.fetcher):
+            if session is not None:
+                await session.close()
+        await asyncio.to_thread(self.bridge.close)
+
+    # --- handlers --------------------------------------------------------------------------------
+    async def passthrough(self, request: web.Request) -> web.StreamResponse:
+        return await self._forward(request, await request.read())
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await self._rewritten(request)
+        except ProxyRequestError as err:
+            log.info("%s %s: %d %s", request.method, request.path, err.status, err.message)
+            return _error(err)
+        return await self._forward(request, json.dumps(body).encode())
+
+    async def _rewritten(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = json.loads(await request.read())
+        except web.HTTPRequestEntityTooLarge:
+            raise ProxyRequestError(413, f"request larger than --max-request-bytes "
+                                         f"({self.settings.max_request_bytes} bytes)") from None
+        except (ValueError, UnicodeDecodeError) as err:
+            raise bad_request(f"request body is not JSON ({err})") from None
+        if not isinstance(body, dict):
+            raise bad_request("request body must be a JSON object")
+        stripped = apply_mm_kwargs_policy(body, self.settings.mm_kwargs)
+        if stripped:
+            log.info("stripped %s from a request (--mm-kwargs strip)", ", ".join(stripped))
+        parts = image_parts(body)
+        if not parts:
+            return body
+        media = await asyncio.gather(*(self._image(p) for p in parts))
+        try:
+            hashes = await asyncio.to_thread(self.bridge.ensure_encoded, [raw for _, raw in media])
+        except EncoderClientError as err:
+            raise _encoder_error(err, parts) from None
+        except (ValueError, TypeError) as err:  # the client refused an image before sending it
+            raise bad_request(f"an image of this request cannot be sent to the encoder ({err})") from None
+        for part, (url, _), uuid in zip(parts, media, hashes, strict=True):
+            # The pixels stay: vLLM 0.33.0 takes a uuid alone only as a hit of its own processor
+            # cache (it needs the image for the prompt's placeholder count), never on a first sight.
+            rewrite_part(part, uuid, url)
+        return body
+
+    async def _image(self, part: ImagePart) -> tuple[str, bytes]:
+        """(the data URL to forward, the image's bytes)."""
+        if part.url.startswith("data:"):
+            _, raw = decode_data_url(part.url, part.where, self.settings.max_image_bytes)
+            return part.url, raw
+        scheme, host = (urlsplit(part.url).scheme.lower(), urlsplit(part.url).hostname or "")
+        if scheme not in ("http", "https"):
+            raise bad_request(f"{part.where}: image URL scheme {scheme or '(none)'!r} not supported: "
+                              f"send a data: URL (or http(s) from an allowed host)", part.where)
+        if not self.allowed.allows(host):
+            hint = (f"allowed: {', '.join(self.allowed.patterns)}" if self.allowed
+                    else "the proxy fetches no URL unless started with --allowed-hosts")
+            raise bad_request(f"{part.where}: image URL host {host!r} not allowed ({hint}); "
+                              f"send the image as a data: URL", part.where)
+        return await self._fetch(part, host)
+
+    async def _fetch(self, part: ImagePart, host: str) -> tuple[str, bytes]:
+        assert self.fetcher is not None
+        limit = self.settings.max_image_bytes
+        try:
+            async with self.fetcher.get(part.url, allow_redirects=False) as resp:
+                if resp.status != 200:
+                    raise bad_request(f"{part.where}: fetching the image from {host} answered HTTP {resp.status}",
+                                      part.where)
+                raw = await resp.content.read(limit + 1)
+                mime = resp.content_type or "application/octet-stream"
+        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+            raise bad_request(f"{part.where}: fetching the image from {host} failed "
+                              f"({type(err).__name__}: {err})", part.where) from None
+        if len(raw) > limit:
+            raise ProxyRequestError(413, f"{part.where}: image larger than --max-image-bytes ({limit} bytes)")
+        # vLLM gets the very bytes that were hashed and encoded, not a second fetch of the URL.
+        return to_data_url(mime, raw), raw
+
+    async def _forward(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        assert self.session is not None
+        url = self.vllm + request.rel_url.path_qs
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+        try:
+            upstream = await self.session.request(request.method, url, headers=headers, data=body,
+                                                  allow_redirects=False)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+            return _error(ProxyRequestError(502, f"vLLM at {self.vllm} unreachable ({type(err).__name__}: {err})"))
+        async with upstream:
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            for key, value in upstream.headers.items():
+                if key.lower() not in _NOT_FORWARDED:
+                    response.headers.add(key, value)
+            if upstream.content_length is not None:
+                response.content_length = upstream.content_length
+            await response.prepare(request)
+            # Each chunk as it arrives: an SSE stream comes back event by event.
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+
+
+def settings_from_args(args: argparse.Namespace, security: dict[str, Any]) -> ProxySettings:
+    return ProxySettings(
+        encoder=[t.strip() for t in args.encoder.split(",") if t.strip()], vllm=args.vllm,
+        allowed_hosts=[h for h in (args.allowed_hosts or "").split(",") if h.strip()], mm_kwargs=args.mm_kwargs,
+        max_image_bytes=args.max_image_bytes, max_request_bytes=args.max_request_bytes,
+        encoder_timeout_s=args.timeout, fetch_timeout_s=args.fetch_timeout, security=security)
+
+
+def run(args: argparse.Namespace, security: dict[str, Any]) -> int:
+    """The ``encoder-client proxy`` command: serve until SIGINT/SIGTERM."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = settings_from_args(args, security)
+    proxy = EpdProxy(settings)
+    print(f"encoder-client proxy: http://{args.host}:{args.port} -> vLLM {settings.vllm}, "
+          f"encoder {', '.join(settings.encoder)}", flush=True)
+    web.run_app(proxy.app(), host=args.host, port=args.port, print=None, access_log=None)
+    return 0

@@ -1,0 +1,360 @@
+"""``encoder-client proxy`` before vLLM: a real encoder process (tiny preset), the proxy, and a small
+aiohttp server standing in for vLLM's OpenAI API (vLLM cannot run here) that records what it gets."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import http.client
+import json
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+from encoder_client import EncoderClient
+from encoder_client.cli import _security, build_parser
+from encoder_client.integrations.proxy import EpdProxy, ProxySettings, settings_from_args
+
+from tests.client_servers import png
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+NON_STREAMING_ANSWER = (b'{"id":"chatcmpl-1",  "object": "chat.completion",\n'
+                        b' "choices":[{"index":0,"message":{"role":"assistant","content":"a cat"}}]}')
+SSE_EVENTS = [b'data: {"choices":[{"delta":{"content":"a"}}]}', b'data: {"choices":[{"delta":{"content":" cat"}}]}',
+              b"data: [DONE]"]
+
+
+class Served:
+    """An aiohttp app on a loopback port, run by its own event loop in a thread."""
+
+    def __init__(self, app: web.Application) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.runner = web.AppRunner(app)
+        started = threading.Event()
+
+        def main() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_until_complete(self.runner.setup())
+            self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", 0).start())
+            started.set()
+            self.loop.run_forever()
+            self.loop.run_until_complete(self.runner.cleanup())
+
+        self.thread = threading.Thread(target=main, daemon=True)
+        self.thread.start()
+        assert started.wait(30), "app did not start"
+        self.port = self.runner.addresses[0][1]
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+
+
+class FakeVllm:
+    """vLLM's OpenAI API as far as the proxy sees it; ``received`` holds each request it got."""
+
+    def __init__(self) -> None:
+        self.received: list[dict] = []
+        self.release_next_event = threading.Event()  # a streamed answer waits for it after each event
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/img/{name}", self.image)
+        self.images: dict[str, bytes] = {}
+        self.served = Served(app)
+        self.url = f"http://127.0.0.1:{self.served.port}"
+
+    def record(self, request: web.Request, body: dict | None) -> None:
+        self.received.append({"path": request.path_qs, "headers": dict(request.headers), "body": body})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.record(request, body)
+        if body.get("model") == "missing":
+            return web.json_response({"error": {"message": "model missing does not exist", "code": 404}}, status=404)
+        if not body.get("stream"):
+            return web.Response(body=NON_STREAMING_ANSWER, content_type="application/json",
+                                headers={"X-Fake-Vllm": "yes"})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for event in SSE_EVENTS:
+            await response.write(event + b"\n\n")
+            self.release_next_event.clear()
+            await asyncio.to_thread(self.release_next_event.wait, 30)
+        await response.write_eof()
+        return response
+
+    async def health(self, request: web.Request) -> web.Response:
+        self.record(request, None)
+        return web.Response(status=200)
+
+    async def models(self, request: web.Request) -> web.Response:
+        self.record(request, None)
+        return web.Response(body=b'{"object":"list","data":[{"id":"qwen"}]}', content_type="application/json")
+
+    async def image(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.images[request.match_info["name"]], content_type="image/png")
+
+
+@pytest.fixture(scope="module")
+def vllm():
+    fake = FakeVllm()
+    yield fake
+    fake.served.close()
+
+
+@pytest.fixture(scope="module")
+def start_proxy(encoder_server, vllm):
+    started: list[Served] = []
+
+    def start(**overrides) -> int:
+        settings = ProxySettings(**{"encoder": [encoder_server.target], "vllm": vllm.url, **overrides})
+        served = Served(EpdProxy(settings).app())
+        started.append(served)
+        return served.port
+
+    yield start
+    for served in started:
+        served.close()
+
+
+@pytest.fixture(scope="module")
+def proxy(start_proxy) -> int:
+    return start_proxy()
+
+
+def data_url(image: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(image).decode()
+
+
+def chat(*images: str, text: str = "what is this?", **extra) -> dict:
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in images]
+    return {"model": "qwen", "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}],
+            **extra}
+
+
+def post(port: int, body: dict | bytes, path: str = "/v1/chat/completions") -> tuple[int, bytes, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    payload = body if isinstance(body, bytes) else json.dumps(body).encode()
+    conn.request("POST", path, payload, {"Content-Type": "application/json", "Authorization": "Bearer sk-user"})
+    resp = conn.getresponse()
+    out = resp.status, resp.read(), dict(resp.headers)
+    conn.close()
+    return out
+
+
+def get(port: int, path: str) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("GET", path)
+    resp = conn.getresponse()
+    out = resp.status, resp.read()
+    conn.close()
+    return out
+
+
+def forwarded_images(request: dict) -> list[dict]:
+    return [p for m in request["body"]["messages"] for p in m["content"] if p.get("type") == "image_url"]
+
+
+def test_each_image_reaches_vllm_with_the_encoders_content_hash_as_its_uuid(proxy, vllm, encoder_server):
+    images = [png(701), png(702), png(701)]  # the third repeats the first
+    status, _, _ = post(proxy, chat(*map(data_url, images)))
+    assert status == 200
+    parts = forwarded_images(vllm.received[-1])
+    with EncoderClient(encoder_server.target) as client:
+        # The proxy had the encoder encode each image: cached before we encode anything ourselves.
+        assert client.lookup([p["uuid"] for p in parts]) == [True, True, True]
+        results = client.encode(images)
+    assert [p["uuid"] for p in parts] == [r.content_hash for r in results]
+    assert all(r.cache_hit for r in results)
+    # vLLM 0.33.0 takes a uuid without pixels only as a hit of its own processor cache, so the
+    # pixels stay: the very data URL the user sent, beside the uuid.
+    assert [p["image_url"] for p in parts] == [{"url": data_url(i)} for i in images]
+    assert vllm.received[-1]["body"]["messages"][0]["content"][-1] == {"type": "text", "text": "what is this?"}
+    assert vllm.received[-1]["headers"]["Authorization"] == "Bearer sk-user"
+
+
+def test_vllms_own_chat_parser_reads_the_uuid_beside_the_image(proxy, vllm):
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.renderers.chat_utils.chat_message import parse_chat_message_content_mm_part
+
+    assert post(proxy, chat(data_url(png(703))))[0] == 200
+    sent = vllm.received[-1]["body"]
+    request = ChatCompletionRequest.model_validate(sent)  # what vLLM's server validates the body with
+    part = request.messages[0]["content"][0]
+    assert part["uuid"] == forwarded_images(vllm.received[-1])[0]["uuid"]
+    assert parse_chat_message_content_mm_part(part) == ("image_url", data_url(png(703)))
+
+
+def test_a_non_streaming_answer_comes_back_byte_for_byte(proxy):
+    status, body, headers = post(proxy, chat(data_url(png(704))))
+    assert (status, body) == (200, NON_STREAMING_ANSWER)
+    assert headers["X-Fake-Vllm"] == "yes"
+
+
+def test_vllms_status_code_and_error_body_come_back_unchanged(proxy):
+    status, body, _ = post(proxy, chat(data_url(png(705)), model="missing"))
+    assert status == 404
+    assert json.loads(body) == {"error": {"message": "model missing does not exist", "code": 404}}
+
+
+def test_a_streamed_answer_comes_back_event_by_event(proxy, vllm):
+    conn = http.client.HTTPConnection("127.0.0.1", proxy, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps(chat(data_url(png(706)), stream=True)),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+    for event in SSE_EVENTS:
+        # The fake sends the next event only once we have read this one through the proxy.
+        assert resp.readline().rstrip(b"\n") == event
+        assert resp.readline() == b"\n"
+        vllm.release_next_event.set()
+    assert resp.read() == b""
+    conn.close()
+    assert forwarded_images(vllm.received[-1])[0]["uuid"]
+
+
+def test_models_and_health_pass_through_unchanged(proxy, vllm):
+    assert get(proxy, "/v1/models?x=1") == (200, b'{"object":"list","data":[{"id":"qwen"}]}')
+    assert vllm.received[-1]["path"] == "/v1/models?x=1"
+    assert get(proxy, "/health") == (200, b"")
+
+
+BAD_REQUESTS = {
+    "bad base64": (chat("data:image/png;base64,@@not-base64@@"), "messages[0].content[0]: bad base64"),
+    "not base64 at all": (chat("data:image/png,rawtext"), "data URL is not base64"),
+    "host not allowed": (chat("http://169.254.169.254/latest/meta-data.png"),
+                         "image URL host '169.254.169.254' not allowed"),
+    "file url": (chat("file:///etc/passwd"), "image URL scheme 'file' not supported"),
+    "mm_processor_kwargs": (chat(data_url(png(707)), mm_processor_kwargs={"max_pixels": 1000}),
+                            "mm_processor_kwargs not supported through the EPD proxy"),
+    "media_io_kwargs": (chat(data_url(png(707)), media_io_kwargs={"image": {"mode": "RGB"}}),
+                        "media_io_kwargs not supported through the EPD proxy"),
+    "not an image": (chat("data:image/png;base64," + base64.b64encode(b"no image here").decode()),
+                     "the encoder refused an image of this request"),
+    "not json": (b"{nope", "request body is not JSON"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_REQUESTS))
+def test_a_bad_request_is_a_400_naming_the_problem_and_the_proxy_keeps_serving(proxy, vllm, name):
+    body, message = BAD_REQUESTS[name]
+    before = len(vllm.received)
+    status, answer, _ = post(proxy, body)
+    assert status == 400, answer
+    assert message in json.loads(answer)["error"]["message"]
+    assert len(vllm.received) == before  # nothing reached vLLM
+    assert post(proxy, chat(data_url(png(708))))[0] == 200
+
+
+def test_an_undecodable_image_is_named_by_its_place_in_the_request(proxy):
+    _, answer, _ = post(proxy, chat(data_url(png(709)), "data:image/png;base64," + base64.b64encode(b"xx").decode()))
+    assert "messages[0].content[1]" in json.loads(answer)["error"]["message"]
+
+
+def test_an_image_over_the_size_limit_is_a_413(start_proxy, vllm):
+    port = start_proxy(max_image_bytes=1000)
+    before = len(vllm.received)
+    status, answer, _ = post(port, chat(data_url(png(716, size=(200, 200)))))
+    assert status == 413 and "larger than --max-image-bytes (1000 bytes)" in json.loads(answer)["error"]["message"]
+    assert len(vllm.received) == before
+
+
+def test_mm_kwargs_strip_forwards_the_request_without_them(start_proxy, vllm):
+    port = start_proxy(mm_kwargs="strip")
+    assert post(port, chat(data_url(png(710)), mm_processor_kwargs={"max_pixels": 1000}))[0] == 200
+    assert "mm_processor_kwargs" not in vllm.received[-1]["body"]
+
+
+def test_an_image_from_an_allowed_host_is_forwarded_as_the_bytes_encoded(start_proxy, vllm, encoder_server):
+    vllm.images["cat.png"] = image = png(711)
+    port = start_proxy(allowed_hosts=["127.0.0.*"])
+    assert post(port, chat(f"{vllm.url}/img/cat.png"))[0] == 200
+    (part,) = forwarded_images(vllm.received[-1])
+    assert part["image_url"] == {"url": data_url(image)}  # vLLM never fetches the URL a second time
+    with EncoderClient(encoder_server.target) as client:
+        assert part["uuid"] == client.encode([image])[0].content_hash
+
+
+def _dead_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_encoder_being_down_is_a_503_and_vllm_is_not_called(vllm):
+    settings = ProxySettings(encoder=[f"127.0.0.1:{_dead_port()}"], vllm=vllm.url, encoder_timeout_s=5)
+    served = Served(EpdProxy(settings).app())
+    try:
+        before = len(vllm.received)
+        status, answer, _ = post(served.port, chat(data_url(png(712))))
+        assert status == 503
+        assert "encoder service unavailable (UNAVAILABLE" in json.loads(answer)["error"]["message"]
+        assert len(vllm.received) == before
+        assert get(served.port, "/health")[0] == 200  # requests without images still go through
+    finally:
+        served.close()
+
+
+def test_several_encoders_route_around_one_that_is_down(start_proxy, encoder_server, vllm):
+    port = start_proxy(encoder=[encoder_server.target, f"127.0.0.1:{_dead_port()}"])
+    image = png(713)
+    assert post(port, chat(data_url(image)))[0] == 200
+    with EncoderClient(encoder_server.target) as client:
+        assert client.lookup([forwarded_images(vllm.received[-1])[0]["uuid"]]) == [True]
+
+
+def test_vllm_being_down_is_a_502(encoder_server):
+    settings = ProxySettings(encoder=[encoder_server.target], vllm=f"http://127.0.0.1:{_dead_port()}")
+    served = Served(EpdProxy(settings).app())
+    try:
+        status, answer, _ = post(served.port, chat(data_url(png(714))))
+        assert status == 502 and "unreachable" in json.loads(answer)["error"]["message"]
+    finally:
+        served.close()
+
+
+def test_the_readme_proxy_command_line_parses_with_the_real_parser():
+    section = README.read_text().split("### The proxy", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    command = next(c for c in block.replace("\\\n", " ").splitlines() if c.strip().startswith("encoder-client proxy"))
+    args = build_parser().parse_args(shlex.split(command)[1:])
+    assert args.command == "proxy"
+    settings = settings_from_args(args, _security(args))
+    assert settings.encoder and settings.vllm.startswith("http") and args.port
+
+
+def test_importing_the_client_and_its_cli_does_not_import_aiohttp():
+    code = ("import sys, encoder_client, encoder_client.cli, encoder_client.integrations.proxy_rewrite; "
+            "sys.exit('aiohttp' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_the_command_serves_until_terminated(encoder_server, vllm):
+    port = _dead_port()
+    proc = subprocess.Popen([sys.executable, "-m", "encoder_client.cli", "proxy", "--encoder", encoder_server.target,
+                             "--vllm", vllm.url, "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                assert get(port, "/v1/models")[0] == 200
+                break
+            except ConnectionRefusedError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+                time.sleep(0.2)
+        assert post(port, chat(data_url(png(715))))[0] == 200
+    finally:
+        proc.terminate()
+        output = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 0, output
+    assert f"encoder-client proxy: http://127.0.0.1:{port} -> vLLM {vllm.url}" in output
