@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import socket
 import time
 from pathlib import Path
@@ -21,8 +22,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+# vLLM 0.33.0 without its CUDA dependencies: scripts/ci_tools.sh installs it (a missing vLLM is an
+# import error here, never a silent skip).
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-pytest.importorskip("vllm", reason="scripts/ci_tools.sh installs vLLM 0.33.0 (no CUDA deps)")
 
 import torch
 from encoder_client import EncoderClient, HashRef
@@ -166,6 +168,16 @@ def test_the_readme_config_is_the_one_the_tests_use():
     assert ECConnectorFactory.get_connector_class(ec).__name__ == "EncoderServiceECConnector"
 
 
+def test_the_readme_encoder_command_parses():
+    from encoder_service.config import parse_serve_args
+
+    section = README.read_text().split("## Using it with vLLM", 1)[1].split("\n## ", 1)[0]
+    block = re.findall(r"```bash\n(.*?)```", section, re.S)[0].replace("\\\n", " ")
+    (command,) = [c for c in block.splitlines() if c.strip().startswith("encoder-service serve")]
+    config = parse_serve_args(shlex.split(command.split("#")[0])[2:], environ={})
+    assert config.device == "cuda" and config.dtype == "bfloat16"
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_staged_tensors_equal_the_servers_embeddings(encoder, connectors, dtype):
     _server, client = encoder
@@ -208,6 +220,28 @@ def test_staged_tensors_equal_the_servers_embeddings(encoder, connectors, dtype)
     logging.observe(stats.data)
     logging.observe(worker_stats.data)
     assert logging.transfer_stats_accumulator.reduce()["items_loaded"] == 2
+
+
+def test_a_co_located_encoder_hands_embeddings_over_in_shared_memory(start_encoder_server, connectors):
+    server = start_encoder_server("--shared-memory", "on")
+    try:
+        with EncoderClient(server.target, timeout_s=60) as client:
+            image = cached_image(client)
+            connector = connectors(server.target, shared_memory=True)
+            assert connector.stager._client._regions is not None  # a region is lent, the stream not used
+            req = request("req-shm", [(image.content_hash, image.num_tokens)])
+            wait_until_available(connector, req)
+            encoder_cache: dict[str, torch.Tensor] = {}
+            worker_step(connector, req, encoder_cache)
+            assert encoder_cache[image.content_hash].numpy().tobytes() == image.embedding.tobytes()
+            connector.update_state_after_free(req, 0)
+    finally:
+        server.stop()
+
+
+def test_shared_memory_needs_one_plain_encoder_target():
+    with pytest.raises(ValueError, match="exactly one encoder target"):
+        ConnectorSettings.from_extra_config({"encoder": "dns:///encoders:50051", "shared_memory": True})
 
 
 def test_an_item_is_held_while_a_worker_has_still_to_load_it(encoder, connectors):

@@ -72,6 +72,17 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         counted = not calls.draining  # the drain waits for the calls that began before it
         if counted:
             calls.in_flight += 1
+        recorded = False
+
+        def record(code: str) -> None:
+            nonlocal recorded
+            recorded = True
+            if counted:
+                calls.in_flight -= 1
+            m.requests_in_flight.dec()
+            m.requests.labels(method=method, code=code).inc()
+            m.request_seconds.labels(method=method).observe(time.perf_counter() - started)
+
         try:
             yield
             code = "OK"
@@ -84,10 +95,10 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         except Exception as exc:
             status, message = to_status(method, exc)
             code = status.name
+            # Counted before the status goes out: abort sends it at once, and a caller that has
+            # seen the status must find the request counted.
+            record(code)
             await context.abort(status, message)
         finally:
-            if counted:
-                calls.in_flight -= 1
-            m.requests_in_flight.dec()
-            m.requests.labels(method=method, code=code).inc()
-            m.request_seconds.labels(method=method).observe(time.perf_counter() - started)
+            if not recorded:
+                record(code)

@@ -39,7 +39,9 @@ class ConnectorSettings:
     (default: the model's). ``tls_ca``/``tls_cert``/``tls_key``: PEM paths (``encoder_client.
     tls_credentials``); ``token`` or ``token_file``: a bearer token. ``fetch_threads``: concurrent
     fetches. ``shm_dir``: where staged files go (default /dev/shm). ``modalities``: the modalities
-    this connector serves; other items are left to vLLM.
+    this connector serves; other items are left to vLLM. ``shared_memory``: the encoder runs on this
+    host with ``--shared-memory on`` and writes each embedding into this process's shared memory
+    instead of the gRPC stream (one encoder target only; ``encoder_client.shared_memory``).
     """
 
     encoder: Any = "localhost:50051"
@@ -55,6 +57,7 @@ class ConnectorSettings:
     fetch_threads: int = 8
     shm_dir: str | None = None
     modalities: tuple[str, ...] = ("image",)
+    shared_memory: bool = False
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -69,7 +72,14 @@ class ConnectorSettings:
         settings = cls(**extra)
         if settings.timeout_s <= 0 or settings.fetch_threads < 1:
             raise ValueError("EncoderServiceECConnector: timeout_s must be > 0 and fetch_threads >= 1")
+        if settings.shared_memory and not settings._one_plain_target():
+            raise ValueError("EncoderServiceECConnector: shared_memory needs exactly one encoder target "
+                             f"(host:port on this host), got {settings.encoder!r}")
         return settings
+
+    def _one_plain_target(self) -> bool:
+        targets = self.targets()
+        return len(targets) == 1 and not targets[0].startswith("dns:")
 
     def targets(self) -> list[str]:
         spec = self.encoder
@@ -86,9 +96,9 @@ class ConnectorSettings:
         token = self.token if self.token is not None else (read_token_file(self.token_file) if self.token_file
                                                            else None)
         targets = self.targets()
-        if len(targets) == 1 and not targets[0].startswith("dns:"):
+        if self._one_plain_target():
             return EncoderClient(targets[0], timeout_s=self.timeout_s, retries=self.retries,
-                                 credentials=creds, token=token)
+                                 credentials=creds, token=token, shared_memory=self.shared_memory)
         return RoutingEncoderClient(targets, timeout_s=self.timeout_s, credentials=creds, token=token)
 
 
