@@ -96,7 +96,7 @@ async def _start_sglang_compat(config: ServiceConfig, servicer: VisionEncoderSer
     except ImportError as exc:
         raise RuntimeError(f"--sglang-compat-port needs the sglang extra (pip install "
                            f"'encoder-service[sglang]'): {exc}") from None
-    return await SglangCompatServer.start(config, servicer, metrics, calls, health_servicer)
+    return await SglangCompatServer.start(config, servicer, metrics, calls, health_servicer, _grpc_options(config))
 
 
 def _gib(n: int) -> str:

@@ -146,13 +146,12 @@ class SglangCompatServer:
 
     @classmethod
     async def start(cls, config: ServiceConfig, servicer: VisionEncoderServicer, metrics: ServiceMetrics,
-                    calls: CallBook, health_servicer: health.aio.HealthServicer) -> SglangCompatServer:
-        """Raises RuntimeError when the port cannot be bound."""
+                    calls: CallBook, health_servicer: health.aio.HealthServicer,
+                    options: list[tuple[str, int]]) -> SglangCompatServer:
+        """Raises RuntimeError when the port cannot be bound; ``options``: the main port's."""
         compat = SglangEncoderServicer(config, servicer)
-        server = grpc.aio.server(
-            options=[("grpc.max_receive_message_length", config.max_message_bytes),
-                     ("grpc.max_send_message_length", config.max_message_bytes), ("grpc.so_reuseport", 0)],
-            interceptors=[ServiceInterceptor(metrics, calls, SGLANG_ENCODER, LABEL_PREFIX)])
+        server = grpc.aio.server(options=options,
+                                 interceptors=[ServiceInterceptor(metrics, calls, SGLANG_ENCODER, LABEL_PREFIX)])
         sglang_encoder_pb2_grpc.add_SglangEncoderServicer_to_server(compat, server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         port = server.add_insecure_port(f"{config.host}:{config.sglang_compat_port}")
