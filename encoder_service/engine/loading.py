@@ -18,6 +18,10 @@ def load_model(config: ServiceConfig, device: str | None = None) -> ServedModel:
 
     model = load_vision_model(config.model_or_default, device=device or config.device, dtype=config.dtype,
                               attn_backend=config.attn_backend, preprocess=config.preprocess)
+    model.set_decode(config.decode)
+    if model.decode_backend != "pillow":
+        log.info("images: JPEGs decode on %s with %s, other formats with Pillow (cache namespace %s)",
+                 model.device, model.decode_backend, model.cache_namespace)
     model.set_cuda_graphs(config.cuda_graphs)
     if model.graphs is not None:
         log.info("CUDA graphs on %s: up to %d batch compositions, each captured the second time it is seen",

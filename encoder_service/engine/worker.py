@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..models.served import ServedModel
+from ..preprocess.nvjpeg import UndecodableInputs
 from .batch_queue import BatchQueue, WorkItem
 
 log = logging.getLogger(__name__)
@@ -116,13 +117,20 @@ class DeviceWorker:
     def _run_warmup(self) -> float:
         return warm_up(self._model)
 
-    def _launch(self, batch: list[WorkItem]) -> _InFlight | BatchOutcome:
+    def _launch(self, batch: list[WorkItem]) -> _InFlight | BatchOutcome | None:
         """Enqueues the batch's device work (preprocessing included) without waiting for it."""
         started = time.perf_counter()
         try:
             # H2D of uint8, preprocessing, forward and D2H into pinned memory are queued without a
             # host sync; wait() in _finish is the batch's single explicit wait.
             return _InFlight(batch, started, self._model.encode_inputs_async([item.payload for item in batch]))
+        except UndecodableInputs as exc:
+            # Images the device could not decode (--decode nvjpeg) fail alone; the rest run.
+            for index, error in exc.errors.items():
+                log.warning("image %d of a batch could not be decoded on the device: %s", index, error)
+                self._post(self._on_batch_done, BatchOutcome([batch[index]], None, error, started, 0.0, self.label))
+            rest = [item for index, item in enumerate(batch) if index not in exc.errors]
+            return self._launch(rest) if rest else None
         except Exception as exc:
             return self._failed(batch, started, exc)
 

@@ -10,7 +10,7 @@ import hashlib
 import io
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,99 +19,12 @@ from PIL import Image
 from ..attention import select_backend
 from ..device import host_to_device
 from ..errors import InvalidInput
-from ..preprocess.staged import (
-    DecodedImage,
-    RawPatches,
-    StagedInput,
-    apply_table,
-    image_tensor,
-    patches_from_bytes,
-    resolve_mode,
-    stage_to_device,
-)
+from ..preprocess import nvjpeg
+from ..preprocess.batch import stage_batch
+from ..preprocess.staged import DecodedImage, RawPatches, StagedInput, resolve_mode
 
-Grid = tuple[int, int, int]
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Static facts about a loaded model that the API reports and the engine plans with."""
-
-    model_id: str
-    model_type: str
-    hidden_size: int  # output (LLM) hidden size of each embedding row
-    patch_size: int
-    temporal_patch_size: int
-    spatial_merge_size: int
-    in_channels: int
-    # Feature levels per embedding row: the main embedding, then any extra levels the LLM injects
-    # elsewhere (Qwen3-VL's deepstack), each ``hidden_size`` wide and concatenated along the row.
-    feature_levels: int = 1
-    # Whether the merger folds a clip's frames into one set of tokens (Kimi-K2.5 averages them), so
-    # that tokens do not grow with t.
-    frames_merged: bool = False
-    # Fingerprint inputs for cache_namespace: anything that changes the embedding of the same bytes.
-    fingerprint: dict = field(default_factory=dict, compare=False, hash=False)
-
-    @property
-    def patch_dim(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size
-
-    @property
-    def merge_unit(self) -> int:
-        return self.spatial_merge_size * self.spatial_merge_size
-
-    def num_tokens(self, grid: Sequence[int]) -> int:
-        """Embedding rows of one image of ``grid`` [t, h, w] (in patches)."""
-        t, h, w = (int(v) for v in grid)
-        return (1 if self.frames_merged else t) * h * w // self.merge_unit
-
-    @property
-    def row_width(self) -> int:
-        """Values in one embedding row: ``hidden_size`` for each feature level."""
-        return self.hidden_size * self.feature_levels
-
-
-def validate_grid(grid: Sequence[int], spec: ModelSpec) -> Grid:
-    """Checks one [t, h, w] grid (Python ints) against the model's merge rules."""
-    if isinstance(grid, (str, bytes)) or len(grid) != 3:
-        raise InvalidInput(f"grid_thw must be [t, h, w], got {list(grid) if not isinstance(grid, str) else grid!r}")
-    try:
-        t, h, w = (int(x) for x in grid)
-    except (TypeError, ValueError) as exc:
-        raise InvalidInput(f"grid_thw must hold integers, got {list(grid)!r}") from exc
-    if t < 1:
-        raise InvalidInput(f"grid t must be >= 1, got t={t}")
-    m = spec.spatial_merge_size
-    if h < m or w < m or h % m or w % m:
-        raise InvalidInput(
-            f"grid h and w must be positive multiples of the spatial merge size {m}, got h={h}, w={w}"
-        )
-    return t, h, w
-
-
-def validate_batch(pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]],
-                   spec: ModelSpec) -> list[Grid]:
-    """Checks a batch before any device work: grids legal, patch count and width matching."""
-    if len(grids) == 0:
-        raise InvalidInput("empty batch: no images (grid_thw is empty)")
-    checked = []
-    for i, g in enumerate(grids):
-        try:
-            checked.append(validate_grid(g, spec))
-        except InvalidInput as exc:
-            raise exc.with_image(i) from None
-    if pixel_values.ndim != 2:
-        raise InvalidInput(f"pixel_values must be 2-D [patches, {spec.patch_dim}], got shape "
-                           f"{tuple(pixel_values.shape)}")
-    if pixel_values.shape[1] != spec.patch_dim:
-        raise InvalidInput(f"wrong patch width: pixel_values has {pixel_values.shape[1]} values per patch, "
-                           f"the model needs {spec.patch_dim}")
-    expected = sum(t * h * w for t, h, w in checked)
-    if pixel_values.shape[0] != expected:
-        raise InvalidInput(f"patch count does not match the grids: pixel_values has {pixel_values.shape[0]} "
-                           f"patches, grids {[list(g) for g in checked]} need {expected}")
-    return checked
+# Re-exported: the families and the engine import them from here.
+from .spec import Grid, ModelSpec, validate_batch, validate_grid  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -122,6 +35,9 @@ class Decoder:
     function: Callable[..., DecodedImage]  # (bytes, config, mode, max_image_pixels) -> DecodedImage
     config: object
     mode: str
+    # (height, width, config) -> (resize_to, pad_to, grid): the sizes ``function`` works out, for a
+    # decoder that reads only the header (--decode nvjpeg).
+    geometry: nvjpeg.Geometry | None = None
 
     def __call__(self, image_bytes: bytes, max_image_pixels: int | None = None) -> DecodedImage:
         return self.function(image_bytes, self.config, self.mode, max_image_pixels)
@@ -139,7 +55,8 @@ class ModelFront:
     attn_backend: str
     preprocess_mode: str
     cache_namespace: str
-    decoder: Decoder
+    decoder: Decoder | nvjpeg.NvjpegDecoder
+    decode_backend: str = "pillow"
 
     def decode(self, image_bytes: bytes, max_image_pixels: int | None = None) -> DecodedImage:
         return self.decoder(image_bytes, max_image_pixels)
@@ -163,6 +80,8 @@ class VisionModel:
     # pil: resize on the CPU, bit-exact with transformers' PIL processor; torch: resize on the
     # model's device, equal to its default torchvision-backed processor (preprocess/staged.py).
     preprocess_mode: str = "pil"
+    # pillow: images decode on the CPU; nvjpeg: JPEGs decode on the GPU (preprocess/nvjpeg.py).
+    decode_backend: str = "pillow"
     _tables: dict[tuple[torch.device, torch.dtype], torch.Tensor] | None = None  # value tables by device
 
     def __init__(self, cfg, module: torch.nn.Module, *, device: torch.device, dtype: torch.dtype,
@@ -202,6 +121,8 @@ class VisionModel:
             "preprocess_mode": self.preprocess_mode,
             **self.spec.fingerprint,
         }
+        if self.decode_backend != "pillow":  # other pixels; Pillow's namespace stays what it was
+            payload["decode"] = self.decode_backend
         digest = hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
         return f"{self.spec.model_type}:{digest[:24]}"
 
@@ -213,9 +134,28 @@ class VisionModel:
         self.preprocess_mode = mode
         self._tables = None
 
+    def set_decode(self, name: str) -> None:
+        """``pillow`` (the default) or ``nvjpeg``: JPEGs decode on this CUDA device, in ``torch``
+        preprocessing only (the resize must run after the device decode)."""
+        if name not in nvjpeg.DECODERS:
+            raise InvalidInput(f"unknown decode {name!r}; valid: {', '.join(nvjpeg.DECODERS)}")
+        if name == "nvjpeg":
+            if self.preprocess_mode != "torch":
+                raise InvalidInput(f"decode nvjpeg needs preprocess torch (the resize runs on the device, "
+                                   f"after the decode); this model preprocesses in {self.preprocess_mode} mode")
+            nvjpeg.check_available(self.device)
+        self.decode_backend = name
+
     def decode(self, image_bytes: bytes, max_image_pixels: int | None = None) -> DecodedImage:
-        """The CPU half of preprocessing: bytes -> uint8 pixels, target size and grid."""
-        return self.decoder()(image_bytes, max_image_pixels)
+        """The CPU half of preprocessing: bytes -> uint8 pixels, target size and grid (a JPEG's
+        bytes and sizes with --decode nvjpeg)."""
+        return self._front_decoder()(image_bytes, max_image_pixels)
+
+    def _front_decoder(self) -> Decoder | nvjpeg.NvjpegDecoder:
+        decoder = self.decoder()
+        if self.decode_backend == "nvjpeg":
+            return nvjpeg.NvjpegDecoder(decoder, decoder.geometry, decoder.config)
+        return decoder
 
     def decoder(self) -> Decoder:
         """The family's decode function bound to this model's preprocessing settings and mode."""
@@ -224,7 +164,7 @@ class VisionModel:
     def front(self) -> ModelFront:
         """This model as the serving front end sees it (see ``ModelFront``)."""
         return ModelFront(self.spec, str(self.dtype).removeprefix("torch."), str(self.device), str(self.attn_backend),
-                          self.preprocess_mode, self.cache_namespace, self.decoder())
+                          self.preprocess_mode, self.cache_namespace, self._front_decoder(), self.decode_backend)
 
     def _check_preprocess_mode(self, mode: str) -> None:
         """Raises where the family's config cannot be reproduced in ``mode``."""
@@ -249,29 +189,26 @@ class VisionModel:
               dtype: torch.dtype | None = None) -> torch.Tensor:
         """The device half of preprocessing for a batch: [sum(patches), patch_dim] on ``device`` in
         ``dtype`` (the model's by default). One host-to-device copy of uint8 (or the client's patch
-        bytes), then resize / pad / normalize / patchify there; never waits on the device."""
+        bytes; JPEGs with ``--decode nvjpeg`` decode there), then resize / pad / normalize /
+        patchify there; never waits on the device, except for nvJPEG's own decode."""
         device = self.device if device is None else device
         dtype = self.dtype if dtype is None else dtype
-        parts = []
-        for raw, item in zip(stage_to_device(list(inputs), device), inputs):
-            if isinstance(item, RawPatches):
-                parts.append(patches_from_bytes(raw, item, self.spec.patch_dim, dtype))
-            else:
-                image = image_tensor(raw, item, self.preprocess_mode)
-                parts.append(self._patchify(apply_table(image, self._table(device, dtype))))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return stage_batch(inputs, device, dtype, mode=self.preprocess_mode, patch_dim=self.spec.patch_dim,
+                           table=lambda: self._table(device, dtype), patchify=self._patchify)
 
     def warmup_inputs(self) -> list[list[StagedInput]]:
         """Batches for the start-up forwards, through the same path as requests: two token counts
         (a compiled model specialises on the first and recompiles once with a dynamic token
         dimension on the second; both belong to start-up, not to a first request), images whose
-        sides need a resize, and client patches."""
+        sides need a resize, and client patches. With --decode nvjpeg the second image is a JPEG, so
+        nvJPEG's first call (its handles, its buffers) is start-up work too."""
         factor = self.spec.patch_size * self.spec.spatial_merge_size
         rng = np.random.default_rng(0)
         images = []
-        for height, width in ((2 * factor + 3, 2 * factor + 5), (2 * factor + 3, 4 * factor + 5)):
+        formats = ("PNG", "JPEG" if self.decode_backend == "nvjpeg" else "PNG")
+        for (height, width), fmt in zip(((2 * factor + 3, 2 * factor + 5), (2 * factor + 3, 4 * factor + 5)), formats):
             buffer = io.BytesIO()
-            Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buffer, "PNG")
+            Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buffer, fmt)
             images.append(self.decode(buffer.getvalue()))
         grid = images[0].grid
         zeros = bytes(self.num_patches(grid) * self.spec.patch_dim * 4)

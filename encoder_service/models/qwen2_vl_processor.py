@@ -17,7 +17,7 @@ class Qwen2VLProcessorHooks:
     preprocess_mode: str
 
     def decoder(self) -> Decoder:
-        return Decoder(qwen2_vl.decode_qwen2_vl, self.preprocess_config, self.preprocess_mode)
+        return Decoder(qwen2_vl.decode_qwen2_vl, self.preprocess_config, self.preprocess_mode, qwen2_vl.geometry)
 
     def _check_preprocess_mode(self, mode: str) -> None:
         qwen2_vl.check_mode(self.preprocess_config, mode)

@@ -37,6 +37,7 @@ class ServedModel(Protocol):
     spec: ModelSpec
     device: torch.device
     attn_backend: str
+    decode_backend: str  # where images decode: pillow (CPU) or nvjpeg (this device)
     # Batch compositions replayed as CUDA graphs (models/cuda_graphs.py), or None.
     graphs: object | None
 
@@ -51,3 +52,6 @@ class ServedModel(Protocol):
 
     def set_cuda_graphs(self, capacity: int) -> None:
         """Keep up to ``capacity`` batch compositions as CUDA graphs (0: none)."""
+
+    def set_decode(self, name: str) -> None:
+        """``pillow`` or ``nvjpeg`` (JPEGs decode on the device); raises where it cannot run."""

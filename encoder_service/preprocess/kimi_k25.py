@@ -153,18 +153,24 @@ def decode_kimi_k25_image(image: Image.Image, cfg: KimiK25PreprocessConfig, mode
     """The CPU half: RGB uint8 pixels, resized here in ``pil`` mode (PyTorch's uint8 kernel, above)
     or on the device in ``torch`` mode, with the padded size and the grid."""
     pixels = np.asarray(image.convert("RGB") if image.mode != "RGB" else image, dtype=np.uint8)
-    height, width = pixels.shape[:2]
+    resize_to, pad_to, grid = geometry(*pixels.shape[:2], cfg)
+    if mode == "pil":
+        pixels = resize_bicubic_antialias(pixels, *resize_to)
+    return DecodedImage(np.ascontiguousarray(pixels), resize_to, pad_to, grid)
+
+
+def geometry(height: int, width: int, cfg: KimiK25PreprocessConfig
+             ) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int, int]]:
+    """An image of ``height`` x ``width`` pixels -> (its resized size, its padded size, its grid)."""
     pad_h, pad_w = height, width
     if cfg.do_resize:
         (height, width), (pad_h, pad_w) = navit_resize(height, width, cfg.patch_size, cfg.merge_size,
                                                        cfg.max_patches, cfg.max_side_patches)
-        if mode == "pil":
-            pixels = resize_bicubic_antialias(pixels, height, width)
     p = cfg.patch_size
     if pad_h % p or pad_w % p:
         raise InvalidInput(f"image of {pad_w}x{pad_h} pixels is not a multiple of the patch size {p} "
                            "(do_resize is off)")
-    return DecodedImage(np.ascontiguousarray(pixels), (height, width), (pad_h, pad_w), (1, pad_h // p, pad_w // p))
+    return (height, width), (pad_h, pad_w), (1, pad_h // p, pad_w // p)
 
 
 def decode_kimi_k25(data: bytes, cfg: KimiK25PreprocessConfig, mode: str = "pil",

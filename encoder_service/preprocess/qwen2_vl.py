@@ -209,18 +209,24 @@ def decode_qwen2_vl_image(image: Image.Image, cfg: Qwen2VLPreprocessConfig, mode
     elif image.mode != "RGB":
         # transformers would hand the model 1 or 4 channels here and fail later; say why now.
         raise InvalidInput(f"image mode {image.mode} is not RGB and do_convert_rgb is off")
-    height, width = image.height, image.width
+    resize_to, pad_to, grid = geometry(image.height, image.width, cfg)
+    if mode == "pil" and resize_to != (image.height, image.width):
+        # reducing_gap=None and the configured filter (BICUBIC by default), as transformers does.
+        image = image.resize((resize_to[1], resize_to[0]), resample=cfg.resample)
+    return DecodedImage(np.asarray(image, dtype=np.uint8), resize_to, pad_to, grid)
+
+
+def geometry(height: int, width: int, cfg: Qwen2VLPreprocessConfig
+             ) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int, int]]:
+    """An image of ``height`` x ``width`` pixels -> (its resized size, its padded size: the same
+    here, its grid in patches)."""
     if cfg.do_resize:
         height, width = smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
-        if mode == "pil":
-            # reducing_gap=None and the configured filter (BICUBIC by default), as transformers does.
-            image = image.resize((width, height), resample=cfg.resample)
     f = cfg.factor
     if height % f or width % f:
         raise InvalidInput(f"image {width}x{height} is not a multiple of {f} pixels per side (do_resize is off)")
-    pixels = np.asarray(image, dtype=np.uint8)
     p = cfg.patch_size
-    return DecodedImage(pixels, (height, width), (height, width), (1, height // p, width // p))
+    return (height, width), (height, width), (1, height // p, width // p)
 
 
 def decode_qwen2_vl(data: bytes, cfg: Qwen2VLPreprocessConfig, mode: str = "pil",

@@ -172,12 +172,17 @@ def patches_from_bytes(raw: torch.Tensor, item: RawPatches, patch_dim: int, dtyp
 def image_tensor(raw: torch.Tensor, item: DecodedImage, mode: str) -> torch.Tensor:
     """A decoded image's bytes on the device -> uint8 [3, H, W], resized (torch mode) and padded."""
     height, width, channels = item.pixels.shape
-    chw = raw.view(height, width, channels).permute(2, 0, 1)
+    return fit_image(raw.view(height, width, channels).permute(2, 0, 1), item, mode)
+
+
+def fit_image(chw: torch.Tensor, item, mode: str) -> torch.Tensor:
+    """uint8 [3, H, W] on the device -> resized to ``item.resize_to`` (torch mode) and padded to
+    ``item.pad_to``; a decoded image's pixels, or a JPEG's decoded on the device."""
     if mode == "torch":
         chw = resize_uint8(chw.contiguous(), item.resize_to)
     elif tuple(chw.shape[-2:]) != tuple(item.resize_to):
-        raise InvalidInput(f"pil mode: image is {width}x{height} but should have been resized on the CPU "
-                           f"to {item.resize_to[1]}x{item.resize_to[0]}")
+        raise InvalidInput(f"pil mode: image is {chw.shape[2]}x{chw.shape[1]} but should have been resized on "
+                           f"the CPU to {item.resize_to[1]}x{item.resize_to[0]}")
     pad_h = item.pad_to[0] - chw.shape[1]
     pad_w = item.pad_to[1] - chw.shape[2]
     if pad_h or pad_w:

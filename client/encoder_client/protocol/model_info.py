@@ -35,6 +35,9 @@ class ModelInfo:
     feature_levels: int = 1
     # Whether the server writes embeddings into a caller's shared-memory region (--shared-memory on).
     shared_memory: bool = False
+    # Where the server decodes images: "pillow" (CPU) or "nvjpeg" (GPU, other pixels: its own
+    # cache_namespace); empty from servers older than the field.
+    decode: str = ""
 
     @classmethod
     def from_proto(cls, msg: encoder_pb2.ModelInfo) -> ModelInfo:

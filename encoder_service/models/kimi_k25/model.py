@@ -336,9 +336,9 @@ class KimiK25VisionModel(VisionModel):
         )
 
     def decoder(self) -> Decoder:
-        from ...preprocess.kimi_k25 import decode_kimi_k25
+        from ...preprocess.kimi_k25 import decode_kimi_k25, geometry
 
-        return Decoder(decode_kimi_k25, self.preprocess_config, self.preprocess_mode)
+        return Decoder(decode_kimi_k25, self.preprocess_config, self.preprocess_mode, geometry)
 
     def _value_table(self) -> torch.Tensor:
         from ...preprocess.kimi_k25 import value_table

@@ -1,0 +1,44 @@
+"""The device half of preprocessing for a whole batch: what a model's ``stage`` runs.
+
+Inputs arrive from the CPU half in three kinds: decoded uint8 images, client patch bytes, and, with
+``--decode nvjpeg``, JPEG files to decode on the device. The first two go to the device in one
+pinned staging copy (``stage_to_device``); the JPEGs in one batched nvJPEG call. Each image is then
+resized / padded, normalized through the value table and patchified, in the batch's order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .nvjpeg import JpegImage, UndecodableInputs, decode_on_device
+from .staged import RawPatches, StagedInput, apply_table, fit_image, image_tensor, patches_from_bytes, stage_to_device
+
+
+def stage_batch(inputs: Sequence[StagedInput | JpegImage], device: torch.device, dtype: torch.dtype, *,
+                mode: str, patch_dim: int, table: Callable[[], torch.Tensor],
+                patchify: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """[sum(patches), patch_dim] on ``device`` in ``dtype``. ``table()`` gives the value table on
+    ``device`` in ``dtype``; ``patchify`` puts a normalized [C, H, W] image in the model's patch order.
+    Raises ``UndecodableInputs`` (indices into ``inputs``) where JPEGs fail to decode."""
+    jpegs = [index for index, item in enumerate(inputs) if isinstance(item, JpegImage)]
+    decoded: dict[int, torch.Tensor] = {}
+    if jpegs:
+        try:
+            decoded = dict(zip(jpegs, decode_on_device([inputs[i] for i in jpegs], device)))
+        except UndecodableInputs as exc:
+            raise UndecodableInputs({jpegs[i]: error for i, error in exc.errors.items()}) from None
+    rest = [item for item in inputs if not isinstance(item, JpegImage)]
+    on_device = iter(stage_to_device(rest, device)) if rest else iter(())
+    parts = []
+    for index, item in enumerate(inputs):
+        if isinstance(item, JpegImage):
+            image = fit_image(decoded[index], item, "torch")  # only the torch mode resizes on the device
+        elif isinstance(item, RawPatches):
+            parts.append(patches_from_bytes(next(on_device), item, patch_dim, dtype))
+            continue
+        else:
+            image = image_tensor(next(on_device), item, mode)
+        parts.append(patchify(apply_table(image, table())))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -1,0 +1,121 @@
+"""``--decode nvjpeg`` on the GPU machine (pytest -m gpu; needs torchvision): the real nvJPEG
+against Pillow's pixels, a corrupt JPEG failing alone, and a real server process that decodes on
+the GPU, against one that decodes with Pillow.
+
+The CPU tests (tests/test_nvjpeg_decode.py) pin everything around the decoder with a Pillow stand-in;
+these check the decoder itself. nvJPEG calls that might fault run in a subprocess: an illegal memory
+access would poison this process's CUDA context for every later test."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageOps
+
+from encoder_service.preprocess import nvjpeg
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.allow_skip_on_cpu("needs a CUDA GPU and torchvision's nvJPEG decoder")]
+
+
+def _photo(height: int, width: int, seed: int = 0, orientation: int = 1) -> bytes:
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:height, 0:width]
+    base = np.stack([xx * 255 / width, yy * 255 / height, (xx * yy) % 255], axis=-1)
+    pixels = np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype(np.uint8)
+    exif = Image.Exif()
+    if orientation != 1:
+        exif[0x0112] = orientation
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "JPEG", quality=90, exif=exif.tobytes())
+    return buffer.getvalue()
+
+
+def _corrupt(data: bytes) -> bytes:
+    """The header intact, the entropy-coded data after the start of scan overwritten."""
+    sos = data.index(b"\xff\xda")
+    body = bytearray(data)
+    rng = np.random.default_rng(7)
+    body[sos + 40:len(body) - 2] = rng.integers(0, 256, len(body) - sos - 42, dtype=np.uint8).tobytes()
+    return bytes(body)
+
+
+@pytest.mark.parametrize("orientation", [1, 6])
+def test_nvjpeg_pixels_are_within_a_few_levels_of_pillows(orientation):
+    pytest.importorskip("torchvision")
+    files = [_photo(1008, 1008, seed=1, orientation=orientation), _photo(333, 500, seed=2, orientation=orientation)]
+    items = [nvjpeg.NvjpegDecoder(None, lambda h, w, c: ((h, w), (h, w), (1, h, w)), None)(f) for f in files]
+    decoded = nvjpeg.decode_on_device(items, torch.device("cuda"))
+    for data, got in zip(files, decoded):
+        want = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(data)).convert("RGB")))
+        diff = np.abs(got.permute(1, 2, 0).cpu().numpy().astype(int) - want.astype(int))
+        print(f"nvJPEG vs Pillow, orientation {orientation}, {want.shape}: max {diff.max()}, mean {diff.mean():.3f}")
+        # nvJPEG upsamples 4:2:0 chroma by nearest neighbour, libjpeg interpolates: a few levels on
+        # these smooth synthetic photos (7 measured, bench/RESULTS.md); the orientation must match.
+        assert diff.max() <= 16 and diff.mean() < 1.5
+
+
+def test_a_corrupt_jpeg_fails_alone_and_its_batch_mates_decode():
+    pytest.importorskip("torchvision")
+    script = textwrap.dedent("""
+        import sys, torch
+        sys.path.insert(0, sys.argv[1])
+        from test_gpu_nvjpeg import _corrupt, _photo
+        from encoder_service.preprocess import nvjpeg
+        geometry = lambda h, w, c: ((h, w), (h, w), (1, h, w))
+        decoder = nvjpeg.NvjpegDecoder(None, geometry, None)
+        items = [decoder(_photo(200, 300, seed=1)), decoder(_corrupt(_photo(200, 300, seed=2)))]
+        try:
+            nvjpeg.decode_on_device(items, torch.device("cuda"))
+            print("NO ERROR")
+        except nvjpeg.UndecodableInputs as exc:
+            print("FAILED", sorted(exc.errors), exc.errors)
+        good = nvjpeg.decode_on_device(items[:1], torch.device("cuda"))
+        print("AFTER", tuple(good[0].shape))
+    """)
+    run = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent)], capture_output=True, text=True,
+                         timeout=120)
+    print(run.stdout, run.stderr[-2000:])
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "AFTER (3, 200, 300)" in run.stdout  # the decoder still works after the bad file
+    # nvJPEG may also decode corrupt entropy data into garbage without an error (as libjpeg does with a
+    # warning): then there is nothing to fail. What must never happen is the good file failing with it.
+    assert "FAILED [1]" in run.stdout or "NO ERROR" in run.stdout
+
+
+def test_a_server_decoding_on_the_gpu_serves_what_a_pillow_server_does_within_decode_noise(start_encoder_server):
+    pytest.importorskip("torchvision")
+    from encoder_client import EncoderClient
+
+    flags = ("--device", "cuda", "--dtype", "float32", "--preprocess", "torch")
+    gpu = start_encoder_server(*flags, "--decode", "nvjpeg")
+    cpu = start_encoder_server(*flags)
+    images = [_photo(1008, 1008, seed=3), _photo(333, 500, seed=4, orientation=6), _photo(61, 97, seed=5)]
+    png = io.BytesIO()
+    Image.open(io.BytesIO(images[2])).save(png, "PNG")
+    images.append(png.getvalue())  # not a JPEG: Pillow on both servers, equal embeddings
+    with EncoderClient(gpu.target) as a, EncoderClient(cpu.target) as b:
+        info_a, info_b = a.model_info(), b.model_info()
+        assert (info_a.decode, info_b.decode) == ("nvjpeg", "pillow")
+        assert info_a.cache_namespace != info_b.cache_namespace
+        got, want = a.encode(images), b.encode(images)
+        for i, (x, y) in enumerate(zip(got, want)):
+            assert list(x.grid_thw) == list(y.grid_thw)
+            x, y = np.asarray(x.embedding, dtype=np.float64), np.asarray(y.embedding, dtype=np.float64)
+            rel = np.linalg.norm(x - y) / np.linalg.norm(y)
+            print(f"image {i}: nvjpeg vs pillow server, rel err {rel:.2e}")
+            assert rel == 0.0 if i == 3 else rel < 0.05  # bf16 vs fp32 on the same pixels is ~2%
+        bad = _corrupt(images[0])
+        try:
+            a.encode([bad])
+        except grpc.RpcError as exc:  # if nvJPEG notices the corruption: that image alone fails
+            assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.details()
+        assert len(a.encode([images[1]])) == 1  # and the server goes on serving
