@@ -88,7 +88,15 @@ def test_a_baseline_colour_jpeg_goes_to_the_device_with_its_stored_size_and_orie
     assert nvjpeg.jpeg_header(jpeg(photo(90, 60), orientation=6), None) == (60, 90, 6)
 
 
-@pytest.mark.parametrize("kind", ["png", "progressive", "grayscale", "cmyk", "truncated", "trailing bytes", "empty"])
+def damaged(data: bytes, start: int = 40) -> bytes:
+    """The header intact, random bytes over the scan data from ``start`` bytes after its marker."""
+    sos = data.index(b"\xff\xda")
+    rng = np.random.default_rng(7)
+    return data[:sos + start] + rng.integers(0, 256, len(data) - sos - start - 2, dtype=np.uint8).tobytes() + data[-2:]
+
+
+@pytest.mark.parametrize("kind", ["png", "progressive", "grayscale", "cmyk", "truncated", "trailing bytes", "empty",
+                                  "damaged scan"])
 def test_files_nvjpeg_is_not_given_are_left_to_pillow(kind):
     image = photo()
     data = {
@@ -99,8 +107,24 @@ def test_files_nvjpeg_is_not_given_are_left_to_pillow(kind):
         "truncated": lambda: jpeg(image)[:-100],
         "trailing bytes": lambda: jpeg(image) + b"\x00\x00",
         "empty": lambda: b"",
+        "damaged scan": lambda: damaged(jpeg(photo(300, 200))),
     }[kind]()
     assert nvjpeg.jpeg_header(data, None) is None
+
+
+def test_the_scan_check_passes_real_jpegs_with_and_without_restart_markers_and_an_exif_thumbnail():
+    image = photo(300, 200)
+    thumbnail = io.BytesIO()
+    photo(40, 30).save(thumbnail, "JPEG")  # an EXIF thumbnail is a whole JPEG, with a scan of its own
+    exif = Image.Exif()
+    exif[0x0112] = 3
+    with_thumbnail = io.BytesIO()
+    image.save(with_thumbnail, "JPEG", exif=exif.tobytes() + thumbnail.getvalue())
+    for data in (jpeg(image), jpeg(image, restart_marker_blocks=4), jpeg(image, subsampling=0),
+                 with_thumbnail.getvalue()):
+        assert nvjpeg.scan_is_clean(data)
+    # Damage even deep into the scan is seen; Pillow refuses such a file too.
+    assert not nvjpeg.scan_is_clean(damaged(jpeg(image), start=2000))
 
 
 def test_a_jpeg_header_over_the_limits_is_refused_before_any_decode():

@@ -14,11 +14,12 @@ checks and errors as Pillow's path), EXIF orientation. It hands the device half 
 (``JpegImage``); the device decodes a batch's JPEGs in one call, applies the orientation, and the
 image continues as a decoded one in ``torch`` mode (resize, pad, normalize, patchify on the device).
 
-Files nvJPEG is not given, decoded by Pillow as usual so that every image still decodes: anything
-but a baseline 3-component JPEG (progressive, grayscale, CMYK), and a file that does not end with
-its end-of-image marker (a truncated file: Pillow refuses it with a clear error; a GPU decoder
-might fill the rest). A JPEG whose header parses but whose data nvJPEG rejects fails alone
-(``UndecodableInputs``): the rest of its batch is encoded.
+Files nvJPEG is not given, decoded by Pillow as usual so that every image still decodes or is refused
+in Pillow's words: anything but a baseline 3-component JPEG (progressive, grayscale, CMYK), a file
+that does not end with its end-of-image marker (truncated: a GPU decoder might fill the rest), and
+one whose scan data breaks JPEG's marker rules (damaged: nvJPEG decodes garbage without an error,
+``scan_is_clean``). A JPEG whose data nvJPEG still rejects fails alone (``UndecodableInputs``): the
+rest of its batch is encoded.
 """
 
 from __future__ import annotations
@@ -87,7 +88,35 @@ def jpeg_header(data: bytes, max_image_pixels: int | None) -> tuple[int, int, in
         return None  # Pillow's path gives the error, in its words
     width, height = image.size
     _check_header_size(width, height, _pixel_limit(max_image_pixels))
+    if not scan_is_clean(data):
+        return None
     return height, width, orientation if orientation in range(1, 9) else 1
+
+
+def scan_is_clean(data: bytes) -> bool:
+    """Whether the entropy-coded data of a one-scan JPEG holds only the markers it may hold.
+
+    nvJPEG decodes a stream of garbage without an error where libjpeg (Pillow) refuses it ("broken
+    data stream"), and a server must not encode and cache garbage. Inside a scan, a 0xFF byte may
+    only be followed by 0x00 (a stuffed 0xFF), a restart marker RST0-7, or more 0xFF fill; damaged
+    or random data breaks that rule within a few hundred bytes. Files that break it, or that hold
+    more than one scan, go to Pillow, which decodes them or says what is wrong. Subtler damage
+    (flipped bits that keep the marker rule) is not caught, by Pillow either. ~0.1 ms a photo."""
+    offset = 2
+    while offset + 4 <= len(data):  # walk the header segments to the (first) start of scan
+        if data[offset] != 0xFF:
+            return False
+        marker = data[offset + 1]
+        if marker == 0xFF:  # fill byte before a marker
+            offset += 1
+            continue
+        length = int.from_bytes(data[offset + 2:offset + 4], "big")
+        if marker == 0xDA:
+            scan = np.frombuffer(data, dtype=np.uint8, offset=offset + 2 + length)[:-2]  # up to the EOI
+            follows = scan[np.flatnonzero(scan[:-1] == 0xFF) + 1]
+            return bool(np.all((follows == 0x00) | (follows == 0xFF) | ((follows >= 0xD0) & (follows <= 0xD7))))
+        offset += 2 + length
+    return False
 
 
 @dataclass(frozen=True)
