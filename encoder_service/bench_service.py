@@ -126,6 +126,9 @@ def start_server(args, log_path: Path) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "encoder_service", "serve", "--model", args.model, "--device", args.device,
            "--dtype", args.dtype, "--attn-backend", args.attn_backend, "--host", "127.0.0.1",
            "--port", str(port), *args.serve_args]
+    if "--metrics-port" not in args.serve_args:  # the forward per image under load comes from /metrics
+        args.metrics_port = _free_port()
+        cmd += ["--metrics-port", str(args.metrics_port)]
     log = open(log_path, "w")  # noqa: SIM115 (lives as long as the server)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=args.server_cwd, env=_server_env(args))
     target = f"127.0.0.1:{port}"
@@ -210,6 +213,37 @@ def make_images(count: int, first_seed: int, procs: int) -> list[bytes]:
     for p in ps:
         p.join()
     return out
+
+
+def forward_totals(args) -> dict[str, float] | None:
+    """The server's forward counters (summed over devices) from its /metrics, or None without it."""
+    port = getattr(args, "metrics_port", None)
+    if port is None:
+        return None
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = {"encoder_service_forward_seconds_sum": "seconds", "encoder_service_forward_seconds_count": "batches",
+              "encoder_service_batch_images_sum": "images"}
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    totals = dict.fromkeys(wanted.values(), 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                totals[wanted[sample.name]] += sample.value
+    return totals
+
+
+def forward_under_load(before: dict | None, after: dict | None) -> dict:
+    """The device's forward time per image and the batch size while a level ran: the (b) figure
+    beside forward-only's repeated identical batches (a). Counts the clients' warm-up calls too."""
+    if not before or not after or after["images"] <= before["images"]:
+        return {}
+    images = after["images"] - before["images"]
+    return {"server_forward_ms_per_image": 1000 * (after["seconds"] - before["seconds"]) / images,
+            "server_images_per_batch": images / max(after["batches"] - before["batches"], 1)}
 
 
 def drive(target: str, concurrency: int, images: list[bytes], args, warmup: int, transport: str = "stream") -> dict:
@@ -331,7 +365,9 @@ def main(argv: list[str] | None = None) -> int:
         result["new_images"] = []
         for i, (c, transport) in enumerate(runs):
             level_images = images[i * args.images_per_level:(i + 1) * args.images_per_level]
+            before = forward_totals(args)
             r = drive(target, c, level_images, args, warmup=2, transport=transport)
+            r.update(forward_under_load(before, forward_totals(args)))
             print("new images:", json.dumps(r), flush=True)
             result["new_images"].append(r)
         if not args.no_hits:
@@ -368,6 +404,11 @@ def summary(r: dict) -> str:
                      f"p50 {x['latency_p50_ms']:.1f} ms p99 {x['latency_p99_ms']:.1f} ms  server p50: queue "
                      f"{x['server_queue_ms_p50']:.1f} preprocess {x['server_preprocess_ms_p50']:.1f} "
                      f"forward {x['server_forward_ms_p50']:.1f} ms")
+        if "server_forward_ms_per_image" in x:
+            alone = (f"; forward-only {r['forward_only']['batch_ms'] / 8:.1f} ms an image in repeated batches of 8"
+                     if "forward_only" in r else "")
+            lines.append(f"        forward under this load: {x['server_forward_ms_per_image']:.1f} ms an image in "
+                         f"batches of {x['server_images_per_batch']:.1f}{alone}")
     hits = r.get("cache_hits") or []
     for h in [hits] if isinstance(hits, dict) else hits:  # one dict in results from before transports
         lines.append(f"  cache hit {h.get('transport', 'stream'):>13} ({h['embedding_bytes'] / 1e6:.1f} MB): p50 "

@@ -32,6 +32,8 @@ def test_the_service_benchmark_runs_end_to_end_through_the_cli(tmp_path):
     assert report["command"].startswith("encoder-service bench --service --model tiny-qwen2.5-vl")
     assert [r["transport"] for r in report["new_images"]] == ["stream", "shared-memory"]
     assert all(r["images"] > 0 and r["latency_p50_ms"] > 0 for r in report["new_images"])
+    # The forward per image under the load, from the server's /metrics (the (b) beside forward-only's (a)).
+    assert all(r["server_forward_ms_per_image"] > 0 and r["server_images_per_batch"] >= 1 for r in report["new_images"])
     assert [h["transport"] for h in report["cache_hits"]] == ["stream", "shared-memory"]
     assert report["cache_hits"][1]["embedding_bytes"] == report["cache_hits"][0]["embedding_bytes"] > 0
 
