@@ -1,4 +1,4 @@
-"""What the sync and async clients share: channel options, retry policy, the health-check codec."""
+"""What the sync and async clients share: channel options, retry policy, the health status."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from grpc_health.v1 import health_pb2
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -15,10 +17,6 @@ MAX_GRPC_INT_OPTION = 2**31 - 1
 # most 4 retries: more are clamped here rather than by the C core (which logs an error for it).
 MAX_GRPC_ATTEMPTS = 5
 RETRYABLE_CODES = ("UNAVAILABLE",)
-
-HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"
-# grpc.health.v1.HealthCheckResponse.ServingStatus
-SERVING_STATUS_NAMES = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
 
 
 @dataclass(frozen=True)
@@ -108,58 +106,11 @@ def build_channel_options(max_message_bytes: int, extra: Sequence[tuple[str, Any
     return [option for option in options if option[0] not in overridden] + list(extra)
 
 
-# grpc.health.v1 messages, hand-encoded: grpcio-health-checking is a server dependency, and
-# these two messages are one string field and one enum field.
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(buf):
-            raise ValueError("truncated varint")
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
-
-
-def encode_health_request(service: str) -> bytes:
-    """HealthCheckRequest{service}: field 1, length-delimited (empty string = omitted)."""
-    data = service.encode()
-    return b"\x0a" + _varint(len(data)) + data if data else b""
-
-
-def decode_health_response(buf: bytes) -> str:
-    """HealthCheckResponse -> status name; unknown fields are skipped as protobuf requires."""
-    status, pos = 0, 0
-    while pos < len(buf):
-        key, pos = _read_varint(buf, pos)
-        field, wire_type = key >> 3, key & 7
-        if wire_type == 0:
-            value, pos = _read_varint(buf, pos)
-            if field == 1:
-                status = value
-        elif wire_type == 2:
-            length, pos = _read_varint(buf, pos)
-            pos += length
-        elif wire_type == 1:
-            pos += 8
-        elif wire_type == 5:
-            pos += 4
-        else:
-            raise ValueError(f"unsupported wire type {wire_type} in HealthCheckResponse")
-    if pos > len(buf):
-        raise ValueError("truncated HealthCheckResponse")
-    return SERVING_STATUS_NAMES.get(status, f"STATUS_{status}")
+def health_status_name(response: health_pb2.HealthCheckResponse) -> str:
+    """The status's name: SERVING, NOT_SERVING, SERVICE_UNKNOWN or UNKNOWN; one added to
+    grpc.health.v1 after this client's grpcio-health-checking reads as ``STATUS_<n>`` (proto3 enums
+    are open, so such a value parses)."""
+    try:
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+    except ValueError:
+        return f"STATUS_{response.status}"

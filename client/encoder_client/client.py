@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from encoder_client._reassembly import Reassembler, check_lookup_response, reassembling
 from encoder_client._request import build_request
@@ -13,11 +14,9 @@ from encoder_client._rpc import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_RETRIES,
     DEFAULT_TIMEOUT_S,
-    HEALTH_CHECK_METHOD,
     RetryPolicy,
     build_channel_options,
-    decode_health_response,
-    encode_health_request,
+    health_status_name,
 )
 from encoder_client.dtypes import BF16_AS
 from encoder_client.errors import EncoderClientError
@@ -75,11 +74,7 @@ class EncoderClient:
         )
         self._stub = encoder_pb2_grpc.VisionEncoderStub(self._channel)
         self._cache_namespace: str | None = None
-        self._health_check = self._channel.unary_unary(
-            HEALTH_CHECK_METHOD,
-            request_serializer=encode_health_request,
-            response_deserializer=decode_health_response,
-        )
+        self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def __enter__(self) -> EncoderClient:
         return self
@@ -204,10 +199,10 @@ class EncoderClient:
     def health(self, service: str = "", *, timeout_s: float | None = None) -> str:
         """grpc.health.v1 Check: "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN" or "UNKNOWN".
 
-        Needs no grpcio-health-checking on the client (the two messages are encoded by hand); a
-        server without the health service raises EncoderClientError(UNIMPLEMENTED).
+        A server without the health service raises EncoderClientError(UNIMPLEMENTED).
         """
-        return self._unary(self._health_check, service, timeout_s)
+        response = self._unary(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout_s)
+        return health_status_name(response)
 
     def _timeout(self, timeout_s: float | None) -> float | None:
         return self.timeout_s if timeout_s is None else timeout_s
