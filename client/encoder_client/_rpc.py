@@ -5,9 +5,16 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
+from typing import Any, ClassVar
 
-from grpc_health.v1 import health_pb2
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from encoder_client.dtypes import BF16_AS
+from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
+from encoder_client.security import call_metadata
+from encoder_client.shared_memory import DEFAULT_INITIAL_BYTES, RegionPool
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -114,3 +121,65 @@ def health_status_name(response: health_pb2.HealthCheckResponse) -> str:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
     except ValueError:
         return f"STATUS_{response.status}"
+
+
+class ClientBase:
+    """What EncoderClient and AsyncEncoderClient share: their arguments (documented on
+    EncoderClient), the channel and its stubs, and the requests they build before a call.
+
+    A subclass names the module that makes its channels: ``grpc`` or ``grpc.aio``.
+    """
+
+    _channels: ClassVar[ModuleType]
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        retries: int = DEFAULT_RETRIES,
+        backoff_base_s: float = 0.1,
+        backoff_max_s: float = 5.0,
+        credentials: grpc.ChannelCredentials | None = None,
+        metadata: Sequence[tuple[str, str]] | None = None,
+        channel_options: Sequence[tuple[str, Any]] = (),
+        token: str | None = None,
+        shared_memory: bool = False,
+        shared_memory_bytes: int = DEFAULT_INITIAL_BYTES,
+    ) -> None:
+        self.target = target
+        self._regions = RegionPool(shared_memory_bytes) if shared_memory else None
+        self.timeout_s = timeout_s
+        self._retry = RetryPolicy(retries, backoff_base_s, backoff_max_s)
+        self._metadata = call_metadata(metadata, token)
+        options = build_channel_options(max_message_bytes, channel_options, self._retry)
+        self._channel = (
+            self._channels.secure_channel(target, credentials, options=options)
+            if credentials is not None
+            else self._channels.insecure_channel(target, options=options)
+        )
+        self._stub = encoder_pb2_grpc.VisionEncoderStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._cache_namespace: str | None = None
+
+    def _timeout(self, timeout_s: float | None) -> float | None:
+        return self.timeout_s if timeout_s is None else timeout_s
+
+
+def lookup_request(content_hashes: Sequence[str]) -> encoder_pb2.LookupRequest:
+    if isinstance(content_hashes, str):
+        raise TypeError("content_hashes must be a list of strings")
+    return encoder_pb2.LookupRequest(content_hashes=list(content_hashes))
+
+
+def address_to_sink(request: encoder_pb2.EncodeRequest, sink_target: str, sink_request_id: str | None) -> None:
+    """Have the server push request's embeddings to sink_target, filed under sink_request_id (default:
+    the request id)."""
+    request.sink.target = sink_target
+    request.sink.request_id = sink_request_id or request.request_id
+
+
+def check_bf16_as(bf16_as: str) -> None:
+    if bf16_as not in BF16_AS:
+        raise ValueError(f"bf16_as must be one of {', '.join(BF16_AS)}, got {bf16_as!r}")
