@@ -23,13 +23,8 @@ import torch
 from PIL import Image
 
 from encoder_service.errors import InvalidInput
+from encoder_service.preprocess import settings
 from encoder_service.preprocess.decode import decode_image
-from encoder_service.preprocess.settings import (
-    check_normalization,
-    check_positive_ints,
-    fingerprint,
-    flag_and_normalization_kwargs,
-)
 from encoder_service.preprocess.staged import (
     DecodedImage,
     apply_table,
@@ -59,8 +54,8 @@ class KimiK25PreprocessConfig:
     resample: int = _BICUBIC
 
     def __post_init__(self) -> None:
-        check_positive_ints(self, ("max_patches", "max_side_patches", "patch_size", "merge_size"))
-        check_normalization(self)
+        settings.check_positive_ints(self, ("max_patches", "max_side_patches", "patch_size", "merge_size"))
+        settings.check_normalization(self)
         if self.resample != _BICUBIC:
             raise InvalidInput(f"preprocessor config: resample {self.resample!r} is not supported for Kimi-K2.5 "
                                "(only 3, bicubic)")
@@ -89,7 +84,7 @@ class KimiK25PreprocessConfig:
                     value = config[name]
                     kwargs[field] = int(value[0] if isinstance(value, (list, tuple)) else value)
                     break
-        kwargs |= flag_and_normalization_kwargs(config, ("do_resize", "do_rescale", "do_normalize"))
+        kwargs |= settings.flag_and_normalization_kwargs(config, ("do_resize", "do_rescale", "do_normalize"))
         return cls(**kwargs)
 
     @property
@@ -97,7 +92,7 @@ class KimiK25PreprocessConfig:
         return self.patch_size * self.merge_size
 
     def fingerprint(self) -> dict[str, Any]:
-        return fingerprint(self)
+        return settings.fingerprint(self)
 
 
 def navit_resize(height: int, width: int, patch_size: int, merge_size: int, max_patches: int,

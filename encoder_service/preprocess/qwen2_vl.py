@@ -18,14 +18,8 @@ import torch
 from PIL import Image
 
 from encoder_service.errors import InvalidInput
+from encoder_service.preprocess import settings
 from encoder_service.preprocess.decode import MAX_ASPECT_RATIO, open_image, to_rgb
-from encoder_service.preprocess.settings import (
-    NUM_CHANNELS,
-    check_normalization,
-    check_positive_ints,
-    fingerprint,
-    flag_and_normalization_kwargs,
-)
 from encoder_service.preprocess.staged import (
     DecodedImage,
     apply_table,
@@ -62,10 +56,11 @@ class Qwen2VLPreprocessConfig:
     resample: int = int(Image.Resampling.BICUBIC)
 
     def __post_init__(self) -> None:
-        check_positive_ints(self, ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size"))
+        settings.check_positive_ints(
+            self, ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size"))
         if self.min_pixels > self.max_pixels:
             raise InvalidInput(f"preprocessor config: min_pixels {self.min_pixels} > max_pixels {self.max_pixels}")
-        check_normalization(self)
+        settings.check_normalization(self)
         if self.resample not in {int(r) for r in Image.Resampling}:
             raise InvalidInput(f"preprocessor config: resample {self.resample!r} is not a Pillow filter")
 
@@ -104,7 +99,8 @@ class Qwen2VLPreprocessConfig:
         for field in ("patch_size", "temporal_patch_size", "merge_size", "resample"):
             if config.get(field) is not None:
                 kwargs[field] = config[field]
-        kwargs |= flag_and_normalization_kwargs(config, ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"))
+        flags = ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb")
+        kwargs |= settings.flag_and_normalization_kwargs(config, flags)
         return cls(**kwargs)
 
     @property
@@ -114,11 +110,11 @@ class Qwen2VLPreprocessConfig:
 
     @property
     def patch_dim(self) -> int:
-        return NUM_CHANNELS * self.temporal_patch_size * self.patch_size * self.patch_size
+        return settings.NUM_CHANNELS * self.temporal_patch_size * self.patch_size * self.patch_size
 
     def fingerprint(self) -> dict[str, Any]:
         """Every field, JSON-ready; part of the cache key (any change changes the patches)."""
-        return fingerprint(self)
+        return settings.fingerprint(self)
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -160,7 +156,7 @@ def _value_table(cfg: Qwen2VLPreprocessConfig) -> np.ndarray:
         scaled = (values.astype(np.float64) * cfg.rescale_factor).astype(np.float32)
     else:
         scaled = values.astype(np.float32)
-    table = np.broadcast_to(scaled, (NUM_CHANNELS, 256))
+    table = np.broadcast_to(scaled, (settings.NUM_CHANNELS, 256))
     if cfg.do_normalize:
         mean = np.asarray(cfg.image_mean, dtype=np.float32)[:, None]
         std = np.asarray(cfg.image_std, dtype=np.float32)[:, None]
