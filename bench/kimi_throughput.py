@@ -24,27 +24,16 @@ from encoder_service.bench import gemm_ceiling, time_it
 from encoder_service.models import load_vision_model
 from encoder_service.models.kimi_k25.loading import checkpoint_config, original_to_split
 from encoder_service.models.kimi_k25.model import KimiK25VisionConfig
+from encoder_service.models.kimi_k25.reference import transformers_reference
 from encoder_service.models.presets import PRESETS, random_vision_state
 
 CASES = {"a": ("8 x 1008x1008", [[1, 72, 72]] * 8), "c": ("64 x 448x448", [[1, 32, 32]] * 64)}
 
 
 def reference(preset, state):
-    from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config, Kimi_K25VisionConfig
-    from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25MultimodalProjection, Kimi_K25VisionModel
-
     config = checkpoint_config(preset.vision_config, preset.text_hidden_size)
-    vcfg = Kimi_K25VisionConfig(**{k: v for k, v in config["vision_config"].items() if k != "model_type"})
-    vcfg._attn_implementation = "sdpa"
-    full = Kimi_K25Config(vision_config=vcfg, text_config=config["text_config"],
-                          projection_hidden_size=config["projection_hidden_size"],
-                          projection_layer_norm_eps=config["projection_layer_norm_eps"])
-    tower = Kimi_K25VisionModel._from_config(vcfg).eval()
-    projector = Kimi_K25MultimodalProjection(full).eval()
     split = original_to_split(state, KimiK25VisionConfig.from_config(config), prefix="")
-    for module, prefix in ((tower, "vision_tower."), (projector, "mm_projector.")):
-        module.load_state_dict({k.removeprefix(prefix): v for k, v in split.items() if k.startswith(prefix)},
-                               strict=False)
+    tower, projector = transformers_reference(config, split)
     tower.to("cuda", torch.bfloat16)
     projector.to("cuda", torch.bfloat16)
 
