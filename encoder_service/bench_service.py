@@ -146,6 +146,17 @@ def start_server(args, log_path: Path) -> tuple[subprocess.Popen, str]:
     raise RuntimeError(f"server not SERVING within {args.start_timeout_s} s:\n{log_path.read_text()[-4000:]}")
 
 
+def stop_process(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """SIGTERM, and SIGKILL when it has not exited within timeout_s (a draining server finishes its
+    requests first)."""
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
 # --- clients --------------------------------------------------------------------------------------
 
 
@@ -338,11 +349,7 @@ def main(argv: list[str] | None = None) -> int:
             result["cache_hits"] = [cache_hits(target, args, t) for t in transports]
             print("cache hits:", json.dumps(result["cache_hits"]), flush=True)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
     fo = result.get("forward_only", {}).get("images_per_s")
     if fo:
         for r in result["new_images"]:
