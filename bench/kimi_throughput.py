@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import time_backends
 from encoder_service.attention.registry import BACKENDS, backend_class
 from encoder_service.bench import gemm_ceiling, time_it
 from encoder_service.models import load_vision_model
@@ -76,17 +77,9 @@ def main() -> int:
     torch.cuda.empty_cache()
     names = [n for n in BACKENDS if backend_class(n).unsupported_reason(torch.device("cuda"), torch.bfloat16, 72)
              is None]
-    for name in names:
-        try:
-            model = load_vision_model("kimi-k2.5", device="cuda", dtype="bfloat16", attn_backend=name)
-            for c, (grids, px) in inputs.items():
-                record(name, c, time_it(lambda m=model, p=px, g=grids: m.encode_packed(p, g), args.iters,
-                                        args.warmup))
-            del model
-        except Exception as exc:  # one failing contender must not lose the run
-            print(f"{name}: FAILED {type(exc).__name__}: {exc}", flush=True)
-            results.append({"contender": name, "error": f"{type(exc).__name__}: {exc}"})
-        torch.cuda.empty_cache()
+    time_backends(names, lambda name: load_vision_model("kimi-k2.5", device="cuda", dtype="bfloat16",
+                                                         attn_backend=name),
+                  inputs, lambda fn: time_it(fn, args.iters, args.warmup), record, results)
     if args.out:
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                         "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
