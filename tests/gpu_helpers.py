@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import pytest
 import torch
 
@@ -46,6 +47,19 @@ def encode_without_device_sync(model, pixels, grids: Sequence[Sequence[int]]) ->
     with no_device_sync():
         out = model.encode(pixels, grids)
     torch.cuda.synchronize()
+    return out
+
+
+def random_patches(grids: Sequence[Sequence[int]], patch_dim: int) -> np.ndarray:
+    n = sum(t * h * w for t, h, w in grids)
+    return np.random.default_rng(0).standard_normal((n, patch_dim), dtype=np.float32)
+
+
+def forward_matching_sdpa(make_model, name: str, pixels, grids: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """make_model(name)'s outputs, encoded without a device sync and checked against make_model("sdpa")'s."""
+    reference = [o.float() for o in make_model("sdpa").encode(pixels, grids)]
+    out = encode_without_device_sync(make_model(name), pixels, grids)
+    assert_close_to_reference(out, reference, name)
     return out
 
 

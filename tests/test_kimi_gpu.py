@@ -2,10 +2,9 @@
 whole forward under ``torch.cuda.set_sync_debug_mode("error")`` (no hidden device sync). Skipped
 without CUDA."""
 
-import numpy as np
 import pytest
 import torch
-from gpu_helpers import DEVICE, assert_close_to_reference, cuda_backends, encode_without_device_sync, gpu_marks
+from gpu_helpers import DEVICE, cuda_backends, forward_matching_sdpa, gpu_marks, random_patches
 
 from encoder_service.models.family import random_state
 from encoder_service.models.kimi_k25 import FAMILY
@@ -36,8 +35,7 @@ def _model(state, backend):
 
 
 def _pixels():
-    n = sum(t * h * w for t, h, w in GRIDS)
-    return np.random.default_rng(0).standard_normal((n, 588), dtype=np.float32)
+    return random_patches(GRIDS, 588)
 
 
 def test_cuda_backends_are_available_here():
@@ -46,9 +44,5 @@ def test_cuda_backends_are_available_here():
 
 @pytest.mark.parametrize("name", ["sdpa", *cuda_backends(HEAD_DIM)])
 def test_forward_has_no_device_sync_and_matches_sdpa(short_k25, name):
-    pixels = _pixels()
-    reference = [o.float() for o in _model(short_k25, "sdpa").encode(pixels, GRIDS)]
-    model = _model(short_k25, name)
-    out = encode_without_device_sync(model, pixels, GRIDS)
+    out = forward_matching_sdpa(lambda backend: _model(short_k25, backend), name, _pixels(), GRIDS)
     assert [o.shape[0] for o in out] == [h * w // 4 for _, h, w in GRIDS]
-    assert_close_to_reference(out, reference, name)
