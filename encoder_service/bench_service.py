@@ -212,13 +212,17 @@ def make_images(count: int, first_seed: int, procs: int) -> list[bytes]:
     q = ctx.Queue()
     seeds = list(range(first_seed, first_seed + count))
     parts = [seeds[i::procs] for i in range(procs)]
-    ps = [ctx.Process(target=_gen_images, args=(p, q)) for p in parts if p]
-    for p in ps:
+    return _gather([ctx.Process(target=_gen_images, args=(p, q)) for p in parts if p], q)
+
+
+def _gather(processes: list, queue) -> list:
+    """Start processes, concatenate the list each puts on queue, join them."""
+    for p in processes:
         p.start()
     out = []
-    for _ in ps:
-        out.extend(q.get())
-    for p in ps:
+    for _ in processes:
+        out.extend(queue.get())
+    for p in processes:
         p.join()
     return out
 
@@ -233,13 +237,7 @@ def drive(target: str, concurrency: int, images: list[bytes], args, warmup: int,
     start_at = time.time() + 8.0 + 0.1 * concurrency  # after every process is up and warmed
     ps = [ctx.Process(target=_client_proc, args=(target, per[i], images[i * share:(i + 1) * share], args.seconds,
                                                  warmup, start_at, q, transport == SHM)) for i in range(procs)]
-    for p in ps:
-        p.start()
-    records = []
-    for _ in ps:
-        records.extend(q.get())
-    for p in ps:
-        p.join()
+    records = _gather(ps, q)
     if not records:
         return {"concurrency": concurrency, "transport": transport, "images": 0}
     span = max(r["end"] for r in records) - start_at
