@@ -1,4 +1,5 @@
-"""What the sync and async clients share: channel options, retry policy, the health status."""
+"""What the sync and async clients share: their base (arguments, channel, stubs), channel options,
+retry policy, the health status and the requests built before a call."""
 
 from __future__ import annotations
 
