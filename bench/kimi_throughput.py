@@ -19,32 +19,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import time_backends
 from encoder_service.attention.registry import BACKENDS, backend_class
 from encoder_service.bench import gemm_ceiling, time_it
 from encoder_service.models import load_vision_model
 from encoder_service.models.kimi_k25.loading import checkpoint_config, original_to_split
 from encoder_service.models.kimi_k25.model import KimiK25VisionConfig
+from encoder_service.models.kimi_k25.reference import transformers_reference
 from encoder_service.models.presets import PRESETS, random_vision_state
 
 CASES = {"a": ("8 x 1008x1008", [[1, 72, 72]] * 8), "c": ("64 x 448x448", [[1, 32, 32]] * 64)}
 
 
 def reference(preset, state):
-    from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config, Kimi_K25VisionConfig
-    from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25MultimodalProjection, Kimi_K25VisionModel
-
     config = checkpoint_config(preset.vision_config, preset.text_hidden_size)
-    vcfg = Kimi_K25VisionConfig(**{k: v for k, v in config["vision_config"].items() if k != "model_type"})
-    vcfg._attn_implementation = "sdpa"
-    full = Kimi_K25Config(vision_config=vcfg, text_config=config["text_config"],
-                          projection_hidden_size=config["projection_hidden_size"],
-                          projection_layer_norm_eps=config["projection_layer_norm_eps"])
-    tower = Kimi_K25VisionModel._from_config(vcfg).eval()
-    projector = Kimi_K25MultimodalProjection(full).eval()
     split = original_to_split(state, KimiK25VisionConfig.from_config(config), prefix="")
-    for module, prefix in ((tower, "vision_tower."), (projector, "mm_projector.")):
-        module.load_state_dict({k.removeprefix(prefix): v for k, v in split.items() if k.startswith(prefix)},
-                               strict=False)
+    tower, projector = transformers_reference(config, split)
     tower.to("cuda", torch.bfloat16)
     projector.to("cuda", torch.bfloat16)
 
@@ -87,17 +77,9 @@ def main() -> int:
     torch.cuda.empty_cache()
     names = [n for n in BACKENDS if backend_class(n).unsupported_reason(torch.device("cuda"), torch.bfloat16, 72)
              is None]
-    for name in names:
-        try:
-            model = load_vision_model("kimi-k2.5", device="cuda", dtype="bfloat16", attn_backend=name)
-            for c, (grids, px) in inputs.items():
-                record(name, c, time_it(lambda m=model, p=px, g=grids: m.encode_packed(p, g), args.iters,
-                                        args.warmup))
-            del model
-        except Exception as exc:  # one failing contender must not lose the run
-            print(f"{name}: FAILED {type(exc).__name__}: {exc}", flush=True)
-            results.append({"contender": name, "error": f"{type(exc).__name__}: {exc}"})
-        torch.cuda.empty_cache()
+    time_backends(names, lambda name: load_vision_model("kimi-k2.5", device="cuda", dtype="bfloat16",
+                                                         attn_backend=name),
+                  inputs, lambda fn: time_it(fn, args.iters, args.warmup), record, results)
     if args.out:
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                         "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),

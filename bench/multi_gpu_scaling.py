@@ -29,7 +29,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from encoder_service.bench_service import drive, make_images, split_serve_args, start_server  # noqa: E402
+from encoder_service.bench_service import (  # noqa: E402
+    drive,
+    make_images,
+    split_serve_args,
+    start_server,
+    stop_process,
+)
 
 
 def _smi(*query: str) -> list[list[str]]:
@@ -92,11 +98,7 @@ def run_setup(devices: str, images: list[bytes], args) -> dict:
         result = drive(target, args.concurrency, images, args, warmup=2)
     finally:
         looker.join()
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
     result["devices"] = devices
     result["gpu_processes"] = snapshot
     return result

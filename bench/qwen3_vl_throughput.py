@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import time_backends
 from encoder_service.attention.registry import BACKENDS, backend_class
 from encoder_service.bench import MIXED_SIZES, gemm_ceiling, grids_for, measure
 from encoder_service.models import load_vision_model
@@ -122,17 +123,10 @@ def main(argv=None) -> int:
         del ref
         torch.cuda.empty_cache()
 
-    for name in names:
-        try:
-            # The preset's seed-0 weights: the same tensors as the reference's.
-            model = load_vision_model(args.preset, device="cuda", dtype=torch.bfloat16, attn_backend=name)
-            for c, (grids, pixels, _) in inputs.items():
-                record(name, c, measure(lambda m=model, p=pixels, g=grids: m.encode_packed(p, g),
-                                        args.iters, args.warmup))
-        except Exception as exc:  # one failing contender must not lose the run
-            print(f"{name}: FAILED {type(exc).__name__}: {exc}", flush=True)
-            results.append({"contender": name, "error": f"{type(exc).__name__}: {exc}"})
-        torch.cuda.empty_cache()
+    # The preset's seed-0 weights: the same tensors as the reference's.
+    time_backends(names, lambda name: load_vision_model(args.preset, device="cuda", dtype=torch.bfloat16,
+                                                         attn_backend=name),
+                  inputs, lambda fn: measure(fn, args.iters, args.warmup), record, results)
 
     if args.out:
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -149,6 +149,17 @@ def start_server(args, log_path: Path) -> tuple[subprocess.Popen, str]:
     raise RuntimeError(f"server not SERVING within {args.start_timeout_s} s:\n{log_path.read_text()[-4000:]}")
 
 
+def stop_process(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """SIGTERM, and SIGKILL when it has not exited within timeout_s (a draining server finishes its
+    requests first)."""
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
 # --- clients --------------------------------------------------------------------------------------
 
 
@@ -204,13 +215,17 @@ def make_images(count: int, first_seed: int, procs: int) -> list[bytes]:
     q = ctx.Queue()
     seeds = list(range(first_seed, first_seed + count))
     parts = [seeds[i::procs] for i in range(procs)]
-    ps = [ctx.Process(target=_gen_images, args=(p, q)) for p in parts if p]
-    for p in ps:
+    return _gather([ctx.Process(target=_gen_images, args=(p, q)) for p in parts if p], q)
+
+
+def _gather(processes: list, queue) -> list:
+    """Start processes, concatenate the list each puts on queue, join them."""
+    for p in processes:
         p.start()
     out = []
-    for _ in ps:
-        out.extend(q.get())
-    for p in ps:
+    for _ in processes:
+        out.extend(queue.get())
+    for p in processes:
         p.join()
     return out
 
@@ -256,13 +271,7 @@ def drive(target: str, concurrency: int, images: list[bytes], args, warmup: int,
     start_at = time.time() + 8.0 + 0.1 * concurrency  # after every process is up and warmed
     ps = [ctx.Process(target=_client_proc, args=(target, per[i], images[i * share:(i + 1) * share], args.seconds,
                                                  warmup, start_at, q, transport == SHM)) for i in range(procs)]
-    for p in ps:
-        p.start()
-    records = []
-    for _ in ps:
-        records.extend(q.get())
-    for p in ps:
-        p.join()
+    records = _gather(ps, q)
     if not records:
         return {"concurrency": concurrency, "transport": transport, "images": 0}
     span = max(r["end"] for r in records) - start_at
@@ -374,11 +383,7 @@ def main(argv: list[str] | None = None) -> int:
             result["cache_hits"] = [cache_hits(target, args, t) for t in transports]
             print("cache hits:", json.dumps(result["cache_hits"]), flush=True)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
     fo = result.get("forward_only", {}).get("images_per_s")
     if fo:
         for r in result["new_images"]:

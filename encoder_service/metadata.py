@@ -1,7 +1,8 @@
 """Attention metadata for a batch of images, computed on the host from integer grids.
 
-Grids arrive as Python ints and everything here is numpy: nothing touches a device tensor, so the
-forward pass never has to ask the GPU for a sequence length (each such question is a hidden sync).
+Grids arrive as Python ints and everything here is numpy (torch only for a CPU F.interpolate that
+builds resampling weights): nothing touches a device tensor, so the forward pass never has to ask
+the GPU for a sequence length (each such question is a hidden sync).
 The model copies the arrays to the device once per batch (pinned, non-blocking).
 
 Token order conventions (those of Qwen2-VL / Qwen2.5-VL):
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 
 from .errors import InvalidInput
 
@@ -246,28 +249,16 @@ def raster_position_ids(grids: Sequence[Grid]) -> np.ndarray:
 def bicubic_resample_matrix(out_size: int, in_size: int) -> np.ndarray:
     """float32 [out_size, in_size]: one axis of ``F.interpolate(mode="bicubic", align_corners=False)``.
 
-    Bicubic resampling is separable, so a 2-D table resizes as ``Wh @ table @ Ww.T``: two small
-    GEMMs per grid instead of a 16-tap gather per patch. Same formula as PyTorch's kernel (Keys
-    cubic with A = -0.75, source index ``(i + 0.5) * in / out - 0.5``, taps clamped to the border),
-    evaluated in float64; a tap clamped onto the same source cell adds its weight there.
+    The weights are PyTorch's own: F.interpolate resizes an identity along one axis (float64, on
+    the host), so column i is what source cell i adds to each output cell, border clamping and all.
+    A matrix rather than F.interpolate on the table in the forward pass: bicubic resampling is
+    separable, so a 2-D table resizes as ``Wh @ table @ Ww.T``, two small GEMMs per grid from
+    matrices built once per size here; the model casts them to the table's dtype, as transformers'
+    Kimi-K2.5 casts its (hand-computed, same formula) gather weights.
     """
-    a = -0.75
-    out = np.arange(out_size, dtype=np.float64)
-    src = (out + 0.5) * (in_size / out_size) - 0.5
-    base = np.floor(src)
-    frac = src - base
-    x1 = frac + 1.0  # distance to tap base - 1
-    x2 = 1.0 - frac  # distance to tap base + 1
-    weights = np.stack([
-        ((a * x1 - 5 * a) * x1 + 8 * a) * x1 - 4 * a,
-        ((a + 2) * frac - (a + 3)) * frac * frac + 1,
-        ((a + 2) * x2 - (a + 3)) * x2 * x2 + 1,
-        ((a * (x2 + 1) - 5 * a) * (x2 + 1) + 8 * a) * (x2 + 1) - 4 * a,
-    ], axis=1)
-    taps = np.clip(base[:, None].astype(np.int64) + np.arange(-1, 3)[None, :], 0, in_size - 1)
-    matrix = np.zeros((out_size, in_size), dtype=np.float64)
-    np.add.at(matrix, (np.repeat(np.arange(out_size), 4), taps.reshape(-1)), weights.reshape(-1))
-    result = matrix.astype(np.float32)
+    eye = torch.eye(in_size, dtype=torch.float64).view(1, 1, in_size, in_size)
+    weights = F.interpolate(eye, size=(out_size, in_size), mode="bicubic", align_corners=False)[0, 0]
+    result = weights.numpy().astype(np.float32)
     result.flags.writeable = False
     return result
 

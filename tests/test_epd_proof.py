@@ -23,6 +23,8 @@ import torch
 from conftest import REPO_ROOT
 from encoder_client import EncoderClient
 
+from encoder_service.bench_service import stop_process
+
 IMAGE_TOKEN, VISION_START, VISION_END = 100, 102, 103
 MAX_NEW_TOKENS = 4
 PROMPTS = {
@@ -104,11 +106,7 @@ def decode_server(qwen_checkpoint):
             raise RuntimeError("decode server exited:\n" + "".join(lines))
         yield line.split()[-1]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, 10)
 
 
 def make_prompt(grids) -> list[int]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -20,9 +19,8 @@ def patches(seed: int) -> tuple[np.ndarray, tuple[int, int, int]]:
 
 def images_by_source(server, source: str) -> float:
     """encoder_service_images_total for one input kind (whatever other labels the series has)."""
-    body = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    return sum(float(line.split()[-1]) for line in body.splitlines()
-               if line.startswith("encoder_service_images_total{") and f'source="{source}"' in line)
+    return sum(value for series, value in server.metrics().items()
+               if series.startswith("encoder_service_images_total{") and f'source="{source}"' in series)
 
 
 @pytest.fixture(scope="module")

@@ -136,9 +136,7 @@ def test_a_sink_that_stays_down_fails_only_its_request_with_unavailable(sink_enc
 
 
 def _metrics(server) -> list[str]:
-    import urllib.request
-
-    return urllib.request.urlopen(server.metrics_url, timeout=5).read().decode().splitlines()
+    return server.metrics_text().splitlines()
 
 
 class _OtherService:

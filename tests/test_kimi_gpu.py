@@ -2,35 +2,21 @@
 whole forward under ``torch.cuda.set_sync_debug_mode("error")`` (no hidden device sync). Skipped
 without CUDA."""
 
-import numpy as np
 import pytest
 import torch
+from gpu_helpers import DEVICE, cuda_backends, forward_matching_sdpa, gpu_marks, random_patches
 
-from encoder_service.attention.registry import BACKENDS, backend_class
 from encoder_service.models.family import random_state
 from encoder_service.models.kimi_k25 import FAMILY
 from encoder_service.models.kimi_k25.loading import build, checkpoint_config
 from encoder_service.models.kimi_k25.model import KimiK25VisionConfig
 from encoder_service.models.presets import PRESETS
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-              pytest.mark.allow_skip_on_cpu("needs a CUDA GPU")]
+pytestmark = gpu_marks("needs a CUDA GPU")
 
-DEVICE = torch.device("cuda")
 HEAD_DIM = 72
 # Several sizes, a clip of 3 frames next to images, the table's own size (64 x 64), a long thin grid.
 GRIDS = [[1, 36, 36], [1, 10, 14], [3, 12, 8], [1, 2, 2], [1, 64, 64], [1, 16, 44]]
-
-
-def cuda_backends():
-    if not torch.cuda.is_available():
-        return []
-    return [n for n in BACKENDS if n != "sdpa"
-            and backend_class(n).unsupported_reason(DEVICE, torch.bfloat16, HEAD_DIM) is None]
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 @pytest.fixture(scope="module")
@@ -49,27 +35,14 @@ def _model(state, backend):
 
 
 def _pixels():
-    n = sum(t * h * w for t, h, w in GRIDS)
-    return np.random.default_rng(0).standard_normal((n, 588), dtype=np.float32)
+    return random_patches(GRIDS, 588)
 
 
 def test_cuda_backends_are_available_here():
-    assert "varlen" in cuda_backends(), cuda_backends()
+    assert "varlen" in cuda_backends(HEAD_DIM), cuda_backends(HEAD_DIM)
 
 
-@pytest.mark.parametrize("name", ["sdpa", *cuda_backends()])
+@pytest.mark.parametrize("name", ["sdpa", *cuda_backends(HEAD_DIM)])
 def test_forward_has_no_device_sync_and_matches_sdpa(short_k25, name):
-    pixels = _pixels()
-    reference = [o.float() for o in _model(short_k25, "sdpa").encode(pixels, GRIDS)]
-    model = _model(short_k25, name)
-    model.encode(pixels, GRIDS)  # warm-up: lazy kernel/plan set-up may sync once
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        out = model.encode(pixels, GRIDS)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    out = forward_matching_sdpa(lambda backend: _model(short_k25, backend), name, _pixels(), GRIDS)
     assert [o.shape[0] for o in out] == [h * w // 4 for _, h, w in GRIDS]
-    for i, (a, b) in enumerate(zip(out, reference)):
-        assert rel_err(a.float(), b) <= 2e-2, f"{name}, image {i}: relative error {rel_err(a.float(), b):.2e}"

@@ -17,13 +17,12 @@ import json
 import numpy as np
 import pytest
 import torch
-from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config, Kimi_K25VisionConfig
-from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25MultimodalProjection, Kimi_K25VisionModel
 
 from encoder_service.attention.registry import BACKENDS, backend_class
 from encoder_service.models import load_vision_model, make_checkpoint
 from encoder_service.models.kimi_k25.loading import original_to_split
 from encoder_service.models.kimi_k25.model import KimiK25VisionConfig
+from encoder_service.models.kimi_k25.reference import transformers_reference
 from encoder_service.models.presets import PRESETS, random_vision_state
 
 # tiny-kimi-k2.5: position table 8 x 8, 4 frames, head_dim 72.
@@ -52,20 +51,9 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(checkpoint):
     config = json.loads((checkpoint / "config.json").read_text())
-    vision_cfg = Kimi_K25VisionConfig(**{k: v for k, v in config["vision_config"].items() if k != "model_type"})
-    vision_cfg._attn_implementation = "sdpa"
-    full_cfg = Kimi_K25Config(vision_config=vision_cfg, text_config=config["text_config"],
-                              projection_hidden_size=config["projection_hidden_size"],
-                              projection_layer_norm_eps=config["projection_layer_norm_eps"])
-    tower = Kimi_K25VisionModel._from_config(vision_cfg).eval()
-    projector = Kimi_K25MultimodalProjection(full_cfg).eval()
     cfg = KimiK25VisionConfig.from_config(config)
-    split = original_to_split(random_vision_state(PRESETS["tiny-kimi-k2.5"], SEED), cfg, prefix="")
-    for module, prefix in ((tower, "vision_tower."), (projector, "mm_projector.")):
-        part = {k.removeprefix(prefix): v for k, v in split.items() if k.startswith(prefix)}
-        missing, unexpected = module.load_state_dict(part, strict=False)
-        # time_position_embeddings is a non-persistent buffer transformers computes itself.
-        assert not unexpected and not [m for m in missing if "time_position_embeddings" not in m]
+    tower, projector = transformers_reference(
+        config, original_to_split(random_vision_state(PRESETS["tiny-kimi-k2.5"], SEED), cfg, prefix=""))
 
     def run(pixels: torch.Tensor, grids: list[list[int]]) -> list[torch.Tensor]:
         with torch.no_grad():

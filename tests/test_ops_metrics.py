@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import urllib.request
 
 import pytest
 from conftest import REPO_ROOT
@@ -18,8 +17,8 @@ ALSO_WITH_WORKER_PROCESSES = True
 
 @pytest.fixture(scope="module")
 def families(encoder_server) -> dict:
-    body = urllib.request.urlopen(encoder_server.metrics_url, timeout=5).read().decode()
-    return {f.name: f for f in text_string_to_metric_families(body) if f.name.startswith("encoder_service")}
+    return {f.name: f for f in text_string_to_metric_families(encoder_server.metrics_text())
+            if f.name.startswith("encoder_service")}
 
 
 def test_every_service_metric_has_the_prefix_and_a_unit_suffix_where_it_has_a_unit(families):

@@ -30,6 +30,8 @@ from conftest import REPO_ROOT, find_tool
 from encoder_client import EncoderClient, EncoderClientError, HashRef
 from PIL import Image
 
+from encoder_service.bench_service import stop_process
+
 pytestmark = pytest.mark.timeout(180)
 
 DASHBOARD = REPO_ROOT / "deploy" / "grafana" / "encoder-service.json"
@@ -179,12 +181,7 @@ def prometheus(tmp_path_factory, encoder_server_for_scraping) -> Iterator[Promet
                 time.sleep(0.2)
         yield server
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_process(proc, 20)
 
 
 @pytest.fixture(scope="module")

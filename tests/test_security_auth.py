@@ -4,23 +4,20 @@
 from __future__ import annotations
 
 import asyncio
-import io
 
+import client_servers
 import grpc
 import pytest
 from certs import make_ca
 from encoder_client import AsyncEncoderClient, EncoderClient, EncoderClientError, RoutingEncoderClient, tls_credentials
 from encoder_client.cli import main as client_main
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from PIL import Image
 
 TOKENS = "# encoder-service callers\n\nprefill-token-1\n  decode-token-2  \n"
 
 
 def png(seed: int) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", (56, 56), (seed % 256, 7, 200)).save(buf, "PNG")
-    return buf.getvalue()
+    return client_servers.png(seed, (56, 56), solid=True)
 
 
 @pytest.fixture(scope="module")

@@ -5,15 +5,14 @@ tokens) and, for every way a call can end, the interceptor on an in-process grpc
 from __future__ import annotations
 
 import asyncio
-import io
 import time
 
+import client_servers
 import grpc
 import pytest
 from encoder_client import EncoderClient
 from encoder_client._request import build_request
 from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
-from PIL import Image
 
 from encoder_service.api.calls import CallBook, ServiceInterceptor
 from encoder_service.api.limits import PerClientLimitInterceptor, peer_address
@@ -23,9 +22,7 @@ ENCODE = "/encoder.v1.VisionEncoder/Encode"
 
 
 def png(seed: int) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", (56, 56), (seed % 256, 123, 9)).save(buf, "PNG")
-    return buf.getvalue()
+    return client_servers.png(seed, (56, 56), solid=True)
 
 
 def bearer(token: str) -> list[tuple[str, str]]:

@@ -3,7 +3,6 @@ health-only port: real server processes, real certificates made with openssl in 
 
 from __future__ import annotations
 
-import io
 import re
 import shutil
 import socket
@@ -13,12 +12,12 @@ import sys
 import time
 from pathlib import Path
 
+import client_servers
 import grpc
 import pytest
 from certs import make_ca
 from conftest import REPO_ROOT
 from encoder_client import EncoderClient, EncoderClientError, tls_credentials
-from PIL import Image
 
 from encoder_service.api.security import build_security
 from encoder_service.api.tls import TLSFileError
@@ -26,9 +25,7 @@ from encoder_service.config import parse_serve_args
 
 
 def png(seed: int) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", (56, 56), (seed % 256, 40, 90)).save(buf, "PNG")
-    return buf.getvalue()
+    return client_servers.png(seed, (56, 56), solid=True)
 
 
 @pytest.fixture(scope="module")

@@ -61,11 +61,14 @@ class EncoderProcess:
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def metrics_text(self) -> str:
+        """/metrics as served (Prometheus' text format)."""
+        return urllib.request.urlopen(self.metrics_url, timeout=5).read().decode()
+
     def metrics(self) -> dict[str, float]:
         """Every sample of /metrics, keyed by its series name with labels as printed."""
-        body = urllib.request.urlopen(self.metrics_url, timeout=5).read().decode()
         out = {}
-        for line in body.splitlines():
+        for line in self.metrics_text().splitlines():
             if line and not line.startswith("#"):
                 name, _, value = line.rpartition(" ")
                 out[name] = float(value)

@@ -1,11 +1,21 @@
-"""What the sync and async clients share: channel options, retry policy, the health-check codec."""
+"""What the sync and async clients share: their base (arguments, channel, stubs), channel options,
+retry policy, the health status and the requests built before a call."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
+from typing import Any, ClassVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from encoder_client.dtypes import BF16_AS
+from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
+from encoder_client.security import call_metadata
+from encoder_client.shared_memory import DEFAULT_INITIAL_BYTES, RegionPool
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -15,10 +25,6 @@ MAX_GRPC_INT_OPTION = 2**31 - 1
 # most 4 retries: more are clamped here rather than by the C core (which logs an error for it).
 MAX_GRPC_ATTEMPTS = 5
 RETRYABLE_CODES = ("UNAVAILABLE",)
-
-HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"
-# grpc.health.v1.HealthCheckResponse.ServingStatus
-SERVING_STATUS_NAMES = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
 
 
 @dataclass(frozen=True)
@@ -108,58 +114,73 @@ def build_channel_options(max_message_bytes: int, extra: Sequence[tuple[str, Any
     return [option for option in options if option[0] not in overridden] + list(extra)
 
 
-# grpc.health.v1 messages, hand-encoded: grpcio-health-checking is a server dependency, and
-# these two messages are one string field and one enum field.
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
+def health_status_name(response: health_pb2.HealthCheckResponse) -> str:
+    """The status's name: SERVING, NOT_SERVING, SERVICE_UNKNOWN or UNKNOWN; one added to
+    grpc.health.v1 after this client's grpcio-health-checking reads as ``STATUS_<n>`` (proto3 enums
+    are open, so such a value parses)."""
+    try:
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+    except ValueError:
+        return f"STATUS_{response.status}"
 
 
-def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(buf):
-            raise ValueError("truncated varint")
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
+class ClientBase:
+    """What EncoderClient and AsyncEncoderClient share: their arguments (documented on
+    EncoderClient), the channel and its stubs, and the requests they build before a call.
+
+    A subclass names the module that makes its channels: ``grpc`` or ``grpc.aio``.
+    """
+
+    _channels: ClassVar[ModuleType]
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        retries: int = DEFAULT_RETRIES,
+        backoff_base_s: float = 0.1,
+        backoff_max_s: float = 5.0,
+        credentials: grpc.ChannelCredentials | None = None,
+        metadata: Sequence[tuple[str, str]] | None = None,
+        channel_options: Sequence[tuple[str, Any]] = (),
+        token: str | None = None,
+        shared_memory: bool = False,
+        shared_memory_bytes: int = DEFAULT_INITIAL_BYTES,
+    ) -> None:
+        self.target = target
+        self._regions = RegionPool(shared_memory_bytes) if shared_memory else None
+        self.timeout_s = timeout_s
+        self._retry = RetryPolicy(retries, backoff_base_s, backoff_max_s)
+        self._metadata = call_metadata(metadata, token)
+        options = build_channel_options(max_message_bytes, channel_options, self._retry)
+        self._channel = (
+            self._channels.secure_channel(target, credentials, options=options)
+            if credentials is not None
+            else self._channels.insecure_channel(target, options=options)
+        )
+        self._stub = encoder_pb2_grpc.VisionEncoderStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._cache_namespace: str | None = None
+
+    def _timeout(self, timeout_s: float | None) -> float | None:
+        return self.timeout_s if timeout_s is None else timeout_s
 
 
-def encode_health_request(service: str) -> bytes:
-    """HealthCheckRequest{service}: field 1, length-delimited (empty string = omitted)."""
-    data = service.encode()
-    return b"\x0a" + _varint(len(data)) + data if data else b""
+def lookup_request(content_hashes: Sequence[str]) -> encoder_pb2.LookupRequest:
+    if isinstance(content_hashes, str):
+        raise TypeError("content_hashes must be a list of strings")
+    return encoder_pb2.LookupRequest(content_hashes=list(content_hashes))
 
 
-def decode_health_response(buf: bytes) -> str:
-    """HealthCheckResponse -> status name; unknown fields are skipped as protobuf requires."""
-    status, pos = 0, 0
-    while pos < len(buf):
-        key, pos = _read_varint(buf, pos)
-        field, wire_type = key >> 3, key & 7
-        if wire_type == 0:
-            value, pos = _read_varint(buf, pos)
-            if field == 1:
-                status = value
-        elif wire_type == 2:
-            length, pos = _read_varint(buf, pos)
-            pos += length
-        elif wire_type == 1:
-            pos += 8
-        elif wire_type == 5:
-            pos += 4
-        else:
-            raise ValueError(f"unsupported wire type {wire_type} in HealthCheckResponse")
-    if pos > len(buf):
-        raise ValueError("truncated HealthCheckResponse")
-    return SERVING_STATUS_NAMES.get(status, f"STATUS_{status}")
+def address_to_sink(request: encoder_pb2.EncodeRequest, sink_target: str, sink_request_id: str | None) -> None:
+    """Have the server push request's embeddings to sink_target, filed under sink_request_id (default:
+    the request id)."""
+    request.sink.target = sink_target
+    request.sink.request_id = sink_request_id or request.request_id
+
+
+def check_bf16_as(bf16_as: str) -> None:
+    if bf16_as not in BF16_AS:
+        raise ValueError(f"bf16_as must be one of {', '.join(BF16_AS)}, got {bf16_as!r}")

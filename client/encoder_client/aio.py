@@ -9,72 +9,28 @@ from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
+from grpc_health.v1 import health_pb2
 
 from encoder_client._reassembly import check_lookup_response, reassembling
 from encoder_client._request import build_request, check_images_sequence
-from encoder_client._rpc import (
-    DEFAULT_MAX_MESSAGE_BYTES,
-    DEFAULT_RETRIES,
-    DEFAULT_TIMEOUT_S,
-    HEALTH_CHECK_METHOD,
-    RetryPolicy,
-    build_channel_options,
-    decode_health_response,
-    encode_health_request,
-)
-from encoder_client.dtypes import BF16_AS
+from encoder_client._rpc import ClientBase, address_to_sink, check_bf16_as, health_status_name, lookup_request
 from encoder_client.errors import EncoderClientError
 from encoder_client.hash_first import HashFirstPlan, is_eviction_race
-from encoder_client.protocol import ModelInfo, encoder_pb2, encoder_pb2_grpc
-from encoder_client.security import call_metadata
-from encoder_client.shared_memory import DEFAULT_INITIAL_BYTES, RegionPool
+from encoder_client.protocol import ModelInfo, encoder_pb2
 from encoder_client.sink import PushedImage, collect_headers
 from encoder_client.types import EncodedImage, ImageInput
 
 _Resp = TypeVar("_Resp")
 
 
-class AsyncEncoderClient:
+class AsyncEncoderClient(ClientBase):
     """asyncio client of the VisionEncoder service; see EncoderClient for the arguments.
 
     Create it inside a running event loop and use it from that loop (grpc.aio channels belong to
     one loop); ``async with AsyncEncoderClient(...) as client:`` closes the channel.
     """
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        timeout_s: float | None = DEFAULT_TIMEOUT_S,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        retries: int = DEFAULT_RETRIES,
-        backoff_base_s: float = 0.1,
-        backoff_max_s: float = 5.0,
-        credentials: grpc.ChannelCredentials | None = None,
-        metadata: Sequence[tuple[str, str]] | None = None,
-        channel_options: Sequence[tuple[str, Any]] = (),
-        token: str | None = None,
-        shared_memory: bool = False,
-        shared_memory_bytes: int = DEFAULT_INITIAL_BYTES,
-    ) -> None:
-        self.target = target
-        self._regions = RegionPool(shared_memory_bytes) if shared_memory else None
-        self.timeout_s = timeout_s
-        self._retry = RetryPolicy(retries, backoff_base_s, backoff_max_s)
-        self._metadata = call_metadata(metadata, token)
-        options = build_channel_options(max_message_bytes, channel_options, self._retry)
-        self._channel = (
-            grpc.aio.secure_channel(target, credentials, options=options)
-            if credentials is not None
-            else grpc.aio.insecure_channel(target, options=options)
-        )
-        self._stub = encoder_pb2_grpc.VisionEncoderStub(self._channel)
-        self._cache_namespace: str | None = None
-        self._health_check = self._channel.unary_unary(
-            HEALTH_CHECK_METHOD,
-            request_serializer=encode_health_request,
-            response_deserializer=decode_health_response,
-        )
+    _channels = grpc.aio
 
     async def __aenter__(self) -> AsyncEncoderClient:
         return self
@@ -128,8 +84,7 @@ class AsyncEncoderClient:
         """See EncoderClient.encode_to_sink: the server pushes the embeddings to sink_target."""
         request = await asyncio.to_thread(build_request, images, output_dtype=output_dtype,
                                           max_chunk_bytes=max_chunk_bytes, request_id=request_id)
-        request.sink.target = sink_target
-        request.sink.request_id = sink_request_id or request.request_id
+        address_to_sink(request, sink_target, sink_request_id)
         if not request.images:
             return []
         chunks: list[encoder_pb2.EmbeddingChunk] = []
@@ -146,21 +101,17 @@ class AsyncEncoderClient:
         self,
         images: Sequence[ImageInput],
         *,
-        output_dtype: str | None,
-        max_chunk_bytes: int | None,
         timeout_s: float | None,
         bf16_as: str,
-        request_id: str | None,
+        **request_kwargs: Any,  # build_request's: output_dtype, max_chunk_bytes, request_id
     ) -> list[EncodedImage]:
-        if bf16_as not in BF16_AS:
-            raise ValueError(f"bf16_as must be one of {', '.join(BF16_AS)}, got {bf16_as!r}")
+        check_bf16_as(bf16_as)
         check_images_sequence(images)
-        kwargs = {"output_dtype": output_dtype, "max_chunk_bytes": max_chunk_bytes, "request_id": request_id}
         if any(isinstance(image, (str, os.PathLike)) for image in images):
             # Reading files would block the event loop.
-            request = await asyncio.to_thread(build_request, images, **kwargs)
+            request = await asyncio.to_thread(build_request, images, **request_kwargs)
         else:
-            request = build_request(images, **kwargs)
+            request = build_request(images, **request_kwargs)
         if not request.images:
             return []
         # gRPC retries an attempt that failed UNAVAILABLE before any response arrived (see
@@ -185,9 +136,7 @@ class AsyncEncoderClient:
 
     async def lookup(self, content_hashes: Sequence[str], *, timeout_s: float | None = None) -> list[bool]:
         """Which of content_hashes the server caches now (a hint: entries may be evicted later)."""
-        if isinstance(content_hashes, str):
-            raise TypeError("content_hashes must be a list of strings")
-        request = encoder_pb2.LookupRequest(content_hashes=list(content_hashes))
+        request = lookup_request(content_hashes)
         response = await self._unary(self._stub.Lookup, request, timeout_s)
         return check_lookup_response(request, response)
 
@@ -198,10 +147,8 @@ class AsyncEncoderClient:
 
     async def health(self, service: str = "", *, timeout_s: float | None = None) -> str:
         """grpc.health.v1 Check status name; see EncoderClient.health."""
-        return await self._unary(self._health_check, service, timeout_s)
-
-    def _timeout(self, timeout_s: float | None) -> float | None:
-        return self.timeout_s if timeout_s is None else timeout_s
+        response = await self._unary(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout_s)
+        return health_status_name(response)
 
     async def _unary(self, method: Callable[..., Awaitable[_Resp]], request: Any,
                      timeout_s: float | None) -> _Resp:

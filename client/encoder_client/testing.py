@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
+from grpc_health.v1 import health as health_lib
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from encoder_client.protocol import BY_ENUM, BY_NAME, WireDType, encoder_pb2, encoder_pb2_grpc, hashing
 
@@ -178,19 +180,14 @@ class FakeVisionEncoder(encoder_pb2_grpc.VisionEncoderServicer):
 def serve_fake(servicer: FakeVisionEncoder | None = None, *, health: bool = True) -> Iterator[str]:
     """Run servicer (a new FakeVisionEncoder if None) on a loopback port; yields "127.0.0.1:PORT".
 
-    With ``health``, the standard health service is registered as SERVING when
-    grpcio-health-checking is installed (it is not a dependency of the client).
+    With ``health``, the standard health service is registered as SERVING.
     """
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     encoder_pb2_grpc.add_VisionEncoderServicer_to_server(servicer or FakeVisionEncoder(), server)
     if health:
-        with contextlib.suppress(ImportError):
-            from grpc_health.v1 import health as health_lib
-            from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-            health_servicer = health_lib.HealthServicer()
-            health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-            health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        health_servicer = health_lib.HealthServicer()
+        health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:

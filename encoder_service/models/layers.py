@@ -51,3 +51,10 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     q_out = q32 * cos + rotate_half(q32) * sin
     k_out = k32 * cos + rotate_half(k32) * sin
     return q_out.to(q.dtype), k_out.to(k.dtype)
+
+
+def patch_conv_as_linear(x: torch.Tensor, conv: nn.Conv2d | nn.Conv3d) -> torch.Tensor:
+    """A patch-embedding conv whose kernel equals its stride, on flattened patches: one GEMM.
+    x: [patches, C * prod(kernel)], each patch flattened in the weight's (C, ...kernel) order."""
+    w = conv.weight
+    return F.linear(x.to(w.dtype), w.view(w.shape[0], -1), conv.bias)

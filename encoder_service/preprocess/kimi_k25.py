@@ -23,6 +23,7 @@ import torch
 from PIL import Image
 
 from encoder_service.errors import InvalidInput
+from encoder_service.preprocess import settings
 from encoder_service.preprocess.decode import decode_image
 from encoder_service.preprocess.staged import (
     DecodedImage,
@@ -33,7 +34,6 @@ from encoder_service.preprocess.staged import (
     torchvision_value_table,
 )
 
-_NUM_CHANNELS = 3
 _BICUBIC = 3  # PILImageResampling.BICUBIC: the only filter the Kimi processor is used with
 
 
@@ -54,15 +54,8 @@ class KimiK25PreprocessConfig:
     resample: int = _BICUBIC
 
     def __post_init__(self) -> None:
-        for name in ("max_patches", "max_side_patches", "patch_size", "merge_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise InvalidInput(f"preprocessor config: {name} must be a positive int, got {value!r}")
-        for name in ("image_mean", "image_std"):
-            if len(getattr(self, name)) != _NUM_CHANNELS:
-                raise InvalidInput(f"preprocessor config: {name} needs {_NUM_CHANNELS} values")
-        if any(s == 0 for s in self.image_std):
-            raise InvalidInput("preprocessor config: image_std has a zero")
+        settings.check_positive_ints(self, ("max_patches", "max_side_patches", "patch_size", "merge_size"))
+        settings.check_normalization(self)
         if self.resample != _BICUBIC:
             raise InvalidInput(f"preprocessor config: resample {self.resample!r} is not supported for Kimi-K2.5 "
                                "(only 3, bicubic)")
@@ -91,16 +84,7 @@ class KimiK25PreprocessConfig:
                     value = config[name]
                     kwargs[field] = int(value[0] if isinstance(value, (list, tuple)) else value)
                     break
-        for field in ("do_resize", "do_rescale", "do_normalize"):
-            if config.get(field) is not None:
-                kwargs[field] = bool(config[field])
-        if config.get("rescale_factor") is not None:
-            kwargs["rescale_factor"] = float(config["rescale_factor"])
-        for field in ("image_mean", "image_std"):
-            value = config.get(field)
-            if value is not None:
-                values = [value] * _NUM_CHANNELS if isinstance(value, (int, float)) else list(value)
-                kwargs[field] = tuple(float(v) for v in values)
+        kwargs |= settings.flag_and_normalization_kwargs(config, ("do_resize", "do_rescale", "do_normalize"))
         return cls(**kwargs)
 
     @property
@@ -108,8 +92,7 @@ class KimiK25PreprocessConfig:
         return self.patch_size * self.merge_size
 
     def fingerprint(self) -> dict[str, Any]:
-        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
-                for f in dataclasses.fields(self)}
+        return settings.fingerprint(self)
 
 
 def navit_resize(height: int, width: int, patch_size: int, merge_size: int, max_patches: int,

@@ -18,6 +18,7 @@ import torch
 from PIL import Image
 
 from encoder_service.errors import InvalidInput
+from encoder_service.preprocess import settings
 from encoder_service.preprocess.decode import MAX_ASPECT_RATIO, open_image, to_rgb
 from encoder_service.preprocess.staged import (
     DecodedImage,
@@ -30,7 +31,6 @@ from encoder_service.preprocess.staged import (
 # transformers' OPENAI_CLIP_MEAN / OPENAI_CLIP_STD, the Qwen2-VL processor defaults.
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-_NUM_CHANNELS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,17 +56,11 @@ class Qwen2VLPreprocessConfig:
     resample: int = int(Image.Resampling.BICUBIC)
 
     def __post_init__(self) -> None:
-        for name in ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise InvalidInput(f"preprocessor config: {name} must be a positive int, got {value!r}")
+        settings.check_positive_ints(
+            self, ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size"))
         if self.min_pixels > self.max_pixels:
             raise InvalidInput(f"preprocessor config: min_pixels {self.min_pixels} > max_pixels {self.max_pixels}")
-        for name in ("image_mean", "image_std"):
-            if len(getattr(self, name)) != _NUM_CHANNELS:
-                raise InvalidInput(f"preprocessor config: {name} needs {_NUM_CHANNELS} values")
-        if any(s == 0 for s in self.image_std):
-            raise InvalidInput("preprocessor config: image_std has a zero")
+        settings.check_normalization(self)
         if self.resample not in {int(r) for r in Image.Resampling}:
             raise InvalidInput(f"preprocessor config: resample {self.resample!r} is not a Pillow filter")
 
@@ -105,19 +99,8 @@ class Qwen2VLPreprocessConfig:
         for field in ("patch_size", "temporal_patch_size", "merge_size", "resample"):
             if config.get(field) is not None:
                 kwargs[field] = config[field]
-        for field in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
-            if config.get(field) is not None:
-                kwargs[field] = bool(config[field])
-        if config.get("rescale_factor") is not None:
-            kwargs["rescale_factor"] = float(config["rescale_factor"])
-        for field in ("image_mean", "image_std"):
-            value = config.get(field)
-            if value is None:
-                continue
-            # transformers broadcasts a scalar to every channel; store the broadcast form so the
-            # fingerprint of equivalent configs is equal.
-            values = [value] * _NUM_CHANNELS if isinstance(value, (int, float)) else list(value)
-            kwargs[field] = tuple(float(v) for v in values)
+        flags = ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb")
+        kwargs |= settings.flag_and_normalization_kwargs(config, flags)
         return cls(**kwargs)
 
     @property
@@ -127,13 +110,11 @@ class Qwen2VLPreprocessConfig:
 
     @property
     def patch_dim(self) -> int:
-        return _NUM_CHANNELS * self.temporal_patch_size * self.patch_size * self.patch_size
+        return settings.NUM_CHANNELS * self.temporal_patch_size * self.patch_size * self.patch_size
 
     def fingerprint(self) -> dict[str, Any]:
         """Every field, JSON-ready; part of the cache key (any change changes the patches)."""
-        return {
-            f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in dataclasses.fields(self)
-        }
+        return settings.fingerprint(self)
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -175,7 +156,7 @@ def _value_table(cfg: Qwen2VLPreprocessConfig) -> np.ndarray:
         scaled = (values.astype(np.float64) * cfg.rescale_factor).astype(np.float32)
     else:
         scaled = values.astype(np.float32)
-    table = np.broadcast_to(scaled, (_NUM_CHANNELS, 256))
+    table = np.broadcast_to(scaled, (settings.NUM_CHANNELS, 256))
     if cfg.do_normalize:
         mean = np.asarray(cfg.image_mean, dtype=np.float32)[:, None]
         std = np.asarray(cfg.image_std, dtype=np.float32)[:, None]

@@ -42,17 +42,28 @@ from .model import KimiK25VisionConfig, KimiK25VisionModel, KimiK25VisionTower, 
 VISION_PREFIXES = ("model.vision_tower.", "vision_tower.")
 PROJECTOR_PREFIXES = ("model.mm_projector.", "mm_projector.")
 
-# transformers name (after the vision_tower. / mm_projector. prefix) -> original name.
-_SPLIT_RENAMES = [
-    (r"^patch_embed\.pos_emb\.position_embeddings$", "patch_embed.pos_emb.weight"),
-    (r"^layers\.(\d+)\.norm1\.", r"encoder.blocks.\1.norm0."),
-    (r"^layers\.(\d+)\.norm2\.", r"encoder.blocks.\1.norm1."),
-    (r"^layers\.(\d+)\.attn\.proj\.", r"encoder.blocks.\1.wo."),
-    (r"^layers\.(\d+)\.mlp\.fc1\.", r"encoder.blocks.\1.mlp.fc0."),
-    (r"^layers\.(\d+)\.mlp\.fc2\.", r"encoder.blocks.\1.mlp.fc1."),
-    (r"^final_layernorm\.", "encoder.final_layernorm."),
+# (transformers name, original name) beginnings, after the vision_tower. / mm_projector. prefix;
+# {i} stands for a block index. Read left to right to load, right to left to write.
+_VISION_NAMES = [
+    ("patch_embed.pos_emb.position_embeddings", "patch_embed.pos_emb.weight"),
+    ("layers.{i}.norm1.", "encoder.blocks.{i}.norm0."),
+    ("layers.{i}.norm2.", "encoder.blocks.{i}.norm1."),
+    ("layers.{i}.attn.proj.", "encoder.blocks.{i}.wo."),
+    ("layers.{i}.mlp.fc1.", "encoder.blocks.{i}.mlp.fc0."),
+    ("layers.{i}.mlp.fc2.", "encoder.blocks.{i}.mlp.fc1."),
+    ("final_layernorm.", "encoder.final_layernorm."),
 ]
-_PROJECTOR_RENAMES = [(r"^in_proj\.", "proj.0."), (r"^out_proj\.", "proj.2.")]
+_PROJECTOR_NAMES = [("in_proj.", "proj.0."), ("out_proj.", "proj.2.")]
+
+
+def _rename(name: str, pairs: list[tuple[str, str]], to_original: bool) -> str:
+    """name with its beginning swapped by the first pair it starts with (unchanged if none)."""
+    for split, original in pairs:
+        src, dst = (split, original) if to_original else (original, split)
+        m = re.match(re.escape(src).replace(r"\{i\}", r"(?P<i>\d+)"), name)
+        if m:
+            return dst.format(**m.groupdict()) + name[m.end():]
+    return name
 
 
 def rope_rows_to_rotate_half(t: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -84,19 +95,13 @@ def split_to_original(vision: dict[str, torch.Tensor], projector: dict[str, torc
                 tensor = rope_rows_to_interleaved(tensor, cfg.num_heads)
             qkv.setdefault(f"vision_tower.encoder.blocks.{i}.wqkv.{kind}", {})[which] = tensor
             continue
-        for pattern, repl in _SPLIT_RENAMES:
-            name, n = re.subn(pattern, repl, name)
-            if n:
-                break
-        state["vision_tower." + name] = tensor
+        state["vision_tower." + _rename(name, _VISION_NAMES, to_original=True)] = tensor
     for name, parts in qkv.items():
         if set(parts) != {"q", "k", "v"}:
             raise InvalidInput(f"checkpoint has {sorted(parts)} of q_proj/k_proj/v_proj for {name}, needs all three")
         state[name] = torch.cat([parts["q"], parts["k"], parts["v"]])
     for name, tensor in projector.items():
-        for pattern, repl in _PROJECTOR_RENAMES:
-            name = re.sub(pattern, repl, name)
-        state["mm_projector." + name] = tensor
+        state["mm_projector." + _rename(name, _PROJECTOR_NAMES, to_original=True)] = tensor
     return state
 
 
@@ -105,17 +110,6 @@ def original_to_split(state: dict[str, torch.Tensor], cfg: KimiK25VisionConfig,
     """The module's state dict -> transformers' layout (what ``from_pretrained`` holds after its
     conversion). Used to write test checkpoints and to load transformers' reference in parity tests."""
     out: dict[str, torch.Tensor] = {}
-    inverse_vision = [
-        (r"^vision_tower\.patch_embed\.pos_emb\.weight$", "vision_tower.patch_embed.pos_emb.position_embeddings"),
-        (r"^vision_tower\.encoder\.blocks\.(\d+)\.norm1\.", r"vision_tower.layers.\1.norm2."),
-        (r"^vision_tower\.encoder\.blocks\.(\d+)\.norm0\.", r"vision_tower.layers.\1.norm1."),
-        (r"^vision_tower\.encoder\.blocks\.(\d+)\.wo\.", r"vision_tower.layers.\1.attn.proj."),
-        (r"^vision_tower\.encoder\.blocks\.(\d+)\.mlp\.fc1\.", r"vision_tower.layers.\1.mlp.fc2."),
-        (r"^vision_tower\.encoder\.blocks\.(\d+)\.mlp\.fc0\.", r"vision_tower.layers.\1.mlp.fc1."),
-        (r"^vision_tower\.encoder\.final_layernorm\.", "vision_tower.final_layernorm."),
-        (r"^mm_projector\.proj\.0\.", "mm_projector.in_proj."),
-        (r"^mm_projector\.proj\.2\.", "mm_projector.out_proj."),
-    ]
     for name, tensor in state.items():
         m = re.match(r"^vision_tower\.encoder\.blocks\.(\d+)\.wqkv\.(weight|bias)$", name)
         if m:
@@ -125,9 +119,9 @@ def original_to_split(state: dict[str, torch.Tensor], cfg: KimiK25VisionConfig,
                                 ("k", rope_rows_to_rotate_half(k, cfg.num_heads)), ("v", v)):
                 out[f"{prefix}vision_tower.layers.{i}.attn.{which}_proj.{kind}"] = part.contiguous()
             continue
-        for pattern, repl in inverse_vision:
-            name, n = re.subn(pattern, repl, name)
-            if n:
+        for group, pairs in (("vision_tower.", _VISION_NAMES), ("mm_projector.", _PROJECTOR_NAMES)):
+            if name.startswith(group):
+                name = group + _rename(name.removeprefix(group), pairs, to_original=False)
                 break
         out[prefix + name] = tensor
     return out

@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...attention import AttentionBackend
@@ -29,7 +28,7 @@ from ...device import host_to_device
 from ...errors import InvalidInput
 from ...metadata import RasterBatchMetadata, SpatialConfig, bicubic_resample_matrix, build_raster_metadata
 from ..base import Decoder, Grid, ModelSpec, VisionModel, validate_batch
-from ..layers import activation
+from ..layers import activation, patch_conv_as_linear
 
 MODEL_TYPE = "kimi_k25"
 # Rope2DPosEmbRepeated(head_dim, 512, 512) in the original MoonViT-3d: its frequency table stops at
@@ -169,8 +168,7 @@ class PatchEmbed(nn.Module):
         self.pos_emb = PosEmbed(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.proj.weight
-        return F.linear(x.to(w.dtype), w.view(w.shape[0], -1), self.proj.bias)
+        return patch_conv_as_linear(x, self.proj)
 
 
 class MLP(nn.Module):

@@ -24,7 +24,7 @@ from torch import nn
 
 from ...attention import AttentionBackend
 from ...device import host_to_device
-from ..layers import activation, apply_rotary
+from ..layers import activation, apply_rotary, patch_conv_as_linear
 from .config import Qwen3VLVisionConfig
 from .metadata import INDEX_COLUMNS, POSITION_COLUMNS, WEIGHT_COLUMNS, Qwen3VLBatchMetadata
 
@@ -48,8 +48,7 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel, stride=kernel, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.proj.weight
-        return F.linear(x.to(w.dtype), w.view(w.shape[0], -1), self.proj.bias)
+        return patch_conv_as_linear(x, self.proj)
 
 
 class Attention(nn.Module):
