@@ -89,3 +89,4 @@ class ModelDescription:
     cache_namespace: str
     preprocess: str = "pil"
     feature_levels: int = 1  # levels per embedding row, each hidden_size wide
+    ops: str = "none"  # the fused operations' providers (ops.OpsSelection.describe())

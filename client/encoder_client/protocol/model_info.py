@@ -35,6 +35,9 @@ class ModelInfo:
     feature_levels: int = 1
     # Whether the server writes embeddings into a caller's shared-memory region (--shared-memory on).
     shared_memory: bool = False
+    # Which provider runs each fused operation, e.g. "window_attention=triton,rms_scale=triton,
+    # gated_mlp=torch"; "none" for a model that uses none; empty from servers older than the field.
+    ops: str = ""
 
     @classmethod
     def from_proto(cls, msg: encoder_pb2.ModelInfo) -> ModelInfo:
