@@ -19,7 +19,7 @@ from PIL import Image
 from ..attention import AUTO, select_backend
 from ..device import host_to_device
 from ..errors import InvalidInput
-from ..ops import OpTarget, select_ops
+from ..ops import OpsSelection, OpTarget, no_ops, select_ops
 from ..preprocess.staged import (
     DecodedImage,
     RawPatches,
@@ -162,8 +162,10 @@ class VisionModel:
     device: torch.device
     dtype: torch.dtype
     attn_backend: str
-    # The fused operations the family's module runs (encoder_service/ops), chosen at load time.
+    # The fused operations the family's module runs (encoder_service/ops) and their providers, chosen
+    # at load time (none for a model built without VisionModel.__init__, as test stand-ins are).
     OPS: tuple[str, ...] = ()
+    ops: OpsSelection = no_ops()
     # pil: resize on the CPU, bit-exact with transformers' PIL processor; torch: resize on the
     # model's device, equal to its default torchvision-backed processor (preprocess/staged.py).
     preprocess_mode: str = "pil"
