@@ -119,7 +119,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="encoder-service bench", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="qwen2.5-vl-7b")
     parser.add_argument("--backends", default="all",
-                        help="comma list of our backends, or 'all' (every one that runs here)")
+                        help="comma list of our backends, or 'all' (every one that runs here); 'auto' times "
+                             "what the server's --attn-backend auto serves")
     parser.add_argument("--cases", default="a,b,c")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)

@@ -123,8 +123,6 @@ class VisionBlock(nn.Module):
     def __init__(self, cfg: Qwen2_5_VisionConfig) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
-        self.eps = cfg.rms_norm_eps
-        self.act = cfg.hidden_act
         self.norm1 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = VisionAttention(cfg)
