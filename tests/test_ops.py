@@ -17,7 +17,7 @@ from encoder_service.attention.sdpa import SDPABackend
 from encoder_service.errors import BackendUnavailable
 from encoder_service.models import load_vision_model
 from encoder_service.ops import PROVIDERS, OpTarget, parse_ops, select_ops
-from encoder_service.ops.torch_ops import TorchGatedMLP
+from encoder_service.ops.torch_ops import RotaryAttention, TorchGatedMLP, qkv_rotary
 from encoder_service.ops.triton_window import TritonWindowAttention
 from encoder_service.ops.triton_window import plan as window_plan
 
@@ -50,6 +50,47 @@ class SpyGatedMLP(TorchGatedMLP):
     def __call__(self, *args):
         SpyGatedMLP.calls += 1
         return super().__call__(*args)
+
+
+class PaddedSDPA(SDPABackend):
+    """A backend with padded_head_dim (as FlashInfer FA3 on Hopper): q, k, v come zero-padded, the
+    output goes back padded."""
+
+    name = "padded"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.padded_head_dim = self.head_dim + 8
+
+    def forward_ragged(self, q, k, v, prepared):
+        assert q.shape[-1] == self.padded_head_dim
+        out = torch.empty_like(q)
+        for start, end in prepared:
+            qs, ks, vs = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+            out[start:end] = torch.nn.functional.scaled_dot_product_attention(
+                qs, ks, vs, scale=self.scale).squeeze(0).transpose(0, 1)
+        return out
+
+
+class EmulatedWindowKernel(RotaryAttention):
+    """The Triton window provider's contract in torch: computes attention itself (no backend) and
+    returns the model's head_dim, whatever the backend pads to."""
+
+    name = "emulated"
+    runs_attention = True
+    calls = 0
+
+    def prepare(self, meta, backend, device):
+        return [(int(a), int(b)) for a, b in zip(meta.cu_seqlens[:-1], meta.cu_seqlens[1:])]
+
+    def __call__(self, acc, affine, cos, sin, num_heads, plan, backend):
+        EmulatedWindowKernel.calls += 1
+        q, k, v = qkv_rotary(acc, *affine, cos, sin, num_heads)
+        out = torch.empty_like(q)
+        for a, b in plan:
+            out[a:b] = torch.nn.functional.scaled_dot_product_attention(
+                *(x[a:b].transpose(0, 1) for x in (q, k, v))).transpose(0, 1)
+        return out
 
 
 @pytest.fixture
@@ -188,3 +229,21 @@ def test_the_option_reaches_the_config():
     assert parse_serve_args([]).ops == "auto"
     assert parse_serve_args(["--ops", "torch"]).ops == "torch"
     assert parse_serve_args([], {"ENCODER_SERVICE_OPS": "gated_mlp=torch"}).ops == "gated_mlp=torch"
+
+
+def test_window_layers_of_a_kernel_next_to_a_backend_that_pads_head_dims(monkeypatch):
+    # The H100's mix with flashinfer-fa3 (padded head_dim) and the window kernel (unpadded): each
+    # layer's output projection follows what its attention returned.
+    monkeypatch.setitem(BACKENDS, "padded", f"{__name__}:PaddedSDPA")
+    monkeypatch.setitem(PROVIDERS["window_attention"], "emulated", f"{__name__}:EmulatedWindowKernel")
+    # Under auto a named backend keeps the window layers, even from a provider that could run.
+    assert load_vision_model("tiny-qwen2.5-vl", attn_backend="padded").ops.describe() == ALL_TORCH
+    model = load_vision_model("tiny-qwen2.5-vl", attn_backend="padded", ops="window_attention=emulated")
+    assert model.ops.describe().startswith("window_attention=emulated,")
+    EmulatedWindowKernel.calls = 0
+    grids = [[1, 8, 12], [2, 4, 4], [1, 10, 14]]
+    pixels = _pixels(model, grids)
+    out = torch.cat(model.encode(pixels, grids))
+    ref = torch.cat(load_vision_model("tiny-qwen2.5-vl", attn_backend="sdpa").encode(pixels, grids))
+    assert EmulatedWindowKernel.calls == model.cfg.depth - len(model.cfg.fullatt_block_indexes) > 0
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

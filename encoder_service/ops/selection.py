@@ -100,9 +100,10 @@ class OpsSelection:
     def __init__(self, providers: dict[str, OpProvider]) -> None:
         self.providers = providers
         window = providers.get("window_attention")
-        # Full-attention layers: rotary in torch, then the backend (the same object as the window
-        # provider where that is the torch one, so it is compiled once).
-        self._attention = window if isinstance(window, RotaryAttention) else RotaryAttention()
+        # Full-attention layers: rotary in torch, then the backend, whatever the window provider (the
+        # same object where that is exactly the torch one, so it is compiled once; not a subclass,
+        # which may compute attention its own way).
+        self._attention = window if type(window) is RotaryAttention else RotaryAttention()
 
     def describe(self) -> str:
         """``window_attention=triton,rms_scale=triton,gated_mlp=torch``; ``none`` for a model that
