@@ -16,10 +16,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from encoder_service.attention import fused_window
 from encoder_service.attention.base import _dense_uniform
 from encoder_service.bench import time_it
-from encoder_service.models.layers import apply_rotary
+from encoder_service.ops import apply_rotary
+from encoder_service.ops import triton_window as fused_window
 
 
 def unfused(qkv, cos, sin, heads):
@@ -48,7 +48,7 @@ def main() -> int:
     print(f"unfused: compiled rotary {rot_s * 1e3:.3f} ms + dense SDPA {attn_s * 1e3:.3f} ms")
     import math
 
-    from encoder_service.attention._window_kernel import launch
+    from encoder_service.ops._window_kernel import launch
 
     out = torch.empty(tokens, heads, dim, device="cuda", dtype=torch.bfloat16)
     affine = (torch.rand(tokens, device="cuda") + 0.5, torch.randn(3 * heads * dim, device="cuda"))
@@ -60,8 +60,8 @@ def main() -> int:
         print(f"fused kernel, affine input: heads/program {hpp} warps {warps} stages {stages}: {t * 1e3:.3f} ms "
               f"({moved / t / 1e12:.2f} TB/s)", flush=True)
 
-    from encoder_service.models import _rms_kernel
-    from encoder_service.models.qwen2_5_vl.folded import rms_scale
+    from encoder_service.ops import _rms_kernel
+    from encoder_service.ops.torch_ops import rms_scale
 
     x = torch.randn(tokens, heads * dim, device="cuda", dtype=torch.bfloat16)
     pending = torch.randn(heads * dim, device="cuda")
@@ -99,7 +99,7 @@ def main() -> int:
     if args.sweep:
         import math
 
-        from encoder_service.attention._window_kernel import launch
+        from encoder_service.ops._window_kernel import launch
 
         out = torch.empty(tokens, heads, dim, device="cuda", dtype=torch.bfloat16)
         for hpp in (1, 2, 4, 8):

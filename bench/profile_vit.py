@@ -28,6 +28,9 @@ def median_ms(fn, iters=5) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--backends", default="flashinfer-cudnn")
+    # A named backend runs every attention layer unless --ops names the window kernel: the default
+    # profiles the window layers as --attn-backend auto serves them (the fused Triton kernel).
+    ap.add_argument("--ops", default="window_attention=triton", help="the server's --ops (encoder_service/ops)")
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--trace", type=Path, default=None, help="write a Chrome trace of one case-(a) forward here")
     args = ap.parse_args()
@@ -41,7 +44,7 @@ def main() -> int:
     px_c = torch.from_numpy(rng.standard_normal((64 * 1024, 1176), dtype=np.float32)).to("cuda", torch.bfloat16)
     for backend in args.backends.split(","):
         model = build(cfg, dict(state), model_id="7b", preprocess_config=None, device=torch.device("cuda"),
-                      dtype=torch.bfloat16, attn_backend=backend, compile=True)
+                      dtype=torch.bfloat16, attn_backend=backend, ops=args.ops, compile=True)
         for px, g in ((px_a, grids_a), (px_c, grids_c), (px_a, grids_a)):  # second shape: automatic recompile
             model.encode_packed(px, g)
         ms_a = median_ms(lambda m=model: m.encode_packed(px_a, grids_a))

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from encoder_service.bench import time_it
-from encoder_service.models.qwen2_5_vl.folded import swiglu
+from encoder_service.ops.torch_ops import swiglu
 
 # Departures from _swiglu_gemm.DEFAULT.
 CONFIGS = [
@@ -41,7 +41,7 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=1280)
     parser.add_argument("--inter", type=int, default=3456)
     args = parser.parse_args()
-    from encoder_service.models import _swiglu_gemm  # imports triton: after --help, which needs no GPU
+    from encoder_service.ops import _swiglu_gemm  # imports triton: after --help, which needs no GPU
 
     m, k, n = args.tokens, args.hidden, args.inter
     dev, dt = "cuda", torch.bfloat16

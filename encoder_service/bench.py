@@ -119,21 +119,18 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="encoder-service bench", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="qwen2.5-vl-7b")
     parser.add_argument("--backends", default="all",
-                        help="comma list of our backends, or 'all' (every one that runs here)")
+                        help="comma list of our backends, or 'all' (every one that runs here); 'auto' times "
+                             "what the server's --attn-backend auto serves")
     parser.add_argument("--cases", default="a,b,c")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--compile", choices=["off", "on", "both"], default="on",
                         help="torch.compile of the non-attention parts of each block")
-    parser.add_argument("--mlp-pad", choices=["off", "on", "both"], default="on",
-                        help="zero-pad the MLP intermediate size to a multiple of 64 (VisionBlock.fuse_mlp)")
-    parser.add_argument("--fused-windows", choices=["off", "on", "both"], default="on",
-                        help="window blocks: fused rotary + window attention Triton kernel (attention/fused_window.py)")
-    parser.add_argument("--fold-norms", choices=["off", "on", "both"], default="on",
-                        help="RMSNorms folded into the next GEMM, residual adds in the output GEMMs "
-                             "(models/qwen2_5_vl/folded.py)")
-    parser.add_argument("--fused-swiglu", choices=["off", "on", "both"], default="on",
-                        help="folded path: gate/up GEMM with SwiGLU in its epilogue (models/_swiglu_gemm.py)")
+    parser.add_argument("--ops", nargs="+", default=["auto"], metavar="OPS",
+                        help="one or more --ops values (the server's syntax), each timed with every backend, "
+                             "e.g. --ops auto torch window_attention=triton window_attention=torch,gated_mlp=torch "
+                             "(encoder_service/ops). Under auto a named backend runs the window layers too: "
+                             "window_attention=triton times the fused window kernel with it")
     parser.add_argument("--cuda-graphs", choices=["off", "on", "both"], default="on",
                         help="replay each batch composition as a CUDA graph (models/cuda_graphs.py)")
     parser.add_argument("--try-compile-mode", default=None,
@@ -204,7 +201,7 @@ def main(argv=None) -> int:
                 timings = measure(lambda m=model, p=pixels, g=grids: m.encode_packed(p, g), args.iters, args.warmup)
                 graphs = getattr(model, "graphs", None)
                 record(label, c, timings, {"first_call_s": first, "backend": model.attn_backend,
-                                           "kernel": type(model.backend).__name__,
+                                           "kernel": type(model.backend).__name__, "ops": model.ops.describe(),
                                            "graph_replays": graphs.replays if graphs else 0, **(extra or {})})
         except Exception as exc:  # one failing contender must not lose the run
             print(f"{label}: FAILED {type(exc).__name__}: {exc}", flush=True)
@@ -215,24 +212,18 @@ def main(argv=None) -> int:
     modes = {"off": [False], "on": [True], "both": [False, True]}
     for name in names:
         for compiled in modes[args.compile]:
-            variants = [(p, f, n, g, cg) for p in modes[args.mlp_pad] for f in modes[args.fused_windows]
-                        for n in modes[args.fold_norms] for g in modes[args.fused_swiglu]
-                        for cg in modes[args.cuda_graphs]]
-            for pad, fw, fold, sg, cg in variants:
-                label = (f"{name}{' +compile' if compiled else ''}{'' if pad else ' (MLP unpadded)'}"
-                         f"{'' if fw else ' (windows unfused)'}{'' if fold else ' (norms unfolded)'}"
-                         f"{'' if sg or not fold else ' (SwiGLU unfused)'}{'' if cg else ' (no CUDA graphs)'}")
+            for ops, cg in [(o, g) for o in args.ops for g in modes[args.cuda_graphs]]:
+                label = (f"{name}{' +compile' if compiled else ''}{'' if ops == 'auto' else f' (ops {ops})'}"
+                         f"{'' if cg else ' (no CUDA graphs)'}")
 
-                def make(n=name, c=compiled, p=pad, f=fw, o=fold, g=sg, graphs=cg):
+                def make(n=name, c=compiled, o=ops, graphs=cg):
                     model = build(cfg, dict(state), model_id=args.preset, preprocess_config=None, device=device,
-                                  dtype=torch.bfloat16, attn_backend=n, compile=c, fuse_mlp=p, fused_windows=f,
-                                  fold_norms=o, fused_swiglu=g)
+                                  dtype=torch.bfloat16, attn_backend=n, ops=o, compile=c)
                     if not graphs:
                         model.set_cuda_graphs(0)
                     return model
 
-                time_model(label, make, {"compiled": compiled, "mlp_padded": pad, "fused_windows": fw,
-                                         "folded_norms": fold, "fused_swiglu": sg, "cuda_graphs": cg})
+                time_model(label, make, {"compiled": compiled, "ops_asked": ops, "cuda_graphs": cg})
 
     if args.try_compile_mode:
         torch._dynamo.reset()

@@ -55,7 +55,15 @@ class ServiceConfig:
         choices=OUTPUT_DTYPES)
     attn_backend: str = option("auto",
         "attention backend: auto (first one that works here), sdpa, varlen, "
-        "flashinfer, aiter.")
+        "flashinfer, aiter. A backend named here runs every attention layer unless --ops names "
+        "a provider that computes attention itself.")
+    # providers of the fused operations (encoder_service/ops/selection.py)
+    ops: str = option("auto",
+        "providers of the model's fused operations (window_attention, rms_scale, gated_mlp): auto "
+        "(the fastest that runs here; the Triton window kernel only with --attn-backend auto), "
+        "torch (plain torch everywhere, attention through the backend), or comma-separated "
+        "CAPABILITY=PROVIDER entries, e.g. window_attention=triton,gated_mlp=torch, plus at most "
+        "one bare provider for the rest (torch,rms_scale=triton). Providers: torch, triton.")
     host: str = option("0.0.0.0",
         "address the gRPC server binds to (127.0.0.1 for loopback only).")
     port: int = option(50051,

@@ -17,9 +17,11 @@ PRIVATE_STUBS = "encoder_client._proto"
 # use the protocol's dtype table and hashing (encoder_client.protocol.dtypes/.hashing), not its stubs.
 WIRE = ("grpc", "google.protobuf", PRIVATE_STUBS, "encoder_client.protocol.stubs",
         "encoder_client.protocol.encoder_pb2", "encoder_client.protocol.encoder_pb2_grpc", "encoder_service.api")
-BELOW_API = ("engine", "models", "preprocess", "attention", "metadata")
-BELOW_ENGINE = ("models", "preprocess", "attention", "metadata")
-BELOW_MODELS = ("preprocess", "attention", "metadata")
+BELOW_API = ("engine", "models", "preprocess", "attention", "ops", "metadata")
+BELOW_ENGINE = ("models", "preprocess", "attention", "ops", "metadata")
+BELOW_MODELS = ("preprocess", "attention", "ops", "metadata")
+# The kernel libraries: only the ops layer's providers and the attention backends call into them.
+KERNEL_LIBRARIES = ("triton", "flashinfer", "aiter")
 
 
 def _module_name(path: Path) -> str:
@@ -31,8 +33,13 @@ def _module_name(path: Path) -> str:
 
 def _imports(path: Path) -> set[str]:
     """Every module a file imports (relative imports resolved), at any depth of the file."""
-    module = _module_name(path)
-    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    return _imports_as(path, path)
+
+
+def _imports_as(path: Path, location: Path) -> set[str]:
+    """``_imports`` of the source at ``path`` as if it lived at ``location``."""
+    module = _module_name(location)
+    package = module if location.name == "__init__.py" else module.rsplit(".", 1)[0]
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -90,6 +97,35 @@ def test_models_and_what_they_use_never_reach_up_to_the_engine():
 
 def test_preprocessing_metadata_and_attention_do_not_know_the_models():
     assert _violations(_files(*BELOW_MODELS), ("encoder_service.models",)) == []
+
+
+def test_models_never_name_a_kernel():
+    # A model asks the ops layer for a capability (``from ...ops import select_ops``): it imports the
+    # package, never a module under it (a provider, a kernel), nor a kernel library. The attention
+    # backends are reached through attention.select_backend alike, never by module.
+    ops_modules = tuple(f"encoder_service.ops.{p.stem}" for p in (PACKAGE / "ops").glob("*.py")
+                        if p.stem != "__init__")
+    backends = tuple(f"encoder_service.attention.{p.stem}" for p in (PACKAGE / "attention").glob("*.py")
+                     if p.stem not in ("__init__", "base"))
+    assert "encoder_service.ops.triton_window" in ops_modules and "encoder_service.attention.sdpa" in backends
+    assert _violations(_files("models"), ops_modules + backends + KERNEL_LIBRARIES) == []
+
+
+def test_the_walk_catches_a_model_importing_a_kernel(tmp_path):
+    bad = PACKAGE / "models" / "qwen2_5_vl" / "_bad_probe.py"  # named inside models/ so relative imports resolve
+    for source, name in (("from ...ops import triton_window", "encoder_service.ops.triton_window"),
+                         ("from ...ops._rms_kernel import rms_scale", "encoder_service.ops._rms_kernel"),
+                         ("import triton.language as tl", "triton.language")):
+        probe = tmp_path / "probe.py"
+        probe.write_text(source + "\n")
+        found = {n for n in _imports_as(probe, bad)}
+        assert name in found, (source, found)
+
+
+def test_the_kernels_live_in_the_ops_layer_only():
+    # attention/ keeps attention backends; fused kernels (triton.jit) are ops providers' kernels.
+    jit = [p for p in PACKAGE.rglob("*.py") if "@triton.jit" in p.read_text() and not p.is_relative_to(PACKAGE / "ops")]
+    assert jit == []
 
 
 def test_a_family_package_is_reached_only_through_the_registry():

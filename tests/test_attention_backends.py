@@ -60,10 +60,3 @@ def test_sdpa_backend_attends_only_within_each_sequence():
     ref = torch.einsum("hqk,khd->qhd", probs, v)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
 
-
-def test_fused_window_kernel_declines_what_it_cannot_run():
-    from encoder_service.attention import fused_window
-
-    assert "NVIDIA" in fused_window.unavailable_reason(torch.device("cpu"), torch.float32)
-    # Windows longer than the kernel's tile fall back to the backend.
-    assert fused_window.plan(np.array([0, 64, 129]), 65, torch.device("cpu")) is None

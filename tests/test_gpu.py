@@ -39,11 +39,14 @@ def short_7b_state():
     return Qwen2_5_VisionConfig.from_dict(vc), random_vision_state(preset, seed=0)
 
 
-def short_7b(state, backend, fused_windows=True, fold_norms=True):
+def short_7b(state, backend, ops="auto"):
     cfg, weights = state
     return build(cfg, {k: v.to(torch.bfloat16) for k, v in weights.items()}, model_id="short-7b",
-                 preprocess_config=None, device=DEVICE, dtype=torch.bfloat16, attn_backend=backend,
-                 fused_windows=fused_windows, fold_norms=fold_norms)
+                 preprocess_config=None, device=DEVICE, dtype=torch.bfloat16, attn_backend=backend, ops=ops)
+
+
+def hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(DEVICE) >= (9, 0)
 
 
 def test_cuda_backends_are_available_here():
@@ -70,18 +73,35 @@ def test_backend_matches_sdpa_on_random_inputs(name, head_dim):
     assert rel_err(out, ref) <= 2e-2
 
 
+def test_auto_selects_the_kernels_and_a_named_backend_keeps_the_window_layers():
+    # Hopper: every Triton provider; a named backend runs the window layers (--ops can still ask).
+    model = load_vision_model("tiny-qwen2.5-vl", device="cuda", dtype="bfloat16")
+    want = "window_attention=triton,rms_scale=triton,gated_mlp=" + ("triton" if hopper() else "torch")
+    assert model.ops.describe() == want
+    named = load_vision_model("tiny-qwen2.5-vl", device="cuda", dtype="bfloat16", attn_backend="sdpa")
+    assert named.ops.describe() == want.replace("window_attention=triton", "window_attention=torch")
+    asked = load_vision_model("tiny-qwen2.5-vl", device="cuda", dtype="bfloat16", attn_backend="sdpa",
+                              ops="window_attention=triton")
+    assert asked.ops.describe() == want
+
+
+@pytest.mark.parametrize("ops", ["auto", "window_attention=triton"])
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 @pytest.mark.parametrize("name", ["sdpa", *cuda_backends()])
-def test_full_forward_runs_without_a_host_sync_and_matches_sdpa(name, graphs, short_7b_state):
+def test_full_forward_runs_without_a_host_sync_and_matches_sdpa(name, graphs, ops, short_7b_state):
     rng = np.random.default_rng(0)
     n = sum(t * h * w for t, h, w in GRIDS)
     pixels = rng.standard_normal((n, 1176), dtype=np.float32)
-    # The reference runs the reference block order with every block through sdpa (no fused kernel,
-    # no folded norms, no CUDA graphs); every model under test runs the GPU defaults.
-    ref_model = short_7b(short_7b_state, "sdpa", fused_windows=False, fold_norms=False)
+    # The reference runs every fused operation in plain torch and every attention layer through sdpa
+    # (no Triton kernel, no CUDA graphs); the models under test run the GPU's providers: under auto
+    # with a named backend the window layers go through it (rms_scale and gated_mlp still Triton),
+    # with window_attention=triton through the fused window kernel.
+    ref_model = short_7b(short_7b_state, "sdpa", ops="torch")
     ref_model.set_cuda_graphs(0)
     ref = [e.float() for e in ref_model.encode_async(pixels, GRIDS).wait()]
-    model = short_7b(short_7b_state, name)
+    model = short_7b(short_7b_state, name, ops=ops)
+    assert model.ops.describe().startswith(
+        "window_attention=triton," if ops != "auto" else "window_attention=torch,rms_scale=triton,")
     if not graphs:
         model.set_cuda_graphs(0)
     elif model.graphs is None:
@@ -107,8 +127,8 @@ def test_full_forward_runs_without_a_host_sync_and_matches_sdpa(name, graphs, sh
 @pytest.mark.parametrize("affine", [False, True])
 @pytest.mark.parametrize("head_dim", [80, 72, 64])
 def test_fused_window_kernel_matches_rotary_then_attention_per_window(head_dim, affine):
-    from encoder_service.attention import fused_window
-    from encoder_service.models.layers import apply_rotary
+    from encoder_service.ops import apply_rotary
+    from encoder_service.ops import triton_window as fused_window
 
     torch.manual_seed(0)
     heads, lengths = 16, [64, 1, 37, 64, 16, 63, 2, 64]
@@ -147,8 +167,8 @@ def test_tiny_preset_bf16_forward_under_sync_debug_mode():
 
 
 def test_rstd_kernel_matches_the_reference_reduction():
-    from encoder_service.models._rms_kernel import rms_scale as triton_rms
-    from encoder_service.models.qwen2_5_vl.folded import rms_scale
+    from encoder_service.ops._rms_kernel import rms_scale as triton_rms
+    from encoder_service.ops.torch_ops import rms_scale
 
     torch.manual_seed(0)
     for tokens, dim in ((41472, 1280), (37, 1152), (1, 80)):
@@ -160,8 +180,8 @@ def test_rstd_kernel_matches_the_reference_reduction():
 @pytest.mark.parametrize("m,k,n_inter", [(41472, 1280, 3456), (1000, 1280, 3456), (37, 136, 200), (1, 32, 64)])
 def test_fused_swiglu_gemm_matches_gemm_then_swiglu(m, k, n_inter):
     # Ragged m, k and n_inter against the tiles (128 x 2*128 x 64) exercise the TMA edges.
-    from encoder_service.models._swiglu_gemm import gate_up_swiglu, unavailable_reason
-    from encoder_service.models.qwen2_5_vl.folded import swiglu
+    from encoder_service.ops._swiglu_gemm import gate_up_swiglu, unavailable_reason
+    from encoder_service.ops.torch_ops import swiglu
 
     torch.manual_seed(0)
     x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
@@ -177,7 +197,7 @@ def test_fused_swiglu_gemm_matches_gemm_then_swiglu(m, k, n_inter):
 
 
 def test_fused_swiglu_gemm_declines_what_it_cannot_take():
-    from encoder_service.models._swiglu_gemm import unavailable_reason
+    from encoder_service.ops._swiglu_gemm import unavailable_reason
 
     x = torch.randn(8, 64, device=DEVICE, dtype=torch.bfloat16)
     w = torch.randn(128, 64, device=DEVICE, dtype=torch.bfloat16)

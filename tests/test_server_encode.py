@@ -147,8 +147,12 @@ def test_model_info_health_and_reflection(client, encoder_server):
     assert info.model_type == "qwen2_5_vl" and info.hidden_size == 48 and info.patch_dim == 1176
     assert info.device in ("cpu", "cpu:0,cpu:1") and info.dtype == "float32" and info.max_batch_tokens == 4096
     assert client.health() == "SERVING"
+    # What runs every layer: the attention backend and the fused operations' providers (the CPU: torch).
+    assert info.attention_backend == "sdpa"
+    assert info.ops == "window_attention=torch,rms_scale=torch,gated_mlp=torch"
     log = encoder_server.log_text()
     assert "tiny-qwen2.5-vl" in log and "dtype float32" in log and "attention backend" in log and "cache" in log
+    assert f"attention backend sdpa, ops {info.ops}," in log
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     with grpc.insecure_channel(encoder_server.target) as channel:

@@ -27,6 +27,7 @@ def test_kimi_preset_is_served_and_equals_direct_model_encode(start_encoder_serv
         encoded, video = client.encode([data, (patches, (2, 6, 8))])
         again = client.encode([data])[0]
     assert (info.model_type, info.patch_dim, info.hidden_size) == ("kimi_k25", 588, model.hidden_size)
+    assert info.ops == "none"  # no fused operations: every layer is its own torch code and the backend
     pixels, grid = model.preprocess(data)
     for got, (x, g) in ((encoded, (pixels, grid)), (video, (patches, (2, 6, 8)))):
         (want,) = model.encode(x, [g])

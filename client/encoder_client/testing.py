@@ -170,7 +170,7 @@ class FakeVisionEncoder(encoder_pb2_grpc.VisionEncoderServicer):
         return encoder_pb2.ModelInfo(
             model_id="fake/vit", model_type="fake", hidden_size=self.hidden_size, dtype=self.model_dtype,
             patch_size=14, temporal_patch_size=2, spatial_merge_size=2, patch_dim=1176,
-            attention_backend="none", device="cpu", cache_namespace=self.cache_namespace,
+            attention_backend="none", ops="none", device="cpu", cache_namespace=self.cache_namespace,
             max_batch_tokens=16384, max_message_bytes=64 * 1024 * 1024, max_image_pixels=12845056,
             version="fake", feature_levels=self.feature_levels if self.feature_levels > 1 else 0,
         )

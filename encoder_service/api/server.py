@@ -226,10 +226,10 @@ async def serve(config: ServiceConfig) -> int:
     d = engine.describe()
     # Rows of a model with extra feature levels (deepstack) are that many times hidden wide.
     hidden = f"{d.hidden_size} x {d.feature_levels} levels" if d.feature_levels > 1 else str(d.hidden_size)
-    log.info("model %s (%s) on %s, dtype %s, attention backend %s, hidden %s, patch_dim %d; "
+    log.info("model %s (%s) on %s, dtype %s, attention backend %s, ops %s, hidden %s, patch_dim %d; "
              "preprocess %s (%d decode threads); cache %s, max-batch-tokens %d, max-queue-images %d; "
              "warm-up forward %.0f ms",
-             d.model_id, d.model_type, d.device, d.dtype, d.attn_backend, hidden, d.patch_dim,
+             d.model_id, d.model_type, d.device, d.dtype, d.attn_backend, d.ops, hidden, d.patch_dim,
              d.preprocess, config.preprocess_threads, _gib(config.cache_bytes), config.max_batch_tokens,
              config.max_queue_images, warmup_s * 1000)
     servicer.engine = engine

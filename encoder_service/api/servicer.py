@@ -140,7 +140,7 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
             cache_namespace=d.cache_namespace, max_batch_tokens=c.max_batch_tokens,
             max_message_bytes=c.max_message_bytes, max_image_pixels=c.max_image_pixels, version=__version__,
             preprocess=d.preprocess, feature_levels=d.feature_levels,
-            shared_memory=self.regions.enabled, decode=d.decode).to_proto()
+            shared_memory=self.regions.enabled, ops=d.ops, decode=d.decode).to_proto()
 
 
 def _response_chunks(result: ImageResult, request_id: str, plan: EncodePlan, model_dtype: str,

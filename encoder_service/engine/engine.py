@@ -139,7 +139,8 @@ class Engine:
             dtype=f.dtype, patch_size=spec.patch_size, temporal_patch_size=spec.temporal_patch_size,
             spatial_merge_size=spec.spatial_merge_size, patch_dim=spec.patch_dim,
             attn_backend=f.attn_backend, device=device, cache_namespace=self.namespace,
-            preprocess=f.preprocess_mode, feature_levels=spec.feature_levels, decode=f.decode_backend)
+            preprocess=f.preprocess_mode, feature_levels=spec.feature_levels, ops=f.ops,
+            decode=f.decode_backend)
 
     @property
     def busy(self) -> bool:

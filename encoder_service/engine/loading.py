@@ -1,6 +1,6 @@
 """Loading the model the engine serves: one place for the flags that shape it (model, device,
-dtype, attention backend, preprocessing mode, CUDA graphs), used by the in-process worker and by
-every worker process alike."""
+dtype, attention backend, fused operations' providers, preprocessing mode, CUDA graphs), used by
+the in-process worker and by every worker process alike."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ def load_model(config: ServiceConfig, device: str | None = None) -> ServedModel:
     from ..models import load_vision_model  # pulls in torch and the kernels: not at import time
 
     model = load_vision_model(config.model_or_default, device=device or config.device, dtype=config.dtype,
-                              attn_backend=config.attn_backend, preprocess=config.preprocess)
+                              attn_backend=config.attn_backend, preprocess=config.preprocess,
+                              ops=config.ops)
     model.set_decode(config.decode)
     if model.decode_backend != "pillow":
         log.info("images: JPEGs decode on %s with %s, other formats with Pillow (cache namespace %s)",

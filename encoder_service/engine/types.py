@@ -90,3 +90,4 @@ class ModelDescription:
     preprocess: str = "pil"
     feature_levels: int = 1  # levels per embedding row, each hidden_size wide
     decode: str = "pillow"  # where images decode: pillow (CPU) or nvjpeg (GPU)
+    ops: str = "none"  # the fused operations' providers (ops.OpsSelection.describe())

@@ -34,29 +34,30 @@ def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 def load_vision_model(path_or_preset: str | Path, device: str | torch.device = "cpu",
                       dtype: torch.dtype | str = torch.float32, attn_backend: str = "auto",
-                      seed: int = 0, preprocess: str = "auto") -> VisionModel:
+                      seed: int = 0, preprocess: str = "auto", ops: str = "auto") -> VisionModel:
     """Loads the vision tower of a transformers-format checkpoint directory, or a built-in preset
     (random weights from ``seed``; see ``PRESETS``). ``preprocess``: ``pil`` (bit-exact with
     transformers' PIL processor), ``torch`` (its default torchvision-backed processor, resize on the
-    device) or ``auto`` (torch on an accelerator, pil on the CPU)."""
-    model = _load(path_or_preset, torch.device(device), parse_dtype(dtype), attn_backend, seed)
+    device) or ``auto`` (torch on an accelerator, pil on the CPU). ``ops``: the providers of the
+    model's fused operations (``--ops``, encoder_service/ops/selection.py)."""
+    model = _load(path_or_preset, torch.device(device), parse_dtype(dtype), attn_backend, seed, ops)
     model.set_preprocess_mode(preprocess)
     return model
 
 
 def _load(path_or_preset: str | Path, device: torch.device, dtype: torch.dtype, attn_backend: str,
-          seed: int) -> VisionModel:
+          seed: int, ops: str) -> VisionModel:
     path = Path(path_or_preset)
     if path.is_dir():
         from .loader import read_checkpoint
 
         ckpt = read_checkpoint(path)
         return load_checkpoint(family_for(ckpt.config.get("model_type")), ckpt, model_id=str(path_or_preset),
-                               device=device, dtype=dtype, attn_backend=attn_backend)
+                               device=device, dtype=dtype, attn_backend=attn_backend, ops=ops)
     name = str(path_or_preset)
     if name in PRESETS:
         preset = PRESETS[name]
         return load_preset(family_for(preset.model_type), preset, seed=seed, device=device, dtype=dtype,
-                           attn_backend=attn_backend)
+                           attn_backend=attn_backend, ops=ops)
     raise InvalidInput(f"{str(path_or_preset)!r} is neither a checkpoint directory nor a preset; "
                        f"presets: {', '.join(PRESETS)}")

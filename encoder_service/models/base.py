@@ -16,9 +16,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..attention import select_backend
+from ..attention import AUTO, select_backend
 from ..device import host_to_device
 from ..errors import InvalidInput
+from ..ops import OpsSelection, OpTarget, no_ops, select_ops
 from ..preprocess import nvjpeg
 from ..preprocess.batch import stage_batch
 from ..preprocess.staged import DecodedImage, RawPatches, StagedInput, resolve_mode
@@ -56,6 +57,7 @@ class ModelFront:
     preprocess_mode: str
     cache_namespace: str
     decoder: Decoder | nvjpeg.NvjpegDecoder
+    ops: str = "none"  # OpsSelection.describe(): the fused operations' providers
     decode_backend: str = "pillow"
 
     def decode(self, image_bytes: bytes, max_image_pixels: int | None = None) -> DecodedImage:
@@ -77,6 +79,10 @@ class VisionModel:
     device: torch.device
     dtype: torch.dtype
     attn_backend: str
+    # The fused operations the family's module runs (encoder_service/ops) and their providers, chosen
+    # at load time (none for a model built without VisionModel.__init__, as test stand-ins are).
+    OPS: tuple[str, ...] = ()
+    ops: OpsSelection = no_ops()
     # pil: resize on the CPU, bit-exact with transformers' PIL processor; torch: resize on the
     # model's device, equal to its default torchvision-backed processor (preprocess/staged.py).
     preprocess_mode: str = "pil"
@@ -85,15 +91,19 @@ class VisionModel:
     _tables: dict[tuple[torch.device, torch.dtype], torch.Tensor] | None = None  # value tables by device
 
     def __init__(self, cfg, module: torch.nn.Module, *, device: torch.device, dtype: torch.dtype,
-                 attn_backend: str) -> None:
-        """What every family's model binds: its config (with ``num_heads`` and ``head_dim``), the
-        module, where it runs, and the attention backend, selected here once (fails here, with the
-        reason). Families set ``preprocess_config`` and ``spec`` around it."""
+                 attn_backend: str, ops: str = AUTO) -> None:
+        """What every family's model binds: its config (with ``num_heads`` and ``head_dim``), the module,
+        where it runs, the attention backend and its ``OPS``' providers (``--ops``), selected here once
+        (fails here, with the reason). Families set ``preprocess_config`` and ``spec`` around it."""
         self.cfg = cfg
         self.module = module
         self.device = device
         self.dtype = dtype
         self._attach_backend(attn_backend, cfg.num_heads, cfg.head_dim)
+        self.ops = select_ops(ops, self._ops_target(), self.OPS, attention_named=attn_backend != AUTO)
+
+    def _ops_target(self) -> OpTarget | None:
+        """The facts the providers of ``OPS`` are chosen by (None: the family uses no fused operations)."""
 
     # --- sizes -------------------------------------------------------------------------------
     def num_patches(self, grid: Sequence[int]) -> int:
@@ -164,7 +174,8 @@ class VisionModel:
     def front(self) -> ModelFront:
         """This model as the serving front end sees it (see ``ModelFront``)."""
         return ModelFront(self.spec, str(self.dtype).removeprefix("torch."), str(self.device), str(self.attn_backend),
-                          self.preprocess_mode, self.cache_namespace, self._front_decoder(), self.decode_backend)
+                          self.preprocess_mode, self.cache_namespace, self._front_decoder(), self.ops.describe(),
+                          self.decode_backend)
 
     def _check_preprocess_mode(self, mode: str) -> None:
         """Raises where the family's config cannot be reproduced in ``mode``."""

@@ -66,8 +66,8 @@ class ModelFamily:
         raise NotImplementedError
 
     def build(self, cfg, state: dict[str, torch.Tensor], *, model_id: str, preprocess_config: dict | None,
-              device: torch.device, dtype: torch.dtype, attn_backend: str) -> VisionModel:
-        """Runtime-layout weights -> a loaded model on ``device``."""
+              device: torch.device, dtype: torch.dtype, attn_backend: str, ops: str = "auto") -> VisionModel:
+        """Runtime-layout weights -> a loaded model on ``device`` (``ops``: ``--ops``, encoder_service/ops)."""
         raise NotImplementedError
 
     def read_weights(self, ckpt: CheckpointFiles, cfg, dtype: torch.dtype
@@ -109,20 +109,20 @@ def preset_config(family: ModelFamily, preset: Preset):
 
 
 def load_preset(family: ModelFamily, preset: Preset, *, seed: int, device: torch.device, dtype: torch.dtype,
-                attn_backend: str) -> VisionModel:
+                attn_backend: str, ops: str = "auto") -> VisionModel:
     cfg = preset_config(family, preset)
     state = {k: v.to(dtype) for k, v in random_state(family, cfg, seed).items()}
     return family.build(cfg, state, model_id=f"{preset.name}@seed{seed}",
                         preprocess_config=preset.preprocessor_config, device=device, dtype=dtype,
-                        attn_backend=attn_backend)
+                        attn_backend=attn_backend, ops=ops)
 
 
 def load_checkpoint(family: ModelFamily, ckpt: CheckpointFiles, *, model_id: str, device: torch.device,
-                    dtype: torch.dtype, attn_backend: str) -> VisionModel:
+                    dtype: torch.dtype, attn_backend: str, ops: str = "auto") -> VisionModel:
     cfg = family.parse_config(ckpt.config)
     state, read = family.read_weights(ckpt, cfg, dtype)
     model = family.build(cfg, state, model_id=model_id, preprocess_config=ckpt.preprocessor_config,
-                         device=device, dtype=dtype, attn_backend=attn_backend)
+                         device=device, dtype=dtype, attn_backend=attn_backend, ops=ops)
     model.tensors_read = read
     return model
 

@@ -38,6 +38,9 @@ class ModelInfo:
     # Where the server decodes images: "pillow" (CPU) or "nvjpeg" (GPU, other pixels: its own
     # cache_namespace); empty from servers older than the field.
     decode: str = ""
+    # Which provider runs each fused operation, e.g. "window_attention=triton,rms_scale=triton,
+    # gated_mlp=torch"; "none" for a model that uses none; empty from servers older than the field.
+    ops: str = ""
 
     @classmethod
     def from_proto(cls, msg: encoder_pb2.ModelInfo) -> ModelInfo:

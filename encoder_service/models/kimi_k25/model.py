@@ -319,11 +319,11 @@ class KimiK25VisionModel(VisionModel):
 
     def __init__(self, cfg: KimiK25VisionConfig, module: KimiK25VisionTower, *, model_id: str,
                  preprocess_config: dict | None, device: torch.device, dtype: torch.dtype,
-                 attn_backend: str) -> None:
+                 attn_backend: str, ops: str = "auto") -> None:
         from ...preprocess.kimi_k25 import KimiK25PreprocessConfig
 
         self.preprocess_config = KimiK25PreprocessConfig.from_dict(preprocess_config or {})
-        super().__init__(cfg, module, device=device, dtype=dtype, attn_backend=attn_backend)
+        super().__init__(cfg, module, device=device, dtype=dtype, attn_backend=attn_backend, ops=ops)
         self.kernel = cfg.merge_kernel_size[0]
         self.spatial = SpatialConfig(self.kernel, cfg.patch_size)
         self.spec = ModelSpec(

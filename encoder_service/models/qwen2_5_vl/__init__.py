@@ -1,5 +1,6 @@
-"""Qwen2.5-VL's vision tower: the model (``model.py``), the CUDA path with norms folded into GEMMs
-(``folded.py``) and loading (``loading.py``); ``FAMILY`` is its entry in the model registry."""
+"""Qwen2.5-VL's vision tower: the model (``model.py``), its blocks with the norms folded into the
+GEMMs (``folded.py``, the one block implementation, whose fused steps the ops layer provides) and
+loading (``loading.py``); ``FAMILY`` is its entry in the model registry."""
 
 from __future__ import annotations
 

@@ -16,11 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...attention import AttentionBackend, fused_window
+from ...attention import AttentionBackend
 from ...device import host_to_device
 from ...metadata import BatchMetadata, SpatialConfig, build_metadata
+from ...ops import AUTO, OpsSelection, OpTarget, select_ops
 from ..base import ModelSpec, VisionModel
-from ..layers import RMSNorm, activation, apply_rotary, rms_norm
+from ..layers import RMSNorm
 from ..qwen2_vl_processor import Qwen2VLProcessorHooks
 from . import folded
 
@@ -28,6 +29,8 @@ MODEL_TYPE = "qwen2_5_vl"
 # Batch compositions kept as CUDA graphs (models/cuda_graphs.py). Off by default: under real traffic
 # compositions rarely repeat, and captures cost more than replays save (bench/RESULTS.md).
 DEFAULT_GRAPHS = 0
+# The fused operations the blocks ask the ops layer for (folded.run_blocks), never a kernel by name.
+OPS = ("window_attention", "rms_scale", "gated_mlp")
 
 
 @dataclass(frozen=True)
@@ -112,40 +115,6 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
 
 
-def pre_attention(x: torch.Tensor, norm_w: torch.Tensor, qkv_w: torch.Tensor, qkv_b: torch.Tensor,
-                  cos: torch.Tensor, sin: torch.Tensor, num_heads: int, eps: float, rotate: bool = True
-                  ) -> tuple[torch.Tensor, ...]:
-    """RMSNorm, fused QKV projection, rotary: everything of a block before attention.
-
-    ``rotate=False`` stops after the projection and returns ``(qkv,)``, for the fused window kernel
-    that applies the rotary itself (attention/fused_window.py)."""
-    qkv = F.linear(rms_norm(x, norm_w, eps), qkv_w, qkv_b)
-    if not rotate:
-        return (qkv,)
-    q, k, v = qkv.view(x.shape[0], 3, num_heads, -1).unbind(1)
-    q, k = apply_rotary(q, k, cos, sin)
-    # Contiguous here, inside the compiled graph, where the copy fuses with the rotary kernel;
-    # kernels that want [T, H, D] packed (cuDNN) would otherwise copy it on their own.
-    return q, k, v.contiguous()
-
-
-def between_attentions(x, attn, post_args, pre_args, cos, sin, num_heads: int, eps: float, act: str,
-                       rotate: bool = True):
-    """Block i after its attention and block i+1 before its own, as one graph: the residual add
-    then fuses with the next RMSNorm instead of a pass of its own over the activations."""
-    x = post_attention(x, attn, *post_args, eps, act)
-    return (x, *pre_attention(x, *pre_args, cos, sin, num_heads, eps, rotate))
-
-
-def post_attention(x: torch.Tensor, attn: torch.Tensor, proj_w: torch.Tensor, proj_b: torch.Tensor,
-                   norm_w: torch.Tensor, gate_up_w: torch.Tensor, gate_up_b: torch.Tensor, down_w: torch.Tensor,
-                   down_b: torch.Tensor, eps: float, act: str) -> torch.Tensor:
-    """Output projection, residual, RMSNorm, gated MLP (gate and up as one GEMM), residual."""
-    x = x + F.linear(attn.reshape(x.shape[0], -1), proj_w, proj_b)
-    gate, up = F.linear(rms_norm(x, norm_w, eps), gate_up_w, gate_up_b).chunk(2, dim=-1)
-    return x + F.linear(activation(act)(gate) * up, down_w, down_b)
-
-
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -154,8 +123,6 @@ class VisionBlock(nn.Module):
     def __init__(self, cfg: Qwen2_5_VisionConfig) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
-        self.eps = cfg.rms_norm_eps
-        self.act = cfg.hidden_act
         self.norm1 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = VisionAttention(cfg)
@@ -189,13 +156,6 @@ class VisionBlock(nn.Module):
         self.register_buffer("gate_up_b", gate_up_b, persistent=False)
         self.register_buffer("down_w", down_w, persistent=False)
 
-    def pre_args(self) -> tuple[torch.Tensor, ...]:
-        return self.norm1.weight, self.attn.qkv.weight, self.attn.qkv.bias
-
-    def post_args(self) -> tuple[torch.Tensor, ...]:
-        return (self.attn.proj.weight, self.attn.proj.bias, self.norm2.weight, self.gate_up_w, self.gate_up_b,
-                self.down_w, self.mlp.down_proj.bias)
-
 
 class PatchMerger(nn.Module):
     def __init__(self, cfg: Qwen2_5_VisionConfig) -> None:
@@ -217,8 +177,8 @@ class Staged:
     window_index: torch.Tensor
     reverse_index: torch.Tensor
     position_ids: torch.Tensor
-    windows: Any  # fused_window.WindowPlan, or None where the fused kernel does not run
-    plans: dict[bool, Any]  # full attention (True) / window attention (False) -> backend plan
+    full_plan: Any  # the attention backend's, for the full-attention layers
+    window_plan: Any  # the window_attention provider's (the backend's where it goes through it)
 
 
 class Qwen2_5_VisionTower(nn.Module):
@@ -235,33 +195,14 @@ class Qwen2_5_VisionTower(nn.Module):
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32) / half))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.full_blocks = frozenset(cfg.fullatt_block_indexes)
-        self._pre, self._post, self._between = pre_attention, post_attention, between_attentions
-        # Window blocks use the fused rotary + window attention kernel where it can run (CUDA,
-        # half precision, windows <= 64 tokens); off only to measure what it buys.
-        self.fused_windows = True
-        # Folded path only: the gate/up GEMM with SwiGLU in its epilogue (models/_swiglu_gemm.py)
-        # where it can run (Hopper, half precision, silu); off only to measure what it buys.
-        self.fused_swiglu = True
-        # Set by fold_norms(): the blocks run the folded path (qwen2_5_vl_folded.py).
-        self.folded = False
-        self._folded_fns = (folded.rms_scale, folded.qkv_rotary, folded.swiglu)
+        # The fused operations' providers (encoder_service/ops), chosen by the model at load time
+        # (Qwen2_5_VLVisionModel); plain torch until then.
+        self.ops: OpsSelection = select_ops("torch", None, OPS, attention_named=True)
 
     def compile(self, mode: str | None = None) -> None:
-        """torch.compile the parts between attentions (attention itself stays with the backends).
-
-        Automatic dynamic shapes (``dynamic=None``): the first batch compiles with static sizes, the
-        first different token count recompiles once with only that dimension symbolic. Marking every
-        dimension dynamic up front (``dynamic=True``) measured 18% slower on the H100 (the hidden
-        sizes became symbolic too, bench/RESULTS.md).
-        """
-        self._pre = torch.compile(pre_attention, fullgraph=True, mode=mode)
-        self._post = torch.compile(post_attention, fullgraph=True, mode=mode)
-        self._between = torch.compile(between_attentions, fullgraph=True, mode=mode)
-        self._folded_fns = tuple(torch.compile(f, fullgraph=True, mode=mode)
-                                 for f in (folded.rms_scale, folded.qkv_rotary, folded.swiglu))
-
-    def fold_norms(self) -> None:
-        folded.fold_norms(self)
+        """torch.compile the plain-torch parts between GEMMs and attention (the ops' torch providers;
+        kernels and attention stay as they are)."""
+        self.ops.compile(mode)
 
     def rotary(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # [N, 2] (h, w) -> [N, 2, head_dim/4] -> [N, head_dim/2] -> [N, head_dim], float32.
@@ -277,54 +218,33 @@ class Qwen2_5_VisionTower(nn.Module):
         """Every host->device copy of the batch's metadata and every attention plan, once, without a
         sync. What ``run`` reads depends only on the batch's grids, so a staged batch can be reused
         for another batch of the same grids (models/cuda_graphs.py)."""
-        windows = None
-        if self.fused_windows and fused_window.unavailable_reason(device, dtype) is None:
-            windows = fused_window.plan(meta.window.cu_seqlens, meta.window.max_seqlen, device)
-        plans = {True: backend.prepare(meta.full)}
-        if windows is None:
-            plans[False] = backend.prepare(meta.window)
         return Staged(host_to_device(meta.window_index, device), host_to_device(meta.reverse_window_index, device),
-                      host_to_device(meta.position_ids, device), windows, plans)
+                      host_to_device(meta.position_ids, device), backend.prepare(meta.full),
+                      self.ops.prepare_windows(meta.window, backend, device))
 
     def run(self, pixel_values: torch.Tensor, staged: Staged, backend: AttentionBackend) -> torch.Tensor:
         """The forward on staged metadata: device work only, no host->device copies."""
-        windows, plans = staged.windows, staged.plans
         x = self.patch_embed(pixel_values)
         n, dim = x.shape
         x = x.view(n // self.unit, self.unit, dim)[staged.window_index].view(n, dim)
         cos, sin = self.rotary(staged.position_ids)
-        reverse_index = staged.reverse_index
-        if self.folded:
-            x = folded.run_blocks(self, x, cos, sin, backend, plans, windows)
-            return self.merger(x)[reverse_index]
-        heads, eps, act = self.cfg.num_heads, self.cfg.rms_norm_eps, self.cfg.hidden_act
-        blocks = list(self.blocks)
-        # Window blocks whose windows fit the fused kernel take the raw projection and rotate inside it.
-        fused = [windows is not None and i not in self.full_blocks for i in range(len(blocks))]
-        qkv = self._pre(x, *blocks[0].pre_args(), cos, sin, heads, eps, not fused[0])
-        for i, block in enumerate(blocks):
-            if fused[i]:
-                out = fused_window.window_attention_rotary(qkv[0], cos, sin, windows, heads)
-            else:
-                out = backend.forward(*qkv, plans[i in self.full_blocks])
-            if i + 1 < len(blocks):
-                x, *qkv = self._between(x, out, block.post_args(), blocks[i + 1].pre_args(), cos, sin,
-                                        heads, eps, act, not fused[i + 1])
-            else:
-                x = self._post(x, out, *block.post_args(), eps, act)
-        return self.merger(x)[reverse_index]
+        x = folded.run_blocks(self, x, cos, sin, backend, staged)
+        return self.merger(x)[staged.reverse_index]
 
 
 class Qwen2_5_VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
     """A loaded Qwen2.5-VL vision tower with its preprocessing (the public API)."""
 
+    OPS = OPS
+
     def __init__(self, cfg: Qwen2_5_VisionConfig, module: Qwen2_5_VisionTower, *, model_id: str,
                  preprocess_config: dict | None, device: torch.device, dtype: torch.dtype,
-                 attn_backend: str) -> None:
+                 attn_backend: str, ops: str = AUTO) -> None:
         from ...preprocess import Qwen2VLPreprocessConfig
 
         self.preprocess_config = Qwen2VLPreprocessConfig.from_dict(preprocess_config or {})
-        super().__init__(cfg, module, device=device, dtype=dtype, attn_backend=attn_backend)
+        super().__init__(cfg, module, device=device, dtype=dtype, attn_backend=attn_backend, ops=ops)
+        module.ops = self.ops
         # Whole forwards as CUDA graphs, per batch composition (models/cuda_graphs.py), where the
         # backend's plans can be captured; set_cuda_graphs(0) turns them off.
         self.set_cuda_graphs(DEFAULT_GRAPHS)
@@ -335,6 +255,13 @@ class Qwen2_5_VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
             spatial_merge_size=cfg.spatial_merge_size, in_channels=cfg.in_channels,
             fingerprint={"vision_config": cfg.to_dict(), "preprocess": self.preprocess_config.fingerprint()},
         )
+
+    def _ops_target(self) -> OpTarget:
+        cfg = self.cfg
+        windows = cfg.window_size // cfg.spatial_merge_size // cfg.patch_size  # merge blocks per side
+        return OpTarget(self.device, self.dtype, head_dim=cfg.head_dim, hidden_size=cfg.hidden_size,
+                        intermediate_size=self.module.blocks[0].down_w.shape[1], activation=cfg.hidden_act,
+                        window_tokens=windows * windows * cfg.spatial_merge_size**2)
 
     def set_cuda_graphs(self, capacity: int) -> None:
         """Keep up to ``capacity`` batch compositions as CUDA graphs (0: none). CUDA only, and only

@@ -24,13 +24,13 @@ from .tower import Qwen3VLVisionTower
 class Qwen3VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
     def __init__(self, cfg: Qwen3VLVisionConfig, module: Qwen3VLVisionTower, *, model_id: str,
                  preprocess_config: dict | None, device: torch.device, dtype: torch.dtype,
-                 attn_backend: str) -> None:
+                 attn_backend: str, ops: str = "auto") -> None:
         from ...preprocess import Qwen2VLPreprocessConfig
 
         self.preprocess_config = Qwen2VLPreprocessConfig.from_dict(
             _published_preprocessor() if preprocess_config is None else preprocess_config)
         self._check_preprocess_matches(cfg, model_id)
-        super().__init__(cfg, module, device=device, dtype=dtype, attn_backend=attn_backend)
+        super().__init__(cfg, module, device=device, dtype=dtype, attn_backend=attn_backend, ops=ops)
         self.spec = ModelSpec(
             model_id=model_id, model_type=cfg.model_type, hidden_size=cfg.out_hidden_size,
             patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,

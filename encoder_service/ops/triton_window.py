@@ -1,4 +1,5 @@
-"""Short-window attention with the rotary embedding fused in: one Triton kernel, CUDA only.
+"""Short-window attention with the rotary embedding fused in: one Triton kernel, CUDA only (the
+``triton`` provider of ``window_attention``; the kernel itself is ``_window_kernel.py``).
 
 Qwen2.5-VL attends within 8x8-patch windows (at most 64 tokens) in 28 of its 32 blocks. There the
 work is memory-bound, and the unfused path moves the activations ten times per layer: the rotary
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from .base import OpProvider, OpTarget
 
 MAX_SEQLEN = 64
 
@@ -69,3 +72,30 @@ def window_attention_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     launch(qkv, cos, sin, plan.cu_seqlens, out, plan.num_windows, num_heads, head_dim, plan.block_m,
            head_dim**-0.5 * math.log2(math.e), affine)
     return out
+
+
+class TritonWindowAttention(OpProvider):
+    """Computes window attention itself (``runs_attention``): the attention backend prepares and
+    runs only the full-attention layers next to it."""
+
+    capability = "window_attention"
+    name = "triton"
+    priority = 10
+    runs_attention = True
+
+    @classmethod
+    def unavailable_reason(cls, target: OpTarget) -> str | None:
+        if (reason := unavailable_reason(target.device, target.dtype)) is not None:
+            return reason
+        if target.window_tokens > MAX_SEQLEN:
+            return f"windows of up to {target.window_tokens} tokens; the kernel holds at most {MAX_SEQLEN}"
+        return None
+
+    def prepare(self, meta, backend, device: torch.device) -> WindowPlan:
+        windows = plan(meta.cu_seqlens, meta.max_seqlen, device)
+        if windows is None:  # the load-time check (window_tokens) rules this out
+            raise RuntimeError(f"a window of {meta.max_seqlen} tokens: the fused kernel holds at most {MAX_SEQLEN}")
+        return windows
+
+    def __call__(self, acc, affine, cos, sin, num_heads: int, plan, backend) -> torch.Tensor:
+        return window_attention_rotary(acc, cos, sin, plan, num_heads, affine)

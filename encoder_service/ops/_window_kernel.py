@@ -1,4 +1,5 @@
-"""The Triton kernel behind fused_window.py (imported only on CUDA, where triton ships with torch)."""
+"""The Triton kernel behind triton_window.py (imported only once that provider is chosen: CUDA, where
+triton ships with torch)."""
 
 from __future__ import annotations
 
