@@ -11,10 +11,10 @@ import torch
 
 from ..device import host_to_device, is_rocm
 from ..metadata import AttentionMetadata
-from .base import AttentionBackend
+from .base import GpuHalfPrecisionBackend
 
 
-class AiterBackend(AttentionBackend):
+class AiterBackend(GpuHalfPrecisionBackend):
     name = "aiter"
     priority = 20
     graph_safe = False  # never captured on hardware here: kept eager
@@ -30,14 +30,6 @@ class AiterBackend(AttentionBackend):
         if not hasattr(aiter, "flash_attn_varlen_func"):
             return "the installed 'aiter' package has no flash_attn_varlen_func (install amd-aiter, not PyPI's aiter)"
         return None
-
-    @classmethod
-    def supports_device(cls, device: torch.device) -> bool:
-        return device.type == "cuda"  # ROCm devices are "cuda" in torch
-
-    @classmethod
-    def supports_dtype(cls, dtype: torch.dtype) -> bool:
-        return dtype in (torch.float16, torch.bfloat16)
 
     def prepare_ragged(self, meta: AttentionMetadata):
         return host_to_device(meta.cu_seqlens, self.device), meta.max_seqlen

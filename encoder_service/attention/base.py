@@ -111,3 +111,16 @@ def _dense_uniform(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlen: in
     # the model's head_dim's: q, k, v may come zero-padded (padded_head_dim).
     qb, kb, vb = (x.view(tokens // seqlen, seqlen, heads, dim).transpose(1, 2) for x in (q, k, v))
     return F.scaled_dot_product_attention(qb, kb, vb, scale=scale).transpose(1, 2).reshape(tokens, heads, dim)
+
+
+class GpuHalfPrecisionBackend(AttentionBackend):
+    """A backend whose kernels run on a GPU (CUDA or ROCm: both are "cuda" devices in torch) in
+    float16 / bfloat16 only: the kernel libraries' own limits."""
+
+    @classmethod
+    def supports_device(cls, device: torch.device) -> bool:
+        return device.type == "cuda"
+
+    @classmethod
+    def supports_dtype(cls, dtype: torch.dtype) -> bool:
+        return dtype in (torch.float16, torch.bfloat16)

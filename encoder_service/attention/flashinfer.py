@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from ..device import is_rocm
 from ..metadata import AttentionMetadata
-from .base import AttentionBackend
+from .base import GpuHalfPrecisionBackend
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 PADDED_HEAD_DIMS = (64, 128, 256)
@@ -44,7 +44,7 @@ def _bucket_seqlen(n: int) -> int:
     return max(64, 1 << (max(n, 1) - 1).bit_length())
 
 
-class _FlashInferBase(AttentionBackend):
+class _FlashInferBase(GpuHalfPrecisionBackend):
     @classmethod
     def unavailable_reason(cls) -> str | None:
         if is_rocm():
@@ -52,14 +52,6 @@ class _FlashInferBase(AttentionBackend):
         if importlib.util.find_spec("flashinfer") is None:
             return "the flashinfer package is not installed (pip install flashinfer-python)"
         return None
-
-    @classmethod
-    def supports_device(cls, device: torch.device) -> bool:
-        return device.type == "cuda"
-
-    @classmethod
-    def supports_dtype(cls, dtype: torch.dtype) -> bool:
-        return dtype in (torch.float16, torch.bfloat16)
 
     @staticmethod
     def _capability(device: torch.device) -> tuple[int, int]:

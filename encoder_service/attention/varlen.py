@@ -11,7 +11,7 @@ import torch
 
 from ..device import host_to_device
 from ..metadata import AttentionMetadata
-from .base import AttentionBackend
+from .base import GpuHalfPrecisionBackend
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class _Prepared:
     max_seqlen: int
 
 
-class VarlenBackend(AttentionBackend):
+class VarlenBackend(GpuHalfPrecisionBackend):
     name = "varlen"
     priority = 10
 
@@ -31,14 +31,6 @@ class VarlenBackend(AttentionBackend):
         except ImportError:
             return f"torch {torch.__version__} has no torch.nn.attention.varlen (needs torch >= 2.9)"
         return None
-
-    @classmethod
-    def supports_device(cls, device: torch.device) -> bool:
-        return device.type == "cuda"
-
-    @classmethod
-    def supports_dtype(cls, dtype: torch.dtype) -> bool:
-        return dtype in (torch.float16, torch.bfloat16)
 
     @classmethod
     def supports_head_size(cls, head_dim: int) -> bool:

@@ -34,7 +34,7 @@ from PIL import Image
 
 from ..errors import BackendUnavailable, InvalidInput
 from .decode import _PIL_PARSE_ERRORS, _check_header_size, _pixel_limit
-from .staged import DecodedImage, Grid
+from .staged import BytesPayload, DecodedImage, Grid
 
 DECODERS = ("pillow", "nvjpeg")
 _SOI, _EOI = b"\xff\xd8", b"\xff\xd9"
@@ -46,7 +46,7 @@ Geometry = Callable[[int, int, object], tuple[tuple[int, int], tuple[int, int], 
 
 
 @dataclass(frozen=True, eq=False)
-class JpegImage:
+class JpegImage(BytesPayload):
     """A JPEG's bytes, for the device to decode; the sizes are those after EXIF orientation."""
 
     data: bytes
@@ -55,13 +55,6 @@ class JpegImage:
     resize_to: tuple[int, int]
     pad_to: tuple[int, int]
     grid: Grid
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.data)
-
-    def host_bytes(self) -> np.ndarray:
-        return np.frombuffer(self.data, dtype=np.uint8)
 
 
 class UndecodableInputs(Exception):

@@ -68,13 +68,10 @@ class DecodedImage:
         return self.pixels.reshape(-1)
 
 
-@dataclass(frozen=True, eq=False)
-class RawPatches:
-    """Patches as a client sent them: raw little-endian [t*h*w, patch_dim] in ``dtype``."""
+class BytesPayload:
+    """An input that travels as the bytes it came in (``data``): client patches, a JPEG file."""
 
     data: bytes
-    dtype: str
-    grid: Grid
 
     @property
     def nbytes(self) -> int:
@@ -82,6 +79,15 @@ class RawPatches:
 
     def host_bytes(self) -> np.ndarray:
         return np.frombuffer(self.data, dtype=np.uint8)
+
+
+@dataclass(frozen=True, eq=False)
+class RawPatches(BytesPayload):
+    """Patches as a client sent them: raw little-endian [t*h*w, patch_dim] in ``dtype``."""
+
+    data: bytes
+    dtype: str
+    grid: Grid
 
 
 StagedInput = DecodedImage | RawPatches
