@@ -135,6 +135,16 @@ def srv(server_kind: str, request) -> Iterator[Server]:
         yield Server("real", request.getfixturevalue("encoder_server").target, None, request)
 
 
+FAST_RETRY = {"backoff_base_s": 0.01, "backoff_max_s": 0.02}
+
+
+@pytest.fixture
+def sync_client(target: str) -> Iterator[EncoderClient]:
+    """An EncoderClient on ``target`` with short retry backoffs (the sync test modules' ``client``)."""
+    with EncoderClient(target, timeout_s=30, retries=3, **FAST_RETRY) as c:
+        yield c
+
+
 @pytest.fixture
 def target(srv: Server) -> str:
     return srv.target

@@ -26,7 +26,7 @@ from encoder_client.testing import (
     serve_fake,
 )
 
-FAST_RETRY = {"backoff_base_s": 0.01, "backoff_max_s": 0.02}
+FAST_RETRY = client_servers.FAST_RETRY
 pytestmark = pytest.mark.timeout(120)
 
 # The fixtures (fake, srv, target, ...) and the fake/real parametrization: tests/client_servers.py.

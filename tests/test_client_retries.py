@@ -1,15 +1,9 @@
-"""EncoderClient's retries and deadlines (gRPC's own retry policy), against the fake VisionEncoder and
-the real tiny server (tests/client_servers.py), as in tests/test_client_sync.py.
-
-Tests that ask for ``target``/``client``/``srv`` run against both (``[fake]``, ``[real]``); tests that
-also ask for ``fake`` use the fake's internals (recorded requests, scripted failures, its delay) and
-run against the fake only.
-"""
+"""EncoderClient's retries and deadlines (gRPC's own retry policy); servers and fixtures as in
+tests/test_client_sync.py."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import client_servers
 import grpc
@@ -27,18 +21,12 @@ from encoder_client.testing import (
 
 pytestmark = pytest.mark.timeout(120)
 
-# The fixtures (fake, srv, target, ...) and the fake/real parametrization: tests/client_servers.py.
+# The fixtures (fake, srv, target, client, ...) and the fake/real parametrization: tests/client_servers.py.
 pytest_generate_tests = client_servers.pytest_generate_tests
-fake, server_kind, srv, target, real_model = (client_servers.fake, client_servers.server_kind, client_servers.srv,
-                                              client_servers.target, client_servers.real_model)
-
-FAST_RETRY = {"backoff_base_s": 0.01, "backoff_max_s": 0.02}
-
-
-@pytest.fixture
-def client(target: str) -> Iterator[EncoderClient]:
-    with EncoderClient(target, timeout_s=30, retries=3, **FAST_RETRY) as c:
-        yield c
+FAST_RETRY = client_servers.FAST_RETRY
+fake, server_kind, srv, target, real_model, client = (
+    client_servers.fake, client_servers.server_kind, client_servers.srv, client_servers.target,
+    client_servers.real_model, client_servers.sync_client)
 
 
 def test_unavailable_is_retried_until_success(target: str, fake: FakeVisionEncoder) -> None:

@@ -8,7 +8,6 @@ run against the fake only.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import client_servers
@@ -28,18 +27,11 @@ from encoder_client.testing import (
 
 pytestmark = pytest.mark.timeout(120)
 
-# The fixtures (fake, srv, target, ...) and the fake/real parametrization: tests/client_servers.py.
+# The fixtures (fake, srv, target, client, ...) and the fake/real parametrization: tests/client_servers.py.
 pytest_generate_tests = client_servers.pytest_generate_tests
-fake, server_kind, srv, target, real_model = (client_servers.fake, client_servers.server_kind, client_servers.srv,
-                                              client_servers.target, client_servers.real_model)
-
-FAST_RETRY = {"backoff_base_s": 0.01, "backoff_max_s": 0.02}
-
-
-@pytest.fixture
-def client(target: str) -> Iterator[EncoderClient]:
-    with EncoderClient(target, timeout_s=30, retries=3, **FAST_RETRY) as c:
-        yield c
+fake, server_kind, srv, target, real_model, client = (
+    client_servers.fake, client_servers.server_kind, client_servers.srv, client_servers.target,
+    client_servers.real_model, client_servers.sync_client)
 
 
 def test_interleaved_chunks_of_several_images_come_back_in_request_order(client: EncoderClient, srv: Server) -> None:
