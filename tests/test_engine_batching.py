@@ -212,6 +212,33 @@ def test_cache_hits_stream_first_then_images_as_they_complete(fake_model):
     asyncio.run(main())
 
 
+def test_an_embedding_asked_in_another_dtype_is_converted_once_and_kept_in_the_cache(fake_model):
+    async def main():
+        async with running_engine(fake_model) as engine:
+            (miss,) = await encode_all(engine, [patches(0, seed=5)])
+            model_bytes = engine.cache.used_bytes
+            first = miss.wire_bytes("float16")  # a float32 model: float16 is a conversion
+            assert engine.cache.used_bytes == model_bytes + miss.embedding.nbytes // 2
+            (hit,) = await encode_all(engine, [patches(0, seed=5)])
+            again = hit.wire_bytes("float16")
+            assert hit.cache_hit and again.obj is first.obj  # the kept bytes, not a new conversion
+            assert bytes(again) == miss.embedding.to(torch.float16).numpy().tobytes()
+            assert hit.wire_bytes("float32").obj is not first.obj  # the model dtype: a view as before
+            assert engine.cache.used_bytes == model_bytes + miss.embedding.nbytes // 2
+
+    asyncio.run(main())
+
+
+def test_without_a_cache_a_conversion_is_served_and_not_kept(fake_model):
+    async def main():
+        async with running_engine(fake_model, cache_bytes=0) as engine:
+            (r,) = await encode_all(engine, [patches(0, seed=5)])
+            assert bytes(r.wire_bytes("float16")) == r.embedding.to(torch.float16).numpy().tobytes()
+            assert engine.cache.used_bytes == 0 and len(engine.cache) == 0
+
+    asyncio.run(main())
+
+
 def test_patch_dtypes_are_converted_to_float32(fake_model):
     async def main():
         async with running_engine(fake_model) as engine:

@@ -1,15 +1,18 @@
 """Per-image embedding cache: LRU by bytes, with pins for entries that are being streamed.
 
 Used from the event loop only (no locks). Keys are server-computed content hashes. Values are CPU
-tensors; their size is the tensor's ``nbytes``. An entry with pins > 0 is never evicted (a stream
-still reads it, so evicting it would free nothing and would let the cache over-count its room).
+tensors in the model dtype, which is also their wire layout (responses are views of them). An entry
+also keeps its rows in each other wire dtype a client has asked for (``add_conversion``), so that a
+hit in that dtype is not converted again; an entry's size is all of these bytes. An entry with
+pins > 0 is never evicted (a stream still reads it, so evicting it would free nothing and would let
+the cache over-count its room).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,8 +24,9 @@ class CacheEntry:
     key: str
     embedding: torch.Tensor
     grid: Grid
-    nbytes: int
+    nbytes: int  # the embedding's and its conversions' bytes
     pins: int = 0
+    conversions: dict[str, bytes] = field(default_factory=dict)  # wire dtype name -> raw rows
 
 
 class EmbeddingCache:
@@ -80,6 +84,26 @@ class EmbeddingCache:
             return False
         self._entries[key] = CacheEntry(key, embedding, grid, nbytes, pins)
         self._used_bytes += nbytes
+        return True
+
+    def add_conversion(self, entry: CacheEntry, dtype_name: str, data: bytes) -> bool:
+        """Keeps ``data`` (the entry's rows as wire bytes in ``dtype_name``) with the entry; False if
+        not kept: the entry is no longer cached, or the room cannot be freed without evicting
+        pinned entries. Makes room like ``put``, least recently used first, never the entry itself."""
+        if self._entries.get(entry.key) is not entry:
+            return False
+        if dtype_name in entry.conversions:
+            return True
+        entry.pins += 1  # the entry is being served: making room must not evict it
+        try:
+            room = self._shrink_to(self.capacity_bytes - len(data))
+        finally:
+            entry.pins -= 1
+        if not room:
+            return False
+        entry.conversions[dtype_name] = data
+        entry.nbytes += len(data)
+        self._used_bytes += len(data)
         return True
 
     # --- eviction ----------------------------------------------------------------------------------

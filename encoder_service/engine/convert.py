@@ -22,12 +22,11 @@ def patches_to_float32(data: bytes, patch_dtype: str, patch_dim: int) -> np.ndar
     return flat.reshape(-1, patch_dim)
 
 
-def wire_view(embedding: torch.Tensor, dtype_name: str) -> memoryview:
-    """A CPU embedding as flat raw little-endian bytes in ``dtype_name``: a view of its own memory
-    when it is already in that dtype, else one conversion."""
-    out_dtype = torch_dtype(dtype_name)
-    if embedding.dtype != out_dtype or not embedding.is_contiguous() or sys.byteorder != "little":
-        return memoryview(rows_to_bytes(embedding, out_dtype, 0, embedding.shape[0]))
+def wire_view(embedding: torch.Tensor, dtype_name: str) -> memoryview | None:
+    """A CPU embedding as flat raw little-endian bytes in ``dtype_name`` when that is a view of its
+    own memory (already in that dtype); None where it takes a conversion (``rows_to_bytes``)."""
+    if embedding.dtype != torch_dtype(dtype_name) or not embedding.is_contiguous() or sys.byteorder != "little":
+        return None
     return memoryview(embedding.view(torch.uint8).numpy()).cast("B")
 
 

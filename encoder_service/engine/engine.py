@@ -12,6 +12,7 @@ and frees its admission slot. The engine serves while some device worker is up a
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -31,7 +32,7 @@ from .batch_queue import BatchQueue, WorkItem
 from .cache import CacheEntry, EmbeddingCache
 from .devices_pool import InProcessDevice, WorkerProcesses
 from .jobs import Job, Wait, retag
-from .types import Grid, ImageInput, ImageResult, ModelDescription
+from .types import Grid, ImageInput, ImageResult, ModelDescription, Timing
 from .watchdog import UP, Watchdog
 from .worker import BatchOutcome
 
@@ -222,8 +223,7 @@ class Engine:
             for wait in waits:
                 self._enqueue(wait.job)
             for image, entry in hits:
-                yield ImageResult(image.index, entry.key, entry.grid, entry.embedding, cache_hit=True,
-                                  feature_levels=self.front.spec.feature_levels)
+                yield self._result(image.index, entry, entry.embedding, cache_hit=True)
                 self.cache.release(entry.key)  # streamed: unpin now, not at the end of the request
                 released_hits += 1
             async for result in self._completed(waits):
@@ -278,9 +278,22 @@ class Engine:
                     if exc is not None:
                         raise retag(exc, wait.image.index)
                     job = wait.job
-                    yield ImageResult(wait.image.index, job.key, job.grid, fut.result(), cache_hit=False,
-                                      timing=job.timing, feature_levels=self.front.spec.feature_levels)
+                    entry = self.cache.peek(job.key) if job.stored else None
+                    yield self._result(wait.image.index, entry, fut.result(), cache_hit=False, job=job)
                     wait.leave(self._leave)  # streamed: unpin now, not at the end of the request
+
+    def _result(self, index: int, entry: CacheEntry | None, embedding: torch.Tensor, *, cache_hit: bool,
+                job: Job | None = None) -> ImageResult:
+        """One image's result; with its cache entry (if it is the one cached), the conversions to
+        other dtypes that entry keeps, and the way to keep a new one."""
+        if entry is not None and entry.embedding is not embedding:
+            entry = None  # evicted and computed again meanwhile: not this result's entry
+        key, grid = (job.key, job.grid) if job is not None else (entry.key, entry.grid)
+        return ImageResult(
+            index, key, grid, embedding, cache_hit=cache_hit, timing=job.timing if job is not None else Timing(),
+            feature_levels=self.front.spec.feature_levels,
+            conversions=entry.conversions if entry is not None else None,
+            keep_conversion=functools.partial(self.cache.add_conversion, entry) if entry is not None else None)
 
     # --- jobs ------------------------------------------------------------------------------------------
     async def _prepare(self, job: Job, image: ImageInput) -> None:

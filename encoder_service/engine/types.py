@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
-from .convert import wire_view
+from ..torch_dtypes import torch_dtype
+from .convert import rows_to_bytes, wire_view
 
 Grid = tuple[int, int, int]
 InputKind = Literal["encoded", "patches", "content_hash"]
@@ -51,6 +53,9 @@ class ImageResult:
     cache_hit: bool
     timing: Timing = field(default_factory=Timing)
     feature_levels: int = 1  # ModelSpec.feature_levels of the model that made it
+    # The cache entry's rows in other wire dtypes, and how to keep a new one there (None: not cached).
+    conversions: dict[str, bytes] | None = None
+    keep_conversion: Callable[[str, bytes], object] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -67,9 +72,18 @@ class ImageResult:
 
     def wire_bytes(self, dtype_name: str) -> memoryview:
         """The rows as raw little-endian bytes in ``dtype_name``, flat: what the API streams, with no
-        torch on its side. A view of the embedding's own memory when it is already in that dtype
-        (the cache keeps embeddings in the model dtype), else one conversion."""
-        return wire_view(self.embedding, dtype_name)
+        torch on its side. A view of the embedding's own memory in the model dtype; in another
+        dtype, the bytes the cache kept from an earlier request, or one conversion, which the cache
+        then keeps (on the event loop, like every cache call)."""
+        view = wire_view(self.embedding, dtype_name)
+        if view is not None:
+            return view
+        data = self.conversions.get(dtype_name) if self.conversions is not None else None
+        if data is None:
+            data = rows_to_bytes(self.embedding, torch_dtype(dtype_name), 0, self.num_tokens)
+            if self.keep_conversion is not None:
+                self.keep_conversion(dtype_name, data)
+        return memoryview(data)
 
 
 @dataclass(frozen=True)
