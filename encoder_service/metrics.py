@@ -157,6 +157,10 @@ class ServiceMetrics:
             "encoder_service_forward_seconds", "Time of one forward pass on its device (preprocessing on the "
             "device and the copy to the CPU included), by device.", ["device"], buckets=LATENCY_BUCKETS_S,
             registry=r)
+        self.device_preprocess_seconds = Histogram(
+            "encoder_service_device_preprocess_seconds", "The part of encoder_service_forward_seconds spent "
+            "preprocessing on the device (JPEG decode with --decode nvjpeg, resize, normalize, patchify) before "
+            "the forward, by device; CUDA only.", ["device"], buckets=LATENCY_BUCKETS_S, registry=r)
         self.batch_tokens = Histogram(
             "encoder_service_batch_tokens", "Patches (ViT input tokens, what --max-batch-tokens bounds) per "
             "forward pass, by device.", ["device"], buckets=BATCH_TOKEN_BUCKETS, registry=r)
@@ -217,6 +221,7 @@ class ServiceMetrics:
             self.forward_batches.labels(device=name)
             self.images_encoded.labels(device=name)
             self.forward_seconds.labels(device=name)
+            self.device_preprocess_seconds.labels(device=name)
             self.batch_tokens.labels(device=name)
             self.batch_images.labels(device=name)
             self.worker_restarts.labels(device=name)
@@ -228,10 +233,13 @@ class ServiceMetrics:
         for source in IMAGE_SOURCES:
             self.images.labels(source=source, model=model_id)
 
-    def record_forward(self, device: str, forward_s: float, images: int, patches: int) -> None:
+    def record_forward(self, device: str, forward_s: float, images: int, patches: int,
+                       preprocess_s: float | None = None) -> None:
         """One batch came back from ``device`` (successful or not: its time and size were spent)."""
         self.forward_batches.labels(device=device).inc()
         self.forward_seconds.labels(device=device).observe(forward_s)
+        if preprocess_s is not None:
+            self.device_preprocess_seconds.labels(device=device).observe(preprocess_s)
         self.batch_images.labels(device=device).observe(images)
         self.batch_tokens.labels(device=device).observe(patches)
 

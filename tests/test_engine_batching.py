@@ -277,7 +277,7 @@ class _TwoPhaseFake:
             self.events.append(("wait", n))
             return pending.wait()
 
-        return SimpleNamespace(wait=wait, device_seconds=lambda: None)
+        return SimpleNamespace(wait=wait, device_seconds=lambda: None, device_preprocess_seconds=lambda: None)
 
 
 def test_next_batch_is_enqueued_before_waiting_for_the_one_in_flight(fake_model):

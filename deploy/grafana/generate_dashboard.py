@@ -64,6 +64,9 @@ ROWS: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]], str]]]] =
          "Decode + resize + patchify of one encoded image."),
         ("Forward pass", "s", "timeseries", quantiles("encoder_service_forward_seconds"),
          "One batch through the vision tower, including the copy to the CPU."),
+        ("Preprocessing on the device", "s", "timeseries", quantiles("encoder_service_device_preprocess_seconds"),
+         "The part of a batch's forward time spent preprocessing on the GPU (decode with --decode nvjpeg, "
+         "resize, normalize, patchify)."),
     ]),
     ("Cache", [
         ("Cache hit ratio", "percentunit", "timeseries", [

@@ -376,7 +376,8 @@ class Engine:
     def _on_batch_done(self, outcome: BatchOutcome) -> None:
         device, m = outcome.device, self.metrics
         self._watchdog.batch_done(device)
-        m.record_forward(device, outcome.forward_s, len(outcome.items), sum(item.num_patches for item in outcome.items))
+        m.record_forward(device, outcome.forward_s, len(outcome.items), sum(item.num_patches for item in outcome.items),
+                         outcome.preprocess_s)
         forward_ms = outcome.forward_s * 1000.0
         for i, item in enumerate(outcome.items):
             job: Job = item.job

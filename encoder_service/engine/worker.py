@@ -39,6 +39,7 @@ class BatchOutcome:
     started_at: float  # perf_counter at the start of the forward
     forward_s: float  # the device's time for the batch (preprocessing + forward + copy back) where known
     device: str = ""  # the device that ran it (metrics label)
+    preprocess_s: float | None = None  # the device's preprocessing part of forward_s where timed
 
 
 @dataclass
@@ -146,7 +147,8 @@ class DeviceWorker:
         # launch also counts the wait for the batch ahead.
         device_s = in_flight.pending.device_seconds()
         forward_s = device_s if device_s is not None else time.perf_counter() - started
-        return BatchOutcome(batch, embeddings, None, started, forward_s, self.label)
+        return BatchOutcome(batch, embeddings, None, started, forward_s, self.label,
+                            in_flight.pending.device_preprocess_seconds())
 
     def _failed(self, batch: list[WorkItem], started: float, exc: Exception) -> BatchOutcome:
         # Reported to the waiting requests; the worker keeps serving.

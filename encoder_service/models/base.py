@@ -287,8 +287,9 @@ class VisionModel:
         started = self._start_event()
         with torch.inference_mode():
             pixel_values = self.stage(inputs)
+        staged = self._start_event()  # where the device's preprocessing ends and the forward begins
         packed, tokens = self.encode_packed(pixel_values, [list(item.grid) for item in inputs])
-        return PendingEmbeddings.to_host(packed, tokens, started)
+        return PendingEmbeddings.to_host(packed, tokens, started, staged)
 
     def encode_async(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]
                      ) -> PendingEmbeddings:
@@ -303,15 +304,16 @@ class PendingEmbeddings:
     """Embeddings of a batch on their way to host memory."""
 
     def __init__(self, host: torch.Tensor, tokens: tuple[int, ...], done: torch.cuda.Event | None,
-                 started: torch.cuda.Event | None = None) -> None:
+                 started: torch.cuda.Event | None = None, staged: torch.cuda.Event | None = None) -> None:
         self._host = host
         self._tokens = tokens
         self._done = done
         self._started = started
+        self._staged = staged
 
     @classmethod
-    def to_host(cls, packed: torch.Tensor, tokens: tuple[int, ...],
-                started: torch.cuda.Event | None) -> PendingEmbeddings:
+    def to_host(cls, packed: torch.Tensor, tokens: tuple[int, ...], started: torch.cuda.Event | None,
+                staged: torch.cuda.Event | None = None) -> PendingEmbeddings:
         """Queues the copy of a device result into pinned host memory (no wait)."""
         if packed.device.type == "cpu":
             return cls(packed, tokens, None)
@@ -319,13 +321,20 @@ class PendingEmbeddings:
         host.copy_(packed, non_blocking=True)
         done = torch.cuda.Event(enable_timing=started is not None)
         done.record()
-        return cls(host, tokens, done, started)
+        return cls(host, tokens, done, started, staged)
 
     def device_seconds(self) -> float | None:
         """The device's time from the batch's start to its copy back (after ``wait``), if timed."""
         if self._started is None or self._done is None:
             return None
         return self._started.elapsed_time(self._done) / 1000.0
+
+    def device_preprocess_seconds(self) -> float | None:
+        """The part of ``device_seconds`` spent preprocessing on the device (decode, resize,
+        normalize, patchify) before the forward, if timed (after ``wait``)."""
+        if self._started is None or self._staged is None:
+            return None
+        return self._started.elapsed_time(self._staged) / 1000.0
 
     def ready(self) -> bool:
         """Whether ``wait`` would return at once (the copy back has landed); never blocks."""

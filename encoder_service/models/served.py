@@ -31,6 +31,9 @@ class PendingBatch(Protocol):
     def device_seconds(self) -> float | None:
         """The device's time for the batch, where it was timed (after a wait)."""
 
+    def device_preprocess_seconds(self) -> float | None:
+        """The part of it spent preprocessing on the device, where timed (after a wait)."""
+
 
 @runtime_checkable
 class ServedModel(Protocol):
