@@ -3,9 +3,25 @@ its /metrics around each level, and the summary lines it prints."""
 
 from __future__ import annotations
 
+import itertools
+import os
+from pathlib import Path
 
-def forward_totals(args) -> dict[str, float] | None:
-    """The server's forward counters (summed over devices) from its /metrics, or None without it."""
+
+def server_cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds of a process so far (Linux /proc), or None where unreadable."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def forward_totals(args, pid: int | None = None) -> dict[str, float] | None:
+    """The server's forward counters (summed over devices) from its /metrics, and its process's CPU
+    seconds, or None without /metrics."""
     port = getattr(args, "metrics_port", None)
     if port is None:
         return None
@@ -14,7 +30,8 @@ def forward_totals(args) -> dict[str, float] | None:
     from prometheus_client.parser import text_string_to_metric_families
 
     wanted = {"encoder_service_forward_seconds_sum": "seconds", "encoder_service_forward_seconds_count": "batches",
-              "encoder_service_batch_images_sum": "images"}
+              "encoder_service_batch_images_sum": "images",
+              "encoder_service_device_preprocess_seconds_sum": "device_preprocess_seconds"}
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
     totals = dict.fromkeys(wanted.values(), 0.0)
@@ -22,24 +39,53 @@ def forward_totals(args) -> dict[str, float] | None:
         for sample in family.samples:
             if sample.name in wanted:
                 totals[wanted[sample.name]] += sample.value
+    cpu = server_cpu_seconds(pid)
+    if cpu is not None:
+        totals["cpu_seconds"] = cpu
     return totals
 
 
 def forward_under_load(before: dict | None, after: dict | None) -> dict:
-    """The device's forward time per image and the batch size while a level ran: the (b) figure
-    beside forward-only's repeated identical batches (a). Counts the clients' warm-up calls too."""
+    """The device's time per image and the batch size while a level ran: the (b) figure beside
+    forward-only's repeated identical batches (a), with the device's preprocessing apart (forward-only
+    starts from patches already on the device); and the server process's CPU time per image (every
+    thread: event loop, decode, hashing, transport). Counts the clients' warm-up calls too."""
     if not before or not after or after["images"] <= before["images"]:
         return {}
     images = after["images"] - before["images"]
-    return {"server_forward_ms_per_image": 1000 * (after["seconds"] - before["seconds"]) / images,
-            "server_images_per_batch": images / max(after["batches"] - before["batches"], 1)}
+    seconds = after["seconds"] - before["seconds"]
+    preprocess = after["device_preprocess_seconds"] - before["device_preprocess_seconds"]
+    out = {"server_forward_ms_per_image": 1000 * seconds / images,
+           "server_images_per_batch": images / max(after["batches"] - before["batches"], 1)}
+    if preprocess > 0:
+        out["server_device_preprocess_ms_per_image"] = 1000 * preprocess / images
+        out["server_forward_without_preprocess_ms_per_image"] = 1000 * (seconds - preprocess) / images
+    if "cpu_seconds" in before and "cpu_seconds" in after:
+        out["server_cpu_ms_per_image"] = 1000 * (after["cpu_seconds"] - before["cpu_seconds"]) / images
+    return out
+
+
+def forward_only_ms_per_image(forward_only: dict, batch: float) -> float | None:
+    """Forward-only's ms per image at ``batch`` images, interpolated linearly between the measured
+    batch sizes (clamped to the smallest and largest)."""
+    by = sorted((int(b), r["ms_per_image"]) for b, r in forward_only.get("by_batch", {}).items())
+    if not by:
+        return None
+    if batch <= by[0][0]:
+        return by[0][1]
+    for (b0, m0), (b1, m1) in itertools.pairwise(by):
+        if batch <= b1:
+            return m0 + (m1 - m0) * (batch - b0) / (b1 - b0)
+    return by[-1][1]
 
 
 def summary(r: dict) -> str:
     lines = [f"{r['label'] or 'service'}: {r['model']} {r['device']} {r['dtype']} {' '.join(r['serve_args'])}"]
     if "forward_only" in r:
-        lines.append(f"  forward only: {r['forward_only']['images_per_s']:.1f} img/s "
-                     f"({r['forward_only']['batch_ms']:.1f} ms per 8 x 1008^2)")
+        fo = r["forward_only"]
+        sizes = "".join(f"; batch {b}: {v['ms_per_image']:.1f} ms an image" for b, v in fo.get("by_batch", {}).items())
+        lines.append(f"  forward only: {fo['images_per_s']:.1f} img/s ({fo['batch_ms']:.1f} ms per "
+                     f"{fo.get('batch', 8)} x 1008^2){sizes}")
     for x in r.get("new_images", []):
         if not x.get("images"):
             continue
@@ -50,13 +96,25 @@ def summary(r: dict) -> str:
                      f"{x['server_queue_ms_p50']:.1f} preprocess {x['server_preprocess_ms_p50']:.1f} "
                      f"forward {x['server_forward_ms_p50']:.1f} ms")
         if "server_forward_ms_per_image" in x:
-            alone = (f"; forward-only {r['forward_only']['batch_ms'] / 8:.1f} ms an image in repeated batches of 8"
-                     if "forward_only" in r else "")
-            lines.append(f"        forward under this load: {x['server_forward_ms_per_image']:.1f} ms an image in "
-                         f"batches of {x['server_images_per_batch']:.1f}{alone}")
+            lines.append("        " + _under_load(x, r.get("forward_only", {})))
     hits = r.get("cache_hits") or []
     for h in [hits] if isinstance(hits, dict) else hits:  # one dict in results from before transports
         lines.append(f"  cache hit {h.get('transport', 'stream'):>13} ({h['embedding_bytes'] / 1e6:.1f} MB): p50 "
                      f"{h['latency_p50_ms']:.1f} ms p99 {h['latency_p99_ms']:.1f} ms; 32 clients "
                      f"{h['throughput_32_clients_per_s']:.0f}/s")
     return "\n".join(lines)
+
+
+def _under_load(x: dict, forward_only: dict) -> str:
+    """The (b) line: the device's time per image under the level's load, beside forward-only's (a)."""
+    batch = x["server_images_per_batch"]
+    line = f"device under this load: {x['server_forward_ms_per_image']:.1f} ms an image in batches of {batch:.1f}"
+    if "server_device_preprocess_ms_per_image" in x:
+        line += (f" ({x['server_device_preprocess_ms_per_image']:.1f} preprocessing + "
+                 f"{x['server_forward_without_preprocess_ms_per_image']:.1f} forward)")
+    alone = forward_only_ms_per_image(forward_only, batch)
+    if alone is not None:
+        line += f"; forward-only at that batch size {alone:.1f} ms"
+    if "server_cpu_ms_per_image" in x:
+        line += f"; server CPU {x['server_cpu_ms_per_image']:.1f} ms an image"
+    return line

@@ -76,34 +76,41 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def forward_only(args) -> dict:
-    """Images/s of the forward alone, 8 x 1008x1008 per batch, in a child process (owns the GPU): the
-    grid the processor makes of a 1008x1008 image (each side rounded to the merge unit: 72 x 72
-    patches at patch 14, 64 x 64 at patch 16)."""
+    """Images/s of the forward alone in a child process (owns the GPU), for each batch size of
+    ``--forward-batches`` (the service's batches under load are mixed sizes: compare like with like),
+    each image the grid the processor makes of a 1008x1008 image (each side rounded to the merge unit:
+    72 x 72 patches at patch 14, 64 x 64 at patch 16). Returns the largest batch's figure with every
+    size's under ``by_batch``."""
+    sizes = sorted({int(b) for b in str(args.forward_batches).split(",") if b.strip()})
     code = f"""
 import json, time, torch
 from encoder_service.models import load_vision_model
 m = load_vision_model({args.model!r}, device={args.device!r}, dtype={args.dtype!r}, attn_backend={args.attn_backend!r})
 unit = m.spec.patch_size * m.spec.spatial_merge_size
 side = round(1008 / unit) * m.spec.spatial_merge_size
-grids = [[1, side, side]] * 8
-x = torch.randn(sum(t*h*w for t, h, w in grids), m.spec.patch_dim, device=m.device).to(m.dtype)
-for _ in range(3):
-    m.encode_async(x, grids).wait()
-n = {args.forward_iters}
-t = time.perf_counter(); pending = None
-for _ in range(n):
-    nxt = m.encode_async(x, grids)
-    if pending is not None: pending.wait()
-    pending = nxt
-pending.wait()
-s = time.perf_counter() - t
-print("RESULT", json.dumps({{"images_per_s": 8 * n / s, "batch_ms": s / n * 1000}}))
+out = {{}}
+for b in {sizes!r}:
+    grids = [[1, side, side]] * b
+    x = torch.randn(sum(t*h*w for t, h, w in grids), m.spec.patch_dim, device=m.device).to(m.dtype)
+    for _ in range(3):
+        m.encode_async(x, grids).wait()
+    n = {args.forward_iters}
+    t = time.perf_counter(); pending = None
+    for _ in range(n):
+        nxt = m.encode_async(x, grids)
+        if pending is not None: pending.wait()
+        pending = nxt
+    pending.wait()
+    s = time.perf_counter() - t
+    out[b] = {{"batch": b, "images_per_s": b * n / s, "batch_ms": s / n * 1000, "ms_per_image": s / n / b * 1000}}
+print("RESULT", json.dumps(out))
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=args.server_cwd,
-                          env=_server_env(args), timeout=600)
+                          env=_server_env(args), timeout=900)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[7:])
+            by_batch = json.loads(line[7:])
+            return {**by_batch[str(sizes[-1])], "by_batch": by_batch}
     raise RuntimeError(f"forward-only run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
@@ -300,6 +307,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--client-procs", type=int, default=8)
     p.add_argument("--hit-iters", type=int, default=50)
     p.add_argument("--forward-iters", type=int, default=10)
+    p.add_argument("--forward-batches", default="1,4,8",
+                   help="batch sizes of the forward-only figure (the largest is the one ratios use)")
+    p.add_argument("--depth", type=int, default=None,
+                   help="serve the model with only this many blocks (a checkpoint written for the run): "
+                        "the forward becomes a small part of an image's cost, so what is measured is the "
+                        "front end (decode, hashing, transport) and the device's preprocessing")
     p.add_argument("--no-forward-only", action="store_true")
     p.add_argument("--no-hits", action="store_true")
     p.add_argument("--transports", default="stream",
@@ -331,6 +344,12 @@ def main(argv: list[str] | None = None) -> int:
             result["gpu"] = torch.cuda.get_device_name()
     except ImportError:
         pass
+    if args.depth is not None:
+        from .models.presets import write_shallow_checkpoint
+
+        out_dir = (args.out.parent if args.out else Path.cwd()) / f"{args.model}-depth{args.depth}"
+        args.model = str(write_shallow_checkpoint(args.model, args.depth, out_dir))
+        result["model"] = f"{result['model']} with {args.depth} block(s) ({args.model})"
     t0 = time.perf_counter()
     images = make_images(args.images_per_level * len(runs), first_seed=1000, procs=min(16, os.cpu_count() or 2))
     result["jpeg_bytes_mean"] = float(np.mean([len(i) for i in images[:50]]))
@@ -345,9 +364,9 @@ def main(argv: list[str] | None = None) -> int:
         result["new_images"] = []
         for i, (c, transport) in enumerate(runs):
             level_images = images[i * args.images_per_level:(i + 1) * args.images_per_level]
-            before = forward_totals(args)
+            before = forward_totals(args, proc.pid)
             r = drive(target, c, level_images, args, warmup=2, transport=transport)
-            r.update(forward_under_load(before, forward_totals(args)))
+            r.update(forward_under_load(before, forward_totals(args, proc.pid)))
             print("new images:", json.dumps(r), flush=True)
             result["new_images"].append(r)
         if not args.no_hits:

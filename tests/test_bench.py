@@ -25,11 +25,16 @@ def test_the_service_benchmark_runs_end_to_end_through_the_cli(tmp_path):
     out = tmp_path / "service.json"
     subprocess.run([sys.executable, "-m", "encoder_service", "bench", "--service", "--model", "tiny-qwen2.5-vl",
                     "--device", "cpu", "--dtype", "float32", "--concurrency", "1", "--seconds", "1",
-                    "--images-per-level", "4", "--client-procs", "1", "--hit-iters", "2", "--no-forward-only",
-                    "--transports", "stream,shared-memory", "--out", str(out), "--", "--max-batch-tokens", "65536"],
+                    "--images-per-level", "4", "--client-procs", "1", "--hit-iters", "2", "--forward-iters", "1",
+                    "--forward-batches", "1,2", "--depth", "2", "--transports", "stream,shared-memory",
+                    "--out", str(out), "--", "--max-batch-tokens", "65536"],
                    check=True, capture_output=True, timeout=240)
     report = json.loads(out.read_text())
     assert report["command"].startswith("encoder-service bench --service --model tiny-qwen2.5-vl")
+    assert report["model"].startswith("tiny-qwen2.5-vl with 2 block(s)")  # --depth: a cut checkpoint served
+    assert sorted(report["forward_only"]["by_batch"]) == ["1", "2"] and report["forward_only"]["batch"] == 2
+    # The server process's CPU per image (Linux /proc): the front end's cost.
+    assert all(r["server_cpu_ms_per_image"] > 0 for r in report["new_images"])
     assert [r["transport"] for r in report["new_images"]] == ["stream", "shared-memory"]
     assert all(r["images"] > 0 and r["latency_p50_ms"] > 0 for r in report["new_images"])
     # The forward per image under the load, from the server's /metrics (the (b) beside forward-only's (a)).
@@ -57,3 +62,39 @@ def test_the_qwen3_vl_benchmark_counts_the_towers_gemm_flops_exactly():
     with FlopCounterMode(display=False) as counter:
         model.encode_packed(pixels, grids)
     assert counter.get_total_flops() == tower_flops(model.cfg, grids) - attention_flops(model.cfg, grids)
+
+
+def test_forward_only_per_image_is_read_at_the_batch_size_the_load_had():
+    from encoder_service.bench_report import forward_only_ms_per_image
+
+    fo = {"by_batch": {"1": {"ms_per_image": 20.0}, "4": {"ms_per_image": 17.0}, "8": {"ms_per_image": 14.0}}}
+    assert forward_only_ms_per_image(fo, 5.0) == 16.25  # between 4 and 8
+    assert forward_only_ms_per_image(fo, 0.5) == 20.0 and forward_only_ms_per_image(fo, 12) == 14.0
+    assert forward_only_ms_per_image({}, 4) is None
+
+
+def test_the_device_time_under_load_separates_preprocessing_from_the_forward():
+    from encoder_service.bench_report import forward_under_load
+
+    before = {"seconds": 1.0, "batches": 2, "images": 10, "device_preprocess_seconds": 0.1, "cpu_seconds": 5.0}
+    after = {"seconds": 2.0, "batches": 12, "images": 60, "device_preprocess_seconds": 0.2, "cpu_seconds": 6.0}
+    r = forward_under_load(before, after)
+    assert r["server_images_per_batch"] == 5 and r["server_forward_ms_per_image"] == 20
+    assert abs(r["server_device_preprocess_ms_per_image"] - 2) < 1e-9
+    assert abs(r["server_forward_without_preprocess_ms_per_image"] - 18) < 1e-9
+    assert r["server_cpu_ms_per_image"] == 20
+
+
+def test_a_shallow_checkpoint_keeps_the_widths_and_refuses_to_drop_deepstack_levels(tmp_path):
+    import pytest
+
+    from encoder_service.models import load_vision_model
+    from encoder_service.models.presets import write_shallow_checkpoint
+
+    path = write_shallow_checkpoint("tiny-qwen2.5-vl", 1, tmp_path / "q")
+    model = load_vision_model(str(path))
+    full = load_vision_model("tiny-qwen2.5-vl")
+    assert model.spec.fingerprint["vision_config"]["depth"] == 1
+    assert model.spec.row_width == full.spec.row_width and model.patch_dim == full.patch_dim
+    with pytest.raises(ValueError, match="deepstack"):
+        write_shallow_checkpoint("tiny-qwen3-vl", 1, tmp_path / "q3")

@@ -4,6 +4,7 @@ checkpoint directory."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -13,7 +14,7 @@ import torch
 from .family import Preset, preset_config, random_state, write_checkpoint
 from .registry import family_for, get_preset, presets
 
-__all__ = ["PRESETS", "Preset", "get_preset", "make_checkpoint", "random_vision_state"]
+__all__ = ["PRESETS", "Preset", "get_preset", "make_checkpoint", "random_vision_state", "write_shallow_checkpoint"]
 
 
 # Every family's presets by name. The family packages are light (their models import on first use).
@@ -35,3 +36,23 @@ def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, layout: str
     """
     p = get_preset(preset)
     return write_checkpoint(family_for(p.model_type), p, Path(out_dir), seed=seed, layout=layout)
+
+
+def write_shallow_checkpoint(preset: str, depth: int, out_dir: str | Path, seed: int = 0) -> Path:
+    """A preset cut to its first ``depth`` blocks (same widths, preprocessing and output size), as a
+    checkpoint directory: the service benchmark's way to measure the front end without the forward.
+    Layer-index lists (Qwen2.5-VL's full-attention blocks, Qwen3-VL's deepstack levels) keep the
+    indexes below ``depth``; a model whose output levels that would change is refused."""
+    p = get_preset(preset)
+    vision = dict(p.vision_config)
+    key = next((k for k in ("depth", "num_hidden_layers") if k in vision), None)
+    if key is None or depth < 1:
+        raise ValueError(f"{preset}: cannot cut to {depth} blocks")
+    vision[key] = depth
+    if "fullatt_block_indexes" in vision:
+        vision["fullatt_block_indexes"] = [i for i in vision["fullatt_block_indexes"] if i < depth] or [depth - 1]
+    if any(i >= depth for i in vision.get("deepstack_visual_indexes", [])):
+        raise ValueError(f"{preset}: a deepstack level comes from block {max(vision['deepstack_visual_indexes'])}; "
+                         f"{depth} blocks would change the output")
+    shallow = dataclasses.replace(p, name=f"{p.name}-depth{depth}", vision_config=vision)
+    return write_checkpoint(family_for(p.model_type), shallow, Path(out_dir), seed=seed, layout=None)
