@@ -173,7 +173,7 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
 
 
 def _client_proc(target: str, threads: int, images: list[bytes], duration_s: float, warmup: int,
-                 start_at: float, out: mp.Queue, shared_memory: bool = False) -> None:
+                 start_at: float, out: mp.Queue, shared_memory: bool = False, repeat: bool = False) -> None:
     from encoder_client import EncoderClient
 
     client = EncoderClient(target, shared_memory=shared_memory)
@@ -183,10 +183,10 @@ def _client_proc(target: str, threads: int, images: list[bytes], duration_s: flo
 
     def next_image() -> bytes | None:
         with lock:
-            if cursor[0] >= len(images):
+            if cursor[0] >= len(images) and not repeat:
                 return None
             cursor[0] += 1
-            return images[cursor[0] - 1]
+            return images[(cursor[0] - 1) % len(images)]
 
     def run(thread_index: int) -> None:
         for _ in range(warmup):
@@ -248,7 +248,8 @@ def drive(target: str, concurrency: int, images: list[bytes], args, warmup: int,
     q = ctx.Queue()
     start_at = time.time() + 8.0 + 0.1 * concurrency  # after every process is up and warmed
     ps = [ctx.Process(target=_client_proc, args=(target, per[i], images[i * share:(i + 1) * share], args.seconds,
-                                                 warmup, start_at, q, transport == SHM)) for i in range(procs)]
+                                                 warmup, start_at, q, transport == SHM, args.repeat_images))
+          for i in range(procs)]
     records = _gather(ps, q)
     if not records:
         return {"concurrency": concurrency, "transport": transport, "images": 0}
@@ -309,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--forward-iters", type=int, default=10)
     p.add_argument("--forward-batches", default="1,4,8",
                    help="batch sizes of the forward-only figure (the largest is the one ratios use)")
+    p.add_argument("--repeat-images", action="store_true",
+                   help="clients go round their images again instead of stopping; with a server run with "
+                        "--cache-bytes 0 every request is still new work, and a few hundred JPEGs last any level")
     p.add_argument("--depth", type=int, default=None,
                    help="serve the model with only this many blocks (a checkpoint written for the run): "
                         "the forward becomes a small part of an image's cost, so what is measured is the "
