@@ -30,10 +30,23 @@ GOOD = (jpeg(photo(150, 70, seed=1), 6), jpeg(photo(80, 120, seed=2)))
 BAD = (jpeg(photo(90, 60, seed=9)), jpeg(photo(90, 60, seed=10)))
 
 
-def install_stand_in(bad: tuple[bytes, ...] = ()) -> None:
+class BoomStandIn(PillowStandIn):
+    """The stand-in, also failing a whole batch (not one image) on the files in ``boom``."""
+
+    def __init__(self, bad: tuple[bytes, ...], boom: tuple[bytes, ...]) -> None:
+        super().__init__(bad)
+        self.boom = set(boom)
+
+    def __call__(self, files, device):
+        if any(file.numpy().tobytes() in self.boom for file in (files if isinstance(files, list) else [files])):
+            raise ValueError("boom: the whole batch fails")
+        return super().__call__(files, device)
+
+
+def install_stand_in(bad: tuple[bytes, ...] = (), boom: tuple[bytes, ...] = ()) -> None:
     """Runs in the worker process (``Engine(worker_setup=...)``), before its model loads: what the
     ``stand_in`` fixture of tests/test_nvjpeg_decode.py does to this process."""
-    nvjpeg.device_decode = PillowStandIn(bad)
+    nvjpeg.device_decode = BoomStandIn(bad, boom)
     nvjpeg.check_available = lambda device: None
 
 
@@ -79,12 +92,13 @@ def test_nvjpeg_with_devices_is_accepted_at_start_up():
 
 
 # --- worker processes with the stand-in ------------------------------------------------------------
-def run_engine(config: ServiceConfig, batches: list[list[bytes]], bad: tuple[bytes, ...] = ()):
+def run_engine(config: ServiceConfig, batches: list[list[bytes]], bad: tuple[bytes, ...] = (),
+               boom: tuple[bytes, ...] = ()):
     """Each batch's images encoded as concurrent one-image requests (a long batch wait puts them in
     one forward); returns (the engine's description, each batch's results or errors)."""
     async def main():
         engine = Engine(config, metrics=ServiceMetrics(CollectorRegistry()),
-                        worker_setup=functools.partial(install_stand_in, bad))
+                        worker_setup=functools.partial(install_stand_in, bad, boom))
         await engine.start()
         try:
             async def encode(data):
@@ -98,8 +112,8 @@ def run_engine(config: ServiceConfig, batches: list[list[bytes]], bad: tuple[byt
     return asyncio.run(main())
 
 
-def devices_config(devices: str) -> ServiceConfig:
-    return ServiceConfig(devices=devices, decode="nvjpeg", preprocess="torch", batch_wait_ms=300.0)
+def devices_config(devices: str, **settings) -> ServiceConfig:
+    return ServiceConfig(devices=devices, decode="nvjpeg", preprocess="torch", batch_wait_ms=300.0, **settings)
 
 
 def in_process_embedding(model, data: bytes) -> torch.Tensor:
@@ -133,4 +147,19 @@ def test_an_undecodable_jpeg_fails_alone_in_a_worker_process_and_its_batch_mates
                                rtol=1e-5, atol=1e-6)
     assert all(isinstance(r, InvalidInput) for r in only_bad)
     np.testing.assert_allclose(after[0].embedding.float().numpy(), in_process_embedding(gpu, GOOD[0]).numpy(),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_a_batch_failing_at_launch_behind_one_in_flight_is_answered_in_its_turn(stand_in):
+    # 48 and 24 patches do not fit one forward of 64: the front end sends the good image's batch,
+    # then at once the other's, which the worker takes while the first is still running. Its launch
+    # error must wait for the first batch's answer: sent ahead of it, the front end would take the
+    # worker for dead and fail the good image too (UNAVAILABLE).
+    _, gpu = models()
+    good, boom = GOOD[1], BAD[0]
+    assert [gpu.num_patches(gpu.decode(f).grid) for f in (good, boom)] == [48, 24]
+    _, ((ok, failed),) = run_engine(devices_config("cpu", max_batch_tokens=64), [[good, boom]], boom=(boom,))
+    assert isinstance(failed, ValueError) and "boom" in str(failed)
+    assert not isinstance(ok, BaseException), ok
+    np.testing.assert_allclose(ok.embedding.float().numpy(), in_process_embedding(gpu, good).numpy(),
                                rtol=1e-5, atol=1e-6)
