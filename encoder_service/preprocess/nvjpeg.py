@@ -13,6 +13,8 @@ The CPU half (``NvjpegDecoder``) parses the header: format, size and the pixel l
 checks and errors as Pillow's path), EXIF orientation. It hands the device half the file's bytes
 (``JpegImage``); the device decodes a batch's JPEGs in one call, applies the orientation, and the
 image continues as a decoded one in ``torch`` mode (resize, pad, normalize, patchify on the device).
+With ``--devices`` the front end runs the CPU half and the file's bytes cross to the worker process
+in the shared input buffer (engine/handoff.py), where the device half reads them in place.
 
 Files nvJPEG is not given, decoded by Pillow as usual so that every image still decodes or is refused
 in Pillow's words: anything but a baseline 3-component JPEG (progressive, grayscale, CMYK), a file
