@@ -165,10 +165,11 @@ class ServiceConfig:
     decode: str = option("pillow",
         "pillow: images decode on the CPU (libjpeg-turbo, the pixels transformers' processors get); "
         "nvjpeg: JPEGs decode on the GPU (torchvision's decode_jpeg; needs torchvision, a CUDA "
-        "--device and --preprocess torch) and the CPU reads only their headers: about 1 ms instead "
-        "of 9-14 ms of a core for a 1008x1008 photo. Its pixels differ from libjpeg's by a few "
-        "levels (chroma upsampling), so it has a cache_namespace of its own. PNG, WebP, GIF and "
-        "progressive, grayscale or CMYK JPEGs still decode with Pillow. Not with --devices.",
+        "--device or GPU --devices, and --preprocess torch) and the CPU reads only their headers: "
+        "about 1 ms instead of 9-14 ms of a core for a 1008x1008 photo. With --devices each worker "
+        "process decodes on its own GPU. Its pixels differ from libjpeg's by a few levels (chroma "
+        "upsampling), so it has a cache_namespace of its own. PNG, WebP, GIF and progressive, "
+        "grayscale or CMYK JPEGs still decode with Pillow.",
         choices=("pillow", "nvjpeg"))
     # on: Encode may name an EncodeRequest.output_region (api/shared_memory.py)
     shared_memory: str = option("off",
@@ -348,9 +349,6 @@ def _check(c: ServiceConfig) -> None:
         if meta["above"] is not None and value <= meta["above"]:
             problems.append(f"{_flag(f.name)} must be > {meta['above']}{note}")
     problems.extend(check_devices(c.devices))
-    if c.decode == "nvjpeg" and c.devices.strip():
-        problems.append("decode nvjpeg runs with one device in the server's process; it is not available "
-                        "with --devices (worker processes) yet")
     for patterns, name in ((c.allowed_sink_patterns, "allowed-sinks"), (c.url_fetch_patterns, "allow-url-fetch")):
         try:
             SinkAllowlist(patterns, name)

@@ -162,3 +162,36 @@ def test_a_server_decoding_on_the_gpu_serves_what_a_pillow_server_does_within_de
         assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert "corrupt" in refused.value.details
         assert len(a.encode([images[1]])) == 1  # and the server goes on serving
+
+
+def test_a_server_with_worker_processes_decodes_on_its_gpu_as_the_in_process_nvjpeg_server(start_encoder_server):
+    # --devices 0: the front end reads only the headers and never opens a CUDA context; the JPEG's
+    # bytes cross the shared-memory hand-off and the worker process decodes them with nvJPEG.
+    pytest.importorskip("torchvision")
+    from encoder_client import EncoderClient
+
+    from bench.multi_gpu_scaling import gpu_processes
+
+    flags = ("--dtype", "float32", "--preprocess", "torch", "--decode", "nvjpeg", "--batch-wait-ms", "0")
+    workers = start_encoder_server("--devices", "0", *flags)
+    in_process = start_encoder_server("--device", "cuda", *flags)
+    images = [_photo(1008, 1008, seed=6), _photo(333, 500, seed=7, orientation=6), _photo(61, 97, seed=8),
+              _edges(224, 320)]
+    png = io.BytesIO()
+    Image.open(io.BytesIO(images[2])).save(png, "PNG")
+    images.append(png.getvalue())  # not a JPEG: Pillow on the front end of both servers
+    with EncoderClient(workers.target) as a, EncoderClient(in_process.target) as b:
+        info_a, info_b = a.model_info(), b.model_info()
+        assert (info_a.decode, info_b.decode) == ("nvjpeg", "nvjpeg")
+        assert info_a.cache_namespace == info_b.cache_namespace
+        got, want = a.encode(images), b.encode(images)
+    for i, (x, y) in enumerate(zip(got, want)):
+        assert x.content_hash == y.content_hash and list(x.grid_thw) == list(y.grid_thw)
+        x, y = np.asarray(x.embedding, dtype=np.float64), np.asarray(y.embedding, dtype=np.float64)
+        rel = np.linalg.norm(x - y) / np.linalg.norm(y)
+        print(f"image {i}: nvjpeg through a worker process vs in-process, rel err {rel:.2e}")
+        # The same decoder and the same tower on the same GPU: equal up to float32 rounding (the
+        # two servers may batch the request differently, and GEMM kernels differ by row count).
+        assert rel < 1e-4
+    seen = gpu_processes(workers.pid, workers.log_text())
+    assert seen["front_end_gpus"] == [], seen  # the header-only CPU half never touched the GPU

@@ -74,11 +74,14 @@ class InProcessDevice:
 
 
 class WorkerProcesses:
-    """One ``WorkerProcess`` per entry of ``--devices``; serving while any of them is up."""
+    """One ``WorkerProcess`` per entry of ``--devices``; serving while any of them is up.
+    ``setup``: a picklable function each worker process calls before it loads its model (tests)."""
 
-    def __init__(self, config: ServiceConfig, metrics: ServiceMetrics) -> None:
+    def __init__(self, config: ServiceConfig, metrics: ServiceMetrics,
+                 setup: Callable[[], None] | None = None) -> None:
         self.config = config
         self.metrics = metrics
+        self._setup = setup
         self.workers: list[WorkerProcess] = []
         self._on_serving: Callable[[bool], None] | None = None
         self._started = False
@@ -99,7 +102,8 @@ class WorkerProcesses:
         self.workers = [
             WorkerProcess(self.config, device, queue, loop=loop,
                           on_batch_start=lambda batch, label=device.label: on_batch_start(batch, label),
-                          on_batch_done=on_batch_done, on_state=self._on_worker_state, threads=threads)
+                          on_batch_done=on_batch_done, on_state=self._on_worker_state, threads=threads,
+                          setup=self._setup)
             for device in devices]
         results = await asyncio.gather(*(asyncio.wrap_future(w.start()) for w in self.workers),
                                        return_exceptions=True)

@@ -48,12 +48,15 @@ class Engine:
     """``Engine(config, metrics=...)`` loads the configured model when started: in this process (one
     device worker thread on ``--device``), or, with ``--devices``, one worker process per device.
     ``Engine(config, model, metrics=...)`` serves an already loaded model in this process (tests,
-    embedding). Everything it counts goes to ``metrics`` (its registry is the engine's only record)."""
+    embedding). Everything it counts goes to ``metrics`` (its registry is the engine's only record).
+    ``worker_setup`` (tests only; the server never passes one): a picklable function each worker
+    process of ``--devices`` calls before it loads the model, e.g. to install a stand-in."""
 
-    def __init__(self, config: ServiceConfig, model: ServedModel | None = None, *, metrics: ServiceMetrics) -> None:
+    def __init__(self, config: ServiceConfig, model: ServedModel | None = None, *, metrics: ServiceMetrics,
+                 worker_setup: Callable[[], None] | None = None) -> None:
         self.config = config
         self.metrics = metrics
-        self.devices = (WorkerProcesses(config, metrics) if config.devices
+        self.devices = (WorkerProcesses(config, metrics, worker_setup) if config.devices
                         else InProcessDevice(config, metrics, model))
         self.front = model.front() if model is not None else None  # a ModelFront, once known
         self.cache = EmbeddingCache(config.cache_bytes, on_evict=lambda _entry: metrics.cache_evictions.inc())

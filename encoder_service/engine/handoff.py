@@ -32,22 +32,35 @@ def copy_bytes(dst, src) -> None:
 
 
 def describe(offset: int, payload) -> tuple:
-    """One input (decoded image or client patches) at ``offset`` of the input buffer, as a tuple."""
+    """One input (decoded image, a JPEG file to decode on the device, or client patches) at
+    ``offset`` of the input buffer, as a tuple."""
+    from ..preprocess.nvjpeg import JpegImage
     from ..preprocess.staged import DecodedImage
 
     if isinstance(payload, DecodedImage):
         return ("image", offset, payload.nbytes, payload.pixels.shape, payload.resize_to, payload.pad_to,
                 payload.grid)
+    if isinstance(payload, JpegImage):
+        return ("jpeg", offset, payload.nbytes, payload.orientation, payload.size, payload.resize_to,
+                payload.pad_to, payload.grid)
     return ("patches", offset, payload.nbytes, payload.dtype, payload.grid)
 
 
 def rebuild(buffer: SharedBuffer, described: tuple):
     """The worker's side of ``describe``: the input as a view of the shared buffer (no copy)."""
+    from ..preprocess.nvjpeg import JpegImage
     from ..preprocess.staged import DecodedImage, RawPatches
 
     if described[0] == "image":
         _, offset, nbytes, shape, resize_to, pad_to, grid = described
         return DecodedImage(buffer.view(offset, nbytes).reshape(shape), tuple(resize_to), tuple(pad_to), tuple(grid))
+    if described[0] == "jpeg":
+        # The file's bytes stay in the shared buffer (a writable view: the device decoder reads it
+        # in place, see nvjpeg.decode_on_device); the slot is not written again before the batch
+        # after next, long after the decode.
+        _, offset, nbytes, orientation, size, resize_to, pad_to, grid = described
+        return JpegImage(memoryview(buffer.view(offset, nbytes)), orientation, tuple(size), tuple(resize_to),
+                         tuple(pad_to), tuple(grid))
     _, offset, nbytes, dtype, grid = described
     return RawPatches(memoryview(buffer.view(offset, nbytes)), dtype, tuple(grid))
 

@@ -4,9 +4,10 @@ The front end (event loop, decode, hashing, cache, admission) stays in the serve
 never initialises CUDA. Each ``WorkerProcess`` is a thread of the front end that pulls batches from
 the shared ``BatchQueue`` whenever its worker has room (at most two batches in flight, one on the
 device and the next one staged), so the least busy device takes the next batch. It writes the
-batch's uint8 pixels (or client patch bytes) into shared memory, sends their layout over a pipe,
-and copies the embeddings back out of shared memory when the worker answers. Only CPU memory and
-plain Python objects cross the boundary.
+batch's uint8 pixels (or client patch bytes, or JPEG files with ``--decode nvjpeg``) into shared
+memory, sends their layout over a pipe, and copies the embeddings back out of shared memory when
+the worker answers (images its device could not decode fail alone). Only CPU memory and plain
+Python objects cross the boundary.
 
 The child (worker_child.py), started with spawn, loads the model on its device (the only device it
 can see: ``CUDA_VISIBLE_DEVICES`` is set to it, so no stray context lands on another GPU), runs
@@ -61,7 +62,8 @@ class WorkerProcess:
     def __init__(self, config: ServiceConfig, device: WorkerDevice, queue: BatchQueue, *,
                  loop: asyncio.AbstractEventLoop, on_batch_start: Callable[[list[WorkItem]], None],
                  on_batch_done: Callable[[BatchOutcome], None],
-                 on_state: Callable[[WorkerProcess], None], threads: int) -> None:
+                 on_state: Callable[[WorkerProcess], None], threads: int,
+                 setup: Callable[[], None] | None = None) -> None:
         self.config = config
         self.device = device
         self._queue = queue
@@ -70,6 +72,7 @@ class WorkerProcess:
         self._on_batch_done = on_batch_done
         self._on_state = on_state
         self._threads = threads
+        self._setup = setup  # called in the worker process before it loads the model (tests only)
         self.up = False
         self.front = None  # the model's ModelFront, once the first start succeeded
         self.memory = (0, 0)  # device memory allocated / reserved, as the worker last reported it
@@ -142,7 +145,7 @@ class WorkerProcess:
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
         proc = ctx.Process(target=child_main, name=f"encoder-worker-{self.device.label}",
-                           args=(child, self.config, self.device.device, self.device.label, self._threads),
+                           args=(child, self.config, self.device.device, self.device.label, self._threads, self._setup),
                            daemon=True)
         with _SPAWN_LOCK:
             saved = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -223,16 +226,18 @@ class WorkerProcess:
             payload = item.payload
             layout.append((offset, payload))
             offset += (payload.nbytes + ALIGN - 1) // ALIGN * ALIGN
-        out_bytes = sum(self.front.num_tokens(item.grid) for item in batch) * self.front.spec.row_width \
-            * BY_NAME[self.front.dtype].itemsize
+        # Each image's embedding bytes: the worker packs those of the images it ran (with
+        # --decode nvjpeg, a JPEG its device cannot decode is left out) and checks their sum.
+        row_bytes = self.front.spec.row_width * BY_NAME[self.front.dtype].itemsize
+        out_sizes = [self.front.num_tokens(item.grid) * row_bytes for item in batch]
         self._ensure(self._in, "in", slot, offset)
-        self._ensure(self._out, "out", slot, out_bytes)
+        self._ensure(self._out, "out", slot, sum(out_sizes))
         buffer = self._in[slot]
         described = []
         for start, payload in layout:
             copy_bytes(buffer.view(start, payload.nbytes), payload.host_bytes())
             described.append(describe(start, payload))
-        self._conn.send(("batch", seq, slot, described, out_bytes))
+        self._conn.send(("batch", seq, slot, described, out_sizes))
 
     def _ensure(self, buffers: list[SharedBuffer | None], role: str, slot: int, needed: int) -> None:
         new = grown(buffers[slot], needed)
@@ -257,10 +262,17 @@ class WorkerProcess:
 
     def _deliver(self, entry: tuple[int, int, list[WorkItem], float], msg: tuple) -> None:
         _, slot, batch, started = entry
-        _, _, forward_s, self.memory = msg
+        _, _, forward_s, self.memory, failed = msg
+        # Images the worker's device could not decode fail alone, as in-process (worker.py).
+        for index, error in failed.items():
+            self._post(self._on_batch_done, BatchOutcome([batch[index]], None, error, started, 0.0,
+                                                         self.device.label))
+        rest = [item for index, item in enumerate(batch) if index not in failed]
+        if not rest:
+            return
         # Its output slot is written again only by the batch three after it: not yet sent.
-        embeddings = copy_out(self._out[slot], batch, self.front)
-        self._post(self._on_batch_done, BatchOutcome(batch, embeddings, None, started, forward_s, self.device.label))
+        embeddings = copy_out(self._out[slot], rest, self.front)
+        self._post(self._on_batch_done, BatchOutcome(rest, embeddings, None, started, forward_s, self.device.label))
 
     def _fail(self, batch: list[WorkItem], started: float, error: BaseException) -> None:
         self._post(self._on_batch_done, BatchOutcome(batch, None, error, started, time.perf_counter() - started,

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..models.served import ServedModel
+from ..models.served import PendingBatch, ServedModel
 from ..preprocess.nvjpeg import UndecodableInputs
 from .batch_queue import BatchQueue, WorkItem
 
@@ -124,16 +124,13 @@ class DeviceWorker:
         try:
             # H2D of uint8, preprocessing, forward and D2H into pinned memory are queued without a
             # host sync; wait() in _finish is the batch's single explicit wait.
-            return _InFlight(batch, started, self._model.encode_inputs_async([item.payload for item in batch]))
-        except UndecodableInputs as exc:
-            # Images the device could not decode (--decode nvjpeg) fail alone; the rest run.
-            for index, error in exc.errors.items():
-                log.warning("image %d of a batch could not be decoded on the device: %s", index, error)
-                self._post(self._on_batch_done, BatchOutcome([batch[index]], None, error, started, 0.0, self.label))
-            rest = [item for index, item in enumerate(batch) if index not in exc.errors]
-            return self._launch(rest) if rest else None
+            pending, failed = launch_decodable(self._model, [item.payload for item in batch])
         except Exception as exc:
             return self._failed(batch, started, exc)
+        for index, error in failed.items():
+            self._post(self._on_batch_done, BatchOutcome([batch[index]], None, error, started, 0.0, self.label))
+        rest = [item for index, item in enumerate(batch) if index not in failed]
+        return _InFlight(rest, started, pending) if pending is not None else None
 
     def _finish(self, in_flight: _InFlight) -> BatchOutcome:
         batch, started = in_flight.batch, in_flight.started
@@ -157,6 +154,26 @@ class DeviceWorker:
 
     def _post(self, fn: Callable, arg: object) -> None:
         post_to_loop(self._loop, fn, arg)
+
+
+def launch_decodable(model: ServedModel, inputs: list) -> tuple[PendingBatch | None, dict[int, Exception]]:
+    """``encode_inputs_async`` of the inputs the device can decode: the batch of the others in
+    flight (None if none is left), and the error of each input it could not decode by its index in
+    ``inputs``. With --decode nvjpeg a JPEG the device rejects must fail alone, not its batch mates;
+    the in-process worker and a worker process (worker_child.py) both launch through here."""
+    failed: dict[int, Exception] = {}
+    indices = list(range(len(inputs)))
+    while indices:
+        try:
+            return model.encode_inputs_async([inputs[i] for i in indices]), failed
+        except UndecodableInputs as exc:
+            if not exc.errors:
+                raise
+            for position, error in exc.errors.items():
+                log.warning("image %d of a batch could not be decoded on the device: %s", indices[position], error)
+                failed[indices[position]] = error
+            indices = [index for position, index in enumerate(indices) if position not in exc.errors]
+    return None, failed
 
 
 def post_to_loop(loop: asyncio.AbstractEventLoop, fn: Callable, arg: object) -> None:

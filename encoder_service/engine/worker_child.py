@@ -8,18 +8,26 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import signal
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 
 from ..config import ServiceConfig
+from ..errors import InvalidInput
 from ..models.served import ServedModel
 from .handoff import IN_FLIGHT, POLL_S, rebuild
 from .shared_buffer import SharedBuffer
+from .worker import launch_decodable
 
 
-def child_main(conn: Connection, config: ServiceConfig, device: str, label: str, threads: int) -> None:
+def child_main(conn: Connection, config: ServiceConfig, device: str, label: str, threads: int,
+               setup: Callable[[], None] | None = None) -> None:
+    """``setup``: called first, before the model loads: a picklable function the engine was given
+    (tests put their stand-ins into the worker process with it; the server passes none)."""
     # Stops come from the front end over the pipe (or its end closing): a Ctrl-C or a SIGTERM sent
     # to the whole process group must not kill a worker in the middle of the drain.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -31,6 +39,8 @@ def child_main(conn: Connection, config: ServiceConfig, device: str, label: str,
 
         if device == "cpu":
             torch.set_num_threads(max(1, threads))
+        if setup is not None:
+            setup()
         from .loading import load_model
         from .worker import warm_up
 
@@ -49,13 +59,29 @@ def child_main(conn: Connection, config: ServiceConfig, device: str, label: str,
     os._exit(0)
 
 
+@dataclass
+class _Launched:
+    """A batch the child took: in flight on the device (``pending``), or already failed (``error``),
+    answered in the order the batches came (the front end reads the answers in that order)."""
+
+    seq: int
+    slot: int
+    out_bytes: int  # the embedding bytes of the images launched (those that decoded)
+    pending: object | None = None  # the model's PendingEmbeddings
+    failed: dict[int, Exception] = field(default_factory=dict)  # images the device could not decode
+    error: Exception | None = None  # the whole batch failed
+
+    def ready(self) -> bool:
+        return self.pending is None or self.pending.ready()
+
+
 class _ChildLoop:
     def __init__(self, conn: Connection, model: ServedModel) -> None:
         self.conn = conn
         self.model = model
         self.buffers: dict[tuple[str, int], SharedBuffer] = {}
 
-    def _next_message(self, pending: deque) -> tuple | None:
+    def _next_message(self, pending: deque[_Launched]) -> tuple | None:
         """The next message, or None when the oldest batch in flight should be answered now.
 
         With one batch on the device, waits for whichever comes first: the next batch (launched at
@@ -65,12 +91,12 @@ class _ChildLoop:
         while len(pending) < IN_FLIGHT:
             if self.conn.poll(POLL_S):
                 return self.conn.recv()
-            if pending[0][3].ready():
+            if pending[0].ready():
                 return None
         return None
 
     def run(self) -> None:
-        pending: deque[tuple[int, int, int, object]] = deque()
+        pending: deque[_Launched] = deque()
         while True:
             try:
                 msg = self._next_message(pending)
@@ -88,45 +114,60 @@ class _ChildLoop:
                 self.buffers[(role, slot)] = SharedBuffer.attach(recv_handle(self.conn), size)
                 continue
             if msg is not None:
-                launched = self._launch(msg)
-                if launched is not None:
-                    pending.append(launched)
+                pending.append(self._launch(msg))
             if pending and (msg is None or len(pending) >= IN_FLIGHT):
                 self._finish(pending.popleft())
 
-    def _launch(self, msg: tuple):
-        _, seq, slot, described, out_bytes = msg
+    def _launch(self, msg: tuple) -> _Launched:
+        _, seq, slot, described, out_sizes = msg
         try:
             inputs = [rebuild(self.buffers[("in", slot)], d) for d in described]
-            # Host bytes are copied into the model's staging buffer (or read, on the CPU) before
-            # this returns: the input slot is free for the batch after next from here on.
-            return seq, slot, out_bytes, self.model.encode_inputs_async(inputs)
+            # Host bytes are copied into the model's staging buffer (or read, on the CPU; JPEGs are
+            # decoded) before this returns: the input slot is free for the batch after next from here on.
+            batch, failed = launch_decodable(self.model, inputs)
         except Exception as exc:
-            self._send_error(seq, exc)
-            return None
+            # Answered in its turn, after the batch ahead of it: never out of order.
+            return _Launched(seq, slot, 0, error=exc)
+        out_bytes = sum(size for index, size in enumerate(out_sizes) if index not in failed)
+        return _Launched(seq, slot, out_bytes, batch, failed)
 
-    def _finish(self, entry: tuple) -> None:
-        seq, slot, out_bytes, pending = entry
+    def _finish(self, entry: _Launched) -> None:
+        if entry.error is not None:
+            self._send_error(entry.seq, entry.error)
+            return
         try:
-            host = pending.wait_packed()
-            nbytes = host.numel() * host.element_size()
-            if nbytes != out_bytes:
-                raise RuntimeError(f"model returned {nbytes} embedding bytes, the batch's grids need {out_bytes}")
-            import torch
+            device_s = None
+            if entry.pending is not None:  # None: no image of the batch decoded
+                host = entry.pending.wait_packed()
+                nbytes = host.numel() * host.element_size()
+                if nbytes != entry.out_bytes:
+                    raise RuntimeError(f"model returned {nbytes} embedding bytes, the batch's grids need "
+                                       f"{entry.out_bytes}")
+                import torch
 
-            target = torch.frombuffer(self.buffers[("out", slot)].array, dtype=host.dtype, count=host.numel())
-            target.copy_(host.reshape(-1))
-            device_s = pending.device_seconds()
-            self.conn.send(("done", seq, device_s if device_s is not None else 0.0, _device_memory(self.model)))
+                target = torch.frombuffer(self.buffers[("out", entry.slot)].array, dtype=host.dtype,
+                                          count=host.numel())
+                target.copy_(host.reshape(-1))
+                device_s = entry.pending.device_seconds()
+            failed = {index: _portable(error) for index, error in entry.failed.items()}
+            self.conn.send(("done", entry.seq, device_s if device_s is not None else 0.0,
+                            _device_memory(self.model), failed))
         except Exception as exc:
-            self._send_error(seq, exc)
+            self._send_error(entry.seq, exc)
 
     def _send_error(self, seq: int, exc: Exception) -> None:
         logging.getLogger(__name__).error("forward of batch %d failed", seq, exc_info=exc)
-        try:
-            self.conn.send(("error", seq, exc))
-        except Exception:  # an exception that does not pickle still gets its message across
-            self.conn.send(("error", seq, RuntimeError(f"{type(exc).__name__}: {exc}")))
+        self.conn.send(("error", seq, _portable(exc, RuntimeError)))
+
+
+def _portable(exc: Exception, fallback: type[Exception] = InvalidInput) -> Exception:
+    """``exc`` if it survives the pipe (pickled here, unpickled on the front end), else ``fallback``
+    with its message: an exception that does not unpickle would stop the front end's reader."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return fallback(f"{type(exc).__name__}: {exc}")
 
 
 def _device_memory(model: ServedModel) -> tuple[int, int]:

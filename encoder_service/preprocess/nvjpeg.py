@@ -13,6 +13,8 @@ The CPU half (``NvjpegDecoder``) parses the header: format, size and the pixel l
 checks and errors as Pillow's path), EXIF orientation. It hands the device half the file's bytes
 (``JpegImage``); the device decodes a batch's JPEGs in one call, applies the orientation, and the
 image continues as a decoded one in ``torch`` mode (resize, pad, normalize, patchify on the device).
+With ``--devices`` the front end runs the CPU half and the file's bytes cross to the worker process
+in the shared input buffer (engine/handoff.py), where the device half reads them in place.
 
 Files nvJPEG is not given, decoded by Pillow as usual so that every image still decodes or is refused
 in Pillow's words: anything but a baseline 3-component JPEG (progressive, grayscale, CMYK), a file
@@ -49,7 +51,7 @@ Geometry = Callable[[int, int, object], tuple[tuple[int, int], tuple[int, int], 
 class JpegImage(BytesPayload):
     """A JPEG's bytes, for the device to decode; the sizes are those after EXIF orientation."""
 
-    data: bytes
+    data: bytes | memoryview  # a view of the shared input buffer in a worker process (--devices)
     orientation: int  # EXIF 1..8 (1: as stored)
     size: tuple[int, int]  # (height, width) as displayed, after the orientation
     resize_to: tuple[int, int]
@@ -164,14 +166,22 @@ def _torchvision_decode(files: torch.Tensor | list[torch.Tensor], device: torch.
 device_decode = _torchvision_decode
 
 
+def _host_file(data: bytes | memoryview) -> torch.Tensor:
+    """A JPEG file as the CPU tensor decode_jpeg reads. Request bytes are read-only (torch wants
+    writable memory): a copy. A worker process's shared input buffer (engine/handoff.py) is
+    writable and is not reused before the decode returns: read in place."""
+    if isinstance(data, memoryview) and not data.readonly:
+        return torch.frombuffer(data, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
 def decode_on_device(items: Sequence[JpegImage], device: torch.device) -> list[torch.Tensor]:
     """Each JPEG decoded on ``device`` (one batched nvJPEG call) and oriented: uint8 [3, H, W].
 
     If the batched call fails, each file is decoded alone, so that one bad file fails alone:
     ``UndecodableInputs`` with indices into ``items``, also for a file whose pixels do not have the
     size its header gave (a header that lies must not reach the patchify with the wrong grid)."""
-    # decode_jpeg reads the files on the host: CPU tensors (a copy; request bytes are read-only).
-    files = [torch.frombuffer(bytearray(item.data), dtype=torch.uint8) for item in items]
+    files = [_host_file(item.data) for item in items]
     errors: dict[int, Exception] = {}
     try:
         images = list(device_decode(files, device))
