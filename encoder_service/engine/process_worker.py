@@ -262,7 +262,7 @@ class WorkerProcess:
 
     def _deliver(self, entry: tuple[int, int, list[WorkItem], float], msg: tuple) -> None:
         _, slot, batch, started = entry
-        _, _, forward_s, self.memory, failed = msg
+        _, _, forward_s, preprocess_s, self.memory, failed = msg
         # Images the worker's device could not decode fail alone, as in-process (worker.py).
         for index, error in failed.items():
             self._post(self._on_batch_done, BatchOutcome([batch[index]], None, error, started, 0.0,
@@ -272,7 +272,8 @@ class WorkerProcess:
             return
         # Its output slot is written again only by the batch three after it: not yet sent.
         embeddings = copy_out(self._out[slot], rest, self.front)
-        self._post(self._on_batch_done, BatchOutcome(rest, embeddings, None, started, forward_s, self.device.label))
+        self._post(self._on_batch_done, BatchOutcome(rest, embeddings, None, started, forward_s, self.device.label,
+                                                     preprocess_s))
 
     def _fail(self, batch: list[WorkItem], started: float, error: BaseException) -> None:
         self._post(self._on_batch_done, BatchOutcome(batch, None, error, started, time.perf_counter() - started,

@@ -136,7 +136,7 @@ class _ChildLoop:
             self._send_error(entry.seq, entry.error)
             return
         try:
-            device_s = None
+            device_s = preprocess_s = None
             if entry.pending is not None:  # None: no image of the batch decoded
                 host = entry.pending.wait_packed()
                 nbytes = host.numel() * host.element_size()
@@ -149,8 +149,9 @@ class _ChildLoop:
                                           count=host.numel())
                 target.copy_(host.reshape(-1))
                 device_s = entry.pending.device_seconds()
+                preprocess_s = entry.pending.device_preprocess_seconds()
             failed = {index: _portable(error) for index, error in entry.failed.items()}
-            self.conn.send(("done", entry.seq, device_s if device_s is not None else 0.0,
+            self.conn.send(("done", entry.seq, device_s if device_s is not None else 0.0, preprocess_s,
                             _device_memory(self.model), failed))
         except Exception as exc:
             self._send_error(entry.seq, exc)
