@@ -49,7 +49,8 @@ def forward_under_load(before: dict | None, after: dict | None) -> dict:
     """The device's time per image and the batch size while a level ran: the (b) figure beside
     forward-only's repeated identical batches (a), with the device's preprocessing apart (forward-only
     starts from patches already on the device); and the server process's CPU time per image (every
-    thread: event loop, decode, hashing, transport). Counts the clients' warm-up calls too."""
+    thread: event loop, decode, hashing, transport), from counters sampled at the start and the end
+    of the measured window."""
     if not before or not after or after["images"] <= before["images"]:
         return {}
     images = after["images"] - before["images"]

@@ -239,8 +239,26 @@ def _gather(processes: list, queue) -> list:
     return out
 
 
-def drive(target: str, concurrency: int, images: list[bytes], args, warmup: int, transport: str = "stream") -> dict:
-    """``concurrency`` clients in up to ``--client-procs`` processes for ``--seconds``."""
+def _window_sampler(sample, start_at: float, end_at: float, done: threading.Event) -> tuple[threading.Thread, dict]:
+    """``sample()`` at ``start_at`` and at ``end_at`` (or once ``done`` is set): the server's
+    counters over the measured window only, without the clients' warm-up and the drain after it."""
+    taken: dict = {}
+
+    def run() -> None:
+        done.wait(max(0.0, start_at - time.time()))
+        taken["before"] = sample()
+        done.wait(max(0.0, end_at - time.time()))
+        taken["after"] = sample()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, taken
+
+
+def drive(target: str, concurrency: int, images: list[bytes], args, warmup: int, transport: str = "stream",
+          sample=None) -> dict:
+    """``concurrency`` clients in up to ``--client-procs`` processes for ``--seconds``; with
+    ``sample``, the server's counters sampled over the measured window (``window`` in the result)."""
     ctx = mp.get_context("spawn")
     procs = max(1, min(args.client_procs, concurrency))
     per = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
@@ -250,7 +268,13 @@ def drive(target: str, concurrency: int, images: list[bytes], args, warmup: int,
     ps = [ctx.Process(target=_client_proc, args=(target, per[i], images[i * share:(i + 1) * share], args.seconds,
                                                  warmup, start_at, q, transport == SHM, args.repeat_images))
           for i in range(procs)]
+    done = threading.Event()
+    if sample is not None:
+        sampler, window = _window_sampler(sample, start_at, start_at + args.seconds, done)
     records = _gather(ps, q)
+    if sample is not None:
+        done.set()  # clients that ran out of images end the window early
+        sampler.join()
     if not records:
         return {"concurrency": concurrency, "transport": transport, "images": 0}
     span = max(r["end"] for r in records) - start_at
@@ -261,6 +285,8 @@ def drive(target: str, concurrency: int, images: list[bytes], args, warmup: int,
     for key in ("queue_ms", "preprocess_ms", "forward_ms"):
         vals = [r[key] for r in records if key in r]
         out[f"server_{key}_p50"] = _pct(vals, 50)
+    if sample is not None:
+        out["window"] = window
     if len(records) < concurrency * 2:
         out["note"] = "ran out of images: raise --images-per-level"
     return out
@@ -368,9 +394,10 @@ def main(argv: list[str] | None = None) -> int:
         result["new_images"] = []
         for i, (c, transport) in enumerate(runs):
             level_images = images[i * args.images_per_level:(i + 1) * args.images_per_level]
-            before = forward_totals(args, proc.pid)
-            r = drive(target, c, level_images, args, warmup=2, transport=transport)
-            r.update(forward_under_load(before, forward_totals(args, proc.pid)))
+            r = drive(target, c, level_images, args, warmup=2, transport=transport,
+                      sample=lambda: forward_totals(args, proc.pid))
+            window = r.pop("window", {})
+            r.update(forward_under_load(window.get("before"), window.get("after")))
             print("new images:", json.dumps(r), flush=True)
             result["new_images"].append(r)
         if not args.no_hits:
