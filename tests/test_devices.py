@@ -44,3 +44,33 @@ def test_devices_set_the_device_kind_and_scale_the_decode_threads_with_the_gpus(
     assert (one.preprocess_threads, two.preprocess_threads) == (8, 16)
     assert parse_serve_args(["--devices", "cpu,cpu"]).device == "cpu"
     assert parse_serve_args([]).devices == ""  # default: one in-process worker on --device
+
+
+def test_a_front_end_with_worker_processes_copies_with_one_torch_thread_and_restores_it():
+    # Its torch work is copies in and out of the hand-off buffers; a pool of OpenMP threads there
+    # spin-waited through the cores the decode threads need (bench/RESULTS.md, tenth session).
+    import asyncio
+
+    import torch
+    from prometheus_client import CollectorRegistry
+
+    from encoder_service.config import ServiceConfig
+    from encoder_service.engine import Engine
+    from encoder_service.metrics import ServiceMetrics
+
+    async def main():
+        engine = Engine(ServiceConfig(devices="cpu", model="tiny-qwen2.5-vl"),
+                        metrics=ServiceMetrics(CollectorRegistry()))
+        await engine.start()
+        try:
+            return torch.get_num_threads()
+        finally:
+            await engine.stop()
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert asyncio.run(main()) == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -86,6 +86,7 @@ class WorkerProcesses:
         self._on_serving: Callable[[bool], None] | None = None
         self._started = False
         self._stopping = False
+        self._torch_threads: int | None = None  # the process's intra-op threads before start
 
     @property
     def label(self) -> str:
@@ -98,6 +99,12 @@ class WorkerProcesses:
         loop = asyncio.get_running_loop()
         devices = parse_devices(self.config.devices)
         threads = max(1, (os.cpu_count() or 1) // len(devices))
+        # The front end's own torch work is copying bytes in and out of the hand-off buffers. With
+        # torch's intra-op pool those copies woke OpenMP threads that then spin-wait: on one H100
+        # the front end burned 123 ms of CPU an image that way, 9.9 with one thread (the cores the
+        # decode threads and the event loop need). Restored at stop (engines in tests share a process).
+        self._torch_threads = torch.get_num_threads()
+        torch.set_num_threads(1)
         self._on_serving = on_serving
         self.workers = [
             WorkerProcess(self.config, device, queue, loop=loop,
@@ -128,6 +135,9 @@ class WorkerProcesses:
             worker.stop()
         for worker in self.workers:
             await loop.run_in_executor(None, worker.join)
+        if self._torch_threads is not None:
+            torch.set_num_threads(self._torch_threads)
+            self._torch_threads = None
 
     def memory_sources(self) -> dict[str, Callable[[], tuple[int, int]]]:
         """As each worker last reported it: the front end never touches a device."""
