@@ -139,13 +139,6 @@ class ServiceConfig:
         "with one message once this bound has passed (the log and the metric say "
         "why), so a caller cannot tell a closed port from an open one.",
         above=0)
-    # sys.setswitchinterval (engine/worker.py launches a forward's kernels while holding the GIL)
-    gil_switch_interval_ms: float = option(5.0,
-        "how long a thread that wants the GIL waits before the holder is asked to let go "
-        "(Python's switch interval, 5 ms by default). The device worker thread launches "
-        "each forward's kernels holding the GIL; under load the event loop, decode and "
-        "transport threads hold it too, and each wait stalls the GPU between kernels.",
-        above=0)
     # batch compositions kept as CUDA graphs; 0 = none
     cuda_graphs: int = option(0,
         "on CUDA: how many batch compositions (the grids of a batch's images) are kept as CUDA "

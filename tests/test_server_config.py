@@ -40,7 +40,6 @@ def test_environment_fills_options_and_flags_win():
     ({"ENCODER_SERVICE_MAX_BATCH_TOKENS": "0"}, "max-batch-tokens must be >= 1"),
     ({"ENCODER_SERVICE_CUDA_GRAPHS": "-1"}, "cuda-graphs must be >= 0"),
     ({"ENCODER_SERVICE_WATCHDOG_TIMEOUT_S": "-1"}, "watchdog-timeout-s must be >= 0"),
-    ({"ENCODER_SERVICE_GIL_SWITCH_INTERVAL_MS": "0"}, "gil-switch-interval-ms must be > 0"),
 ])
 def test_bad_environment_values_are_named(env, message):
     with pytest.raises(ValueError, match=message):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import sys
 import time
 
 import grpc
@@ -147,7 +146,6 @@ async def _lame_duck(calls: CallBook, grace_s: float) -> float:
 async def serve(config: ServiceConfig) -> int:
     """Runs until SIGTERM/SIGINT; returns the process exit code."""
     memory.limit_arenas()  # before the decode and worker threads exist (see encoder_service/memory.py)
-    sys.setswitchinterval(config.gil_switch_interval_ms / 1000.0)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
