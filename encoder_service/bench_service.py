@@ -264,7 +264,7 @@ def drive(target: str, concurrency: int, images: list[bytes], args, warmup: int,
     per = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
     share = len(images) // procs
     q = ctx.Queue()
-    start_at = time.time() + 8.0 + 0.1 * concurrency  # after every process is up and warmed
+    start_at = time.time() + args.client_start_s + 0.1 * concurrency  # after every process is up and warmed
     ps = [ctx.Process(target=_client_proc, args=(target, per[i], images[i * share:(i + 1) * share], args.seconds,
                                                  warmup, start_at, q, transport == SHM, args.repeat_images))
           for i in range(procs)]
@@ -336,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--forward-iters", type=int, default=10)
     p.add_argument("--forward-batches", default="1,4,8",
                    help="batch sizes of the forward-only figure (the largest is the one ratios use)")
+    p.add_argument("--client-start-s", type=float, default=8.0,
+                   help="seconds the client processes get to start and warm up before a level's measured window")
     p.add_argument("--repeat-images", action="store_true",
                    help="clients go round their images again instead of stopping; with a server run with "
                         "--cache-bytes 0 every request is still new work, and a few hundred JPEGs last any level")

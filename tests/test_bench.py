@@ -26,8 +26,8 @@ def test_the_service_benchmark_runs_end_to_end_through_the_cli(tmp_path):
     subprocess.run([sys.executable, "-m", "encoder_service", "bench", "--service", "--model", "tiny-qwen2.5-vl",
                     "--device", "cpu", "--dtype", "float32", "--concurrency", "1", "--seconds", "1",
                     "--images-per-level", "4", "--client-procs", "1", "--hit-iters", "2", "--forward-iters", "1",
-                    "--forward-batches", "1,2", "--depth", "2", "--transports", "stream,shared-memory",
-                    "--out", str(out), "--", "--max-batch-tokens", "65536"],
+                    "--forward-batches", "1,2", "--depth", "2", "--client-start-s", "3",
+                    "--transports", "stream,shared-memory", "--out", str(out), "--", "--max-batch-tokens", "65536"],
                    check=True, capture_output=True, timeout=240)
     report = json.loads(out.read_text())
     assert report["command"].startswith("encoder-service bench --service --model tiny-qwen2.5-vl")
