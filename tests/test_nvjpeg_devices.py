@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
-from test_nvjpeg_decode import PillowStandIn, jpeg, models, photo
+from test_nvjpeg_decode import PillowStandIn, jpeg, models, photo, stand_in  # noqa: F401 (stand_in: a fixture)
 
 from encoder_service.config import ServiceConfig, parse_serve_args
 from encoder_service.engine import Engine, ImageInput
@@ -50,14 +50,6 @@ def install_stand_in(bad: tuple[bytes, ...] = (), boom: tuple[bytes, ...] = ()) 
     nvjpeg.check_available = lambda device: None
 
 
-@pytest.fixture
-def stand_in(monkeypatch):
-    decoder = PillowStandIn()
-    monkeypatch.setattr(nvjpeg, "device_decode", decoder)
-    monkeypatch.setattr(nvjpeg, "check_available", lambda device: None)
-    return decoder
-
-
 def png() -> bytes:
     buffer = io.BytesIO()
     photo(64, 50, seed=3).save(buffer, "PNG")
@@ -65,7 +57,8 @@ def png() -> bytes:
 
 
 # --- the hand-off ----------------------------------------------------------------------------------
-def test_a_jpeg_crosses_the_hand_off_as_its_bytes_and_is_read_in_place_by_the_worker(stand_in):
+@pytest.mark.usefixtures("stand_in")
+def test_a_jpeg_crosses_the_hand_off_as_its_bytes_and_is_read_in_place_by_the_worker():
     _, gpu = models()
     item = gpu.decode(GOOD[0])
     assert isinstance(item, nvjpeg.JpegImage)
@@ -123,7 +116,8 @@ def in_process_embedding(model, data: bytes) -> torch.Tensor:
         return model.encode_packed(model.stage([item]), [item.grid])[0]
 
 
-def test_worker_processes_decode_jpegs_as_the_in_process_nvjpeg_path_does(stand_in):
+@pytest.mark.usefixtures("stand_in")
+def test_worker_processes_decode_jpegs_as_the_in_process_nvjpeg_path_does():
     _, gpu = models()
     images = [*GOOD, png()]
     description, (results,) = run_engine(devices_config("cpu,cpu"), [images])
@@ -135,7 +129,8 @@ def test_worker_processes_decode_jpegs_as_the_in_process_nvjpeg_path_does(stand_
                                    rtol=1e-5, atol=1e-6)
 
 
-def test_an_undecodable_jpeg_fails_alone_in_a_worker_process_and_its_batch_mates_are_encoded(stand_in):
+@pytest.mark.usefixtures("stand_in")
+def test_an_undecodable_jpeg_fails_alone_in_a_worker_process_and_its_batch_mates_are_encoded():
     _, gpu = models()
     # The bad file beside a good one; then a batch of nothing but bad files (no forward at all);
     # then the worker still serves.
@@ -150,7 +145,8 @@ def test_an_undecodable_jpeg_fails_alone_in_a_worker_process_and_its_batch_mates
                                rtol=1e-5, atol=1e-6)
 
 
-def test_a_batch_failing_at_launch_behind_one_in_flight_is_answered_in_its_turn(stand_in):
+@pytest.mark.usefixtures("stand_in")
+def test_a_batch_failing_at_launch_behind_one_in_flight_is_answered_in_its_turn():
     # 48 and 24 patches do not fit one forward of 64: the front end sends the good image's batch,
     # then at once the other's, which the worker takes while the first is still running. Its launch
     # error must wait for the first batch's answer: sent ahead of it, the front end would take the
