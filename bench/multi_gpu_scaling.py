@@ -2,10 +2,12 @@
 ``--devices 0`` and ``--devices 0,1`` (or any ``--setups``) in one run.
 
     python bench/multi_gpu_scaling.py --setups "0;0,1" --concurrency 64 --seconds 15 \
-        --out scaling.json [-- EXTRA SERVE FLAGS]
+        [--transport shared-memory] --out scaling.json [-- EXTRA SERVE FLAGS]
 
 For each setup: a fresh server process (so every image is new to its cache), ``--concurrency``
-clients in client processes sending photo-like 1008x1008 JPEGs one per request (bf16 out), and
+clients in client processes sending photo-like 1008x1008 JPEGs one per request (bf16 out; the
+embeddings come back on the gRPC stream, or with ``--transport shared-memory`` are written into the
+clients' shared memory, the server run with ``--shared-memory on``), and
 while it is loaded, ``nvidia-smi --query-compute-apps``: which processes hold a CUDA context on
 which GPU, checked against the server's own process (the front end, which must hold none) and its
 worker processes (one per GPU, each on its own). Prints images/s per setup and the ratio of each to
@@ -29,7 +31,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from encoder_service.bench_report import forward_totals, forward_under_load  # noqa: E402
 from encoder_service.bench_service import (  # noqa: E402
+    SHM,
     drive,
     make_images,
     split_serve_args,
@@ -78,13 +82,15 @@ def profile(pid: int, stem: Path) -> None:
 def run_setup(devices: str, images: list[bytes], args) -> dict:
     # "in-process": the one-device server without worker processes (--device cuda), for comparison.
     args.serve_args = [*args.extra] if devices == "in-process" else ["--devices", devices, *args.extra]
+    if args.transport == SHM and "--shared-memory" not in args.serve_args:
+        args.serve_args.extend(["--shared-memory", "on"])
     log_path = (args.out.with_suffix(f".devices-{devices.replace(',', '_')}.log") if args.out
                 else Path(f"scaling.devices-{devices.replace(',', '_')}.log"))
     proc, target = start_server(args, log_path)
     snapshot: dict = {}
 
     def look_while_loaded() -> None:
-        time.sleep(8.0 + 0.1 * args.concurrency + 2.0)  # inside the measured window
+        time.sleep(args.client_start_s + 0.1 * args.concurrency + 2.0)  # inside the measured window
         try:
             snapshot.update(gpu_processes(proc.pid, log_path.read_text()))
         except Exception as exc:  # no nvidia-smi: report it rather than fail the measurement
@@ -95,10 +101,15 @@ def run_setup(devices: str, images: list[bytes], args) -> dict:
     looker = threading.Thread(target=look_while_loaded)
     looker.start()
     try:
-        result = drive(target, args.concurrency, images, args, warmup=2)
+        result = drive(target, args.concurrency, images, args, warmup=2, transport=args.transport,
+                       sample=lambda: forward_totals(args, proc.pid))
     finally:
         looker.join()
         stop_process(proc)
+    window = result.pop("window", {})
+    # Over the measured window: the front-end process's own CPU per image (the workers are other
+    # processes), and the devices' forward time per image summed over devices.
+    result.update(forward_under_load(window.get("before"), window.get("after")))
     result["devices"] = devices
     result["gpu_processes"] = snapshot
     return result
@@ -111,23 +122,29 @@ def main(argv: list[str] | None = None) -> int:
                    "'in-process' is the one-GPU server without worker processes")
     p.add_argument("--model", default="qwen2.5-vl-7b")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cuda", help="--device of the in-process setup (--devices decides the others)")
     p.add_argument("--attn-backend", default="auto")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--seconds", type=float, default=15.0)
     p.add_argument("--images", type=int, default=2400, help="distinct JPEGs, reused by every setup (fresh servers)")
     p.add_argument("--client-procs", type=int, default=8)
+    p.add_argument("--transport", choices=["stream", SHM], default="stream",
+                   help=f"how embeddings come back: on the gRPC stream, or ({SHM}) written by the server into "
+                        "the clients' shared memory (clients on the server's host)")
+    p.add_argument("--client-start-s", type=float, default=8.0,
+                   help="seconds the client processes get to start and warm up before the measured window")
     p.add_argument("--start-timeout-s", type=float, default=600)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--profile", default="", help="setups (';'-separated) to profile with top and py-spy while loaded")
     args = p.parse_args(argv)
     args.extra = extra
+    args.repeat_images = False  # every request a new image: the clients stop when theirs run out
     args.profile = [x for x in args.profile.split(";") if x]
-    args.device = "cuda"  # start_server passes --device; --devices decides
     args.server_cwd = str(ROOT)
 
     result: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "host": platform.node(), "cpus": os.cpu_count(),
                     "command": " ".join(["bench/multi_gpu_scaling.py", *sys.argv[1:]]), "model": args.model,
-                    "dtype": args.dtype, "concurrency": args.concurrency}
+                    "dtype": args.dtype, "concurrency": args.concurrency, "transport": args.transport}
     with contextlib.suppress(Exception):  # no nvidia-smi: the figures stand without the names
         result["gpus"] = [name for (name,) in _smi("--query-gpu=name")]
     t0 = time.perf_counter()
@@ -145,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--devices {r['devices']:>8}: {r.get('images_per_s', 0):6.1f} img/s (x{r.get('ratio_to_first', 0):.2f})"
               f"  p50 {r.get('latency_p50_ms', 0):.0f} ms p99 {r.get('latency_p99_ms', 0):.0f} ms  server p50: "
               f"queue {r.get('server_queue_ms_p50', 0):.1f} preprocess {r.get('server_preprocess_ms_p50', 0):.1f} "
-              f"forward {r.get('server_forward_ms_p50', 0):.1f} ms", flush=True)
+              f"forward {r.get('server_forward_ms_p50', 0):.1f} ms; front-end CPU "
+              f"{r.get('server_cpu_ms_per_image', 0):.1f} ms an image", flush=True)
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
     return 0

@@ -98,3 +98,26 @@ def test_a_shallow_checkpoint_keeps_the_widths_and_refuses_to_drop_deepstack_lev
     assert model.spec.row_width == full.spec.row_width and model.patch_dim == full.patch_dim
     with pytest.raises(ValueError, match="deepstack"):
         write_shallow_checkpoint("tiny-qwen3-vl", 1, tmp_path / "q3")
+
+
+def test_the_multi_gpu_scaling_benchmark_runs_its_setups_with_worker_processes(tmp_path):
+    # bench/multi_gpu_scaling.py is what the two-GPU gpu test runs: on CPU workers (--devices cpu) it
+    # must still start each setup's server, drive it and report, so a broken option surfaces here.
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT
+
+    out = tmp_path / "scaling.json"
+    subprocess.run([sys.executable, "bench/multi_gpu_scaling.py", "--setups", "cpu", "--device", "cpu",
+                    "--model", "tiny-qwen2.5-vl", "--dtype", "float32", "--concurrency", "2", "--client-procs", "1",
+                    "--seconds", "1", "--images", "8", "--client-start-s", "2", "--transport", "shared-memory",
+                    "--out", str(out), "--", "--max-batch-tokens", "65536"],
+                   cwd=REPO_ROOT, check=True, capture_output=True, timeout=240)
+    report = json.loads(out.read_text())
+    assert report["transport"] == "shared-memory"
+    [setup] = report["setups"]
+    assert setup["devices"] == "cpu" and setup["transport"] == "shared-memory"
+    assert setup["images"] > 0 and setup["ratio_to_first"] == 1.0
+    assert setup["server_cpu_ms_per_image"] > 0  # the front end's own CPU, sampled over the window
