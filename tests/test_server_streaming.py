@@ -3,6 +3,12 @@ protobuf would have built, whatever the dtypes and chunk budget."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from encoder_client.protocol import encoder_pb2
@@ -79,3 +85,46 @@ def test_rows_of_three_feature_levels_are_chunked_whole_and_say_one_levels_hidde
     data = b"".join(c.data for c in got)
     assert data == rows_to_bytes(embedding, result.embedding.dtype if out_dtype is None
                                  else torch.bfloat16, 0, 7)
+
+
+def _recording_chunks(count: int, record: dict, delay_s: float = 0.0):
+    try:
+        for i in range(count):
+            time.sleep(delay_s)
+            record.setdefault("threads", []).append(threading.get_ident())
+            yield bytes([i]) * 8
+    finally:
+        record["closed_in"] = threading.get_ident()
+
+
+def test_chunks_built_off_the_event_loop_come_in_order_from_other_threads():
+    record: dict = {}
+
+    async def consume():
+        with ThreadPoolExecutor(2) as pool:
+            return [c async for c in streaming.built_off_loop(_recording_chunks(5, record), pool)]
+
+    got = asyncio.run(consume())
+    assert got == [bytes([i]) * 8 for i in range(5)]
+    assert threading.get_ident() not in record["threads"]  # the event loop's thread copied none
+
+
+def test_a_response_stopped_mid_build_leaves_its_chunks_closed_without_touching_a_running_generator():
+    # The consumer stops (a cancelled call) while the next chunk is being built in a thread: the
+    # generator is closed by that thread once its build is done (closing it from the loop while
+    # it runs would raise), so its cache pins and the like are released.
+    record: dict = {}
+
+    async def consume_one():
+        built = streaming.built_off_loop(_recording_chunks(5, record, delay_s=0.05), pool)
+        async with contextlib.aclosing(built):
+            async for _ in built:
+                break
+
+    with ThreadPoolExecutor(2) as pool:
+        asyncio.run(consume_one())
+        deadline = time.monotonic() + 5
+        while "closed_in" not in record and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert record["closed_in"] != threading.get_ident()
+    assert len(record["threads"]) == 2  # the first chunk and the one under way; no more built

@@ -261,5 +261,6 @@ async def serve(config: ServiceConfig) -> int:
     await _stop(server, health_server, remaining_s, compat)
     await engine.stop()
     await servicer.sink_channels.close()
+    servicer.response_copies.shutdown(wait=False)
     log.info("stopped")
     return 0

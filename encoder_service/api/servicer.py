@@ -10,7 +10,8 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from encoder_client.protocol import ModelInfo, encoder_pb2, encoder_pb2_grpc
@@ -24,13 +25,18 @@ from ..sink_allowlist import SinkAllowlist
 from .calls import CallBook
 from .shared_memory import RegionTable, RegionWriter
 from .sink import PUSH_MAX_CHUNK_BYTES, SinkChannels, SinkFailed, SinkPush, fail_uniformly, header_chunk
-from .streaming import embedding_chunks, region_chunk, serialized_chunks
+from .streaming import built_off_loop, embedding_chunks, region_chunk, serialized_chunks
 from .tls import sink_channel_credentials
 from .validation import EncodePlan, parse_encode_request
 
 log = logging.getLogger(__name__)
 
 MAX_LOOKUP_HASHES = 65536
+# Responses from this size on are copied into their chunks (or the caller's shared memory) in
+# threads beside the event loop (streaming.built_off_loop); below it the thread hop costs more than
+# the copy. A real model's embedding is far above it (8.8 MB for a 7B at 1008x1008, 0.46 MB at
+# 224x224); the tiny test models' larger images are above it too, so the server tests go this way.
+OFF_LOOP_MIN_BYTES = 32 * 1024
 # Ids for requests that came without one: unique per process and cheap (uuid4 reads os.urandom).
 _ID_PREFIX = f"{os.getpid():x}-{os.urandom(4).hex()}"
 _ids = itertools.count()
@@ -47,6 +53,8 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
         self.sink_channels = SinkChannels(config.max_message_bytes, credentials=sink_channel_credentials(config))
         self.sink_allowlist = SinkAllowlist(config.allowed_sink_patterns)
         self.regions = RegionTable(config.shared_memory == "on")
+        # A few threads are enough: each copy runs at memory speed without the GIL.
+        self.response_copies = ThreadPoolExecutor(max_workers=4, thread_name_prefix="response-copy")
 
     def _ready_engine(self) -> Engine:
         if self.calls.draining:
@@ -70,11 +78,16 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
         # aclosing: a cancelled or failed stream releases its cache pins and queue slots right away.
         async with contextlib.aclosing(engine.encode(plan.images)) as results:
             async for result in results:
-                for chunk in _response_chunks(result, request_id, plan, model_dtype, region):
-                    await context.write(chunk)
-                    if first_chunk:
-                        first_chunk = False
-                        self.metrics.first_chunk_seconds.observe(time.perf_counter() - started)
+                data = result.wire_bytes(plan.output_dtype or model_dtype)  # on the loop: may touch the cache
+                chunks = _response_chunks(result, data, request_id, plan, model_dtype, region)
+                built = (built_off_loop(chunks, self.response_copies) if len(data) >= OFF_LOOP_MIN_BYTES
+                         else _inline(chunks))
+                async with contextlib.aclosing(built):
+                    async for chunk in built:
+                        await context.write(chunk)
+                        if first_chunk:
+                            first_chunk = False
+                            self.metrics.first_chunk_seconds.observe(time.perf_counter() - started)
 
     async def encode_images(self, images: list[ImageInput]) -> list[tuple[ImageResult, bytes]]:
         """Encode's engine path (cache, in-flight joins, admission, batching) for the other front
@@ -143,16 +156,20 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
             shared_memory=self.regions.enabled, ops=d.ops, decode=d.decode).to_proto()
 
 
-def _response_chunks(result: ImageResult, request_id: str, plan: EncodePlan, model_dtype: str,
+async def _inline(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
+    for chunk in chunks:
+        yield chunk
+
+
+def _response_chunks(result: ImageResult, data: memoryview, request_id: str, plan: EncodePlan, model_dtype: str,
                      region: RegionWriter | None) -> Iterator[bytes]:
-    """One image's Encode response: one header chunk when its rows went into the caller's region,
-    else its rows in chunks on the stream."""
+    """One image's Encode response (``data``: its ``wire_bytes``): one header chunk when its rows
+    went into the caller's region, else its rows in chunks on the stream."""
     if region is not None:
-        data = result.wire_bytes(plan.output_dtype or model_dtype)
         placed = region.place(data) if len(data) else None
         if placed is not None:
             yield region_chunk(result, request_id=request_id, out_dtype=plan.output_dtype,
                                model_dtype=model_dtype, offset=placed[0], length=placed[1])
             return
     yield from serialized_chunks(result, request_id=request_id, out_dtype=plan.output_dtype,
-                                 model_dtype=model_dtype, max_chunk_bytes=plan.max_chunk_bytes)
+                                 model_dtype=model_dtype, max_chunk_bytes=plan.max_chunk_bytes, data=data)
