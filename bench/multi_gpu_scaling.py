@@ -67,11 +67,12 @@ def gpu_processes(front_pid: int, log_text: str) -> dict:
 
 def profile(pid: int, stem: Path) -> None:
     """Where the CPU goes under load: every thread of the machine from top, and the server's Python
-    stacks from py-spy as collapsed stacks: 5 s of every running thread (front end and workers),
+    stacks from py-spy as collapsed stacks: 5 s of every running thread (front end and workers; by
+    thread, so the event loop's own share shows),
     then 5 s of the front end's GIL holder only."""
     with open(f"{stem}.top.txt", "w") as f:
         subprocess.run(["top", "-b", "-H", "-n", "1", "-w", "400"], stdout=f, stderr=subprocess.STDOUT, timeout=30)
-    for name, extra in (("pyspy", ["--subprocesses"]), ("pyspy-gil", ["--gil"])):
+    for name, extra in (("pyspy", ["--subprocesses", "--threads"]), ("pyspy-gil", ["--gil"])):
         # --gil: only samples of the thread holding the GIL; their sum over threads is the share
         # of the time the GIL was held at all.
         subprocess.run(["py-spy", "record", "-p", str(pid), *extra, "--nonblocking", "-d", "5", "-r", "200",
