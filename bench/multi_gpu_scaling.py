@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
               f"  p50 {r.get('latency_p50_ms', 0):.0f} ms p99 {r.get('latency_p99_ms', 0):.0f} ms  server p50: "
               f"queue {r.get('server_queue_ms_p50', 0):.1f} preprocess {r.get('server_preprocess_ms_p50', 0):.1f} "
               f"forward {r.get('server_forward_ms_p50', 0):.1f} ms; front-end CPU "
-              f"{r.get('server_cpu_ms_per_image', 0):.1f} ms an image", flush=True)
+              f"{r.get('server_cpu_ms_per_image', 0):.1f} ms an image, clients' CPU "
+              f"{r.get('client_cpu_ms_per_image', 0):.1f} ms an image", flush=True)
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
     return 0

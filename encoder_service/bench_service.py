@@ -206,12 +206,25 @@ def _client_proc(target: str, threads: int, images: list[bytes], duration_s: flo
             with lock:
                 records.append(rec)
 
+    cpu: dict = {}
+
+    def clock() -> None:  # this process's CPU over the measured window: what a client pays per image
+        time.sleep(max(0.0, start_at - time.time()))
+        cpu["start"] = time.process_time()
+        time.sleep(max(0.0, start_at + duration_s - time.time()))
+        cpu["end"] = time.process_time()
+
     ts = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    clock_thread = threading.Thread(target=clock, daemon=True)
+    clock_thread.start()
     for t in ts:
         t.start()
     for t in ts:
         t.join()
+    clock_thread.join(timeout=max(0.0, start_at + duration_s - time.time()) + 1)
     client.close()
+    if "end" in cpu:
+        records.append({"client_cpu_seconds": cpu["end"] - cpu["start"]})
     out.put(records)
 
 
@@ -272,6 +285,8 @@ def drive(target: str, concurrency: int, images: list[bytes], args, warmup: int,
     if sample is not None:
         sampler, window = _window_sampler(sample, start_at, start_at + args.seconds, done)
     records = _gather(ps, q)
+    client_cpu = [r.pop("client_cpu_seconds") for r in records if "client_cpu_seconds" in r]
+    records = [r for r in records if r]
     if sample is not None:
         done.set()  # clients that ran out of images end the window early
         sampler.join()
@@ -285,6 +300,9 @@ def drive(target: str, concurrency: int, images: list[bytes], args, warmup: int,
     for key in ("queue_ms", "preprocess_ms", "forward_ms"):
         vals = [r[key] for r in records if key in r]
         out[f"server_{key}_p50"] = _pct(vals, 50)
+    in_window = sum(r["end"] <= start_at + args.seconds for r in records)
+    if client_cpu and len(client_cpu) == procs and in_window:
+        out["client_cpu_ms_per_image"] = 1000 * sum(client_cpu) / in_window  # every client process
     if sample is not None:
         out["window"] = window
     if len(records) < concurrency * 2:

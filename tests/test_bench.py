@@ -35,6 +35,7 @@ def test_the_service_benchmark_runs_end_to_end_through_the_cli(tmp_path):
     assert sorted(report["forward_only"]["by_batch"]) == ["1", "2"] and report["forward_only"]["batch"] == 2
     # The server process's CPU per image (Linux /proc): the front end's cost.
     assert all(r["server_cpu_ms_per_image"] > 0 for r in report["new_images"])
+    assert all(r["client_cpu_ms_per_image"] > 0 for r in report["new_images"])  # and the clients' own
     assert [r["transport"] for r in report["new_images"]] == ["stream", "shared-memory"]
     assert all(r["images"] > 0 and r["latency_p50_ms"] > 0 for r in report["new_images"])
     # The forward per image under the load, from the server's /metrics (the (b) beside forward-only's (a)).
