@@ -103,7 +103,7 @@ def run_setup(devices: str, images: list[bytes], args) -> dict:
     looker.start()
     try:
         result = drive(target, args.concurrency, images, args, warmup=2, transport=args.transport,
-                       sample=lambda: forward_totals(args, proc.pid))
+                       sample=lambda: forward_totals(args))
     finally:
         looker.join()
         stop_process(proc)

@@ -4,24 +4,11 @@ its /metrics around each level, and the summary lines it prints."""
 from __future__ import annotations
 
 import itertools
-import os
-from pathlib import Path
 
 
-def server_cpu_seconds(pid: int | None) -> float | None:
-    """User + system CPU seconds of a process so far (Linux /proc), or None where unreadable."""
-    if pid is None:
-        return None
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def forward_totals(args, pid: int | None = None) -> dict[str, float] | None:
-    """The server's forward counters (summed over devices) from its /metrics, and its process's CPU
-    seconds, or None without /metrics."""
+def forward_totals(args) -> dict[str, float] | None:
+    """The server's forward counters (summed over devices) and its process's CPU seconds (the
+    front end's own: worker processes are others), from its /metrics, or None without /metrics."""
     port = getattr(args, "metrics_port", None)
     if port is None:
         return None
@@ -31,17 +18,19 @@ def forward_totals(args, pid: int | None = None) -> dict[str, float] | None:
 
     wanted = {"encoder_service_forward_seconds_sum": "seconds", "encoder_service_forward_seconds_count": "batches",
               "encoder_service_batch_images_sum": "images",
-              "encoder_service_device_preprocess_seconds_sum": "device_preprocess_seconds"}
+              "encoder_service_device_preprocess_seconds_sum": "device_preprocess_seconds",
+              "process_cpu_seconds_total": "cpu_seconds"}  # prometheus_client's process collector (Linux)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
     totals = dict.fromkeys(wanted.values(), 0.0)
+    seen = set()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in wanted:
                 totals[wanted[sample.name]] += sample.value
-    cpu = server_cpu_seconds(pid)
-    if cpu is not None:
-        totals["cpu_seconds"] = cpu
+                seen.add(wanted[sample.name])
+    if "cpu_seconds" not in seen:  # no process collector on this platform: no CPU figure, not 0
+        del totals["cpu_seconds"]
     return totals
 
 

@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, (c, transport) in enumerate(runs):
             level_images = images[i * args.images_per_level:(i + 1) * args.images_per_level]
             r = drive(target, c, level_images, args, warmup=2, transport=transport,
-                      sample=lambda: forward_totals(args, proc.pid))
+                      sample=lambda: forward_totals(args))
             window = r.pop("window", {})
             r.update(forward_under_load(window.get("before"), window.get("after")))
             print("new images:", json.dumps(r), flush=True)
