@@ -6,7 +6,7 @@ fi
 # shellcheck disable=SC1091
 source .venv/bin/activate
 if [ ! -x .venv/bin/encoder-service ] || [ ! -x .venv/bin/encoder-client ] || [ "${REINSTALL:-}" = 1 ] \
-   || ! (cd / && python -c "import encoder_service, encoder_client, transformers") >/dev/null 2>&1; then
+   || ! (cd / && python -c "import encoder_service, encoder_client, transformers, xdist") >/dev/null 2>&1; then
   echo "installing into .venv (log: .venv/install.log)..."
   if ! { python -m pip install --upgrade pip \
          && python -m pip install "torch==2.13.0" \
