@@ -197,9 +197,11 @@ def test_one_undecodable_jpeg_fails_alone_and_its_batch_mates_are_encoded(stand_
     good, bad = jpeg(photo(seed=1)), jpeg(photo(seed=2))
     stand_in.bad.add(bad)
 
+    metrics = ServiceMetrics(CollectorRegistry())
+
     async def main():
         # A long batch wait puts both requests in one batch.
-        engine = Engine(ServiceConfig(batch_wait_ms=300.0), gpu, metrics=ServiceMetrics(CollectorRegistry()))
+        engine = Engine(ServiceConfig(batch_wait_ms=300.0), gpu, metrics=metrics)
         await engine.start()
         try:
             async def encode(data):
@@ -213,6 +215,18 @@ def test_one_undecodable_jpeg_fails_alone_and_its_batch_mates_are_encoded(stand_
     with torch.inference_mode():
         want, _ = pillow.encode_packed(pillow.stage([pillow.decode(good)]), [pillow.decode(good).grid])
     assert torch.equal(ok[0].embedding, want)
+    # One forward, of the one image that ran: the bad one is no 0-s forward batch of its own.
+    assert forward_figures(metrics) == {"batches": 1, "images": 1}
+
+
+def forward_figures(metrics: ServiceMetrics) -> dict[str, float]:
+    """Forward passes and the images through them, over every device."""
+    samples = [s for family in metrics.registry.collect() for s in family.samples]
+
+    def total(name: str) -> float:
+        return sum(s.value for s in samples if s.name == name)
+    return {"batches": total("encoder_service_forward_batches_total"),
+            "images": total("encoder_service_batch_images_sum")}
 
 
 # --- choosing it ----------------------------------------------------------------------------------

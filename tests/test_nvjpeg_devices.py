@@ -13,7 +13,14 @@ import numpy as np
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
-from test_nvjpeg_decode import PillowStandIn, jpeg, models, photo, stand_in  # noqa: F401 (stand_in: a fixture)
+from test_nvjpeg_decode import (  # noqa: F401 (stand_in: a fixture)
+    PillowStandIn,
+    forward_figures,
+    jpeg,
+    models,
+    photo,
+    stand_in,
+)
 
 from encoder_service.config import ServiceConfig, parse_serve_args
 from encoder_service.engine import Engine, ImageInput
@@ -86,11 +93,11 @@ def test_nvjpeg_with_devices_is_accepted_at_start_up():
 
 # --- worker processes with the stand-in ------------------------------------------------------------
 def run_engine(config: ServiceConfig, batches: list[list[bytes]], bad: tuple[bytes, ...] = (),
-               boom: tuple[bytes, ...] = ()):
+               boom: tuple[bytes, ...] = (), metrics: ServiceMetrics | None = None):
     """Each batch's images encoded as concurrent one-image requests (a long batch wait puts them in
     one forward); returns (the engine's description, each batch's results or errors)."""
     async def main():
-        engine = Engine(config, metrics=ServiceMetrics(CollectorRegistry()),
+        engine = Engine(config, metrics=metrics or ServiceMetrics(CollectorRegistry()),
                         worker_setup=functools.partial(install_stand_in, bad, boom))
         await engine.start()
         try:
@@ -135,7 +142,8 @@ def test_an_undecodable_jpeg_fails_alone_in_a_worker_process_and_its_batch_mates
     # The bad file beside a good one; then a batch of nothing but bad files (no forward at all);
     # then the worker still serves.
     batches = [[GOOD[1], BAD[0]], list(BAD), [GOOD[0]]]
-    _, (mixed, only_bad, after) = run_engine(devices_config("cpu"), batches, bad=BAD)
+    metrics = ServiceMetrics(CollectorRegistry())
+    _, (mixed, only_bad, after) = run_engine(devices_config("cpu"), batches, bad=BAD, metrics=metrics)
     ok, failed = mixed
     assert isinstance(failed, InvalidInput) and "could not be decoded on the device" in str(failed)
     np.testing.assert_allclose(ok.embedding.float().numpy(), in_process_embedding(gpu, GOOD[1]).numpy(),
@@ -143,6 +151,8 @@ def test_an_undecodable_jpeg_fails_alone_in_a_worker_process_and_its_batch_mates
     assert all(isinstance(r, InvalidInput) for r in only_bad)
     np.testing.assert_allclose(after[0].embedding.float().numpy(), in_process_embedding(gpu, GOOD[0]).numpy(),
                                rtol=1e-5, atol=1e-6)
+    # Two forwards of one image each, however the mixed pair was batched: the bad files ran none.
+    assert forward_figures(metrics) == {"batches": 2, "images": 2}
 
 
 @pytest.mark.usefixtures("stand_in")

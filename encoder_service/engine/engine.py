@@ -379,20 +379,24 @@ class Engine:
     def _on_batch_done(self, outcome: BatchOutcome) -> None:
         device, m = outcome.device, self.metrics
         self._watchdog.batch_done(device)
-        m.record_forward(device, outcome.forward_s, len(outcome.items), sum(item.num_patches for item in outcome.items),
-                         outcome.preprocess_s)
+        ran = outcome.ran
+        if ran:  # a batch whose every image failed to decode ran no forward: no time to count
+            m.record_forward(device, outcome.forward_s, len(ran), sum(item.num_patches for item in ran),
+                             outcome.preprocess_s)
         forward_ms = outcome.forward_s * 1000.0
+        embeddings = iter(outcome.embeddings or ())
         for i, item in enumerate(outcome.items):
             job: Job = item.job
             job.item = None
             if self._inflight.get(job.key) is job:
                 del self._inflight[job.key]
             job.timing.forward_ms = forward_ms
-            if outcome.error is not None:
+            error = outcome.item_errors.get(i) or outcome.error
+            if error is not None:
                 job.state = "failed"
-                job.done.set_exception(outcome.error)
+                job.done.set_exception(error)
                 continue
-            embedding: torch.Tensor = outcome.embeddings[i]
+            embedding: torch.Tensor = next(embeddings)
             patches = item.num_patches
             m.images_encoded.labels(device=device).inc()
             m.patches_encoded.inc(patches)

@@ -264,16 +264,11 @@ class WorkerProcess:
         _, slot, batch, started = entry
         _, _, forward_s, preprocess_s, self.memory, failed = msg
         # Images the worker's device could not decode fail alone, as in-process (worker.py).
-        for index, error in failed.items():
-            self._post(self._on_batch_done, BatchOutcome([batch[index]], None, error, started, 0.0,
-                                                         self.device.label))
         rest = [item for index, item in enumerate(batch) if index not in failed]
-        if not rest:
-            return
         # Its output slot is written again only by the batch three after it: not yet sent.
-        embeddings = copy_out(self._out[slot], rest, self.front)
-        self._post(self._on_batch_done, BatchOutcome(rest, embeddings, None, started, forward_s, self.device.label,
-                                                     preprocess_s))
+        embeddings = copy_out(self._out[slot], rest, self.front) if rest else []
+        self._post(self._on_batch_done, BatchOutcome(batch, embeddings, None, started, forward_s if rest else 0.0,
+                                                     self.device.label, preprocess_s, failed))
 
     def _fail(self, batch: list[WorkItem], started: float, error: BaseException) -> None:
         self._post(self._on_batch_done, BatchOutcome(batch, None, error, started, time.perf_counter() - started,

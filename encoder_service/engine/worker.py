@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,20 +33,32 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class BatchOutcome:
+    """A batch's one answer (the watchdog and the forward metrics count one per batch)."""
+
     items: list[WorkItem]
-    embeddings: list[torch.Tensor] | None  # CPU tensors with their own storage, one per item
-    error: BaseException | None
+    # CPU tensors with their own storage, one per item not in item_errors, in order
+    embeddings: list[torch.Tensor] | None
+    error: BaseException | None  # the whole batch failed
     started_at: float  # perf_counter at the start of the forward
     forward_s: float  # the device's time for the batch (preprocessing + forward + copy back) where known
     device: str = ""  # the device that ran it (metrics label)
     preprocess_s: float | None = None  # the device's preprocessing part of forward_s where timed
+    # Items that failed alone before the forward (a JPEG the device could not decode), by their
+    # index in items: their batch mates ran without them.
+    item_errors: dict[int, BaseException] = field(default_factory=dict)
+
+    @property
+    def ran(self) -> list[WorkItem]:
+        """The items that went through the forward (or were in it when the batch failed)."""
+        return [item for i, item in enumerate(self.items) if i not in self.item_errors]
 
 
 @dataclass
 class _InFlight:
     batch: list[WorkItem]
     started: float
-    pending: Any  # the model's PendingEmbeddings
+    pending: Any  # the model's PendingEmbeddings, of the batch's items not in failed
+    failed: dict[int, BaseException]
 
 
 def _owned(parts: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -127,30 +139,31 @@ class DeviceWorker:
             pending, failed = launch_decodable(self._model, [item.payload for item in batch])
         except Exception as exc:
             return self._failed(batch, started, exc)
-        for index, error in failed.items():
-            self._post(self._on_batch_done, BatchOutcome([batch[index]], None, error, started, 0.0, self.label))
-        rest = [item for index, item in enumerate(batch) if index not in failed]
-        return _InFlight(rest, started, pending) if pending is not None else None
+        if pending is None:  # nothing in the batch could be decoded: no forward ran
+            return BatchOutcome(batch, [], None, started, 0.0, self.label, item_errors=failed)
+        return _InFlight(batch, started, pending, failed)
 
     def _finish(self, in_flight: _InFlight) -> BatchOutcome:
-        batch, started = in_flight.batch, in_flight.started
+        batch, started, failed = in_flight.batch, in_flight.started, in_flight.failed
         try:
             embeddings = _owned(in_flight.pending.wait())
-            if len(embeddings) != len(batch):
-                raise RuntimeError(f"model returned {len(embeddings)} embeddings for {len(batch)} images")
+            if len(embeddings) != len(batch) - len(failed):
+                raise RuntimeError(f"model returned {len(embeddings)} embeddings for {len(batch) - len(failed)} images")
         except Exception as exc:
-            return self._failed(batch, started, exc)
+            return self._failed(batch, started, exc, failed)
         # The device's own time where it has one: with two batches in flight, the wall time since
         # launch also counts the wait for the batch ahead.
         device_s = in_flight.pending.device_seconds()
         forward_s = device_s if device_s is not None else time.perf_counter() - started
         return BatchOutcome(batch, embeddings, None, started, forward_s, self.label,
-                            in_flight.pending.device_preprocess_seconds())
+                            in_flight.pending.device_preprocess_seconds(), failed)
 
-    def _failed(self, batch: list[WorkItem], started: float, exc: Exception) -> BatchOutcome:
+    def _failed(self, batch: list[WorkItem], started: float, exc: Exception,
+                item_errors: dict[int, BaseException] | None = None) -> BatchOutcome:
         # Reported to the waiting requests; the worker keeps serving.
         log.error("forward of a batch of %d images failed", len(batch), exc_info=exc)
-        return BatchOutcome(batch, None, exc, started, time.perf_counter() - started, self.label)
+        return BatchOutcome(batch, None, exc, started, time.perf_counter() - started, self.label,
+                            item_errors=dict(item_errors or {}))
 
     def _post(self, fn: Callable, arg: object) -> None:
         post_to_loop(self._loop, fn, arg)
