@@ -45,9 +45,25 @@ class NotFound(EncoderError, KeyError):
 
 
 class ResourceExhausted(EncoderError):
-    """Over a configured limit: message size, image size, batch tokens, queue depth."""
+    """Over a configured limit: message size, image size, batch tokens, queue depth.
+
+    ``retry_after_s`` tells the two kinds apart, and reaches the caller as gRPC's retry pushback
+    (``grpc-retry-pushback-ms``, gRFC A6): set for a momentary limit (a full queue, a client's
+    calls in progress), which the same request may pass a little later or on another replica;
+    None for a request that is itself over a limit (an image with too many patches or pixels),
+    which no retry can pass (pushback -1: "do not retry").
+    """
 
     code = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str, *, image_index: int | None = None, retry_after_s: float | None = None) -> None:
+        super().__init__(message, image_index=image_index)
+        self.retry_after_s = retry_after_s
+
+
+# A full queue or a client's limit frees up within about a batch's forward on a GPU (0.1-0.5 s):
+# the pushback a momentary refusal asks for.
+RETRY_AFTER_S = 1.0
 
 
 class Unauthenticated(EncoderError):

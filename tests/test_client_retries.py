@@ -73,6 +73,28 @@ def test_other_errors_are_raised_at_once_with_the_servers_message(
     assert fake.encode_calls == 1
 
 
+@pytest.mark.parametrize(("trailers", "pushback", "may_pass"), [
+    ((("grpc-retry-pushback-ms", "1000"),), 1000, True),  # a full queue: the same request may pass later
+    ((("grpc-retry-pushback-ms", "-1"),), -1, False),  # an image over a limit: no retry can pass
+    # gRFC A6: unparseable means do not retry (gRPC's core hands the client its own negative value)
+    ((("grpc-retry-pushback-ms", "soon"),), "negative", False),
+    ((), None, False),  # gRPC's own message-size refusal sends none
+])
+def test_a_resource_exhausted_says_whether_a_retry_may_pass(
+    client: EncoderClient, fake: FakeVisionEncoder, trailers, pushback, may_pass
+) -> None:
+    # Fake only: scripted trailers. The real server's are pinned in tests/test_server_errors.py and
+    # tests/test_server_lifecycle.py.
+    fake.fail_next.append(Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "over", trailers=trailers))
+    with pytest.raises(EncoderClientError) as info:
+        client.encode([b"a"])
+    got = info.value.retry_pushback_ms
+    if pushback == "negative" and got is not None and got < 0:
+        got = "negative"
+    assert (got, info.value.retry_may_pass) == (pushback, may_pass)
+    assert fake.encode_calls == 1  # RESOURCE_EXHAUSTED is never retried by the client itself
+
+
 def test_an_unknown_hash_is_not_found(client: EncoderClient, srv: Server) -> None:
     with pytest.raises(EncoderClientError) as info:
         client.encode([HashRef("ab" * 32)])

@@ -16,11 +16,13 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 from aiohttp import web
 from encoder_client import EncoderClient
 from encoder_client.cli import _security, build_parser
 from encoder_client.integrations.proxy import EpdProxy, ProxySettings, settings_from_args
+from encoder_client.testing import Failure, FakeVisionEncoder, serve_fake
 
 from tests.client_servers import png
 
@@ -302,6 +304,38 @@ def test_the_encoder_being_down_is_a_503_and_vllm_is_not_called(vllm):
         assert get(served.port, "/health")[0] == 200  # requests without images still go through
     finally:
         served.close()
+
+
+def test_an_image_over_the_encoders_limits_is_a_413_naming_it_and_vllm_is_not_called(proxy, vllm):
+    # 2100 x 2100 = 4.41 M pixels, over the test encoder's --max-image-pixels 4000000: a retry
+    # cannot pass, so not the 503 an overloaded encoder gets (a client would retry that in vain).
+    before = len(vllm.received)
+    status, answer, headers = post(proxy, chat(data_url(png(717)), data_url(png(718, size=(2100, 2100), solid=True))))
+    message = json.loads(answer)["error"]["message"]
+    assert status == 413, answer
+    assert "over its limits" in message and "pixel" in message and "messages[0].content[1]" in message
+    assert "Retry-After" not in headers
+    assert len(vllm.received) == before
+
+
+def test_an_encoder_with_a_full_queue_is_a_503_with_its_retry_after(vllm):
+    # Fake encoder: a full queue on cue, with the pushback the real server sends with it
+    # (tests/test_server_lifecycle.py pins that).
+    fake = FakeVisionEncoder()
+    fake.fail_next.append(Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full: 64 images waiting",
+                                  trailers=(("grpc-retry-pushback-ms", "1000"),)))
+    with serve_fake(fake) as target:
+        served = Served(EpdProxy(ProxySettings(encoder=[target], vllm=vllm.url)).app())
+        try:
+            before = len(vllm.received)
+            status, answer, headers = post(served.port, chat(data_url(png(719))))
+            assert status == 503, answer
+            assert "queue full" in json.loads(answer)["error"]["message"]
+            assert headers["Retry-After"] == "1"
+            assert len(vllm.received) == before
+            assert post(served.port, chat(data_url(png(719))))[0] == 200  # the queue has room again
+        finally:
+            served.close()
 
 
 def test_several_encoders_route_around_one_that_is_down(start_proxy, encoder_server, vllm):

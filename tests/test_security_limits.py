@@ -63,6 +63,7 @@ def test_a_client_over_its_limit_is_refused_while_others_are_served(server):
             list(stub.Encode(request(3), metadata=bearer("client-a")))
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "--max-requests-per-client 2" in info.value.details()
+        assert dict(info.value.trailing_metadata())["grpc-retry-pushback-ms"] == "1000"  # may pass later
 
         with EncoderClient(server.target, token="client-b", timeout_s=10, retries=0) as other:
             assert other.encode([png(4)])[0].num_tokens == 4  # another client: served meanwhile

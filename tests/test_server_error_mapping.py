@@ -74,6 +74,31 @@ def test_typed_errors_become_their_status_and_are_counted_under_it(exc, code, de
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("exc, pushback", [
+    (ResourceExhausted("queue full", retry_after_s=1.0), "1000"),  # momentary: retry a second later
+    (ResourceExhausted("image has 5000 patches"), "-1"),  # the request itself is over: never retry
+])
+def test_a_resource_exhausted_says_in_its_trailers_whether_a_retry_can_pass(exc, pushback):
+    async def main():
+        async with serving(raising(exc)) as s:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await s.lookup(b"")
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert dict(info.value.trailing_metadata())["grpc-retry-pushback-ms"] == pushback
+
+    asyncio.run(main())
+
+
+def test_other_errors_carry_no_retry_pushback():
+    async def main():
+        async with serving(raising(InvalidInput("bad grid"))) as s:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await s.lookup(b"")
+            assert "grpc-retry-pushback-ms" not in dict(info.value.trailing_metadata() or ())
+
+    asyncio.run(main())
+
+
 def test_unexpected_errors_are_internal_and_leak_nothing(caplog):
     async def main():
         async with serving(raising(RuntimeError("secret path /opt/model/x.py line 3"))) as s:

@@ -114,6 +114,8 @@ def test_bad_input_gets_its_status_and_names_the_image(stub, case):
 
     assert re.search(pattern, info.value.details()), info.value.details()
     assert "Traceback" not in info.value.details()
+    if code == EXHAUSTED:  # the request itself is over a limit: gRPC's pushback says "do not retry"
+        assert dict(info.value.trailing_metadata())["grpc-retry-pushback-ms"] == "-1"
     chunks = encode(stub, pb.EncodeRequest(images=[GOOD]))  # the server is still fine
     assert chunks[-1].last and chunks[-1].num_tokens == 4
 

@@ -94,6 +94,7 @@ def test_full_queue_is_refused_at_once_and_cancel_or_deadline_frees_slots(start_
             list(stub.Encode(request(patches((1, 4, 4), 22)), timeout=60))
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "queue full" in info.value.details() and "--max-queue-images 3" in info.value.details()
+        assert dict(info.value.trailing_metadata())["grpc-retry-pushback-ms"] == "1000"  # may pass later
         # Refused, not admitted later: no slot was awaited. The bound is generous for a loaded CI
         # machine whose cores the running forward keeps busy.
         assert time.monotonic() - t0 < 10.0

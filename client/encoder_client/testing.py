@@ -63,11 +63,19 @@ def _wire_bytes(embedding: np.ndarray, dtype: int) -> bytes:
 
 @dataclass
 class Failure:
-    """A scripted failure of the next Encode call: abort with code/details after some chunks."""
+    """A scripted failure of the next Encode call: abort with code/details (and trailing
+    metadata, e.g. ``(("grpc-retry-pushback-ms", "1000"),)``) after some chunks."""
 
     code: grpc.StatusCode
     details: str
     after_chunks: int = 0
+    trailers: tuple[tuple[str, str], ...] = ()
+
+
+def _abort(context: grpc.ServicerContext, failure: Failure) -> None:
+    if failure.trailers:
+        context.set_trailing_metadata(failure.trailers)
+    context.abort(failure.code, failure.details)
 
 
 class FakeVisionEncoder(encoder_pb2_grpc.VisionEncoderServicer):
@@ -114,7 +122,7 @@ class FakeVisionEncoder(encoder_pb2_grpc.VisionEncoderServicer):
             self.metadata.append(dict(context.invocation_metadata()))
             failure = self.fail_next.pop(0) if self.fail_next else None
         if failure is not None and failure.after_chunks == 0:
-            context.abort(failure.code, failure.details)
+            _abort(context, failure)
         if not request.images:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request has no images")
         end = time.monotonic() + self.delay_s
@@ -156,7 +164,7 @@ class FakeVisionEncoder(encoder_pb2_grpc.VisionEncoderServicer):
             for queue in queues:
                 if queue:
                     if failure is not None and sent == failure.after_chunks:
-                        context.abort(failure.code, failure.details)
+                        _abort(context, failure)
                     yield queue.pop(0)
                     sent += 1
 

@@ -27,7 +27,7 @@ import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 
 from ..metrics import VISION_ENCODER, ServiceMetrics
-from .errors import to_status
+from .errors import to_status, trailers
 from .interceptors import method_path, wrap_behaviour
 
 
@@ -98,7 +98,7 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             # Counted before the status goes out: abort sends it at once, and a caller that has
             # seen the status must find the request counted.
             record(code)
-            await context.abort(status, message)
+            await context.abort(status, message, trailing_metadata=trailers(exc))
         finally:
             if not recorded:
                 record(code)

@@ -10,7 +10,7 @@ import logging
 
 import grpc
 
-from ..errors import EncoderError
+from ..errors import EncoderError, ResourceExhausted
 
 log = logging.getLogger(__name__)
 
@@ -18,6 +18,9 @@ log = logging.getLogger(__name__)
 # busiest (or probed): counted in encoder_service_requests_total{code}, logged only at DEBUG.
 _QUIET_CODES = ("RESOURCE_EXHAUSTED", "UNAVAILABLE", "UNAUTHENTICATED")
 INTERNAL_MESSAGE = "internal error in the encoder service (details are in its log)"
+# gRFC A6: a client whose retry policy covers the status waits this many milliseconds before its
+# retry; a negative value asks it not to retry at all.
+PUSHBACK_KEY = "grpc-retry-pushback-ms"
 
 
 def status_code(exc: EncoderError) -> grpc.StatusCode:
@@ -32,3 +35,13 @@ def to_status(method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
         return status, str(exc)
     log.error("%s failed", method, exc_info=exc)
     return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE
+
+
+def trailers(exc: Exception) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata that goes with ``exc``'s status: for RESOURCE_EXHAUSTED, whether and
+    when a retry of the same request can pass (a full queue: after the pushback; an image over a
+    limit: never). Proxies turn it into HTTP 503 + Retry-After against 413."""
+    if not isinstance(exc, ResourceExhausted):
+        return ()
+    pushback = -1 if exc.retry_after_s is None else round(exc.retry_after_s * 1000)
+    return ((PUSHBACK_KEY, str(pushback)),)

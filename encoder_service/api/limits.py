@@ -18,7 +18,7 @@ from collections import Counter
 
 import grpc
 
-from ..errors import ResourceExhausted
+from ..errors import RETRY_AFTER_S, ResourceExhausted
 from ..metrics import VISION_ENCODER
 from .auth import client_identity, presented_token
 from .interceptors import method_path, wrap_behaviour
@@ -98,7 +98,7 @@ class PerClientLimitInterceptor(grpc.aio.ServerInterceptor):
                 log.info("%s refused: %s has %d Encode calls in progress", details.method, client, limits.limit)
                 raise ResourceExhausted(f"{client} already has {limits.limit} Encode calls in progress, the "
                                         f"most this server allows per client (--max-requests-per-client "
-                                        f"{limits.limit}); retry when one has finished")
+                                        f"{limits.limit}); retry when one has finished", retry_after_s=RETRY_AFTER_S)
             try:
                 yield
             finally:

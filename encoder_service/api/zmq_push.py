@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from ..errors import InvalidInput, PermissionDenied, ResourceExhausted, Unavailable
+from ..errors import RETRY_AFTER_S, InvalidInput, PermissionDenied, ResourceExhausted, Unavailable
 from ..sink_allowlist import SinkAllowlist, parse_target
 
 MAX_PENDING_REQUESTS = 4096
@@ -73,7 +73,7 @@ class Destinations:
                 del self._entries[key]
             if len(self._entries) >= self.max_pending:
                 raise ResourceExhausted(f"{len(self._entries)} requests already wait for receivers or an "
-                                        f"Encode; at most {self.max_pending}")
+                                        f"Encode; at most {self.max_pending}", retry_after_s=RETRY_AFTER_S)
             entry = self._entries[req_id] = _Entry()
         entry.expires = now + self.ttl_s
         return entry

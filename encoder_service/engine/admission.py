@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import Gauge
 
-from ..errors import ResourceExhausted
+from ..errors import RETRY_AFTER_S, ResourceExhausted
 
 
 class Admission:
@@ -28,7 +28,7 @@ class Admission:
         if self.waiting + n > self.max_waiting_images:
             raise ResourceExhausted(
                 f"queue full: {self.waiting} images waiting, {n} more would exceed --max-queue-images "
-                f"{self.max_waiting_images}; retry later or on another replica")
+                f"{self.max_waiting_images}; retry later or on another replica", retry_after_s=RETRY_AFTER_S)
         self.waiting += n
         self._gauge.set(self.waiting)
 

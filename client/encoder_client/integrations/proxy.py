@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +47,6 @@ log = logging.getLogger("encoder_client.proxy")
 # Hop-by-hop headers, and those aiohttp recomputes for the body it sends.
 _NOT_FORWARDED = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
                             "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length"})
-_ENCODER_BUSY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 @dataclass
@@ -93,13 +93,20 @@ class EncoderBridge:
 
 
 def _error(err: ProxyRequestError) -> web.Response:
-    return web.json_response(err.body(), status=err.status)
+    return web.json_response(err.body(), status=err.status, headers=err.headers)
 
 
 def _encoder_error(err: EncoderClientError, parts: Sequence[ImagePart]) -> ProxyRequestError:
     names = ", ".join(f"images[{k}] = {p.where}" for k, p in enumerate(parts))
-    if err.code in _ENCODER_BUSY:
-        return ProxyRequestError(503, f"encoder service unavailable ({err.code.name}: {err.details})")
+    if err.retry_may_pass:  # down, too slow, or a full queue: the same request may pass later
+        headers = {}
+        if err.retry_pushback_ms is not None and err.retry_pushback_ms >= 0:
+            headers["Retry-After"] = str(max(1, math.ceil(err.retry_pushback_ms / 1000)))
+        return ProxyRequestError(503, f"encoder service unavailable ({err.code.name}: {err.details})",
+                                 headers=headers)
+    if err.code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # an image over the encoder's limits: final
+        return ProxyRequestError(413, f"the encoder refused an image of this request as over its limits "
+                                      f"({err.details}); {names}")
     if err.code == grpc.StatusCode.INVALID_ARGUMENT:
         return bad_request(f"the encoder refused an image of this request ({err.details}); {names}")
     return ProxyRequestError(502, f"encoder service failed ({err.code.name}: {err.details})")

@@ -25,11 +25,13 @@ MM_KWARGS_POLICIES = ("refuse", "strip")
 class ProxyRequestError(Exception):
     """A request the proxy answers itself, with ``status`` and an OpenAI-style error body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         kind = {400: "BadRequestError", 413: "RequestEntityTooLarge", 502: "BadGateway",
