@@ -5,10 +5,12 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import numpy as np
 import pytest
-from encoder_client import EncoderClient, RoutingEncoderClient
+from encoder_client import EncoderClient, EncoderClientError, RoutingEncoderClient
 from encoder_client.routing import rendezvous_rank, resolve_targets
+from encoder_client.testing import Failure, FakeVisionEncoder, serve_fake
 
 GRID = (1, 4, 4)
 
@@ -126,6 +128,47 @@ def test_hash_first_resends_pixels_when_an_entry_is_evicted_after_lookup(three_e
         results = client.encode(images, hash_first=True)
         assert images_by_source(server, "patches") == sent_before + 2
     assert [r.index for r in results] == [0, 1] and not any(r.cache_hit for r in results)
+
+
+def refusal(pushback: str) -> Failure:
+    return Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, f"refused (pushback {pushback})",
+                   trailers=(("grpc-retry-pushback-ms", pushback),))
+
+
+def test_a_full_encoder_passes_its_images_to_the_next_and_stays_in_the_ring():
+    fakes = [FakeVisionEncoder(), FakeVisionEncoder()]
+    with serve_fake(fakes[0]) as a, serve_fake(fakes[1]) as b, RoutingEncoderClient([a, b]) as client:
+        image = b"photo"
+        first = rendezvous_rank(_hash(client, image), [a, b])[0]
+        owner, other = (fakes[0], fakes[1]) if first == a else (fakes[1], fakes[0])
+        owner.fail_next.append(refusal("1000"))  # its queue is full, once
+        (result,) = client.encode([image])
+        assert result.index == 0 and (owner.encode_calls, other.encode_calls) == (1, 1)
+        client.encode([image])  # the owner was not marked down: the image goes home again
+        assert (owner.encode_calls, other.encode_calls) == (2, 1)
+
+        for fake in fakes:  # every encoder full: the refusal comes back, pushback and all
+            fake.fail_next.append(refusal("1000"))
+        with pytest.raises(EncoderClientError) as info:
+            client.encode([image])
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and info.value.retry_pushback_ms == 1000
+
+
+def test_an_image_over_an_encoders_limits_is_not_sent_to_another():
+    fakes = [FakeVisionEncoder(), FakeVisionEncoder()]
+    with serve_fake(fakes[0]) as a, serve_fake(fakes[1]) as b, RoutingEncoderClient([a, b]) as client:
+        for fake in fakes:
+            fake.fail_next.append(refusal("-1"))
+        with pytest.raises(EncoderClientError) as info:
+            client.encode([b"huge"])
+        assert info.value.retry_pushback_ms == -1
+        assert sum(f.encode_calls for f in fakes) == 1  # a retry elsewhere cannot pass either
+
+
+def _hash(client: RoutingEncoderClient, image: bytes) -> str:
+    from encoder_client._request import content_hash, image_to_proto
+
+    return content_hash(image_to_proto(0, image), client.cache_namespace())
 
 
 def test_no_healthy_encoder_is_unavailable():

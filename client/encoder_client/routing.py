@@ -9,8 +9,11 @@ random weight hashing: ``sha256(target, hash)``), so a repeated image lands wher
 when an encoder leaves only the images it owned move. Targets whose health service does not say
 SERVING are skipped (checked at most every ``health_interval_s``); an Encode that fails UNAVAILABLE
 (an encoder stopping, draining or unreachable) marks that encoder down and its images go to their
-next-ranked encoder. One request's images are split by encoder and the parts run in parallel;
-results come back in request order, ``index`` being the image's position in the request.
+next-ranked encoder. One refused for a momentary limit (RESOURCE_EXHAUSTED with a retry pushback
+>= 0: its queue is full) stays up, and only that call's images go to their next-ranked encoder;
+a request itself over a limit (pushback -1) is raised at once. One request's images are split by
+encoder and the parts run in parallel; results come back in request order, ``index`` being the
+image's position in the request.
 """
 
 from __future__ import annotations
@@ -33,6 +36,11 @@ from encoder_client.types import EncodedImage, ImageInput
 
 # Codes after which the same request may go to another encoder: it did no lasting work there.
 FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE,)
+
+
+def _full(err: EncoderClientError) -> bool:
+    """A momentary refusal (a full queue): the encoder is up, the images may go to the next one."""
+    return err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.retry_may_pass
 
 
 def resolve_targets(targets: str | Sequence[str]) -> list[str]:
@@ -236,10 +244,11 @@ class RoutingEncoderClient:
                         result.index = i
                         results[i] = result
                 except EncoderClientError as err:
-                    if err.code not in FAILOVER_CODES:
+                    if err.code not in FAILOVER_CODES and not _full(err):
                         raise
                     last_error = err
-                    self.mark_down(target)
+                    if not _full(err):  # a full encoder stays up: only these images move on
+                        self.mark_down(target)
                     for i in idx:
                         tried[i].add(target)
                     todo.extend(idx)
