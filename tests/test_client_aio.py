@@ -76,6 +76,21 @@ def test_async_retries_unavailable_only(target: str, fake: FakeVisionEncoder) ->
     assert fake.encode_calls == 3
 
 
+def test_async_a_full_queue_comes_with_the_servers_retry_pushback(target: str, fake: FakeVisionEncoder) -> None:
+    # Fake only: the trailer the real server sends with a full queue (tests/test_server_lifecycle.py).
+    fake.fail_next.append(Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full",
+                                  trailers=(("grpc-retry-pushback-ms", "1000"),)))
+
+    async def run():
+        async with AsyncEncoderClient(target, **FAST_RETRY) as client:
+            with pytest.raises(EncoderClientError) as info:
+                await client.encode([b"img"])
+            return info.value
+
+    err = asyncio.run(run())
+    assert (err.code, err.retry_pushback_ms, err.retry_may_pass) == (grpc.StatusCode.RESOURCE_EXHAUSTED, 1000, True)
+
+
 def test_async_a_stream_that_already_sent_chunks_is_not_retried(target: str, fake: FakeVisionEncoder) -> None:
     # Fake only: scripted failures (fake.fail_next), counted by the fake's recorded requests.
     fake.fail_next.append(Failure(grpc.StatusCode.UNAVAILABLE, "draining", after_chunks=1))
