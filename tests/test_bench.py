@@ -104,6 +104,8 @@ def test_a_shallow_checkpoint_keeps_the_widths_and_refuses_to_drop_deepstack_lev
 def test_the_multi_gpu_scaling_benchmark_runs_its_setups_with_worker_processes(tmp_path):
     # bench/multi_gpu_scaling.py is what the two-GPU gpu test runs: on CPU workers (--devices cpu) it
     # must still start each setup's server, drive it and report, so a broken option surfaces here.
+    # Images enough not to run out within the window: clients out of new images end it early, and a
+    # window with no forward in it has no per-image figures (a loaded CI machine saw that with 8).
     import json
     import subprocess
     import sys
@@ -113,7 +115,7 @@ def test_the_multi_gpu_scaling_benchmark_runs_its_setups_with_worker_processes(t
     out = tmp_path / "scaling.json"
     subprocess.run([sys.executable, "bench/multi_gpu_scaling.py", "--setups", "cpu", "--device", "cpu",
                     "--model", "tiny-qwen2.5-vl", "--dtype", "float32", "--concurrency", "2", "--client-procs", "1",
-                    "--seconds", "1", "--images", "8", "--client-start-s", "2", "--transport", "shared-memory",
+                    "--seconds", "2", "--images", "48", "--client-start-s", "2", "--transport", "shared-memory",
                     "--out", str(out), "--", "--max-batch-tokens", "65536"],
                    cwd=REPO_ROOT, check=True, capture_output=True, timeout=240)
     report = json.loads(out.read_text())
