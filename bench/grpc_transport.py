@@ -38,9 +38,9 @@ def parse_options(spec: str) -> list[tuple[str, int]]:
     return pairs
 
 
-async def _serve(port: int, options: list[tuple[str, int]], ready) -> None:
-    payload = os.urandom(CHUNK_BYTES)
-    messages = [payload[:n] for n in _message_sizes()]
+async def _serve(port: int, options: list[tuple[str, int]], chunk_bytes: int, ready) -> None:
+    payload = os.urandom(chunk_bytes)
+    messages = [payload[:n] for n in _message_sizes(chunk_bytes)]
 
     async def stream(request: bytes, context):
         for _ in range(int(request.decode() or 1)):
@@ -57,13 +57,13 @@ async def _serve(port: int, options: list[tuple[str, int]], ready) -> None:
     await server.wait_for_termination()
 
 
-def _message_sizes() -> list[int]:
-    full, rest = divmod(IMAGE_BYTES, CHUNK_BYTES)
-    return [CHUNK_BYTES] * full + ([rest] if rest else [])
+def _message_sizes(chunk_bytes: int) -> list[int]:
+    full, rest = divmod(IMAGE_BYTES, chunk_bytes)
+    return [chunk_bytes] * full + ([rest] if rest else [])
 
 
-def _server_main(port: int, options: list[tuple[str, int]], ready) -> None:
-    asyncio.run(_serve(port, options, ready))
+def _server_main(port: int, options: list[tuple[str, int]], chunk_bytes: int, ready) -> None:
+    asyncio.run(_serve(port, options, chunk_bytes, ready))
 
 
 def _client_main(port: int, options: list[tuple[str, int]], threads: int, t0: float, t1: float, out) -> None:
@@ -110,11 +110,14 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="measured window")
     parser.add_argument("--server-opts", default="", help="server channel arguments, key=int,...")
     parser.add_argument("--client-opts", default="", help="client channel arguments, key=int,...")
+    parser.add_argument("--chunk-bytes", type=int, default=CHUNK_BYTES,
+                        help="bytes per message (the service's --max-chunk-bytes)")
     parser.add_argument("--port", type=int, default=50991)
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     ready, out = ctx.Event(), ctx.Queue()
-    server = ctx.Process(target=_server_main, args=(args.port, parse_options(args.server_opts), ready), daemon=True)
+    server = ctx.Process(target=_server_main, args=(args.port, parse_options(args.server_opts),
+                                                             args.chunk_bytes, ready), daemon=True)
     server.start()
     if not ready.wait(60):
         raise SystemExit("the server did not start")
@@ -132,7 +135,8 @@ def main() -> None:
     for client in clients:
         client.join()
     server.kill()
-    print(json.dumps({"procs": args.procs, "threads": args.threads, "server_opts": args.server_opts,
+    print(json.dumps({"procs": args.procs, "threads": args.threads, "chunk_bytes": args.chunk_bytes,
+                      "server_opts": args.server_opts,
                       "client_opts": args.client_opts, "cpu_count": os.cpu_count(),
                       "gb_per_s": round(total / args.seconds / 1e9, 3),
                       "images_per_s": round(total / args.seconds / IMAGE_BYTES, 1),

@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from encoder_client.dtypes import BF16_AS
 from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
+from encoder_client.protocol.chunks import parse_chunk
 from encoder_client.security import call_metadata
 from encoder_client.shared_memory import DEFAULT_INITIAL_BYTES, RegionPool
 
@@ -25,6 +26,8 @@ MAX_GRPC_INT_OPTION = 2**31 - 1
 # most 4 retries: more are clamped here rather than by the C core (which logs an error for it).
 MAX_GRPC_ATTEMPTS = 5
 RETRYABLE_CODES = ("UNAVAILABLE",)
+_SERVICE = encoder_pb2.DESCRIPTOR.services_by_name["VisionEncoder"]
+ENCODE_METHOD = f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name['Encode'].name}"
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,11 @@ class ClientBase:
             else self._channels.insecure_channel(target, options=options)
         )
         self._stub = encoder_pb2_grpc.VisionEncoderStub(self._channel)
+        # Encode as the generated stub has it, but each chunk's rows are read in place (not copied
+        # by protobuf): see encoder_client.protocol.chunks.
+        self._encode_rpc = self._channel.unary_stream(
+            ENCODE_METHOD, request_serializer=encoder_pb2.EncodeRequest.SerializeToString,
+            response_deserializer=parse_chunk)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._cache_namespace: str | None = None
 

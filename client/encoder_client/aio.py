@@ -124,7 +124,7 @@ class AsyncEncoderClient(ClientBase):
                            on_chunk: Callable[[encoder_pb2.EmbeddingChunk], object]) -> None:
         """One Encode stream, each chunk given to on_chunk (retried by gRPC on UNAVAILABLE while
         nothing of it has arrived)."""
-        call = self._stub.Encode(request, timeout=self._timeout(timeout_s), metadata=self._metadata)
+        call = self._encode_rpc(request, timeout=self._timeout(timeout_s), metadata=self._metadata)
         try:
             async for chunk in call:
                 on_chunk(chunk)

@@ -129,7 +129,7 @@ class EncoderClient(ClientBase):
     def _call_encode(self, request: encoder_pb2.EncodeRequest, timeout_s: float | None,
                      consume: Callable[[Any], _Resp]) -> _Resp:
         """One Encode stream (retried by gRPC on UNAVAILABLE while nothing of it has arrived)."""
-        call = self._stub.Encode(request, timeout=self._timeout(timeout_s), metadata=self._metadata)
+        call = self._encode_rpc(request, timeout=self._timeout(timeout_s), metadata=self._metadata)
         try:
             return consume(call)
         except grpc.RpcError as err:

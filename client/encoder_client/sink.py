@@ -49,12 +49,14 @@ import numpy as np
 from encoder_client._reassembly import Reassembler
 from encoder_client.errors import EncoderClientError
 from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
+from encoder_client.protocol.chunks import parse_chunk
 from encoder_client.protocol.dtypes import dtype_name, wire_numpy_dtype
 from encoder_client.types import EncodedImage
 
 DEFAULT_MAX_BUFFERED_BYTES = 1 << 30
 DEFAULT_REQUEST_TIMEOUT_S = 120.0
 MAX_IMAGES_PER_REQUEST = 65536
+SINK_SERVICE = encoder_pb2.DESCRIPTOR.services_by_name["EmbeddingSink"].full_name
 
 
 @dataclass(frozen=True)
@@ -169,7 +171,13 @@ class EmbeddingSinkReceiver(encoder_pb2_grpc.EmbeddingSinkServicer):
         self._janitor: asyncio.Task | None = None
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
-        encoder_pb2_grpc.add_EmbeddingSinkServicer_to_server(self, server)
+        # The generated registration, but each pushed chunk's rows are read in place (not copied by
+        # protobuf): see encoder_client.protocol.chunks.
+        handlers = {"Push": grpc.stream_unary_rpc_method_handler(
+            self.Push, request_deserializer=parse_chunk,
+            response_serializer=encoder_pb2.PushAck.SerializeToString)}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SINK_SERVICE, handlers),))
+        server.add_registered_method_handlers(SINK_SERVICE, handlers)
 
     # --- the decode server's side --------------------------------------------------------------------
     def expect(self, request_id: str) -> PendingRequest:

@@ -17,6 +17,7 @@ from concurrent.futures import Executor
 
 import numpy as np
 from encoder_client.protocol import BY_NAME, encoder_pb2
+from encoder_client.protocol.chunks import data_field_prefix
 
 from ..engine import ImageResult
 
@@ -69,21 +70,6 @@ def region_chunk(result: ImageResult, *, request_id: str, out_dtype: str | None,
     return header.SerializeToString()
 
 
-_DATA_TAG = bytes([(9 << 3) | 2])  # EmbeddingChunk.data: field 9, length-delimited
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
 def serialize_chunk(chunk: bytes | encoder_pb2.EmbeddingChunk) -> bytes:
     """The Encode response serializer: chunks from ``serialized_chunks`` are already bytes."""
     return chunk if isinstance(chunk, bytes) else chunk.SerializeToString()
@@ -100,7 +86,7 @@ def serialized_chunks(result: ImageResult, *, request_id: str, out_dtype: str | 
         payload = data[start * row_bytes:stop * row_bytes]
         prefix = header.SerializeToString()
         if len(payload):  # proto3 leaves an empty bytes field off the wire
-            prefix += _DATA_TAG + _varint(len(payload))
+            prefix += data_field_prefix(len(payload))
         yield _message(prefix, payload)
 
 
