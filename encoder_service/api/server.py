@@ -146,6 +146,7 @@ async def _lame_duck(calls: CallBook, grace_s: float) -> float:
 async def serve(config: ServiceConfig) -> int:
     """Runs until SIGTERM/SIGINT; returns the process exit code."""
     memory.limit_arenas()  # before the decode and worker threads exist (see encoder_service/memory.py)
+    memory.keep_large_blocks_in_heap()  # streamed responses reuse mapped memory (same module)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
