@@ -84,7 +84,12 @@ def test_resending_fifty_images_hits_the_cache_and_stopping_an_encoder_loses_no_
             results = client.encode([images[i] for i in batch])
             assert [r.content_hash for r in results] == [first[i].content_hash for i in batch]
             for i, r in zip(batch, results, strict=True):
-                np.testing.assert_array_equal(r.embedding, first[i].embedding)
+                if rendezvous_rank(first[i].content_hash, targets)[0] != victim.target:
+                    np.testing.assert_array_equal(r.embedding, first[i].embedding)  # its owner's cached bytes
+                else:  # moved to a new owner and encoded there in another batch: float32 on CPU,
+                    # equal up to the summation order of that batch's shapes
+                    assert np.linalg.norm(r.embedding - first[i].embedding) <= 1e-5 * np.linalg.norm(
+                        first[i].embedding)
             done.append(results)
         stopper.join(60)
         assert len(done) == 20 and victim.proc.poll() is not None

@@ -132,8 +132,9 @@ def test_worker_processes_decode_jpegs_as_the_in_process_nvjpeg_path_does():
     assert description.device == "cpu:0,cpu:1"
     for data, result in zip(images, results):
         assert not isinstance(result, BaseException), result
-        np.testing.assert_allclose(result.embedding.float().numpy(), in_process_embedding(gpu, data).numpy(),
-                                   rtol=1e-5, atol=1e-6)
+        got, want = result.embedding.float().numpy(), in_process_embedding(gpu, data).numpy()
+        # float32 on CPU in other processes, batches and thread counts: equal up to summation order.
+        assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
 
 
 @pytest.mark.usefixtures("stand_in")

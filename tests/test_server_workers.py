@@ -67,7 +67,10 @@ def test_embeddings_through_worker_processes_equal_the_in_process_server(two_wor
         assert a.model_info().cache_namespace == b.model_info().cache_namespace
     for g, w in zip(got, want):
         assert g.content_hash == w.content_hash and g.grid_thw == w.grid_thw
-        np.testing.assert_allclose(g.embedding, w.embedding, rtol=1e-5, atol=1e-6)
+        # float32 on CPU: the two servers' forwards run different batches on different thread
+        # counts, so oneDNN sums in a different order (element-wise differences of ~1e-6 seen on
+        # small values); a hand-off that moved or dropped rows would be far off.
+        assert np.linalg.norm(g.embedding - w.embedding) <= 1e-5 * np.linalg.norm(w.embedding)
 
 
 def test_a_kimi_clip_through_a_worker_process_equals_the_model_in_process(start_encoder_server):

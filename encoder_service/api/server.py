@@ -146,7 +146,12 @@ async def _lame_duck(calls: CallBook, grace_s: float) -> float:
 async def serve(config: ServiceConfig) -> int:
     """Runs until SIGTERM/SIGINT; returns the process exit code."""
     memory.limit_arenas()  # before the decode and worker threads exist (see encoder_service/memory.py)
-    memory.keep_large_blocks_in_heap()  # streamed responses reuse mapped memory (same module)
+    if config.device.startswith("cuda"):
+        # Streamed responses reuse mapped memory (same module). Not where this process or its
+        # workers compute on the CPU: there CPU kernels' float32 results depend on where buffers
+        # lie, and heap-served buffers lie differently call by call (seen in 1e-6 differences
+        # between servers given the same image).
+        memory.keep_large_blocks_in_heap()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
