@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import numpy as np
 
@@ -50,9 +52,6 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 def test_kept_heap_serves_megabyte_buffers_again_without_mapping_new_pages():
     # In a child: mallopt is process-wide. Default glibc maps such blocks afresh (or trims them
     # away) each round, so the kernel faults their pages in again every time.
-    import subprocess
-    import sys
-
     def faults(mode: str) -> int:
         out = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT, mode], capture_output=True, text=True,
                              check=True)

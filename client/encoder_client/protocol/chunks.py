@@ -5,7 +5,8 @@ An embedding is megabytes (9.3 MB for a 1008x1008 image of Qwen2.5-VL-7B, 33.5 M
 deepstack levels). Through protobuf each chunk's payload is copied three more times than needed:
 into a bytes object, into the message and into its serialization on the sender; out of the
 received bytes by the parser, and again on every read of ``chunk.data`` on the receiver. Measured
-on one CPU core, those receiver copies took 2-3 ms of a 9.3 MB image, a third of a cache hit.
+on one thread of a 2-core machine, those receiver copies took 2-3 ms of a 9.3 MB image, a fifth to
+a third of a cache hit.
 
 - Sending: ``data_field_prefix(n)`` is the tag and length that precede an ``n``-byte payload, so
   a sender writes header + prefix + payload in one copy (``encoder_service.api.streaming``).
