@@ -24,6 +24,13 @@ GiB = 1 << 30
 MIN_CHUNK_BYTES = 4096
 
 
+def chunk_budget(requested: int, server_max: int) -> int:
+    """The byte budget of a response's chunks: EncodeRequest.max_chunk_bytes (0: the server's
+    --max-chunk-bytes), the server's setting also the ceiling, so a chunk always fits in one gRPC
+    message; the floor keeps the repeated chunk headers a small part of the response."""
+    return max(MIN_CHUNK_BYTES, min(requested or server_max, server_max))
+
+
 def option(default, help: str, *, choices: tuple[str, ...] | None = None, at_least: float | None = None,
            above: float | None = None, note: str | None = None):
     """One option, declared once: its default (and so its type), the --help text, the allowed values
@@ -172,6 +179,15 @@ class ServiceConfig:
         "only where every caller that can reach the port is trusted: the server writes into "
         "the object a request names.",
         choices=("off", "on"))
+    # processes that serve the gRPC port for this one (api/relay.py); 0 = this process serves it
+    grpc_processes: int = option(0,
+        "N > 0: N processes of their own serve the gRPC port (SO_REUSEPORT; TLS ends there) and "
+        "relay each call to this process over a private unix socket; what this process writes "
+        "for them goes through shared memory, so streaming the responses (gRPC copies and sends "
+        "every message on one thread per process) runs in N processes instead of beside the "
+        "decode, cache and batching. One cache, one batch queue, one set of metrics, as with 0. "
+        "Like vLLM's --api-server-count. Needs /dev/shm room for the responses in flight.",
+        at_least=0)
     # Security (README "Security"): every path empty = that feature off.
     # PEM certificate chain of the gRPC port; with tls_key
     tls_cert: str = option("",

@@ -27,6 +27,7 @@ import numpy as np
 from encoder_client.protocol import encoder_pb2
 
 SHM_DIR = "/dev/shm"
+NAME_PREFIX = "encoder-"  # the server writes only into objects named so
 DEFAULT_INITIAL_BYTES = 16 << 20
 ALIGN = 64  # the server's alignment of each image in a region
 _GROW_STEP = 1 << 20
@@ -40,10 +41,10 @@ def _unlink(path: str) -> None:
 class OutputRegion:
     """One shared-memory object of this process, mapped read/write, unlinked by ``close()``."""
 
-    def __init__(self, size: int, directory: str = SHM_DIR) -> None:
+    def __init__(self, size: int, directory: str = SHM_DIR, prefix: str = NAME_PREFIX) -> None:
         if size <= 0:
             raise ValueError(f"a shared-memory region needs a positive size, got {size}")
-        self.name = f"encoder-{os.getpid()}-{secrets.token_hex(8)}"
+        self.name = f"{prefix}{os.getpid()}-{secrets.token_hex(8)}"
         self.size = size
         path = os.path.join(directory, self.name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -86,11 +87,15 @@ def aligned(n: int) -> int:
 class RegionPool:
     """Regions for concurrent calls (one each), thread-safe; grows a region a call outgrew."""
 
-    def __init__(self, initial_bytes: int = DEFAULT_INITIAL_BYTES, directory: str = SHM_DIR) -> None:
+    def __init__(self, initial_bytes: int = DEFAULT_INITIAL_BYTES, directory: str = SHM_DIR,
+                 prefix: str = NAME_PREFIX) -> None:
         if initial_bytes <= 0:
             raise ValueError(f"shared_memory_bytes must be positive, got {initial_bytes}")
+        if not prefix.startswith(NAME_PREFIX):
+            raise ValueError(f"a region's name must start with {NAME_PREFIX!r}, got the prefix {prefix!r}")
         self.region_bytes = initial_bytes
         self._directory = directory
+        self._prefix = prefix
         self._free: list[OutputRegion] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -105,7 +110,7 @@ class RegionPool:
                     return region
                 region.close()  # outgrown by an earlier call
             size = self.region_bytes
-        return OutputRegion(size, self._directory)
+        return OutputRegion(size, self._directory, self._prefix)
 
     def release(self, region: OutputRegion, *, needed_bytes: int, failed: bool) -> None:
         """Back to the pool after its call; ``needed_bytes``: what the call's images took (those that

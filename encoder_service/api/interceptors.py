@@ -21,6 +21,11 @@ log = logging.getLogger(__name__)
 OPEN_SERVICE_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
                          "/grpc.reflection.v1.ServerReflection/")
 
+# Metadata a relay process (api/relay.py) sets on each call it passes on: the caller's own peer
+# (gRPC's peer string), which per-client limits count by. Whatever a caller sent under this key is
+# dropped by the relay.
+RELAYED_PEER = "x-encoder-relayed-peer"
+
 _KINDS = (("unary_unary", grpc.unary_unary_rpc_method_handler),
           ("unary_stream", grpc.unary_stream_rpc_method_handler),
           ("stream_unary", grpc.stream_unary_rpc_method_handler),

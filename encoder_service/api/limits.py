@@ -21,7 +21,7 @@ import grpc
 from ..errors import RETRY_AFTER_S, ResourceExhausted
 from ..metrics import VISION_ENCODER
 from .auth import client_identity, presented_token
-from .interceptors import method_path, wrap_behaviour
+from .interceptors import RELAYED_PEER, metadata_value, method_path, wrap_behaviour
 
 log = logging.getLogger(__name__)
 
@@ -74,16 +74,20 @@ class ConcurrencyLimits:
 class PerClientLimitInterceptor(grpc.aio.ServerInterceptor):
     """Place it after the token interceptor: a token seen here has been accepted."""
 
-    def __init__(self, limit: int, by_token: bool) -> None:
+    def __init__(self, limit: int, by_token: bool, relayed: bool = False) -> None:
         self.limits = ConcurrencyLimits(limit)
         self.by_token = by_token
+        # Behind relay processes (--grpc-processes) every call comes from a relay over a private
+        # socket; the relay names the caller's own peer in RELAYED_PEER.
+        self.relayed = relayed
 
     def _client(self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext) -> str:
         if self.by_token:
             token = presented_token(details)
             if token is not None:
                 return client_identity(token)
-        return "client " + peer_address(context.peer())
+        peer = metadata_value(details, RELAYED_PEER) if self.relayed else None
+        return "client " + peer_address(peer or context.peer())
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)

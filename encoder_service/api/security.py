@@ -47,7 +47,8 @@ def build_security(config: ServiceConfig) -> Security:
     if config.max_requests_per_client > 0:
         # After the token check: a client is identified by a token only once it was accepted.
         s.interceptors.append(PerClientLimitInterceptor(config.max_requests_per_client,
-                                                        by_token=s.tokens is not None))
+                                                        by_token=s.tokens is not None,
+                                                        relayed=config.grpc_processes > 0))
         s.summary.append(f"at most {config.max_requests_per_client} concurrent Encode calls per client "
                          f"(by {'token' if s.tokens else 'IP address'})")
     if config.sink_tls:

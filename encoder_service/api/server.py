@@ -25,6 +25,7 @@ from ..config import ServiceConfig
 from ..engine import Engine
 from ..metrics import VISION_ENCODER, ServiceMetrics
 from .calls import CallBook, ServiceInterceptor
+from .relays import RelayProcesses, RelayStartError
 from .security import SecurityFileError, build_security
 from .servicer import VisionEncoderServicer
 from .streaming import serialize_chunk
@@ -78,8 +79,11 @@ async def _set_health(health_servicer: health.aio.HealthServicer, serving: bool)
 
 
 async def _stop(server: grpc.aio.Server, health_server: grpc.aio.Server | None, grace_s: float,
-                compat=None) -> None:
-    """The health port answers (NOT_SERVING) for as long as the main port (and the SGLang port) drain."""
+                compat=None, relays: RelayProcesses | None = None) -> None:
+    """The health port answers (NOT_SERVING) for as long as the main port (and the SGLang port) drain.
+    Relays stop first: their calls in flight still read from this process's socket."""
+    if relays is not None:
+        await relays.stop(grace_s)
     await asyncio.gather(server.stop(grace_s), *([compat.stop(grace_s)] if compat is not None else []))
     if health_server is not None:
         await health_server.stop(0)
@@ -159,11 +163,15 @@ async def serve(config: ServiceConfig) -> int:
 
     metrics = ServiceMetrics(process=True)  # what --metrics-port serves
     calls = CallBook()
+    relays = RelayProcesses(config, config.grpc_processes) if config.grpc_processes > 0 else None
     try:
         security = build_security(config)
-        servicer = VisionEncoderServicer(config, metrics, calls)  # reads the --sink-tls-* files
+        servicer = VisionEncoderServicer(config, metrics, calls,  # reads the --sink-tls-* files
+                                         relay_region_prefix=relays.region_prefix if relays else "")
     except SecurityFileError as exc:
         log.error("cannot start: %s", exc)
+        if relays is not None:
+            relays.discard()
         return 1
     # First, so that it sees every call to its end, the security interceptors' refusals included.
     interceptors = [ServiceInterceptor(metrics, calls), *security.interceptors]
@@ -178,10 +186,16 @@ async def serve(config: ServiceConfig) -> int:
 
     address = f"{config.host}:{config.port}"
     try:
-        port = (server.add_secure_port(address, security.tls.credentials) if security.tls
-                else server.add_insecure_port(address))
+        if relays is not None:  # the relays own the public port and end TLS (api/relays.py)
+            server.add_insecure_port(relays.upstream)
+            port = 0
+        else:
+            port = (server.add_secure_port(address, security.tls.credentials) if security.tls
+                    else server.add_insecure_port(address))
     except RuntimeError as exc:
-        log.error("cannot bind %s: %s", address, exc)
+        log.error("cannot bind %s: %s", relays.upstream if relays else address, exc)
+        if relays is not None:
+            await relays.stop(0)
         return 1
     health_server = None
     if config.health_port >= 0:
@@ -192,16 +206,26 @@ async def serve(config: ServiceConfig) -> int:
             health_port = health_server.add_insecure_port(health_address)
         except RuntimeError as exc:
             log.error("cannot bind the health port %s: %s", health_address, exc)
+            if relays is not None:
+                relays.discard()
             return 1
         await health_server.start()
         log.info("health port (plaintext, grpc.health.v1 only) on %s:%d", config.host, health_port)
     await server.start()
-    log.info("encoder-service listening on %s:%d (NOT_SERVING until the model is warm)", config.host, port)
+    if relays is not None:
+        try:
+            port = await relays.start()
+        except RelayStartError as exc:
+            log.error("cannot start the gRPC processes: %s", exc)
+            await _stop(server, health_server, 0)
+            return 1
+    log.info("encoder-service listening on %s:%d (NOT_SERVING until the model is warm)%s", config.host, port,
+             f"; {relays.count} gRPC processes relay it to this one" if relays else "")
     try:
         compat = await _start_sglang_compat(config, servicer, metrics, calls, health_servicer)
     except RuntimeError as exc:
         log.error("cannot start the SGLang-compatible port: %s", exc)
-        await _stop(server, health_server, 0)
+        await _stop(server, health_server, 0, relays=relays)
         return 1
     log.info("security: %s", "; ".join(security.summary))
     if config.metrics_port >= 0:
@@ -218,14 +242,14 @@ async def serve(config: ServiceConfig) -> int:
         await asyncio.wait({start, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if not start.done():  # SIGTERM while loading: nothing in flight to drain
             log.info("stopping before the model finished loading")
-            await _stop(server, health_server, 0, compat)
+            await _stop(server, health_server, 0, compat, relays)
             await engine.stop()
             return 0
         stopped.cancel()
         warmup_s = start.result()
     except Exception:
         log.exception("could not load and warm up the model %r", config.model_or_default)
-        await _stop(server, health_server, 0, compat)
+        await _stop(server, health_server, 0, compat, relays)
         await engine.stop()
         return 1
 
@@ -264,7 +288,7 @@ async def serve(config: ServiceConfig) -> int:
     calls.draining = True
     await health_servicer.enter_graceful_shutdown()
     remaining_s = await _lame_duck(calls, config.grace_period_s)
-    await _stop(server, health_server, remaining_s, compat)
+    await _stop(server, health_server, remaining_s, compat, relays)
     await engine.stop()
     await servicer.sink_channels.close()
     servicer.response_copies.shutdown(wait=False)

@@ -25,18 +25,13 @@ from ..sink_allowlist import SinkAllowlist
 from .calls import CallBook
 from .shared_memory import RegionTable, RegionWriter
 from .sink import PUSH_MAX_CHUNK_BYTES, SinkChannels, SinkFailed, SinkPush, fail_uniformly, header_chunk
-from .streaming import built_off_loop, embedding_chunks, region_chunk, serialized_chunks
+from .streaming import OFF_LOOP_MIN_BYTES, built_off_loop, embedding_chunks, region_chunk, serialized_chunks
 from .tls import sink_channel_credentials
 from .validation import EncodePlan, parse_encode_request
 
 log = logging.getLogger(__name__)
 
 MAX_LOOKUP_HASHES = 65536
-# Responses from this size on are copied into their chunks (or the caller's shared memory) in
-# threads beside the event loop (streaming.built_off_loop); below it the thread hop costs more than
-# the copy. A real model's embedding is far above it (8.8 MB for a 7B at 1008x1008, 0.46 MB at
-# 224x224); the tiny test models' larger images are above it too, so the server tests go this way.
-OFF_LOOP_MIN_BYTES = 32 * 1024
 # Ids for requests that came without one: unique per process and cheap (uuid4 reads os.urandom).
 _ID_PREFIX = f"{os.getpid():x}-{os.urandom(4).hex()}"
 _ids = itertools.count()
@@ -45,14 +40,15 @@ _ids = itertools.count()
 class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
     """Serves once ``engine`` is set (model loaded and warmed); UNAVAILABLE before and while draining."""
 
-    def __init__(self, config: ServiceConfig, metrics: ServiceMetrics, calls: CallBook) -> None:
+    def __init__(self, config: ServiceConfig, metrics: ServiceMetrics, calls: CallBook,
+                 relay_region_prefix: str = "") -> None:
         self.config = config
         self.metrics = metrics
         self.calls = calls  # whether the server drains
         self.engine: Engine | None = None
         self.sink_channels = SinkChannels(config.max_message_bytes, credentials=sink_channel_credentials(config))
         self.sink_allowlist = SinkAllowlist(config.allowed_sink_patterns)
-        self.regions = RegionTable(config.shared_memory == "on")
+        self.regions = RegionTable(config.shared_memory == "on", trusted_prefix=relay_region_prefix)
         # A few threads are enough: each copy runs at memory speed without the GIL.
         self.response_copies = ThreadPoolExecutor(max_workers=4, thread_name_prefix="response-copy")
 

@@ -14,48 +14,72 @@ import ctypes
 import sys
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Executor
+from typing import TYPE_CHECKING
 
 import numpy as np
 from encoder_client.protocol import BY_NAME, encoder_pb2
 from encoder_client.protocol.chunks import data_field_prefix
+from encoder_client.protocol.dtypes import BY_ENUM
 
-from ..engine import ImageResult
+if TYPE_CHECKING:  # the relay processes (api/relay.py) use this module without the engine and torch
+    from ..engine import ImageResult
+
+# Responses from this size on are copied into their chunks (or the caller's shared memory) in
+# threads beside the event loop (``built_off_loop``); below it the thread hop costs more than
+# the copy. A real model's embedding is far above it (8.8 MB for a 7B at 1008x1008, 0.46 MB at
+# 224x224); the tiny test models' larger images are above it too, so the server tests go this way.
+OFF_LOOP_MIN_BYTES = 32 * 1024
 
 
-def _headers(result: ImageResult, name: str, request_id: str, max_chunk_bytes: int
-             ) -> Iterator[tuple[encoder_pb2.EmbeddingChunk, int, int]]:
+def _template(result: ImageResult, name: str, request_id: str) -> encoder_pb2.EmbeddingChunk:
+    """The fields every chunk of this image repeats."""
+    return encoder_pb2.EmbeddingChunk(
+        request_id=request_id, image_index=result.index, content_hash=result.content_hash,
+        grid_thw=list(result.grid), num_tokens=result.num_tokens, hidden_size=result.hidden_size,
+        dtype=BY_NAME[name].enum, cache_hit=result.cache_hit,
+        # Set only for extra levels: a model without them keeps the field off the wire (0 means 1).
+        feature_levels=result.feature_levels if result.feature_levels > 1 else 0)
+
+
+def _timing(result: ImageResult) -> encoder_pb2.ServerTiming:
+    t = result.timing
+    return encoder_pb2.ServerTiming(queue_ms=t.queue_ms, preprocess_ms=t.preprocess_ms, forward_ms=t.forward_ms)
+
+
+def _headers(template: encoder_pb2.EmbeddingChunk, timing: encoder_pb2.ServerTiming | None, row_bytes: int,
+             max_chunk_bytes: int) -> Iterator[tuple[encoder_pb2.EmbeddingChunk, int, int]]:
     """Each chunk's message without ``data``, with its row range [start, stop): whole rows (every
     feature level of a token), at least one per chunk whatever the budget; the last one carries the
     server's timing."""
-    num_tokens, hidden = result.num_tokens, result.hidden_size
-    # Set only for extra levels: a model without them keeps the field off the wire (0 means 1).
-    levels = result.feature_levels if result.feature_levels > 1 else 0
-    rows_per_chunk = max(1, max_chunk_bytes // max(1, result.row_width * BY_NAME[name].itemsize))
+    num_tokens = template.num_tokens
+    rows_per_chunk = max(1, max_chunk_bytes // max(1, row_bytes))
     start = 0
     while True:
         stop = min(num_tokens, start + rows_per_chunk)
         last = stop >= num_tokens
-        header = encoder_pb2.EmbeddingChunk(
-            request_id=request_id, image_index=result.index, content_hash=result.content_hash,
-            grid_thw=list(result.grid), num_tokens=num_tokens, hidden_size=hidden,
-            dtype=BY_NAME[name].enum, token_offset=start, last=last, cache_hit=result.cache_hit,
-            feature_levels=levels)
-        if last:
-            t = result.timing
-            header.timing.CopyFrom(encoder_pb2.ServerTiming(
-                queue_ms=t.queue_ms, preprocess_ms=t.preprocess_ms, forward_ms=t.forward_ms))
+        header = encoder_pb2.EmbeddingChunk()
+        header.CopyFrom(template)
+        header.token_offset = start
+        header.last = last
+        if last and timing is not None:
+            header.timing.CopyFrom(timing)
         yield header, start, stop
         if last:
             return
         start = stop
 
 
+def _row_bytes(result: ImageResult, name: str) -> int:
+    return result.row_width * BY_NAME[name].itemsize
+
+
 def embedding_chunks(result: ImageResult, *, request_id: str, out_dtype: str | None, model_dtype: str,
                      max_chunk_bytes: int) -> Iterator[encoder_pb2.EmbeddingChunk]:
     name = out_dtype or model_dtype
     data = result.wire_bytes(name)
-    row_bytes = result.row_width * BY_NAME[name].itemsize
-    for chunk, start, stop in _headers(result, name, request_id, max_chunk_bytes):
+    row_bytes = _row_bytes(result, name)
+    for chunk, start, stop in _headers(_template(result, name, request_id), _timing(result), row_bytes,
+                                       max_chunk_bytes):
         chunk.data = bytes(data[start * row_bytes:stop * row_bytes])
         yield chunk
 
@@ -64,7 +88,9 @@ def region_chunk(result: ImageResult, *, request_id: str, out_dtype: str | None,
                  offset: int, length: int) -> bytes:
     """The one chunk (wire bytes) of an image written into the caller's shared-memory region."""
     name = out_dtype or model_dtype
-    (header, _, _), = _headers(result, name, request_id, max_chunk_bytes=length + 1)
+    header = _template(result, name, request_id)
+    header.last = True
+    header.timing.CopyFrom(_timing(result))
     header.region_offset = offset
     header.region_bytes = length
     return header.SerializeToString()
@@ -80,9 +106,29 @@ def serialized_chunks(result: ImageResult, *, request_id: str, out_dtype: str | 
     """Like ``embedding_chunks``, as wire bytes (see the module docstring); parses to the same
     messages. ``data``: ``result.wire_bytes`` already taken (on the event loop: it may touch the cache)."""
     name = out_dtype or model_dtype
-    data = np.frombuffer(result.wire_bytes(name) if data is None else data, np.uint8)
-    row_bytes = result.row_width * BY_NAME[name].itemsize
-    for header, start, stop in _headers(result, name, request_id, max_chunk_bytes):
+    yield from _serialized(_template(result, name, request_id), _timing(result),
+                           result.wire_bytes(name) if data is None else data, _row_bytes(result, name),
+                           max_chunk_bytes)
+
+
+def rows_on_stream(header: encoder_pb2.EmbeddingChunk, rows: memoryview | np.ndarray,
+                   max_chunk_bytes: int) -> Iterator[bytes]:
+    """An image whose rows were written into a shared-memory region (``header`` is its region
+    chunk, ``rows`` the bytes it points at) as the chunks (wire bytes) ``serialized_chunks`` gives
+    for it on the stream: what a relay process (api/relay.py) sends its caller."""
+    template = encoder_pb2.EmbeddingChunk()
+    template.CopyFrom(header)
+    for name in ("region_offset", "region_bytes", "timing", "last", "token_offset", "data"):
+        template.ClearField(name)
+    timing = header.timing if header.HasField("timing") else None
+    row_bytes = header.hidden_size * max(1, header.feature_levels) * BY_ENUM[header.dtype].itemsize
+    yield from _serialized(template, timing, rows, row_bytes, max_chunk_bytes)
+
+
+def _serialized(template: encoder_pb2.EmbeddingChunk, timing: encoder_pb2.ServerTiming | None,
+                data: memoryview | np.ndarray, row_bytes: int, max_chunk_bytes: int) -> Iterator[bytes]:
+    data = np.frombuffer(data, np.uint8)
+    for header, start, stop in _headers(template, timing, row_bytes, max_chunk_bytes):
         payload = data[start * row_bytes:stop * row_bytes]
         prefix = header.SerializeToString()
         if len(payload):  # proto3 leaves an empty bytes field off the wire

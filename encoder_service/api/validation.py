@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from encoder_client.protocol import BY_NAME, encoder_pb2
 
-from ..config import MIN_CHUNK_BYTES
+from ..config import chunk_budget
 from ..engine import Engine, ImageInput
 from ..errors import EncoderError, InvalidInput, PermissionDenied
 from ..sink_allowlist import SinkAllowlist, parse_target
@@ -73,10 +73,7 @@ def parse_encode_request(request: encoder_pb2.EncodeRequest, engine: Engine, def
         raise InvalidInput(f"{len(request.images)} images in one request; at most {max_images} "
                            "(--max-images-per-request): split it into several requests")
     out_dtype = dtypes.output_dtype(request.output_dtype)
-    chunk = request.max_chunk_bytes or default_chunk_bytes
-    # The server's setting is also the ceiling, so a chunk always fits in one gRPC message; the
-    # floor keeps the repeated chunk headers a small part of the response.
-    chunk = max(MIN_CHUNK_BYTES, min(chunk, default_chunk_bytes))
+    chunk = chunk_budget(request.max_chunk_bytes, default_chunk_bytes)
     images = []
     for index, image in enumerate(request.images):
         try:

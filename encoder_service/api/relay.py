@@ -1,0 +1,251 @@
+"""A relay process of ``--grpc-processes``: serves the public gRPC port and passes every call on to
+the server process over its private unix socket.
+
+Why: gRPC's C core copies each response message and writes it to the socket on the thread that
+calls ``write``; in an asyncio server that is the one event-loop thread, in the process that also
+decodes, hashes, caches and batches. Streaming 9.3 MB a 1008x1008 image, one Python process stopped
+at 72-124 images/s on a 16-core H100 host, while the same process writing into shared memory did
+217 (bench/RESULTS.md). So with N relays the server process writes each embedding once into a
+relay's shared-memory region, and the relay streams it to the caller in its own process: the
+streaming scales with N, and the cache, the batch queue and the metrics stay one.
+
+What a relay does with a call:
+- **Encode asking for streamed responses** (no ``output_region``, no ``sink``): the relay lends the
+  server one of its regions (``EncodeRequest.output_region``, a name only this server's relays
+  use), and sends each image it reads there on as the chunks the server would have streamed:
+  the same messages, byte for byte (``streaming.rows_on_stream``). An image that did not fit the
+  region comes on the stream and passes as it came.
+- **Everything else** (Encode with the caller's own region or a sink, Lookup, GetModelInfo,
+  health, reflection, unknown methods): bytes in, bytes out, unchanged.
+Metadata goes upstream as sent (bearer tokens are checked by the server process, which also
+counts per-client limits by the caller's peer, set here under ``RELAYED_PEER``), with the caller's
+deadline; status, details and trailing metadata come back as the server answered. TLS ends here,
+with the server's certificate files (each relay re-reads them when they change).
+
+The relay imports neither torch nor the engine. It stops when its server process tells it to (a
+``("stop", grace_s)`` message: ``server.stop`` with that grace) or when its pipe closes (the server
+process died: stop at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import signal
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import grpc
+from encoder_client.protocol import encoder_pb2
+from encoder_client.protocol.chunks import parse_chunk
+from encoder_client.protocol.dtypes import BY_ENUM
+from encoder_client.shared_memory import RegionPool, aligned
+from google.protobuf.message import DecodeError
+
+from ..config import ServiceConfig, chunk_budget
+from ..metrics import VISION_ENCODER
+from .interceptors import RELAYED_PEER
+from .streaming import OFF_LOOP_MIN_BYTES, built_off_loop, rows_on_stream
+from .tls import ReloadingServerCredentials
+
+log = logging.getLogger(__name__)
+
+ENCODE = f"/{VISION_ENCODER.full_name}/Encode"
+# Set by gRPC itself on each call, or naming the connection: not passed on.
+_TRANSPORT_KEYS = frozenset({"content-type", "te", "user-agent", "grpc-accept-encoding", "grpc-encoding",
+                             "grpc-timeout", RELAYED_PEER})
+
+
+@dataclass(frozen=True)
+class RelaySpec:
+    """What the server process hands one relay."""
+
+    config: ServiceConfig
+    upstream: str  # the server process's address: unix:/path
+    region_prefix: str  # names of this server's relay regions (api/shared_memory.py trusts them)
+    port: int  # the public port to bind (0 for the first relay when --port 0)
+    index: int
+
+
+def upstream_metadata(metadata, peer: str) -> tuple[tuple[str, str | bytes], ...]:
+    """The caller's metadata as passed on: gRPC's own keys left out, the caller's peer added."""
+    kept = tuple((k, v) for k, v in metadata or () if k not in _TRANSPORT_KEYS and not k.startswith(":"))
+    return (*kept, (RELAYED_PEER, peer))
+
+
+class Relay(grpc.GenericRpcHandler):
+    """Every method of the public port, passed on to ``channel`` (see the module docstring)."""
+
+    def __init__(self, channel: grpc.aio.Channel, regions: RegionPool, max_chunk_bytes: int) -> None:
+        self._channel = channel
+        self._regions = regions
+        self._max_chunk_bytes = max_chunk_bytes
+        self._copies = ThreadPoolExecutor(max_workers=4, thread_name_prefix="relay-copy")
+        self._region_failure_logged = False
+
+    def service(self, details: grpc.HandlerCallDetails):
+        if details.method == ENCODE:
+            return grpc.unary_stream_rpc_method_handler(self._encode)
+        # Any method as a stream of messages each way: on the wire every cardinality is that.
+        return grpc.stream_stream_rpc_method_handler(functools.partial(self._pass_on, details.method))
+
+    def close(self) -> None:
+        self._copies.shutdown(wait=False)
+        self._regions.close()
+
+    # --- any method ----------------------------------------------------------------------------------
+    async def _pass_on(self, method: str, requests, context: grpc.aio.ServicerContext) -> None:
+        call = self._channel.stream_stream(method)(
+            requests, metadata=upstream_metadata(context.invocation_metadata(), context.peer()),
+            timeout=context.time_remaining())
+        await _answer(call, context, _write_each(call, context))
+
+    # --- Encode ----------------------------------------------------------------------------------------
+    async def _encode(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
+        request, region = self._with_region(raw)
+        if region is None:
+            await self._pass_on(ENCODE, _one(raw), context)
+            return
+        budget = chunk_budget(request.max_chunk_bytes, self._max_chunk_bytes)
+        call = self._channel.unary_stream(ENCODE)(
+            request.SerializeToString(), metadata=upstream_metadata(context.invocation_metadata(), context.peer()),
+            timeout=context.time_remaining())
+        needed = [0]
+        failed = True
+        try:
+            await _answer(call, context, self._stream_from_region(call, context, region, budget, needed))
+            failed = False
+        finally:
+            # A failed call's region is dropped, not reused: the server may still be writing into it.
+            self._regions.release(region, needed_bytes=needed[0], failed=failed)
+
+    def _with_region(self, raw: bytes):
+        """(the request with one of our regions named in it, the region), or (None, None) when
+        the call passes as sent: it names its own region or a sink, does not parse (the server
+        answers that), or no region can be had (the server then streams)."""
+        try:
+            request = encoder_pb2.EncodeRequest.FromString(raw)
+        except DecodeError:
+            return None, None
+        if request.HasField("output_region") or request.HasField("sink"):
+            return None, None
+        try:
+            region = self._regions.acquire()
+        except OSError as exc:
+            if not self._region_failure_logged:
+                self._region_failure_logged = True
+                log.warning("relay: no shared-memory region (%s); the server streams responses itself", exc)
+            return None, None
+        request.output_region.CopyFrom(region.proto())
+        return request, region
+
+    async def _stream_from_region(self, call, context: grpc.aio.ServicerContext, region, budget: int,
+                                  needed: list[int]) -> None:
+        async for raw in call:
+            chunk = parse_chunk(raw)
+            if not chunk.region_bytes:  # on the stream already (did not fit the region): as it came
+                if chunk.last:
+                    row = chunk.hidden_size * max(1, chunk.feature_levels) * BY_ENUM[chunk.dtype].itemsize
+                    needed[0] += aligned(chunk.num_tokens * row)
+                await context.write(raw)
+                continue
+            rows = region.view(chunk.region_offset, chunk.region_bytes)
+            if rows is None:
+                raise RuntimeError(f"the server placed image {chunk.image_index} outside the relay's region")
+            needed[0] += aligned(chunk.region_bytes)
+            chunks = rows_on_stream(chunk.header, rows, budget)
+            if chunk.region_bytes >= OFF_LOOP_MIN_BYTES:
+                async with contextlib.aclosing(built_off_loop(chunks, self._copies)) as built:
+                    async for message in built:
+                        await context.write(message)
+            else:
+                for message in chunks:
+                    await context.write(message)
+
+
+async def _one(raw: bytes):
+    yield raw
+
+
+async def _write_each(call, context: grpc.aio.ServicerContext) -> None:
+    async for message in call:
+        await context.write(message)
+
+
+async def _answer(call, context: grpc.aio.ServicerContext, forwarding) -> None:
+    """Runs ``forwarding`` (which reads ``call`` and writes to ``context``), then ends the caller's
+    call as the server ended the upstream one: its status, details and trailing metadata. The
+    upstream call is cancelled if the caller's ends first (its task is cancelled here)."""
+    try:
+        await forwarding
+        trailing = await call.trailing_metadata()
+        if trailing:
+            context.set_trailing_metadata(tuple(trailing))
+    except grpc.aio.AioRpcError as err:
+        await context.abort(err.code(), err.details() or "", err.trailing_metadata() or ())
+    finally:
+        call.cancel()  # a no-op once it ended
+
+
+def relay_options(config: ServiceConfig) -> list[tuple[str, int]]:
+    return [("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.so_reuseport", 1)]  # the relays share the port; the kernel spreads connections
+
+
+async def serve_relay(spec: RelaySpec, conn: Connection) -> int:
+    config = spec.config
+    loop = asyncio.get_running_loop()
+    stop: asyncio.Future[float] = loop.create_future()
+
+    def on_message() -> None:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            message = ("stop", 0.0)  # the server process is gone: nothing to drain for
+        if message[0] == "stop" and not stop.done():
+            loop.remove_reader(conn.fileno())
+            stop.set_result(float(message[1]))
+
+    channel_options = [("grpc.max_receive_message_length", config.max_message_bytes),
+                       ("grpc.max_send_message_length", config.max_message_bytes)]
+    channel = grpc.aio.insecure_channel(spec.upstream, options=channel_options)
+    relay = Relay(channel, RegionPool(prefix=spec.region_prefix), config.max_chunk_bytes)
+    server = grpc.aio.server(options=relay_options(config))
+    server.add_generic_rpc_handlers((relay,))
+    address = f"{config.host}:{spec.port}"
+    try:
+        if config.tls:
+            credentials = ReloadingServerCredentials(config.tls_cert, config.tls_key, config.tls_client_ca).credentials
+            port = server.add_secure_port(address, credentials)
+        else:
+            port = server.add_insecure_port(address)
+        await server.start()
+    except Exception as exc:
+        conn.send(("failed", f"relay {spec.index} cannot serve {address}: {exc}"))
+        relay.close()
+        await channel.close()
+        return 1
+    conn.send(("listening", port))
+    loop.add_reader(conn.fileno(), on_message)
+    grace_s = await stop
+    await server.stop(grace_s)
+    relay.close()
+    await channel.close()
+    return 0
+
+
+def relay_main(spec: RelaySpec, conn: Connection) -> None:
+    """The relay process's entry point (started with spawn by api/relays.py)."""
+    logging.basicConfig(level=spec.config.log_level, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s relay-{spec.index} %(name)s: %(message)s")
+    # Ctrl-C reaches the whole process group; the server process drains, then stops the relays.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    code = asyncio.run(serve_relay(spec, conn))
+    logging.shutdown()
+    sys.exit(code)
