@@ -52,6 +52,10 @@ def forward_under_load(before: dict | None, after: dict | None) -> dict:
         out["server_forward_without_preprocess_ms_per_image"] = 1000 * (seconds - preprocess) / images
     if "cpu_seconds" in before and "cpu_seconds" in after:
         out["server_cpu_ms_per_image"] = 1000 * (after["cpu_seconds"] - before["cpu_seconds"]) / images
+    if after.get("children_cpu_seconds", 0) > before.get("children_cpu_seconds", 0):
+        # Relay processes (--grpc-processes) or device workers (--devices): the server's children.
+        out["server_children_cpu_ms_per_image"] = (
+            1000 * (after["children_cpu_seconds"] - before["children_cpu_seconds"]) / images)
     return out
 
 
@@ -107,4 +111,6 @@ def _under_load(x: dict, forward_only: dict) -> str:
         line += f"; forward-only at that batch size {alone:.1f} ms"
     if "server_cpu_ms_per_image" in x:
         line += f"; server CPU {x['server_cpu_ms_per_image']:.1f} ms an image"
+    if "server_children_cpu_ms_per_image" in x:
+        line += f" (+ {x['server_children_cpu_ms_per_image']:.1f} in its child processes)"
     return line

@@ -158,6 +158,23 @@ def start_server(args, log_path: Path) -> tuple[subprocess.Popen, str]:
     raise RuntimeError(f"server not SERVING within {args.start_timeout_s} s:\n{log_path.read_text()[-4000:]}")
 
 
+def children_cpu_seconds(pid: int) -> float:
+    """CPU seconds of ``pid``'s live child processes (its relays with --grpc-processes, its device
+    workers with --devices), from /proc; 0 where there is no /proc."""
+    total, tick = 0.0, os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:  # fields after the name: state, ppid, ..., utime (12), stime (13)
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
 def stop_process(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
     """SIGTERM, and SIGKILL when it has not exited within timeout_s (a draining server finishes its
     requests first)."""
@@ -415,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, (c, transport) in enumerate(runs):
             level_images = images[i * args.images_per_level:(i + 1) * args.images_per_level]
             r = drive(target, c, level_images, args, warmup=2, transport=transport,
-                      sample=lambda: forward_totals(args))
+                      sample=lambda: {**forward_totals(args), "children_cpu_seconds": children_cpu_seconds(proc.pid)})
             window = r.pop("window", {})
             r.update(forward_under_load(window.get("before"), window.get("after")))
             print("new images:", json.dumps(r), flush=True)

@@ -131,15 +131,24 @@ def start_encoder_server(tmp_path_factory) -> Iterator[Callable[..., RunningServ
         server.stop()
 
 
-SERVER_MODES = {"in-process": (), "workers": ("--devices", "cpu,cpu")}
+SERVER_MODES = {"in-process": (), "workers": ("--devices", "cpu,cpu"), "grpc-processes": ("--grpc-processes", "2")}
 
 
 def pytest_generate_tests(metafunc):
     """Modules that set ``ALSO_WITH_WORKER_PROCESSES = True`` run every test on ``encoder_server``
     twice: against the in-process worker and against two worker processes (``--devices cpu,cpu``),
-    so the multi-process hand-off passes the same server tests on every push."""
-    if "encoder_server" in metafunc.fixturenames and getattr(metafunc.module, "ALSO_WITH_WORKER_PROCESSES", False):
-        metafunc.parametrize("server_mode", list(SERVER_MODES), indirect=True, scope="module")
+    so the multi-process hand-off passes the same server tests on every push. Modules that set
+    ``ALSO_WITH_GRPC_PROCESSES = True`` run them once more behind two relay processes
+    (``--grpc-processes 2``): every call passes through a relay, so they pass the same tests."""
+    if "encoder_server" not in metafunc.fixturenames:
+        return
+    modes = ["in-process"]
+    if getattr(metafunc.module, "ALSO_WITH_WORKER_PROCESSES", False):
+        modes.append("workers")
+    if getattr(metafunc.module, "ALSO_WITH_GRPC_PROCESSES", False):
+        modes.append("grpc-processes")
+    if len(modes) > 1:
+        metafunc.parametrize("server_mode", modes, indirect=True, scope="module")
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ GRID = (1, 8, 8)
 
 # The same tests against two worker processes (--devices cpu,cpu): conftest.pytest_generate_tests.
 ALSO_WITH_WORKER_PROCESSES = True
+ALSO_WITH_GRPC_PROCESSES = True
 
 
 

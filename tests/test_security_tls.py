@@ -48,17 +48,23 @@ def refused(target: str, **kwargs) -> EncoderClientError:
     return info.value
 
 
+# TLS ends in the process that owns the port: this one, or each relay of --grpc-processes.
+@pytest.fixture(scope="module", params=[(), ("--grpc-processes", "1")], ids=["in-process", "grpc-processes"])
+def port_owner(request) -> tuple[str, ...]:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def tls_server(start_encoder_server, pki):
+def tls_server(start_encoder_server, pki, port_owner):
     return start_encoder_server("--tls-cert", str(pki["a_server"].cert), "--tls-key", str(pki["a_server"].key),
-                                "--health-port", "0")
+                                "--health-port", "0", *port_owner)
 
 
 @pytest.fixture(scope="module")
-def mtls_server(start_encoder_server, pki):
+def mtls_server(start_encoder_server, pki, port_owner):
     server = pki["a_server"]
     return start_encoder_server("--tls-cert", str(server.cert), "--tls-key", str(server.key),
-                                "--tls-client-ca", str(pki["a"].cert),
+                                "--tls-client-ca", str(pki["a"].cert), *port_owner,
                                 credentials=tls_credentials(ca=pki["a"].cert, cert=pki["a_client"].cert,
                                                             key=pki["a_client"].key))
 

@@ -18,6 +18,7 @@ from encoder_service.models import load_vision_model
 pytestmark = pytest.mark.timeout(120)
 # The same tests against two worker processes (--devices cpu,cpu): conftest.pytest_generate_tests.
 ALSO_WITH_WORKER_PROCESSES = True
+ALSO_WITH_GRPC_PROCESSES = True
 
 FORWARDS = "encoder_service_forward_batches_total"
 

@@ -16,6 +16,7 @@ from PIL import Image
 pytestmark = pytest.mark.timeout(120)
 # The same tests against two worker processes (--devices cpu,cpu): conftest.pytest_generate_tests.
 ALSO_WITH_WORKER_PROCESSES = True
+ALSO_WITH_GRPC_PROCESSES = True
 
 PATCH_DIM = 1176
 INVALID, NOT_FOUND, EXHAUSTED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,

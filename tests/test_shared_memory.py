@@ -19,6 +19,7 @@ from encoder_service.api.shared_memory import RegionTable, RegionUnusable
 from encoder_service.errors import InvalidInput
 
 ALSO_WITH_WORKER_PROCESSES = True
+ALSO_WITH_GRPC_PROCESSES = True
 pytestmark = pytest.mark.timeout(120)
 
 

@@ -186,7 +186,7 @@ async def _answer(call, context: grpc.aio.ServicerContext, forwarding) -> None:
         if trailing:
             context.set_trailing_metadata(tuple(trailing))
     except grpc.aio.AioRpcError as err:
-        await context.abort(err.code(), err.details() or "", err.trailing_metadata() or ())
+        await context.abort(err.code(), err.details() or "", tuple(err.trailing_metadata() or ()))
     finally:
         call.cancel()  # a no-op once it ended
 

@@ -220,7 +220,7 @@ async def serve(config: ServiceConfig) -> int:
             await _stop(server, health_server, 0)
             return 1
     log.info("encoder-service listening on %s:%d (NOT_SERVING until the model is warm)%s", config.host, port,
-             f"; {relays.count} gRPC processes relay it to this one" if relays else "")
+             f"; {relays.count} gRPC processes relay it to this process's {relays.upstream}" if relays else "")
     try:
         compat = await _start_sglang_compat(config, servicer, metrics, calls, health_servicer)
     except RuntimeError as exc:
