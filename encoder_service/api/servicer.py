@@ -23,7 +23,7 @@ from ..errors import ResourceExhausted, Unavailable
 from ..metrics import ServiceMetrics
 from ..sink_allowlist import SinkAllowlist
 from .calls import CallBook
-from .shared_memory import RegionTable, RegionWriter
+from .shared_memory import MAX_OPEN_REGIONS, RegionTable, RegionWriter
 from .sink import PUSH_MAX_CHUNK_BYTES, SinkChannels, SinkFailed, SinkPush, fail_uniformly, header_chunk
 from .streaming import OFF_LOOP_MIN_BYTES, built_off_loop, embedding_chunks, region_chunk, serialized_chunks
 from .tls import sink_channel_credentials
@@ -48,7 +48,10 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
         self.engine: Engine | None = None
         self.sink_channels = SinkChannels(config.max_message_bytes, credentials=sink_channel_credentials(config))
         self.sink_allowlist = SinkAllowlist(config.allowed_sink_patterns)
-        self.regions = RegionTable(config.shared_memory == "on", trusted_prefix=relay_region_prefix)
+        # Behind relays every streamed call in flight holds a relay's region (api/relay.py): keep as
+        # many mappings as calls can be in flight, or each call would map (and fault in) one anew.
+        self.regions = RegionTable(config.shared_memory == "on", trusted_prefix=relay_region_prefix,
+                                   capacity=MAX_OPEN_REGIONS + (config.max_queue_images if relay_region_prefix else 0))
         # A few threads are enough: each copy runs at memory speed without the GIL.
         self.response_copies = ThreadPoolExecutor(max_workers=4, thread_name_prefix="response-copy")
 
