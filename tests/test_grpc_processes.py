@@ -71,7 +71,7 @@ def test_streamed_responses_through_a_relay_are_the_chunks_the_server_streams(re
     assert all(parse_chunk(c).HasField("timing") == parse_chunk(c).last for c in relayed_chunks)
     # The relay read them out of its own shared memory: its regions exist while it runs.
     pids = set(relay_pids(relayed).values())
-    names = [n for n in os.listdir(SHM_DIR) if n.startswith("encoder-relay-")]
+    names = relay_regions()
     assert any(int(n.split("-")[3]) in pids for n in names), names
 
 
@@ -95,6 +95,26 @@ def test_every_method_and_status_passes_through(relayed):
             raw_encode(target, bad)
         errors.append((info.value.code(), info.value.details()))
     assert errors[0] == errors[1] and errors[0][0] == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def relay_regions() -> set[str]:
+    return {n for n in os.listdir(SHM_DIR) if n.startswith("encoder-relay-")}
+
+
+def test_a_refused_request_leaves_the_relays_region_to_the_next_call(relayed):
+    good = encoder_pb2.EncodeRequest(images=[encoder_pb2.Image(encoded=png(7))]).SerializeToString()
+    bad = encoder_pb2.EncodeRequest(images=[encoder_pb2.Image(encoded=b"not an image")]).SerializeToString()
+    with grpc.insecure_channel(relayed.target) as channel:  # one connection: one relay
+        encode = channel.unary_stream(ENCODE, request_serializer=None, response_deserializer=None)
+        list(encode(good, timeout=30))
+        before = relay_regions()
+        for _ in range(3):
+            with pytest.raises(grpc.RpcError) as info:
+                list(encode(bad, timeout=30))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        list(encode(good, timeout=30))
+    # The server answered those calls, so it was done with the region: reused, not replaced.
+    assert relay_regions() == before
 
 
 def test_the_relays_do_not_load_torch(relayed):

@@ -60,6 +60,10 @@ _TRANSPORT_KEYS = frozenset({"content-type", "te", "user-agent", "grpc-accept-en
                              "grpc-timeout", RELAYED_PEER})
 
 
+# Ends of an upstream call that this side may see before the server's handler stopped writing.
+_SERVER_MAY_STILL_WRITE = frozenset({grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
 @dataclass(frozen=True)
 class RelaySpec:
     """What the server process hands one relay."""
@@ -102,7 +106,9 @@ class Relay(grpc.GenericRpcHandler):
         call = self._channel.stream_stream(method)(
             requests, metadata=upstream_metadata(context.invocation_metadata(), context.peer()),
             timeout=context.time_remaining())
-        await _answer(call, context, _write_each(call, context))
+        failure = await _relay_call(call, context, _write_each(call, context))
+        if failure is not None:
+            await _abort_like(context, failure)
 
     # --- Encode ----------------------------------------------------------------------------------------
     async def _encode(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
@@ -115,13 +121,15 @@ class Relay(grpc.GenericRpcHandler):
             request.SerializeToString(), metadata=upstream_metadata(context.invocation_metadata(), context.peer()),
             timeout=context.time_remaining())
         needed = [0]
-        failed = True
+        reusable = False
         try:
-            await _answer(call, context, self._stream_from_region(call, context, region, budget, needed))
-            failed = False
+            failure = await _relay_call(call, context, self._stream_from_region(call, context, region, budget, needed))
+            reusable = failure is None or failure.code() not in _SERVER_MAY_STILL_WRITE
         finally:
-            # A failed call's region is dropped, not reused: the server may still be writing into it.
-            self._regions.release(region, needed_bytes=needed[0], failed=failed)
+            # A region whose call the server may not have finished is dropped, not reused.
+            self._regions.release(region, needed_bytes=needed[0], failed=not reusable)
+        if failure is not None:
+            await _abort_like(context, failure)
 
     def _with_region(self, raw: bytes):
         """(the request with one of our regions named in it, the region), or (None, None) when
@@ -176,19 +184,25 @@ async def _write_each(call, context: grpc.aio.ServicerContext) -> None:
         await context.write(message)
 
 
-async def _answer(call, context: grpc.aio.ServicerContext, forwarding) -> None:
-    """Runs ``forwarding`` (which reads ``call`` and writes to ``context``), then ends the caller's
-    call as the server ended the upstream one: its status, details and trailing metadata. The
-    upstream call is cancelled if the caller's ends first (its task is cancelled here)."""
+async def _relay_call(call, context: grpc.aio.ServicerContext, forwarding) -> grpc.aio.AioRpcError | None:
+    """Runs ``forwarding`` (which reads ``call`` and writes to ``context``); None when the server
+    ended the upstream call OK (its trailing metadata set on the caller's), else its error. The
+    upstream call is cancelled if the caller's ends first (this task is cancelled)."""
     try:
         await forwarding
         trailing = await call.trailing_metadata()
         if trailing:
             context.set_trailing_metadata(tuple(trailing))
+        return None
     except grpc.aio.AioRpcError as err:
-        await context.abort(err.code(), err.details() or "", tuple(err.trailing_metadata() or ()))
+        return err
     finally:
         call.cancel()  # a no-op once it ended
+
+
+async def _abort_like(context: grpc.aio.ServicerContext, err: grpc.aio.AioRpcError) -> None:
+    """Ends the caller's call as the server ended the upstream one: status, details, trailers."""
+    await context.abort(err.code(), err.details() or "", tuple(err.trailing_metadata() or ()))
 
 
 def relay_options(config: ServiceConfig) -> list[tuple[str, int]]:
