@@ -106,9 +106,12 @@ class Relay(grpc.GenericRpcHandler):
         call = self._channel.stream_stream(method)(
             requests, metadata=upstream_metadata(context.invocation_metadata(), context.peer()),
             timeout=context.time_remaining())
-        failure = await _relay_call(call, context, _write_each(call, context))
-        if failure is not None:
-            await _abort_like(context, failure)
+        try:
+            failure = await _relay_call(call, context, _write_each(call, context))
+            if failure is not None:
+                await _abort_like(context, failure)
+        finally:
+            call.cancel()  # a no-op once it ended; after the abort (see _relay_call)
 
     # --- Encode ----------------------------------------------------------------------------------------
     async def _encode(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
@@ -123,13 +126,17 @@ class Relay(grpc.GenericRpcHandler):
         needed = [0]
         reusable = False
         try:
-            failure = await _relay_call(call, context, self._stream_from_region(call, context, region, budget, needed))
-            reusable = failure is None or failure.code() not in _SERVER_MAY_STILL_WRITE
+            try:
+                failure = await _relay_call(call, context,
+                                            self._stream_from_region(call, context, region, budget, needed))
+                reusable = failure is None or failure.code() not in _SERVER_MAY_STILL_WRITE
+            finally:
+                # A region whose call the server may not have finished is dropped, not reused.
+                self._regions.release(region, needed_bytes=needed[0], failed=not reusable)
+            if failure is not None:
+                await _abort_like(context, failure)
         finally:
-            # A region whose call the server may not have finished is dropped, not reused.
-            self._regions.release(region, needed_bytes=needed[0], failed=not reusable)
-        if failure is not None:
-            await _abort_like(context, failure)
+            call.cancel()
 
     def _with_region(self, raw: bytes):
         """(the request with one of our regions named in it, the region), or (None, None) when
@@ -186,8 +193,11 @@ async def _write_each(call, context: grpc.aio.ServicerContext) -> None:
 
 async def _relay_call(call, context: grpc.aio.ServicerContext, forwarding) -> grpc.aio.AioRpcError | None:
     """Runs ``forwarding`` (which reads ``call`` and writes to ``context``); None when the server
-    ended the upstream call OK (its trailing metadata set on the caller's), else its error. The
-    upstream call is cancelled if the caller's ends first (this task is cancelled)."""
+    ended the upstream call OK (its trailing metadata set on the caller's), else its error.
+
+    The caller cancels ``call`` when done with it (a no-op once it ended; what ends it when the
+    caller's own call is cancelled), and only after answering its caller: a cancel while the
+    upstream call still reads the caller's request stream breaks the caller's call (INTERNAL)."""
     try:
         await forwarding
         trailing = await call.trailing_metadata()
@@ -196,8 +206,6 @@ async def _relay_call(call, context: grpc.aio.ServicerContext, forwarding) -> gr
         return None
     except grpc.aio.AioRpcError as err:
         return err
-    finally:
-        call.cancel()  # a no-op once it ended
 
 
 async def _abort_like(context: grpc.aio.ServicerContext, err: grpc.aio.AioRpcError) -> None:
