@@ -18,6 +18,7 @@ from encoder_client import EncoderClient
 from encoder_client.protocol import encoder_pb2
 from encoder_client.protocol.chunks import parse_chunk
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from bench.reliability.server import wait_until
 from encoder_service.api.limits import PerClientLimitInterceptor
@@ -88,6 +89,9 @@ def test_every_method_and_status_passes_through(relayed):
         with pytest.raises(grpc.RpcError) as info:
             channel.unary_unary("/encoder.v1.VisionEncoder/NoSuchMethod")(b"", timeout=10)
         assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        # Reflection: a stream of requests each way (grpcurl lists the services through a relay).
+        services = ProtoReflectionDescriptorDatabase(channel).get_services()
+        assert "encoder.v1.VisionEncoder" in services and "grpc.health.v1.Health" in services
     bad = encoder_pb2.EncodeRequest(images=[encoder_pb2.Image(encoded=b"not an image")])
     errors = []
     for target in (relayed.target, upstream(relayed)):

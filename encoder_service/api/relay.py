@@ -15,8 +15,9 @@ What a relay does with a call:
   use), and sends each image it reads there on as the chunks the server would have streamed:
   the same messages, byte for byte (``streaming.rows_on_stream``). An image that did not fit the
   region comes on the stream and passes as it came.
-- **Everything else** (Encode with the caller's own region or a sink, Lookup, GetModelInfo,
-  health, reflection, unknown methods): bytes in, bytes out, unchanged.
+- **Everything else the server serves** (Encode with the caller's own region or a sink, Lookup,
+  GetModelInfo, health, reflection): bytes in, bytes out, unchanged. A method the server does not
+  serve is answered UNIMPLEMENTED here, by gRPC, as the server would.
 Metadata goes upstream as sent (bearer tokens are checked by the server process, which also
 counts per-client limits by the caller's peer, set here under ``RELAYED_PEER``), with the caller's
 deadline; status, details and trailing metadata come back as the server answered. TLS ends here,
@@ -41,20 +42,27 @@ from multiprocessing.connection import Connection
 
 import grpc
 from encoder_client.protocol import encoder_pb2
-from encoder_client.protocol.chunks import parse_chunk
-from encoder_client.protocol.dtypes import BY_ENUM
+from encoder_client.protocol.chunks import parse_chunk, row_bytes
 from encoder_client.shared_memory import RegionPool, aligned
 from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2
 
 from ..config import ServiceConfig, chunk_budget
 from ..metrics import VISION_ENCODER
-from .interceptors import RELAYED_PEER
+from .interceptors import RELAYED_PEER, method_path
 from .streaming import OFF_LOOP_MIN_BYTES, built_off_loop, rows_on_stream
 from .tls import ReloadingServerCredentials
 
 log = logging.getLogger(__name__)
 
-ENCODE = f"/{VISION_ENCODER.full_name}/Encode"
+ENCODE = method_path(VISION_ENCODER.methods_by_name["Encode"])
+# What the server process serves (api/server.py registers these services): method -> whether
+# its requests are a stream.
+_SERVED = {method_path(m): m.client_streaming
+           for service in (VISION_ENCODER, health_pb2.DESCRIPTOR.services_by_name["Health"],
+                           reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"])
+           for m in service.methods}
 # Set by gRPC itself on each call, or naming the connection: not passed on.
 _TRANSPORT_KEYS = frozenset({"content-type", "te", "user-agent", "grpc-accept-encoding", "grpc-encoding",
                              "grpc-timeout", RELAYED_PEER})
@@ -94,8 +102,15 @@ class Relay(grpc.GenericRpcHandler):
     def service(self, details: grpc.HandlerCallDetails):
         if details.method == ENCODE:
             return grpc.unary_stream_rpc_method_handler(self._encode)
-        # Any method as a stream of messages each way: on the wire every cardinality is that.
-        return grpc.stream_stream_rpc_method_handler(functools.partial(self._pass_on, details.method))
+        streams_requests = _SERVED.get(details.method)
+        if streams_requests is None:
+            return None  # gRPC answers UNIMPLEMENTED, as the server would
+        # Responses as a stream either way: on the wire a single response is a stream of one. A
+        # single request is read before the call goes on, so the upstream call never reads the
+        # caller's request stream (an upstream answer while it still did broke the caller's call).
+        if streams_requests:
+            return grpc.stream_stream_rpc_method_handler(functools.partial(self._pass_on, details.method))
+        return grpc.unary_stream_rpc_method_handler(functools.partial(self._pass_on_one, details.method))
 
     def close(self) -> None:
         self._copies.shutdown(wait=False)
@@ -113,11 +128,22 @@ class Relay(grpc.GenericRpcHandler):
         finally:
             call.cancel()  # a no-op once it ended; after the abort (see _relay_call)
 
+    async def _pass_on_one(self, method: str, raw: bytes, context: grpc.aio.ServicerContext) -> None:
+        call = self._channel.unary_stream(method)(
+            raw, metadata=upstream_metadata(context.invocation_metadata(), context.peer()),
+            timeout=context.time_remaining())
+        try:
+            failure = await _relay_call(call, context, _write_each(call, context))
+            if failure is not None:
+                await _abort_like(context, failure)
+        finally:
+            call.cancel()  # a no-op once it ended; after the abort (see _relay_call)
+
     # --- Encode ----------------------------------------------------------------------------------------
     async def _encode(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
         request, region = self._with_region(raw)
         if region is None:
-            await self._pass_on(ENCODE, _one(raw), context)
+            await self._pass_on_one(ENCODE, raw, context)
             return
         budget = chunk_budget(request.max_chunk_bytes, self._max_chunk_bytes)
         call = self._channel.unary_stream(ENCODE)(
@@ -164,8 +190,7 @@ class Relay(grpc.GenericRpcHandler):
             chunk = parse_chunk(raw)
             if not chunk.region_bytes:  # on the stream already (did not fit the region): as it came
                 if chunk.last:
-                    row = chunk.hidden_size * max(1, chunk.feature_levels) * BY_ENUM[chunk.dtype].itemsize
-                    needed[0] += aligned(chunk.num_tokens * row)
+                    needed[0] += aligned(chunk.num_tokens * row_bytes(chunk))
                 await context.write(raw)
                 continue
             rows = region.view(chunk.region_offset, chunk.region_bytes)
@@ -180,10 +205,6 @@ class Relay(grpc.GenericRpcHandler):
             else:
                 for message in chunks:
                     await context.write(message)
-
-
-async def _one(raw: bytes):
-    yield raw
 
 
 async def _write_each(call, context: grpc.aio.ServicerContext) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import multiprocessing
 import os
@@ -104,7 +105,7 @@ class RelayProcesses:
         log.error("relay %d (pid %d) exited with code %s; starting it again", running.index, running.process.pid,
                   running.process.exitcode)
         running.conn.close()
-        for attempt in range(len(RESTART_BACKOFF_S) * 1000):
+        for attempt in itertools.count():
             if self._stopping:
                 return
             try:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from encoder_client.protocol import BY_NAME, encoder_pb2
 from encoder_client.protocol.chunks import data_field_prefix
-from encoder_client.protocol.dtypes import BY_ENUM
+from encoder_client.protocol.chunks import row_bytes as wire_row_bytes
 
 if TYPE_CHECKING:  # the relay processes (api/relay.py) use this module without the engine and torch
     from ..engine import ImageResult
@@ -121,8 +121,7 @@ def rows_on_stream(header: encoder_pb2.EmbeddingChunk, rows: memoryview | np.nda
     for name in ("region_offset", "region_bytes", "timing", "last", "token_offset", "data"):
         template.ClearField(name)
     timing = header.timing if header.HasField("timing") else None
-    row_bytes = header.hidden_size * max(1, header.feature_levels) * BY_ENUM[header.dtype].itemsize
-    yield from _serialized(template, timing, rows, row_bytes, max_chunk_bytes)
+    yield from _serialized(template, timing, rows, wire_row_bytes(header), max_chunk_bytes)
 
 
 def _serialized(template: encoder_pb2.EmbeddingChunk, timing: encoder_pb2.ServerTiming | None,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from encoder_client.protocol.dtypes import BY_ENUM
 from encoder_client.protocol.stubs import encoder_pb2
 
 DATA_FIELD = encoder_pb2.EmbeddingChunk.DESCRIPTOR.fields_by_name["data"].number
@@ -48,6 +49,12 @@ def data_field_prefix(nbytes: int) -> bytes:
     to a serialized header, then the payload, it gives the message with that ``data``. (proto3
     leaves an empty bytes field off the wire: for 0, send no prefix and no payload.)"""
     return varint(_DATA_TAG) + varint(nbytes)
+
+
+def row_bytes(chunk) -> int:
+    """Bytes of one row of a chunk's image on the wire: every feature level of one token, in the
+    chunk's dtype (``feature_levels`` 0 means 1)."""
+    return chunk.hidden_size * max(1, chunk.feature_levels) * BY_ENUM[chunk.dtype].itemsize
 
 
 class ReceivedChunk:
