@@ -11,8 +11,12 @@ A plain glob over the whole ``host:port`` string is a bypass: ``10.0.0.*:9000`` 
   (``*`` stays inside one label); ``*`` alone matches any host, names and addresses alike;
 - the port is a glob over the target's port number (``*`` = any port).
 
-A host name whose last label is all digits is refused outright: no top-level domain is numeric, and
-resolvers read ``2130706433`` or ``127.1`` as addresses, which would slip past the IP patterns.
+A host name whose last label looks like a number (decimal digits, or ``0x`` and hex digits) is refused
+outright: no top-level domain is numeric, and resolvers (``inet_aton``, getaddrinfo) read
+``2130706433``, ``127.1``, ``0x7f000001``, ``0177.1`` or ``127.0.0.0x1`` as addresses, which would
+slip past the IP patterns; whatever ``inet_aton`` accepts is refused too, whatever its form. Every
+regex here must match the whole text (``fullmatch``: ``$`` would let a trailing newline through),
+and a port is ASCII decimal digits without a leading zero, 1..65535.
 """
 
 from __future__ import annotations
@@ -20,14 +24,32 @@ from __future__ import annotations
 import fnmatch
 import ipaddress
 import re
+import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .errors import InvalidInput
 
-_LABEL = re.compile(r"^[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?$")
-_IPV4_GLOB = re.compile(r"^[0-9*?\[\]!-]+(?:\.[0-9*?\[\]!-]+){3}$")
-_PORT_GLOB = re.compile(r"^[0-9*?\[\]!-]+$")
+# All matched with fullmatch, and ASCII only: str.isdigit() also takes "²" and "٩".
+_LABEL = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?", re.ASCII)
+_LABEL_GLOB = re.compile(r"[a-z0-9_*?\[\]!-]{1,63}", re.ASCII)
+_NUMERIC_LABEL = re.compile(r"[0-9]+|0x[0-9a-f]*", re.ASCII | re.IGNORECASE)  # what inet_aton reads as a number
+_IPV4_GLOB = re.compile(r"[0-9*?\[\]!-]+(?:\.[0-9*?\[\]!-]+){3}", re.ASCII)
+_PORT = re.compile(r"[1-9][0-9]{0,4}", re.ASCII)
+_PORT_GLOB = re.compile(r"[0-9*?\[\]!-]+", re.ASCII)
+
+
+def reads_as_address(host: str) -> bool:
+    """Whether a resolver would read ``host`` as an IPv4 address: its last label looks like a
+    number (decimal, octal or hex: ``127.1``, ``0x7f000001``, ``127.0.0.0x1``), or the C library's
+    ``inet_aton`` (which getaddrinfo uses for numeric hosts) accepts it."""
+    if _NUMERIC_LABEL.fullmatch(host.rpartition(".")[2]):
+        return True
+    try:
+        socket.inet_aton(host)
+    except (OSError, ValueError):  # ValueError: an embedded NUL
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -45,23 +67,26 @@ def parse_target(target: str, what: str = "sink.target") -> SinkTarget:
     ``what`` names the target in the message."""
     shown = repr(target[:200])
     host, sep, port = target.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidInput(f"{what} {shown} must be host:port (no scheme, no path), port 1..65535")
+    if not sep or not host or not _PORT.fullmatch(port) or int(port) > 65535:
+        raise InvalidInput(f"{what} {shown} must be host:port (no scheme, no path), port 1..65535 "
+                           "in ASCII digits")
     if host.startswith("[") and host.endswith("]"):
         try:
+            if "%" in host:  # a scope names an interface of this host: not a sink's address
+                raise ValueError
             return SinkTarget(target, port, ip=ipaddress.IPv6Address(host[1:-1]))
         except ValueError:
-            raise InvalidInput(f"{what} {shown}: {host} is not an IPv6 address") from None
+            raise InvalidInput(f"{what} {shown}: {host!r} is not an IPv6 address") from None
     try:
         return SinkTarget(target, port, ip=ipaddress.IPv4Address(host))
     except ValueError:
         pass
     labels = tuple(host.lower().split("."))
-    if not all(_LABEL.match(label) for label in labels):
+    if not all(_LABEL.fullmatch(label) for label in labels):
         raise InvalidInput(f"{what} {shown}: {host[:200]!r} is neither an IP address nor a host name")
-    if labels[-1].isdigit():
+    if reads_as_address(host):
         raise InvalidInput(f"{what} {shown}: {host!r} is not a canonical IP address (write it as "
-                           "a.b.c.d) and not a host name (its last label is numeric)")
+                           "a.b.c.d) and not a host name (resolvers read it as a number)")
     return SinkTarget(target, port, labels=labels)
 
 
@@ -89,7 +114,7 @@ class _Pattern:
 
 def _parse_pattern(text: str, option: str = "allowed-sinks") -> _Pattern:
     host, sep, port = text.strip().rpartition(":")
-    if not sep or not host or not _PORT_GLOB.match(port):
+    if not sep or not host or not _PORT_GLOB.fullmatch(port):
         raise ValueError(f"{option} pattern {text!r} must be host:port (globs allowed, no scheme or path)")
     if host == "*":
         return _Pattern(text, port, "any")
@@ -99,13 +124,15 @@ def _parse_pattern(text: str, option: str = "allowed-sinks") -> _Pattern:
         except ValueError:
             raise ValueError(f"{option} pattern {text!r}: {host} is not an IPv6 address "
                              "(IPv6 patterns take no globs)") from None
-    if _IPV4_GLOB.match(host):
+    if _IPV4_GLOB.fullmatch(host):
         return _Pattern(text, port, "ipv4", parts=tuple(host.split(".")))
     labels = tuple(host.lower().split("."))
-    if any(not label or "/" in label for label in labels):
-        raise ValueError(f"{option} pattern {text!r}: empty label or a path in the host")
-    if labels[-1].isdigit() or all(_PORT_GLOB.match(label) for label in labels):
-        raise ValueError(f"{option} pattern {text!r}: an IP pattern needs four octets (a.b.c.*)")
+    if not all(_LABEL_GLOB.fullmatch(label) for label in labels):
+        raise ValueError(f"{option} pattern {text!r}: an empty label, a path or a character no host "
+                         "name has (letters, digits, '-', '_' and the globs * ? [ ] ! only)")
+    if reads_as_address(host) or all(_PORT_GLOB.fullmatch(label) for label in labels):
+        raise ValueError(f"{option} pattern {text!r}: an IP pattern needs four octets (a.b.c.*), and "
+                         "no host name ends in a numeric label")
     return _Pattern(text, port, "name", parts=labels)
 
 

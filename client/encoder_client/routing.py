@@ -61,7 +61,7 @@ def resolve_target_names(targets: str | Sequence[str]) -> dict[str, str | None]:
             if rest.startswith("//"):
                 rest = rest[2:].split("/", 1)[-1]  # dns://[authority]/host:port: the authority is ignored
             host, sep, port = rest.rpartition(":")
-            if not sep or not port.isdigit() or not host:
+            if not sep or not (port.isascii() and port.isdigit()) or not host:
                 raise ValueError(f"{target!r}: expected dns:///host:port")
             name = host.strip("[]")
             infos = socket.getaddrinfo(name, int(port), type=socket.SOCK_STREAM)
