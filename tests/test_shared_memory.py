@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from encoder_client import AsyncEncoderClient, EncoderClient, EncoderClientError
 from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
-from encoder_client.shared_memory import SHM_DIR, OutputRegion, RegionPool
+from encoder_client.shared_memory import SHM_DIR, OutputRegion, RegionPool, RegionsExhausted
 from PIL import Image
 
 from encoder_service.api.shared_memory import RegionTable, RegionUnusable
@@ -115,7 +115,8 @@ def test_a_region_that_is_not_on_the_servers_host_is_a_clear_error(encoder_serve
     with grpc.insecure_channel(encoder_server.target) as channel, pytest.raises(grpc.RpcError) as err:
         list(encoder_pb2_grpc.VisionEncoderStub(channel).Encode(request, timeout=60))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "encoder-nowhere" in err.value.details() and "host" in err.value.details()
+    assert "output_region" in err.value.details() and "host" in err.value.details()
+    assert "encoder-nowhere" not in err.value.details()  # no error echoes a region's name
 
 
 @pytest.mark.parametrize("name", ["../etc/passwd", "other-prefix", "encoder-a/b", "encoder-"])
@@ -149,6 +150,34 @@ def test_a_server_without_shared_memory_refuses_a_region_clearly(start_encoder_s
         server.stop()
 
 
+def test_a_caller_that_shrinks_its_region_mid_call_gets_an_error_and_the_server_serves_on(encoder_server):
+    """Earlier releases wrote through a mapping and died with SIGBUS here (a request's own caller,
+    or anyone who can truncate the object, could stop the server)."""
+    cached = png(30)
+    with EncoderClient(encoder_server.target) as client:
+        hit = client.encode([cached])[0]
+    region = OutputRegion(8 << 20)
+    try:
+        # The cached image is answered first; the new one needs a forward, which runs after the cut.
+        request = encoder_pb2.EncodeRequest(images=[encoder_pb2.Image(content_hash=hit.content_hash),
+                                                    encoder_pb2.Image(encoded=png(31, (840, 840)))],
+                                            output_region=region.proto())
+        with grpc.insecure_channel(encoder_server.target) as channel:
+            call = encoder_pb2_grpc.VisionEncoderStub(channel).Encode(request, timeout=60)
+            first = next(call)
+            assert first.image_index == 0 and first.region_bytes > 0
+            os.truncate(os.path.join(SHM_DIR, region.name), 0)
+            with pytest.raises(grpc.RpcError) as err:
+                list(call)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
+        assert "shrank to 0 bytes" in err.value.details()
+    finally:
+        region.close()
+    assert encoder_server.alive()
+    with EncoderClient(encoder_server.target, shared_memory=True) as client:
+        assert client.encode([png(32)])[0].num_tokens > 0
+
+
 # --- the two ends' region handling, without a server -------------------------------------------------
 
 
@@ -167,21 +196,45 @@ def test_the_server_writes_only_into_existing_regular_objects(tmp_path):
     os.mkdir(tmp_path / "encoder-dir")
     with pytest.raises(RegionUnusable):
         table.writer(encoder_pb2.SharedMemoryRegion(name="encoder-dir", size=10))
+    os.mkfifo(tmp_path / "encoder-fifo")
+    with pytest.raises(RegionUnusable, match="not a shared-memory object"):  # and the open did not block
+        table.writer(encoder_pb2.SharedMemoryRegion(name="encoder-fifo", size=10))
 
 
-def test_the_server_forgets_mappings_of_unlinked_regions(tmp_path):
+def test_a_callers_region_may_not_pose_as_a_relays_and_errors_do_not_echo_names(tmp_path):
     table = RegionTable(True, directory=str(tmp_path))
-    for name in ("encoder-a", "encoder-b"):
-        (tmp_path / name).write_bytes(b"\0" * 64)
-        table.writer(encoder_pb2.SharedMemoryRegion(name=name, size=64))
-    assert len(table) == 2
-    os.unlink(tmp_path / "encoder-a")
-    (tmp_path / "encoder-c").write_bytes(b"\0" * 64)
-    table.writer(encoder_pb2.SharedMemoryRegion(name="encoder-c", size=64))
-    assert len(table) == 2  # b and c: a's memory is freed with its mapping
+    (tmp_path / "encoder-relay-0123-1-x").write_bytes(b"\0" * 64)
+    with pytest.raises(InvalidInput) as err:
+        table.writer(encoder_pb2.SharedMemoryRegion(name="encoder-relay-0123-1-x", size=64))
+    assert "0123" not in str(err.value)
+    with pytest.raises(RegionUnusable) as err:
+        table.writer(encoder_pb2.SharedMemoryRegion(name="encoder-secret-name", size=64))
+    assert "secret" not in str(err.value)
 
 
-def test_a_recreated_object_is_mapped_again(tmp_path):
+def test_a_region_shrunk_under_a_call_is_that_calls_error_not_a_fault(tmp_path):
+    table = RegionTable(True, directory=str(tmp_path))
+    path = tmp_path / "encoder-s"
+    path.write_bytes(b"\0" * 8192)
+    writer = table.writer(encoder_pb2.SharedMemoryRegion(name="encoder-s", size=8192))
+    assert writer.place(b"a" * 100) == (0, 100)
+    os.truncate(path, 0)  # a write through a mapping past the new end would be SIGBUS
+    with pytest.raises(RegionUnusable, match="shrank to 0 bytes"):
+        writer.place(b"b" * 100)
+
+
+def test_the_server_takes_only_the_pages_of_the_calls_own_output(tmp_path):
+    """A sparse object claiming a gigabyte costs the server what the call writes, not a gigabyte."""
+    table = RegionTable(True, directory=str(tmp_path))
+    path = tmp_path / "encoder-sparse"
+    with open(path, "wb") as f:
+        f.truncate(1 << 30)
+    writer = table.writer(encoder_pb2.SharedMemoryRegion(name="encoder-sparse", size=1 << 30))
+    assert writer.place(b"x" * 10000) == (0, 10000)
+    assert os.stat(path).st_blocks * 512 < 1 << 20
+
+
+def test_a_recreated_object_is_written_anew(tmp_path):
     table = RegionTable(True, directory=str(tmp_path))
     path = tmp_path / "encoder-r"
     path.write_bytes(b"\0" * 64)
@@ -203,3 +256,32 @@ def test_a_pool_reuses_regions_and_discards_a_failed_calls_region():
     finally:
         pool.close()
     assert not our_objects()
+
+
+def test_a_pool_grows_for_a_large_call_up_to_its_bound_and_shrinks_back():
+    """One call of many references to a cached image (a few bytes each to ask for) must not make
+    every later region large."""
+    pool = RegionPool(4096, max_region_bytes=8 << 20)
+    try:
+        region = pool.acquire()
+        pool.release(region, needed_bytes=100 << 20, failed=False)  # a call that needed 100 MiB
+        assert pool.region_bytes == 8 << 20  # bounded: the rest of such a call comes on the stream
+        for _ in range(RegionPool.SIZE_WINDOW):
+            region = pool.acquire()
+            pool.release(region, needed_bytes=1000, failed=False)
+        assert pool.region_bytes == 4096  # back to the initial size once such calls stop coming
+        assert pool.acquire().size == 4096
+    finally:
+        pool.close()
+
+
+def test_a_pool_holds_at_most_its_total_bound():
+    pool = RegionPool(4096, max_total_bytes=3 * 4096)
+    try:
+        held = [pool.acquire() for _ in range(3)]
+        with pytest.raises(RegionsExhausted):
+            pool.acquire()
+        pool.release(held.pop(), needed_bytes=10, failed=True)  # closed: its bytes are free again
+        held.append(pool.acquire())
+    finally:
+        pool.close()

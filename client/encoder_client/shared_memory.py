@@ -7,20 +7,23 @@ server needs ``--shared-memory on``). The client copies each image out into its 
 header chunk arrives, so a region is free again when the call returns.
 
 Regions are pooled (a call in flight holds one) and kept mapped: reusing one costs neither page
-faults nor a new mapping on either side. A region starts at ``initial_bytes`` and grows to what the
-largest call needed (an image that does not fit still arrives, on the stream). A region whose call
+faults nor a new mapping on either side. A region starts at ``initial_bytes``, grows to what the
+largest recent call needed, up to a bound, and shrinks back (an image that does not fit still
+arrives, on the stream). A region whose call
 failed is unlinked instead of reused: the server may still be writing into it. Regions are unlinked
 at ``close()`` and at interpreter exit; a process killed outright leaves its objects in /dev/shm.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import mmap
 import os
 import secrets
 import threading
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 
@@ -29,6 +32,8 @@ from encoder_client.protocol import encoder_pb2
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "encoder-"  # the server writes only into objects named so
 DEFAULT_INITIAL_BYTES = 16 << 20
+# A region never grows past this: the images of a call beyond it come on the stream.
+DEFAULT_MAX_REGION_BYTES = 256 << 20
 ALIGN = 64  # the server's alignment of each image in a region
 _GROW_STEP = 1 << 20
 
@@ -84,49 +89,90 @@ def aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+class RegionsExhausted(OSError):
+    """The pool's regions already hold ``max_total_bytes``: this call goes without one."""
+
+
 class RegionPool:
-    """Regions for concurrent calls (one each), thread-safe; grows a region a call outgrew."""
+    """Regions for concurrent calls (one each), thread-safe.
+
+    A region is sized for the largest call among the last ``SIZE_WINDOW`` (what their images took,
+    those that came on the stream included), never below ``initial_bytes`` nor above
+    ``max_region_bytes``: it grows at once for a call that outgrew it, and shrinks back once such
+    calls stop coming. A region of another size is closed when its call ends. So one call with a
+    huge response (many references to one cached image cost a few bytes each to ask for) costs one
+    large region for a while, not every region for good. ``max_total_bytes`` bounds what all the
+    pool's regions hold at once (None: no bound); ``acquire`` then raises RegionsExhausted.
+    ``create(size)`` makes a region (default: an OutputRegion in ``directory`` named ``prefix``...).
+    """
+
+    SIZE_WINDOW = 32
 
     def __init__(self, initial_bytes: int = DEFAULT_INITIAL_BYTES, directory: str = SHM_DIR,
-                 prefix: str = NAME_PREFIX) -> None:
+                 prefix: str = NAME_PREFIX, *, max_region_bytes: int = DEFAULT_MAX_REGION_BYTES,
+                 max_total_bytes: int | None = None, create: Callable[[int], OutputRegion] | None = None) -> None:
         if initial_bytes <= 0:
             raise ValueError(f"shared_memory_bytes must be positive, got {initial_bytes}")
         if not prefix.startswith(NAME_PREFIX):
             raise ValueError(f"a region's name must start with {NAME_PREFIX!r}, got the prefix {prefix!r}")
+        self.initial_bytes = initial_bytes
+        self.max_region_bytes = max(initial_bytes, max_region_bytes)
+        self.max_total_bytes = max_total_bytes
         self.region_bytes = initial_bytes
-        self._directory = directory
-        self._prefix = prefix
+        self._create = create or (lambda size: OutputRegion(size, directory, prefix))
+        self._recent: collections.deque[int] = collections.deque(maxlen=self.SIZE_WINDOW)
         self._free: list[OutputRegion] = []
         self._lock = threading.Lock()
         self._closed = False
+        self.live_bytes = 0  # what the pool's regions (free or lent) hold
 
     def acquire(self) -> OutputRegion:
-        with self._lock:
-            if self._closed:
-                raise ValueError("the client is closed")
-            while self._free:
-                region = self._free.pop()
-                if region.size >= self.region_bytes:
-                    return region
-                region.close()  # outgrown by an earlier call
-            size = self.region_bytes
-        return OutputRegion(size, self._directory, self._prefix)
+        doomed = []
+        try:
+            with self._lock:
+                if self._closed:
+                    raise ValueError("the client is closed")
+                while self._free:
+                    region = self._free.pop()
+                    if region.size == self.region_bytes:
+                        return region
+                    doomed.append(region)  # sized for other calls than today's
+                    self.live_bytes -= region.size
+                size = self.region_bytes
+                if self.max_total_bytes is not None and self.live_bytes + size > self.max_total_bytes:
+                    raise RegionsExhausted(f"the regions in use already hold {self.live_bytes} bytes "
+                                           f"(at most {self.max_total_bytes})")
+                self.live_bytes += size
+        finally:
+            for region in doomed:
+                region.close()
+        try:
+            return self._create(size)
+        except BaseException:
+            with self._lock:
+                self.live_bytes -= size
+            raise
 
     def release(self, region: OutputRegion, *, needed_bytes: int, failed: bool) -> None:
         """Back to the pool after its call; ``needed_bytes``: what the call's images took (those that
-        came on the stream included), so the next region holds them all."""
+        came on the stream included), which sizes the next regions (see the class docstring)."""
         with self._lock:
-            if needed_bytes > self.region_bytes:
-                self.region_bytes = -(-needed_bytes // _GROW_STEP) * _GROW_STEP
-            if failed or self._closed or region.size < self.region_bytes:
-                region.close()
-            else:
+            self._recent.append(needed_bytes)
+            need = max(self._recent)
+            self.region_bytes = (self.initial_bytes if need <= self.initial_bytes
+                                 else min(self.max_region_bytes, -(-need // _GROW_STEP) * _GROW_STEP))
+            keep = not (failed or self._closed or region.size != self.region_bytes)
+            if keep:
                 self._free.append(region)
+            else:
+                self.live_bytes -= region.size
+        if not keep:
+            region.close()
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             free, self._free = self._free, []
+            self.live_bytes -= sum(r.size for r in free)
         for region in free:
             region.close()
-

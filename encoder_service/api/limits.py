@@ -5,12 +5,16 @@ it), else the IP address of the connection's peer. Over the limit, a call is ref
 RESOURCE_EXHAUSTED before it reaches the servicer, so one client cannot take the whole admission
 queue from the others. The count is taken when the handler starts and given back in a ``finally``
 around it: an OK end, an error, the caller cancelling and a deadline (gRPC cancels the handler's
-task) all release it.
+task) all release it. Behind relay processes (``--grpc-processes``) a call whose response a relay
+streams from its region is the caller's until the relay has streamed it all (or the caller is
+gone): the slot is given back when the relay says so (api/relay_regions.py), not when this
+process has written the region, or callers that stop reading could hold any number of calls.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import ipaddress
 import logging
 import urllib.parse
@@ -22,6 +26,7 @@ from ..errors import RETRY_AFTER_S, ResourceExhausted
 from ..metrics import VISION_ENCODER
 from .auth import client_identity, presented_token
 from .interceptors import RELAYED_PEER, metadata_value, method_path, wrap_behaviour
+from .relay_regions import RELAY_REGION, RegionBoard
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +79,15 @@ class ConcurrencyLimits:
 class PerClientLimitInterceptor(grpc.aio.ServerInterceptor):
     """Place it after the token interceptor: a token seen here has been accepted."""
 
-    def __init__(self, limit: int, by_token: bool, relayed: bool = False) -> None:
+    def __init__(self, limit: int, by_token: bool, relayed: bool = False,
+                 relay_regions: RegionBoard | None = None) -> None:
         self.limits = ConcurrencyLimits(limit)
         self.by_token = by_token
         # Behind relay processes (--grpc-processes) every call comes from a relay over a private
-        # socket; the relay names the caller's own peer in RELAYED_PEER.
+        # socket; the relay names the caller's own peer in RELAYED_PEER, and the region it lent
+        # the call in RELAY_REGION.
         self.relayed = relayed
+        self.relay_regions = relay_regions
 
     def _client(self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext) -> str:
         if self.by_token:
@@ -106,6 +114,10 @@ class PerClientLimitInterceptor(grpc.aio.ServerInterceptor):
             try:
                 yield
             finally:
-                limits.release(client)
+                lend = metadata_value(details, RELAY_REGION) if self.relay_regions is not None else None
+                if lend is None:
+                    limits.release(client)
+                else:  # the relay still streams what this process wrote: until it gives the region back
+                    self.relay_regions.after_return(lend, functools.partial(limits.release, client))
 
         return wrap_behaviour(handler, slot)

@@ -11,10 +11,12 @@ streaming scales with N, and the cache, the batch queue and the metrics stay one
 
 What a relay does with a call:
 - **Encode asking for streamed responses** (no ``output_region``, no ``sink``): the relay lends the
-  server one of its regions (``EncodeRequest.output_region``, a name only this server's relays
-  use), and sends each image it reads there on as the chunks the server would have streamed:
-  the same messages, byte for byte (``streaming.rows_on_stream``). An image that did not fit the
-  region comes on the stream and passes as it came.
+  server one of its regions (sealed memfds handed over by descriptor, named in the call's metadata
+  by an opaque key: api/relay_regions.py), and sends each image it reads there on as the chunks the
+  server would have streamed: the same messages, byte for byte (``streaming.rows_on_stream``). An
+  image that did not fit the region comes on the stream and passes as it came. Regions are sized
+  for recent calls up to ``REGION_MAX_BYTES``, and a relay's regions hold at most
+  ``REGIONS_MAX_BYTES``; a call beyond that passes as sent (the server streams it through).
 - **Everything else the server serves** (Encode with the caller's own region or a sink, Lookup,
   GetModelInfo, health, reflection): bytes in, bytes out, unchanged. A method the server does not
   serve is answered UNIMPLEMENTED here, by gRPC, as the server would.
@@ -51,6 +53,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 from ..config import ServiceConfig, chunk_budget
 from ..metrics import VISION_ENCODER
 from .interceptors import RELAYED_PEER, method_path
+from .relay_regions import RELAY_REGION, RegionLender
 from .streaming import OFF_LOOP_MIN_BYTES, built_off_loop, rows_on_stream
 from .tls import ReloadingServerCredentials
 
@@ -65,7 +68,13 @@ _SERVED = {method_path(m): m.client_streaming
            for m in service.methods}
 # Set by gRPC itself on each call, or naming the connection: not passed on.
 _TRANSPORT_KEYS = frozenset({"content-type", "te", "user-agent", "grpc-accept-encoding", "grpc-encoding",
-                             "grpc-timeout", RELAYED_PEER})
+                             "grpc-timeout", RELAYED_PEER, RELAY_REGION})
+# One region holds a call of up to 7 images of a 7B model at 1008x1008 (8.8 MB each); a larger
+# call's other images come on the stream. All of a relay's regions together hold at most
+# REGIONS_MAX_BYTES (64 concurrent calls of one such image each): beyond, calls pass through and
+# the server streams them, so callers that stop reading cannot pin /dev/shm without bound.
+REGION_MAX_BYTES = 64 << 20
+REGIONS_MAX_BYTES = 1 << 30
 
 
 # Ends of an upstream call that this side may see before the server's handler stopped writing.
@@ -78,7 +87,7 @@ class RelaySpec:
 
     config: ServiceConfig
     upstream: str  # the server process's address: unix:/path
-    region_prefix: str  # names of this server's relay regions (api/shared_memory.py trusts them)
+    regions_path: str  # the server process's region socket (api/relay_regions.py)
     port: int  # the public port to bind (0 for the first relay when --port 0)
     index: int
 
@@ -92,9 +101,11 @@ def upstream_metadata(metadata, peer: str) -> tuple[tuple[str, str | bytes], ...
 class Relay(grpc.GenericRpcHandler):
     """Every method of the public port, passed on to ``channel`` (see the module docstring)."""
 
-    def __init__(self, channel: grpc.aio.Channel, regions: RegionPool, max_chunk_bytes: int) -> None:
+    def __init__(self, channel: grpc.aio.Channel, lender: RegionLender, max_chunk_bytes: int) -> None:
         self._channel = channel
-        self._regions = regions
+        self._lender = lender
+        self._regions = RegionPool(max_region_bytes=REGION_MAX_BYTES, max_total_bytes=REGIONS_MAX_BYTES,
+                                   create=lender.create)
         self._max_chunk_bytes = max_chunk_bytes
         self._copies = ThreadPoolExecutor(max_workers=4, thread_name_prefix="relay-copy")
         self._region_failure_logged = False
@@ -115,6 +126,7 @@ class Relay(grpc.GenericRpcHandler):
     def close(self) -> None:
         self._copies.shutdown(wait=False)
         self._regions.close()
+        self._lender.close()
 
     # --- any method ----------------------------------------------------------------------------------
     async def _pass_on(self, method: str, requests, context: grpc.aio.ServicerContext) -> None:
@@ -146,9 +158,9 @@ class Relay(grpc.GenericRpcHandler):
             await self._pass_on_one(ENCODE, raw, context)
             return
         budget = chunk_budget(request.max_chunk_bytes, self._max_chunk_bytes)
-        call = self._channel.unary_stream(ENCODE)(
-            request.SerializeToString(), metadata=upstream_metadata(context.invocation_metadata(), context.peer()),
-            timeout=context.time_remaining())
+        lend = self._lender.lend(region)
+        metadata = (*upstream_metadata(context.invocation_metadata(), context.peer()), (RELAY_REGION, lend))
+        call = self._channel.unary_stream(ENCODE)(raw, metadata=metadata, timeout=context.time_remaining())
         needed = [0]
         reusable = False
         try:
@@ -157,6 +169,8 @@ class Relay(grpc.GenericRpcHandler):
                                             self._stream_from_region(call, context, region, budget, needed))
                 reusable = failure is None or failure.code() not in _SERVER_MAY_STILL_WRITE
             finally:
+                # The caller has every chunk (or is gone): the server may end its per-client slot.
+                self._lender.give_back(lend)
                 # A region whose call the server may not have finished is dropped, not reused.
                 self._regions.release(region, needed_bytes=needed[0], failed=not reusable)
             if failure is not None:
@@ -165,9 +179,9 @@ class Relay(grpc.GenericRpcHandler):
             call.cancel()
 
     def _with_region(self, raw: bytes):
-        """(the request with one of our regions named in it, the region), or (None, None) when
-        the call passes as sent: it names its own region or a sink, does not parse (the server
-        answers that), or no region can be had (the server then streams)."""
+        """(the request, one of our regions for it), or (None, None) when the call passes as sent:
+        it names its own region or a sink, does not parse (the server answers that), or no region
+        can be had (the server then streams)."""
         try:
             request = encoder_pb2.EncodeRequest.FromString(raw)
         except DecodeError:
@@ -181,7 +195,6 @@ class Relay(grpc.GenericRpcHandler):
                 self._region_failure_logged = True
                 log.warning("relay: no shared-memory region (%s); the server streams responses itself", exc)
             return None, None
-        request.output_region.CopyFrom(region.proto())
         return request, region
 
     async def _stream_from_region(self, call, context: grpc.aio.ServicerContext, region, budget: int,
@@ -257,7 +270,13 @@ async def serve_relay(spec: RelaySpec, conn: Connection) -> int:
     channel_options = [("grpc.max_receive_message_length", config.max_message_bytes),
                        ("grpc.max_send_message_length", config.max_message_bytes)]
     channel = grpc.aio.insecure_channel(spec.upstream, options=channel_options)
-    relay = Relay(channel, RegionPool(prefix=spec.region_prefix), config.max_chunk_bytes)
+    try:
+        lender = RegionLender(spec.regions_path)
+    except OSError as exc:
+        conn.send(("failed", f"relay {spec.index} cannot reach the server's region socket: {exc}"))
+        await channel.close()
+        return 1
+    relay = Relay(channel, lender, config.max_chunk_bytes)
     server = grpc.aio.server(options=relay_options(config))
     server.add_generic_rpc_handlers((relay,))
     address = f"{config.host}:{spec.port}"

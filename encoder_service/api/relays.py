@@ -15,13 +15,13 @@ import itertools
 import logging
 import multiprocessing
 import os
-import secrets
 import shutil
 import tempfile
 import time
 
 from ..config import ServiceConfig
 from .relay import RelaySpec, relay_main
+from .relay_regions import RegionBoard
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +47,8 @@ class RelayProcesses:
         self.count = count
         self._dir = tempfile.mkdtemp(prefix="encoder-service-")  # 0700: only this user reaches the socket
         self.upstream = f"unix:{os.path.join(self._dir, 'server.sock')}"
-        # The relays' region names carry this, so the server writes into theirs (and no caller can
-        # name one of them): RegionTable's trusted prefix.
-        self.region_prefix = f"encoder-relay-{secrets.token_hex(8)}-"
+        # The relays hand their shared-memory regions over by descriptor, on this socket.
+        self.regions = RegionBoard(os.path.join(self._dir, "regions.sock"))
         self.port = 0
         self._running: dict[int, _Running] = {}
         self._watchers: set[asyncio.Task] = set()
@@ -58,6 +57,7 @@ class RelayProcesses:
     async def start(self) -> int:
         """Starts every relay; returns the public port. Raises RelayStartError (the message says why)
         when one cannot serve (the port is taken, a certificate is wrong)."""
+        self.regions.start()
         try:
             self.port = await self._start_one(0, self.config.port)
             await asyncio.gather(*(self._start_one(i, self.port) for i in range(1, self.count)))
@@ -69,7 +69,7 @@ class RelayProcesses:
     async def _start_one(self, index: int, port: int) -> int:
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
-        spec = RelaySpec(self.config, self.upstream, self.region_prefix, port, index)
+        spec = RelaySpec(self.config, self.upstream, self.regions.path, port, index)
         process = ctx.Process(target=relay_main, args=(spec, child), name=f"encoder-relay-{index}", daemon=True)
         process.start()
         child.close()  # else the relay's death would not close the pipe on our side
@@ -139,7 +139,9 @@ class RelayProcesses:
         self.discard()
 
     def discard(self) -> None:
-        """Removes the socket's directory (what ``stop`` leaves once the relays are gone)."""
+        """Closes the region socket and removes the sockets' directory (what ``stop`` leaves once
+        the relays are gone)."""
+        self.regions.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
     @property

@@ -14,6 +14,7 @@ import grpc
 from ..config import ServiceConfig
 from .auth import TokenAuthInterceptor, TokenFile, TokenFileError
 from .limits import PerClientLimitInterceptor
+from .relay_regions import RegionBoard
 from .tls import ReloadingServerCredentials, TLSFileError, sink_channel_credentials
 
 SecurityFileError = (TLSFileError, TokenFileError)
@@ -27,8 +28,9 @@ class Security:
     summary: list[str] = field(default_factory=list)
 
 
-def build_security(config: ServiceConfig) -> Security:
-    """Raises TLSFileError / TokenFileError (both ValueErrors) naming the file that is wrong."""
+def build_security(config: ServiceConfig, relay_regions: RegionBoard | None = None) -> Security:
+    """Raises TLSFileError / TokenFileError (both ValueErrors) naming the file that is wrong.
+    ``relay_regions``: the relay processes' regions, behind ``--grpc-processes``."""
     s = Security()
     if config.tls:
         s.tls = ReloadingServerCredentials(config.tls_cert, config.tls_key, config.tls_client_ca)
@@ -48,7 +50,8 @@ def build_security(config: ServiceConfig) -> Security:
         # After the token check: a client is identified by a token only once it was accepted.
         s.interceptors.append(PerClientLimitInterceptor(config.max_requests_per_client,
                                                         by_token=s.tokens is not None,
-                                                        relayed=config.grpc_processes > 0))
+                                                        relayed=config.grpc_processes > 0,
+                                                        relay_regions=relay_regions))
         s.summary.append(f"at most {config.max_requests_per_client} concurrent Encode calls per client "
                          f"(by {'token' if s.tokens else 'IP address'})")
     if config.sink_tls:

@@ -165,9 +165,9 @@ async def serve(config: ServiceConfig) -> int:
     calls = CallBook()
     relays = RelayProcesses(config, config.grpc_processes) if config.grpc_processes > 0 else None
     try:
-        security = build_security(config)
+        security = build_security(config, relay_regions=relays.regions if relays else None)
         servicer = VisionEncoderServicer(config, metrics, calls,  # reads the --sink-tls-* files
-                                         relay_region_prefix=relays.region_prefix if relays else "")
+                                         relay_regions=relays.regions if relays else None)
     except SecurityFileError as exc:
         log.error("cannot start: %s", exc)
         if relays is not None:

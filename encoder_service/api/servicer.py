@@ -23,7 +23,8 @@ from ..errors import ResourceExhausted, Unavailable
 from ..metrics import ServiceMetrics
 from ..sink_allowlist import SinkAllowlist
 from .calls import CallBook
-from .shared_memory import MAX_OPEN_REGIONS, RegionTable, RegionWriter
+from .relay_regions import RELAY_REGION, RegionBoard
+from .shared_memory import DescriptorWriter, RegionTable, RegionWriter
 from .sink import PUSH_MAX_CHUNK_BYTES, SinkChannels, SinkFailed, SinkPush, fail_uniformly, header_chunk
 from .streaming import OFF_LOOP_MIN_BYTES, built_off_loop, embedding_chunks, region_chunk, serialized_chunks
 from .tls import sink_channel_credentials
@@ -41,17 +42,16 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
     """Serves once ``engine`` is set (model loaded and warmed); UNAVAILABLE before and while draining."""
 
     def __init__(self, config: ServiceConfig, metrics: ServiceMetrics, calls: CallBook,
-                 relay_region_prefix: str = "") -> None:
+                 relay_regions: RegionBoard | None = None) -> None:
         self.config = config
         self.metrics = metrics
         self.calls = calls  # whether the server drains
         self.engine: Engine | None = None
         self.sink_channels = SinkChannels(config.max_message_bytes, credentials=sink_channel_credentials(config))
         self.sink_allowlist = SinkAllowlist(config.allowed_sink_patterns)
-        # Behind relays every streamed call in flight holds a relay's region (api/relay.py): keep as
-        # many mappings as calls can be in flight, or each call would map (and fault in) one anew.
-        self.regions = RegionTable(config.shared_memory == "on", trusted_prefix=relay_region_prefix,
-                                   capacity=MAX_OPEN_REGIONS + (config.max_queue_images if relay_region_prefix else 0))
+        self.regions = RegionTable(config.shared_memory == "on")  # callers' own regions
+        # Behind relays (--grpc-processes): the regions they lend, by descriptor (api/relay_regions.py).
+        self.relay_regions = relay_regions
         # A few threads are enough: each copy runs at memory speed without the GIL.
         self.response_copies = ThreadPoolExecutor(max_workers=4, thread_name_prefix="response-copy")
 
@@ -73,7 +73,7 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
         if plan.sink is not None:
             await self._encode_to_sink(engine, plan, request_id, model_dtype, context)
             return
-        region = self.regions.writer(request.output_region) if request.HasField("output_region") else None
+        region = self._region(request, context)
         # aclosing: a cancelled or failed stream releases its cache pins and queue slots right away.
         async with contextlib.aclosing(engine.encode(plan.images)) as results:
             async for result in results:
@@ -87,6 +87,24 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
                         if first_chunk:
                             first_chunk = False
                             self.metrics.first_chunk_seconds.observe(time.perf_counter() - started)
+
+    def _region(self, request: encoder_pb2.EncodeRequest,
+                context: grpc.aio.ServicerContext) -> RegionWriter | DescriptorWriter | None:
+        """Where this call's rows go instead of the stream: the caller's own region, the region a
+        relay lent the call (only behind relays, whose private unix socket is this server's only
+        port: a relay drops the key from every caller's metadata), or None."""
+        if request.HasField("output_region"):
+            return self.regions.writer(request.output_region)
+        if self.relay_regions is None or not context.peer().startswith("unix:"):
+            return None
+        lend = next((v for k, v in context.invocation_metadata() or () if k == RELAY_REGION), None)
+        if lend is None:
+            return None
+        memory = self.relay_regions.memory(lend)
+        if memory is None:  # not registered (cannot happen with our relays): stream instead
+            log.warning("a relayed call names a region this server does not know; streaming its response")
+            return None
+        return RegionWriter(memory)
 
     async def encode_images(self, images: list[ImageInput]) -> list[tuple[ImageResult, bytes]]:
         """Encode's engine path (cache, in-flight joins, admission, batching) for the other front
@@ -161,7 +179,7 @@ async def _inline(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
 
 
 def _response_chunks(result: ImageResult, data: memoryview, request_id: str, plan: EncodePlan, model_dtype: str,
-                     region: RegionWriter | None) -> Iterator[bytes]:
+                     region: RegionWriter | DescriptorWriter | None) -> Iterator[bytes]:
     """One image's Encode response (``data``: its ``wire_bytes``): one header chunk when its rows
     went into the caller's region, else its rows in chunks on the stream."""
     if region is not None:
