@@ -16,7 +16,7 @@ from encoder_client.shared_memory import SHM_DIR, OutputRegion, RegionPool, Regi
 from PIL import Image
 
 from encoder_service.api.shared_memory import RegionTable, RegionUnusable
-from encoder_service.errors import InvalidInput
+from encoder_service.errors import InvalidInput, PermissionDenied
 
 ALSO_WITH_WORKER_PROCESSES = True
 ALSO_WITH_GRPC_PROCESSES = True
@@ -67,11 +67,11 @@ def test_the_region_chunk_says_where_and_carries_no_data(encoder_server):
             chunks = list(encoder_pb2_grpc.VisionEncoderStub(channel).Encode(request, timeout=60))
         (chunk,) = chunks
         assert chunk.last and not chunk.data and chunk.token_offset == 0
-        assert chunk.region_offset == 0
+        assert chunk.region_offset == 64  # after the region's key
         assert chunk.region_bytes == chunk.num_tokens * chunk.hidden_size * 4  # float32 rows
         with EncoderClient(encoder_server.target) as client:
             (want,) = client.encode([png(4)])
-        got = region.view(0, chunk.region_bytes).view(np.float32).reshape(chunk.num_tokens, -1)
+        got = region.view(64, chunk.region_bytes).view(np.float32).reshape(chunk.num_tokens, -1)
         np.testing.assert_array_equal(got, want.embedding)
     finally:
         region.close()
@@ -111,7 +111,7 @@ def test_close_unlinks_every_region(encoder_server):
 def test_a_region_that_is_not_on_the_servers_host_is_a_clear_error(encoder_server):
     request = encoder_pb2.EncodeRequest(images=[encoder_pb2.Image(encoded=png(21))],
                                         output_region=encoder_pb2.SharedMemoryRegion(name="encoder-nowhere",
-                                                                                     size=4096))
+                                                                                     size=4096, key=KEY))
     with grpc.insecure_channel(encoder_server.target) as channel, pytest.raises(grpc.RpcError) as err:
         list(encoder_pb2_grpc.VisionEncoderStub(channel).Encode(request, timeout=60))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -122,7 +122,7 @@ def test_a_region_that_is_not_on_the_servers_host_is_a_clear_error(encoder_serve
 @pytest.mark.parametrize("name", ["../etc/passwd", "other-prefix", "encoder-a/b", "encoder-"])
 def test_a_region_name_outside_encoder_star_is_invalid(encoder_server, name):
     request = encoder_pb2.EncodeRequest(images=[encoder_pb2.Image(encoded=png(22))],
-                                        output_region=encoder_pb2.SharedMemoryRegion(name=name, size=4096))
+                                        output_region=encoder_pb2.SharedMemoryRegion(name=name, size=4096, key=KEY))
     with grpc.insecure_channel(encoder_server.target) as channel, pytest.raises(grpc.RpcError) as err:
         list(encoder_pb2_grpc.VisionEncoderStub(channel).Encode(request, timeout=60))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -178,46 +178,89 @@ def test_a_caller_that_shrinks_its_region_mid_call_gets_an_error_and_the_server_
         assert client.encode([png(32)])[0].num_tokens > 0
 
 
+def test_a_caller_cannot_have_the_server_write_into_another_callers_region(encoder_server):
+    """Any local user can list /dev/shm and put a victim's region name in its own request; without
+    the victim's key (only readable by the object's owner) the server refuses and writes nothing."""
+    with EncoderClient(encoder_server.target, shared_memory=True) as victim:
+        victim.encode([png(33)])  # the victim's region now exists, pooled between its calls
+        (name,) = our_objects()
+        path = os.path.join(SHM_DIR, name)
+        with open(path, "rb") as f:
+            before = f.read()
+        request = encoder_pb2.EncodeRequest(images=[encoder_pb2.Image(encoded=png(34))],
+                                            output_region=encoder_pb2.SharedMemoryRegion(
+                                                name=name, size=len(before), key=b"guess" * 4))
+        with grpc.insecure_channel(encoder_server.target) as channel, pytest.raises(grpc.RpcError) as err:
+            list(encoder_pb2_grpc.VisionEncoderStub(channel).Encode(request, timeout=60))
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value.details()
+        with open(path, "rb") as f:
+            assert f.read() == before
+        assert victim.encode([png(33)])[0].cache_hit
+
+
 # --- the two ends' region handling, without a server -------------------------------------------------
+
+
+KEY = b"k" * 32
+
+
+def region(name: str, size: int, key: bytes = KEY) -> encoder_pb2.SharedMemoryRegion:
+    return encoder_pb2.SharedMemoryRegion(name=name, size=size, key=key)
+
+
+def keyed_object(path, size: int, key: bytes = KEY) -> None:
+    path.write_bytes(key + b"\0" * (size - len(key)))
 
 
 def test_the_server_writes_only_into_existing_regular_objects(tmp_path):
     table = RegionTable(True, directory=str(tmp_path))
     with pytest.raises(RegionUnusable, match="does not exist"):
-        table.writer(encoder_pb2.SharedMemoryRegion(name="encoder-x", size=10))
-    (tmp_path / "encoder-x").write_bytes(b"\0" * 120)
+        table.writer(region("encoder-x", 100))
+    keyed_object(tmp_path / "encoder-x", 200)
     with pytest.raises(InvalidInput, match="larger than"):
-        table.writer(encoder_pb2.SharedMemoryRegion(name="encoder-x", size=121))
-    writer = table.writer(encoder_pb2.SharedMemoryRegion(name="encoder-x", size=110))
-    assert writer.place(b"abc") == (0, 3)
-    assert writer.place(b"d" * 40) == (64, 40)  # each image on a 64-byte boundary
-    assert writer.place(b"e" * 1) is None  # past the declared size (110): on the stream instead
-    assert (tmp_path / "encoder-x").read_bytes()[64:104] == b"d" * 40
+        table.writer(region("encoder-x", 201))
+    writer = table.writer(region("encoder-x", 190))
+    assert writer.place(b"abc") == (64, 3)  # after the owner's key
+    assert writer.place(b"d" * 40) == (128, 40)  # each image on a 64-byte boundary
+    assert writer.place(b"e" * 1) is None  # past the declared size (190): on the stream instead
+    assert (tmp_path / "encoder-x").read_bytes()[:32] == KEY  # the key stays
+    assert (tmp_path / "encoder-x").read_bytes()[128:168] == b"d" * 40
     os.mkdir(tmp_path / "encoder-dir")
     with pytest.raises(RegionUnusable):
-        table.writer(encoder_pb2.SharedMemoryRegion(name="encoder-dir", size=10))
+        table.writer(region("encoder-dir", 100))
     os.mkfifo(tmp_path / "encoder-fifo")
     with pytest.raises(RegionUnusable, match="not a shared-memory object"):  # and the open did not block
-        table.writer(encoder_pb2.SharedMemoryRegion(name="encoder-fifo", size=10))
+        table.writer(region("encoder-fifo", 100))
+
+
+def test_the_server_writes_only_into_a_region_whose_first_bytes_are_the_callers_key(tmp_path):
+    """/dev/shm's names are listable by every user; only the owner can read an object's bytes."""
+    table = RegionTable(True, directory=str(tmp_path))
+    keyed_object(tmp_path / "encoder-victim", 4096, key=b"v" * 32)
+    with pytest.raises(PermissionDenied, match="not its key"):
+        table.writer(region("encoder-victim", 4096, key=b"a" * 32))
+    with pytest.raises(InvalidInput, match="16 to 64 bytes"):
+        table.writer(region("encoder-victim", 4096, key=b""))
+    assert table.writer(region("encoder-victim", 4096, key=b"v" * 32)).place(b"ok") == (64, 2)
 
 
 def test_a_callers_region_may_not_pose_as_a_relays_and_errors_do_not_echo_names(tmp_path):
     table = RegionTable(True, directory=str(tmp_path))
-    (tmp_path / "encoder-relay-0123-1-x").write_bytes(b"\0" * 64)
+    keyed_object(tmp_path / "encoder-relay-0123-1-x", 4096)
     with pytest.raises(InvalidInput) as err:
-        table.writer(encoder_pb2.SharedMemoryRegion(name="encoder-relay-0123-1-x", size=64))
+        table.writer(region("encoder-relay-0123-1-x", 4096))
     assert "0123" not in str(err.value)
     with pytest.raises(RegionUnusable) as err:
-        table.writer(encoder_pb2.SharedMemoryRegion(name="encoder-secret-name", size=64))
+        table.writer(region("encoder-secret-name", 4096))
     assert "secret" not in str(err.value)
 
 
 def test_a_region_shrunk_under_a_call_is_that_calls_error_not_a_fault(tmp_path):
     table = RegionTable(True, directory=str(tmp_path))
     path = tmp_path / "encoder-s"
-    path.write_bytes(b"\0" * 8192)
-    writer = table.writer(encoder_pb2.SharedMemoryRegion(name="encoder-s", size=8192))
-    assert writer.place(b"a" * 100) == (0, 100)
+    keyed_object(path, 8192)
+    writer = table.writer(region("encoder-s", 8192))
+    assert writer.place(b"a" * 100) == (64, 100)
     os.truncate(path, 0)  # a write through a mapping past the new end would be SIGBUS
     with pytest.raises(RegionUnusable, match="shrank to 0 bytes"):
         writer.place(b"b" * 100)
@@ -228,21 +271,22 @@ def test_the_server_takes_only_the_pages_of_the_calls_own_output(tmp_path):
     table = RegionTable(True, directory=str(tmp_path))
     path = tmp_path / "encoder-sparse"
     with open(path, "wb") as f:
+        f.write(KEY)
         f.truncate(1 << 30)
-    writer = table.writer(encoder_pb2.SharedMemoryRegion(name="encoder-sparse", size=1 << 30))
-    assert writer.place(b"x" * 10000) == (0, 10000)
+    writer = table.writer(region("encoder-sparse", 1 << 30))
+    assert writer.place(b"x" * 10000) == (64, 10000)
     assert os.stat(path).st_blocks * 512 < 1 << 20
 
 
 def test_a_recreated_object_is_written_anew(tmp_path):
     table = RegionTable(True, directory=str(tmp_path))
     path = tmp_path / "encoder-r"
-    path.write_bytes(b"\0" * 64)
-    table.writer(encoder_pb2.SharedMemoryRegion(name="encoder-r", size=64)).place(b"old")
+    keyed_object(path, 256)
+    table.writer(region("encoder-r", 256)).place(b"old")
     os.unlink(path)
-    path.write_bytes(b"\0" * 64)
-    table.writer(encoder_pb2.SharedMemoryRegion(name="encoder-r", size=64)).place(b"new")
-    assert path.read_bytes()[:3] == b"new"
+    keyed_object(path, 256)
+    table.writer(region("encoder-r", 256)).place(b"new")
+    assert path.read_bytes()[64:67] == b"new"
 
 
 def test_a_pool_reuses_regions_and_discards_a_failed_calls_region():

@@ -189,7 +189,7 @@ def reassembling(request: encoder_pb2.EncodeRequest, *, bf16_as: str,
         failed = False
     finally:
         # A failed call's region is not reused: the server may not have seen the end of the call yet.
-        regions.release(region, needed_bytes=reassembler.region_bytes_needed, failed=failed)
+        regions.release(region, needed_bytes=region.header_bytes + reassembler.region_bytes_needed, failed=failed)
 
 
 def _levels(chunk: encoder_pb2.EmbeddingChunk) -> int:

@@ -35,6 +35,8 @@ DEFAULT_INITIAL_BYTES = 16 << 20
 # A region never grows past this: the images of a call beyond it come on the stream.
 DEFAULT_MAX_REGION_BYTES = 256 << 20
 ALIGN = 64  # the server's alignment of each image in a region
+KEY_BYTES = 32
+HEADER_BYTES = 64  # the region's start, which holds the key; the server writes after it
 _GROW_STEP = 1 << 20
 
 
@@ -46,9 +48,11 @@ def _unlink(path: str) -> None:
 class OutputRegion:
     """One shared-memory object of this process, mapped read/write, unlinked by ``close()``."""
 
+    header_bytes = HEADER_BYTES
+
     def __init__(self, size: int, directory: str = SHM_DIR, prefix: str = NAME_PREFIX) -> None:
-        if size <= 0:
-            raise ValueError(f"a shared-memory region needs a positive size, got {size}")
+        if size <= HEADER_BYTES:
+            raise ValueError(f"a shared-memory region needs more than {HEADER_BYTES} bytes, got {size}")
         self.name = f"{prefix}{os.getpid()}-{secrets.token_hex(8)}"
         self.size = size
         path = os.path.join(directory, self.name)
@@ -66,9 +70,14 @@ class OutputRegion:
             self.memory = np.frombuffer(mmap.mmap(fd, size, mmap.MAP_SHARED), np.uint8)
         finally:
             os.close(fd)
+        # The proof that this process created it: the server writes only into an object whose
+        # first bytes equal the key its request carries (only this user can read them), and
+        # never writes before HEADER_BYTES.
+        self.key = secrets.token_bytes(KEY_BYTES)
+        self.memory[:KEY_BYTES] = np.frombuffer(self.key, np.uint8)
 
     def proto(self) -> encoder_pb2.SharedMemoryRegion:
-        return encoder_pb2.SharedMemoryRegion(name=self.name, size=self.size)
+        return encoder_pb2.SharedMemoryRegion(name=self.name, size=self.size, key=self.key)
 
     def view(self, offset: int, length: int) -> np.ndarray | None:
         """Bytes [offset, offset + length) of the region, or None if they are not all inside it."""

@@ -15,14 +15,18 @@ fill (no reservation of the size the object claims). ``pwrite`` costs about twic
 mapping (2.2 against 1.1 ms for 9.3 MB on the CPU it was measured on) and runs in the response-copy
 threads without the GIL.
 
-The server only writes into objects whose name starts with ``encoder-`` and only with
-``--shared-memory on``: a request names the object, so every caller that can reach the port must be
-trusted with that host's ``/dev/shm/encoder-*`` objects of the server's user (README, "Threat
-model"). Errors never echo a region's name.
+The server only writes into objects whose name starts with ``encoder-``, only with
+``--shared-memory on``, and only when the object's first bytes equal the request's
+``output_region.key``: a name in /dev/shm is listable by every user of the host, the object's
+bytes only by its owner (mode 0600), so a caller cannot have the server write into another user's
+region, whatever name it puts in its request. Images go from offset 64 on: the key stays. What this
+cannot stop: a process of the object owner's own user, which may read the object anyway (README,
+"Threat model"). Errors never echo a region's name.
 """
 
 from __future__ import annotations
 
+import hmac
 import os
 import re
 import stat
@@ -30,7 +34,7 @@ import stat
 import numpy as np
 from encoder_client.protocol import encoder_pb2
 
-from ..errors import EncoderError, InvalidInput
+from ..errors import EncoderError, InvalidInput, PermissionDenied
 
 SHM_DIR = "/dev/shm"
 NAME_PATTERN = re.compile(r"encoder-[A-Za-z0-9._-]{1,200}")
@@ -38,6 +42,8 @@ NAME_PATTERN = re.compile(r"encoder-[A-Za-z0-9._-]{1,200}")
 # caller's region may not pose as one.
 RESERVED_PREFIX = "encoder-relay-"
 ALIGN = 64  # each image starts on a cache line: the reader's copy out is aligned
+KEY_BYTES = (16, 64)  # output_region.key's length; the object's first 64 bytes are the owner's
+FIRST_OFFSET = 64
 
 
 class RegionUnusable(EncoderError):
@@ -67,8 +73,12 @@ class RegionTable:
         if not NAME_PATTERN.fullmatch(name) or name.startswith(RESERVED_PREFIX):
             raise InvalidInput("output_region.name is not 'encoder-' followed by at most 200 letters, digits, "
                                f"'.', '_' or '-' (and not starting with {RESERVED_PREFIX!r})")
-        if region.size == 0:
-            raise InvalidInput("output_region.size is 0")
+        if not KEY_BYTES[0] <= len(region.key) <= KEY_BYTES[1]:
+            raise InvalidInput(f"output_region.key is {len(region.key)} bytes; it must be {KEY_BYTES[0]} to "
+                               f"{KEY_BYTES[1]} bytes that the region's creator also wrote at its start "
+                               "(encoder_client's regions do)")
+        if region.size <= FIRST_OFFSET:
+            raise InvalidInput(f"output_region.size {region.size} leaves no room after its first {FIRST_OFFSET} bytes")
         path = os.path.join(self._directory, name)
         try:
             # O_NONBLOCK: a FIFO planted under the name must not block the open.
@@ -84,6 +94,12 @@ class RegionTable:
                 raise RegionUnusable("output_region is not a shared-memory object")
             if region.size > st.st_size:
                 raise InvalidInput(f"output_region.size {region.size} is larger than the object ({st.st_size} bytes)")
+            if not hmac.compare_digest(os.pread(fd, len(region.key), 0), region.key):
+                raise PermissionDenied("output_region's first bytes are not its key: the server writes only "
+                                       "into a region its caller created")
+        except OSError as err:
+            os.close(fd)
+            raise RegionUnusable(f"output_region: the server cannot read it ({err.strerror})") from None
         except BaseException:
             os.close(fd)
             raise
@@ -122,7 +138,7 @@ class DescriptorWriter:
     def __init__(self, fd: int, size: int) -> None:
         self._fd = fd
         self._size = size
-        self._next = 0
+        self._next = FIRST_OFFSET  # the owner's key lies before
 
     def __del__(self) -> None:
         os.close(self._fd)
