@@ -130,6 +130,11 @@ class ServiceConfig:
     # -1 = no metrics endpoint; 0 = any free port (logged)
     metrics_port: int = option(-1,
         "port of the Prometheus /metrics HTTP endpoint; 0 picks a free one, -1 disables it.")
+    # not --host: the endpoint is plaintext and unauthenticated (README "Security")
+    metrics_host: str = option("127.0.0.1",
+        "address the /metrics endpoint binds to: loopback by default, whatever --host is, since it "
+        "has no TLS and no token. 0.0.0.0 where a scraper reaches it over the network (Kubernetes: "
+        "Prometheus scrapes the pod's IP; deploy/ sets it), behind a NetworkPolicy.")
     log_level: str = option("INFO",
         "DEBUG, INFO, WARNING or ERROR.",
         choices=("DEBUG", "INFO", "WARNING", "ERROR"))

@@ -13,12 +13,17 @@ GPU memory) are read at scrape time, on that thread.
 
 Label sets that dashboards and alerts divide by (method x status code, source x model) are created
 at zero up front, so a ratio has data before the first error and a panel never shows "no data".
+
+The ``model`` labels name the model (``model_label``: a preset's name, a checkpoint directory's last
+component), never its path on the server's disk: /metrics has no TLS and no token.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import PurePosixPath
 
 import grpc
 from encoder_client.protocol import encoder_pb2
@@ -59,6 +64,21 @@ VISION_ENCODER = encoder_pb2.DESCRIPTOR.services_by_name["VisionEncoder"]
 RPC_METHODS = tuple(m.name for m in VISION_ENCODER.methods)
 IMAGE_SOURCES = ("encoded", "patches", "content_hash")
 STATUS_CODES = tuple(code.name for code in grpc.StatusCode)
+
+
+_HF_CACHE_DIR = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)")
+
+
+def model_label(model_id: str) -> str:
+    """How metrics name the served model: a preset id as is (``tiny-qwen2.5-vl@seed0``), a
+    checkpoint directory by its last component (``/models/Qwen2.5-VL-7B-Instruct`` ->
+    ``Qwen2.5-VL-7B-Instruct``; a Hugging Face cache snapshot by its repository, ``Qwen/...``),
+    never the path: where the operator keeps its models is not for whoever can reach /metrics."""
+    path = PurePosixPath(model_id)
+    parts = path.parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and (m := _HF_CACHE_DIR.fullmatch(parts[-3])):
+        return f"{m['org']}/{m['name']}"
+    return path.name or model_id
 
 
 class GpuMemoryCollector(Collector):
@@ -198,6 +218,7 @@ class ServiceMetrics:
             "backend, device, dtype. Always 1.", registry=r)
         self.gpu_memory = GpuMemoryCollector()
         r.register(self.gpu_memory)
+        self._model = ""  # model_label of the served model, once track_engine knows it
         self._initialise_request_series(RPC_METHODS)
 
     def _initialise_request_series(self, methods: Sequence[str]) -> None:
@@ -214,7 +235,8 @@ class ServiceMetrics:
         ``cache`` needs ``__len__`` and ``used_bytes``; reading them from the scrape thread is safe
         (an int read in CPython), and costs the event loop nothing.
         """
-        self.model_info.info({"version": __version__, "model": model_id, "model_type": model_type,
+        self._model = model = model_label(model_id)
+        self.model_info.info({"version": __version__, "model": model, "model_type": model_type,
                               "backend": attn_backend, "device": str(device), "dtype": dtype})
         self.gpu_memory.sources = dict(device_memory)
         for name in device_memory:  # each device's series exist at zero before its first forward
@@ -231,7 +253,11 @@ class ServiceMetrics:
         self.cache_capacity_bytes.set(cache_capacity_bytes)
         self.queue_capacity_images.set(queue_capacity_images)
         for source in IMAGE_SOURCES:
-            self.images.labels(source=source, model=model_id)
+            self.images.labels(source=source, model=model)
+
+    def image_received(self, source: str) -> None:
+        """One image of a request, by its kind (IMAGE_SOURCES), for the served model."""
+        self.images.labels(source=source, model=self._model).inc()
 
     def record_forward(self, device: str, forward_s: float, images: int, patches: int,
                        preprocess_s: float | None = None) -> None:

@@ -55,3 +55,4 @@ def test_final_stage_runs_as_a_non_root_user_and_exposes_grpc_and_metrics():
     port = int(re.search(r"ENCODER_SERVICE_PORT=(\d+)", env).group(1))
     metrics_port = int(re.search(r"ENCODER_SERVICE_METRICS_PORT=(\d+)", env).group(1))
     assert exposed == {port, metrics_port}
+    assert "ENCODER_SERVICE_METRICS_HOST=0.0.0.0" in env  # a published port reaches nothing on loopback

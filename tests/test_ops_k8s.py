@@ -97,6 +97,7 @@ def test_the_server_accepts_the_configmap_settings(overlay):
     assert set(data) <= known, f"settings the server does not read: {set(data) - known}"
     config = build_config(None, data)
     assert config.metrics_port == 9090 and config.port == 50051 and config.host == "0.0.0.0"
+    assert config.metrics_host == "0.0.0.0"  # Prometheus scrapes the pod's IP (loopback is the default)
     ports = {p["name"]: p["containerPort"] for p in container(build(overlay))["ports"]}
     expected = {"grpc": config.port, "metrics": config.metrics_port}
     if config.health_port >= 0:

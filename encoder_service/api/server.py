@@ -229,8 +229,8 @@ async def serve(config: ServiceConfig) -> int:
         return 1
     log.info("security: %s", "; ".join(security.summary))
     if config.metrics_port >= 0:
-        metrics_port = metrics.serve_http(config.metrics_port, config.host)
-        log.info("metrics on http://%s:%d/metrics", config.host, metrics_port)
+        metrics_port = metrics.serve_http(config.metrics_port, config.metrics_host)
+        log.info("metrics on http://%s:%d/metrics", config.metrics_host, metrics_port)
 
     if config.uses_default_model:
         log.info("no --model given: serving the built-in %s preset (random weights) on %s",

@@ -183,7 +183,7 @@ class Engine:
         if not images:
             raise InvalidInput("no images in the request")
         for image in images:
-            self.metrics.images.labels(source=image.kind, model=self.front.spec.model_id).inc()
+            self.metrics.image_received(image.kind)
         keys = await self._hash(images)
 
         # Everything from here to the first await runs atomically on the loop: admission counts
