@@ -92,10 +92,21 @@ class ServiceConfig:
     max_message_bytes: int = option(64 * MiB,
         "largest gRPC message accepted or sent, in bytes (RESOURCE_EXHAUSTED over it).",
         at_least=64 * 1024)
-    max_image_pixels: int = option(64 * MiB,
-        "largest encoded image accepted, in pixels as read from its header "
-        "(guards against decompression bombs).",
-        at_least=1)
+    # -1 = derived from the model's max_pixels (preprocess/decode.py derived_pixel_limit)
+    max_image_pixels: int = option(-1,
+        "largest encoded image accepted, in pixels as read from its header, before any pixel is "
+        "decoded (guards against decompression bombs). Also bounds each image's decode memory: "
+        "12 bytes for each of these pixels (WebP and images with transparency need more a pixel, "
+        "so their largest accepted size is smaller). -1: 16 x the model's max_pixels (the size "
+        "its preprocessing resizes to), at most 64 Mi; Qwen2.5-VL-7B: 16056320, so a 12 Mpx "
+        "photo passes. The start-up log and ModelInfo.max_image_pixels say the value in force.",
+        at_least=1, note="or -1: 16 x the model's max_pixels")
+    max_decode_seconds: float = option(5.0,
+        "time budget of one image's decode: a decode still running after this many seconds "
+        "(wall clock, from its start on a decode thread) is stopped and the image refused "
+        "(RESOURCE_EXHAUSTED). Checked at each read of the file's bytes; the pixel, memory and "
+        "JPEG scan limits bound what happens between two.",
+        above=0)
     max_chunk_bytes: int = option(4 * MiB,
         "default (and upper bound) of the embedding bytes in one streamed chunk; "
         f"a request may ask for less, down to {MIN_CHUNK_BYTES}.",
@@ -353,12 +364,17 @@ def build_config(args: argparse.Namespace | None = None,
     return config
 
 
+# Options whose -1 stays in the config and is resolved by the engine from the model it serves.
+_DERIVED_AT_START = ("max_image_pixels",)
+
+
 def _check(c: ServiceConfig) -> None:
     problems = []
     for f in fields(ServiceConfig):
         value, meta = getattr(c, f.name), f.metadata
         note = f" ({meta['note']})" if meta["note"] else ""
-        if meta["at_least"] is not None and value < meta["at_least"]:
+        derived = value == -1 and f.name in _DERIVED_AT_START  # resolved once the model is known
+        if meta["at_least"] is not None and value < meta["at_least"] and not derived:
             problems.append(f"{_flag(f.name)} must be >= {meta['at_least']}{note}")
         if meta["above"] is not None and value <= meta["above"]:
             problems.append(f"{_flag(f.name)} must be > {meta['above']}{note}")

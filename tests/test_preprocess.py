@@ -22,6 +22,7 @@ from encoder_service.preprocess import (
     preprocess_qwen2_vl,
     smart_resize,
 )
+from encoder_service.preprocess.decode import DECODE_BYTES_PER_LIMIT_PIXEL
 
 TOLERANCE = 1e-5
 
@@ -325,9 +326,14 @@ def test_header_claiming_100000_squared_pixels_is_refused_quickly():
 def test_webp_pixel_limit_is_exact_for_every_webp_header_kind(mode: str, save_kwargs: dict):
     # libwebp allocates its canvas inside Image.open, so WebP sizes are read from the RIFF header.
     data = encode(rgb_image(30, 50, seed=18).convert(mode), "WEBP", **save_kwargs)
-    assert decode_image(data, max_image_pixels=30 * 50).size == (50, 30)
     with pytest.raises(ResourceExhausted, match="50x30 = 1500 pixels"):
         decode_image(data, max_image_pixels=30 * 50 - 1)
+    # Its decode memory too (17 bytes a pixel without alpha), against the budget of 12 bytes for each
+    # pixel the limit allows: exact from the header as well.
+    enough = -(-30 * 50 * 17 // DECODE_BYTES_PER_LIMIT_PIXEL)
+    assert decode_image(data, max_image_pixels=enough).size == (50, 30)
+    with pytest.raises(ResourceExhausted, match=r"WEBP image of 50x30 takes about .* memory"):
+        decode_image(data, max_image_pixels=enough - 1)
 
 
 def test_webp_with_huge_header_is_refused_before_libwebp_sees_it():

@@ -37,6 +37,54 @@ def png_bomb(width: int = 100_000, height: int = 100_000) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
 
 
+def jpeg_segments(data: bytes) -> list[tuple[int, int, int]]:
+    """(marker, start, end) of each segment of a well-formed JPEG, a scan's entropy-coded data
+    included in its SOS segment; up to and including EOI."""
+    segments, i = [], 2
+    while i + 1 < len(data):
+        marker = data[i + 1]
+        if marker == 0xD9:
+            segments.append((marker, i, i + 2))
+            break
+        end = i + 2 + int.from_bytes(data[i + 2:i + 4], "big")
+        if marker == 0xDA:  # the entropy-coded data runs to the next marker that is not 0xFF00 or RSTn
+            end = data.index(b"\xff", end)
+            while data[end + 1] == 0x00 or 0xD0 <= data[end + 1] <= 0xD7:
+                end = data.index(b"\xff", end + 2)
+        segments.append((marker, i, end))
+        i = end
+    return segments
+
+
+def jpeg_scan_bomb(side: int = 256, extra_scans: int = 2000) -> bytes:
+    """A valid progressive grayscale JPEG whose last scan (an AC refinement of a flat image: 12 bytes)
+    is repeated ``extra_scans`` times before EOI. Each copy costs libjpeg a pass over every block of
+    the image (the scan bomb of libjpeg-turbo's LJT-01-003 report): 1024x1024 with 2000 copies is
+    28 KB and about 2 s of a core."""
+    data = _save(Image.new("L", (side, side), 128), "JPEG", progressive=True, quality=90)
+    segments = jpeg_segments(data)
+    last_scan = [data[start:end] for marker, start, end in segments if marker == 0xDA][-1]
+    eoi = segments[-1][1]
+    return data[:eoi] + last_scan * extra_scans + data[eoi:]
+
+
+def webp_canvas_bomb(side: int = 4096) -> bytes:
+    """A lossless WebP of one colour: a few dozen bytes for side x side pixels. Pillow decodes WebP
+    through libwebp's animation decoder, which holds two RGBA canvases, then copies the frame twice:
+    about 17 bytes a pixel at the peak (8192x8192: 1.1 GB)."""
+    return _save(Image.new("RGB", (side, side), (10, 20, 30)), "WEBP", lossless=True, method=0)
+
+
+def png_chunk_bomb(chunks: int = 100_000) -> bytes:
+    """A small PNG with ``chunks`` tiny tEXt chunks before its image data: Pillow parses each in
+    Python, holding the GIL (100,000 take about 0.3 s; 64 MiB of them over 10 s)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+    data = _save(_rgb(16, 16), "PNG")
+    idat = data.index(b"IDAT") - 4
+    return data[:idat] + chunk(b"tEXt", b"a\x00b") * chunks + data[idat:]
+
+
 def animated_gif(frames: int = 300, size: int = 32) -> bytes:
     images = [_rgb(size, size, i).convert("P") for i in range(frames)]
     return _save(images[0], "GIF", save_all=True, append_images=images[1:], duration=10, loop=0)
@@ -69,6 +117,9 @@ def corpus() -> dict[str, bytes]:
         "webp_lossless": _save(rgb, "WEBP", lossless=True),
         "png_bomb": png_bomb(),
         "png_bomb_wide": png_bomb(200_000, 2),
+        "jpeg_scan_bomb": jpeg_scan_bomb(256, 2000),
+        "webp_canvas_bomb": webp_canvas_bomb(2048),
+        "png_chunk_bomb": png_chunk_bomb(2000),
         "bmp_unsupported": _save(rgb, "BMP"),
         "tiff_unsupported": _save(rgb, "TIFF"),
     }

@@ -180,7 +180,7 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
             temporal_patch_size=d.temporal_patch_size, spatial_merge_size=d.spatial_merge_size,
             patch_dim=d.patch_dim, attention_backend=d.attn_backend, device=d.device,
             cache_namespace=d.cache_namespace, max_batch_tokens=c.max_batch_tokens,
-            max_message_bytes=c.max_message_bytes, max_image_pixels=c.max_image_pixels, version=__version__,
+            max_message_bytes=c.max_message_bytes, max_image_pixels=d.max_image_pixels, version=__version__,
             preprocess=d.preprocess, feature_levels=d.feature_levels,
             shared_memory=self.regions.enabled, ops=d.ops, decode=d.decode).to_proto()
 

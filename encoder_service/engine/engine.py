@@ -2,8 +2,10 @@
 
 Lives on the event loop. Per image: cache hit (served at once), join of an in-flight computation
 of the same content (in-flight de-duplication), or a new job. A job is prepared (decoded to uint8
-pixels, or its patch bytes checked) in a thread pool, queued for the device worker once every image of
-its request validated, batched with other requests' images, and cached when its forward returns.
+pixels, or its patch bytes checked) in a thread pool (an image that is expensive to decode by its
+header in a smaller pool of its own, so ordinary images never queue behind it), queued for the device
+worker once every image of its request validated, batched with other requests' images, and cached
+when its forward returns.
 A job lives while some request still waits for it; the last one leaving removes it from the queue
 and frees its admission slot. The engine serves while some device worker is up and making progress
 (engine/watchdog.py); what it counts goes to the ServiceMetrics it is given.
@@ -22,10 +24,11 @@ import torch
 from encoder_client.protocol.hashing import hash_encoded, hash_patches
 
 from ..config import ServiceConfig
-from ..errors import InvalidInput, NotFound, ResourceExhausted, Unavailable
+from ..errors import RETRY_AFTER_S, InvalidInput, NotFound, ResourceExhausted, Unavailable
 from ..metrics import ServiceMetrics
 from ..models.base import validate_grid
 from ..models.served import ServedModel
+from ..preprocess import decode
 from ..preprocess.staged import StagedInput, check_patch_bytes
 from .admission import Admission
 from .batch_queue import BatchQueue, WorkItem
@@ -42,6 +45,13 @@ log = logging.getLogger(__name__)
 # releases the GIL and the loop would otherwise sit idle while it runs.
 HASH_INLINE_BYTES = 64 * 1024
 HASH_THREADS = 2  # sha256 releases the GIL: two threads keep large requests off the loop
+# Images expensive to decode by their header (decode.ExpensiveImage: a JPEG with more scans than
+# encoders write, or more pixels than the derived default limit) decode in a pool of their own: one
+# thread for every 4 decode threads (at least one), so they take at most that share of the decoding
+# CPU and never hold up an ordinary image. At most this many per thread are decoding or waiting;
+# beyond that RESOURCE_EXHAUSTED (retry later).
+EXPENSIVE_DECODES_PER_THREAD = 4
+_EXPENSIVE = object()  # what the ordinary pool answers for an image it hands on to the expensive one
 
 
 class Engine:
@@ -67,6 +77,10 @@ class Engine:
         self._inflight: dict[str, Job] = {}
         self._tasks: set[asyncio.Task] = set()
         self._pool = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="preprocess")
+        expensive_threads = max(1, config.preprocess_threads // 4)
+        self._expensive_pool = ThreadPoolExecutor(expensive_threads, thread_name_prefix="preprocess-expensive")
+        self._expensive_capacity = EXPENSIVE_DECODES_PER_THREAD * expensive_threads
+        self._expensive_waiting = 0
         self._hash_pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="hash")
         self._closed = False
         self._started = False
@@ -76,6 +90,7 @@ class Engine:
         # some device worker up and progressing (engine/watchdog.py) / none.
         self.on_serving_change: Callable[[bool], None] | None = None
         self.namespace = self.front.cache_namespace if self.front is not None else ""
+        self._set_pixel_limits()
 
     # --- life cycle ------------------------------------------------------------------------------
     async def start(self) -> float:
@@ -84,6 +99,7 @@ class Engine:
         self.front, warmup_s = await self.devices.start(self._queue, self._on_batch_start, self._on_batch_done,
                                                         self._update_serving)
         self.namespace = self.front.cache_namespace
+        self._set_pixel_limits()
         d = self.describe()
         self.metrics.track_engine(model_id=d.model_id, model_type=d.model_type, attn_backend=d.attn_backend,
                                   device=d.device, dtype=d.dtype, cache=self.cache,
@@ -110,6 +126,7 @@ class Engine:
                 job.done.set_exception(Unavailable("server is shutting down"))
         await self.devices.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._expensive_pool.shutdown(wait=False, cancel_futures=True)
         self._hash_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
@@ -133,6 +150,29 @@ class Engine:
             self._watchdog.check(self.devices.states(), self._queue.oldest_enqueued_at())
             self._update_serving()
 
+    def _set_pixel_limits(self) -> None:
+        """The pixel limit in force (--max-image-pixels; -1: derived from the model's max_pixels) and
+        the size above which an image decodes in the expensive pool (the derived default)."""
+        max_pixels = None
+        if self.front is not None:
+            max_pixels = decode.model_max_pixels(getattr(self.front.decoder, "config", None))
+        self.model_max_pixels = max_pixels
+        self._ordinary_pixels = decode.derived_pixel_limit(max_pixels)
+        configured = self.config.max_image_pixels
+        self.max_image_pixels = self._ordinary_pixels if configured == -1 else configured
+
+    def pixel_limit_rule(self) -> str:
+        """The pixel limit in force and where it comes from, for the start-up log."""
+        if self.config.max_image_pixels != -1:
+            return f"{self.max_image_pixels} (--max-image-pixels)"
+        if self.model_max_pixels is None:
+            return f"{self.max_image_pixels} (the model states no max_pixels)"
+        multiple = decode.PIXEL_LIMIT_MAX_PIXELS_MULTIPLE
+        if self.max_image_pixels < multiple * self.model_max_pixels:
+            return (f"{self.max_image_pixels} (the cap: {multiple} x the model's max_pixels "
+                    f"{self.model_max_pixels} is more)")
+        return f"{self.max_image_pixels} ({multiple} x the model's max_pixels {self.model_max_pixels})"
+
     # --- plain facts ---------------------------------------------------------------------------------
     def describe(self) -> ModelDescription:
         f = self.front
@@ -144,7 +184,7 @@ class Engine:
             spatial_merge_size=spec.spatial_merge_size, patch_dim=spec.patch_dim,
             attn_backend=f.attn_backend, device=device, cache_namespace=self.namespace,
             preprocess=f.preprocess_mode, feature_levels=spec.feature_levels, ops=f.ops,
-            decode=f.decode_backend)
+            decode=f.decode_backend, max_image_pixels=self.max_image_pixels)
 
     @property
     def busy(self) -> bool:
@@ -303,7 +343,9 @@ class Engine:
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         try:
-            payload = await loop.run_in_executor(self._pool, self._prepare_sync, image)
+            payload = await loop.run_in_executor(self._pool, self._prepare_sync, image, False)
+            if payload is _EXPENSIVE:
+                payload = await self._prepare_expensive(image)
         except Exception as exc:
             if job.state == "preparing":
                 job.state = "failed"
@@ -318,11 +360,32 @@ class Engine:
         job.payload, job.grid, job.state = payload, payload.grid, "prepared"
         job.prepared.set_result(None)
 
-    def _prepare_sync(self, image: ImageInput) -> StagedInput:
+    async def _prepare_expensive(self, image: ImageInput) -> StagedInput:
+        """Decodes an image that is expensive by its header in the pool of its own, if it has room."""
+        if self._expensive_waiting >= self._expensive_capacity:
+            raise ResourceExhausted(
+                f"{self._expensive_waiting} images that are expensive to decode (JPEGs of more than "
+                f"{decode.ORDINARY_JPEG_SCANS} scans, or of more than {self._ordinary_pixels} pixels) are "
+                "already being decoded or waiting; retry later", retry_after_s=RETRY_AFTER_S)
+        self._expensive_waiting += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._expensive_pool, self._prepare_sync,
+                                                                    image, True)
+        finally:
+            self._expensive_waiting -= 1
+
+    def _prepare_sync(self, image: ImageInput, expensive_pool: bool) -> StagedInput | object:
         """The CPU half of preprocessing (thread pool): decode to uint8 pixels, or check a client's
-        patch bytes. Resize, normalize and patchify run on the model's device, batched per forward."""
+        patch bytes. Resize, normalize and patchify run on the model's device, batched per forward.
+        In the ordinary pool, an image that is expensive to decode by its header is answered
+        ``_EXPENSIVE`` (to be decoded in the other pool) before any of its pixels is decoded."""
         if image.kind == "encoded":
-            decoded = self.front.decode(image.data, self.config.max_image_pixels)
+            try:
+                with decode.decode_budget(self.config.max_decode_seconds,
+                                          None if expensive_pool else self._ordinary_pixels):
+                    decoded = self.front.decode(image.data, self.max_image_pixels)
+            except decode.ExpensiveImage:
+                return _EXPENSIVE
             self._check_size(decoded.grid)
             return decoded
         return check_patch_bytes(image.data, image.patch_dtype, image.grid, self.front.spec.patch_dim)

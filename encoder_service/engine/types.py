@@ -105,3 +105,4 @@ class ModelDescription:
     feature_levels: int = 1  # levels per embedding row, each hidden_size wide
     decode: str = "pillow"  # where images decode: pillow (CPU) or nvjpeg (GPU)
     ops: str = "none"  # the fused operations' providers (ops.OpsSelection.describe())
+    max_image_pixels: int = 0  # the pixel limit in force (--max-image-pixels, or derived from the model)

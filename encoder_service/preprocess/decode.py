@@ -4,14 +4,26 @@ Parity target: the model's transformers image processor fed ``PIL.Image.open(io.
 Two deliberate additions over that target: EXIF orientation is applied (as transformers'
 ``load_image`` and vLLM do; the processor itself never looks at EXIF), and limits are enforced
 from the header before any pixel is decoded.
+
+Decode bombs (files whose decoding costs far more than their bytes or pixels suggest) are refused
+before the cost is paid: the pixel limit (by default a multiple of the model's own ``max_pixels``,
+``derived_pixel_limit``), a JPEG's scans counted from its bytes (``jpeg_scans``), each image's
+decode memory estimated from its header (``_check_memory``), and a time budget checked at every read
+of the file (``decode_budget``), which also lets the engine decode the images that are expensive by
+their header apart from ordinary ones (``ExpensiveImage``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import struct
+import threading
+import time
 import zlib
+from collections.abc import Iterator
 
+import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
 from encoder_service.errors import InvalidInput, ResourceExhausted
@@ -23,6 +35,47 @@ SUPPORTED_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "GIF")
 # smart_resize's rule for every Qwen-style model; checked here from the header so that a 1x100000
 # strip is refused before its pixels are decoded.
 MAX_ASPECT_RATIO = 200
+
+# Scans of a JPEG: a progressive file may hold any number, and libjpeg makes a pass over every
+# block of the image for each, even an empty one of a dozen bytes (an 8192x8192 file of 1.1 MB with
+# tens of thousands of them took 32 s of a core: the "EOB run" scan bomb, LJT-01-003 in
+# libjpeg-turbo's report on the JPEG standard). Real encoders write few: libjpeg's (and Pillow's,
+# libjpeg-turbo's, ImageMagick's, GIMP's) default progressive script has 10 scans for colour and 6
+# for grayscale, mozjpeg's at most 11 (its scan search tries 64 candidates and writes some of them),
+# Photoshop's 3 to 5; a sequential JPEG has one per component. Above MAX_JPEG_SCANS no real file has
+# been seen; it keeps the worst case at 100 passes (about 1.5 s of a core at 16 Mpx) where DALI's
+# generic limit of 500 would allow five times that. Above ORDINARY_JPEG_SCANS a file is allowed but
+# expensive: the engine decodes it apart from ordinary images.
+MAX_JPEG_SCANS = 100
+ORDINARY_JPEG_SCANS = 16
+# Bounds on the Python work of counting: segments read before the first scan (a real header has a
+# dozen), and markers visited by the exact count (a progressive file has about 40). Past either,
+# the cheap upper bound stands in for the exact count.
+_MAX_HEADER_SEGMENTS = 256
+_MAX_COUNTED_MARKERS = 4096
+_PROGRESSIVE_SOF = (0xC2, 0xC6, 0xCA, 0xCE)
+
+# The default pixel limit (--max-image-pixels -1): this many times the model's max_pixels, the size
+# its preprocessing resizes every image down to. 16 lets a 12 Mpx phone photo (4000x3000) through for
+# Qwen2.5-VL-7B (max_pixels 1003520: the limit is 16.1 Mpx), where the old fixed 64 Mi pixels was 67
+# times what the model uses. At most the old default, for models whose max_pixels is large already
+# (Qwen3-VL's 16.8 Mpx); 64 Mi when the model states none.
+PIXEL_LIMIT_MAX_PIXELS_MULTIPLE = 16
+PIXEL_LIMIT_CAP = 64 << 20
+
+# Decode memory per image: the peak bytes per pixel measured (VmHWM, Pillow 13 with libwebp 1.6) for
+# the whole CPU half (decode, to_rgb, the uint8 array handed over), by what the header says. WebP
+# decodes through libwebp's animation decoder whatever the file: two RGBA canvases, the frame copied
+# out as bytes, then into Pillow's image (a 38-byte lossless file of 8192x8192 peaks at 1.1 GB).
+# Transparency is composited through RGBA copies (to_rgb). A JPEG may need its coefficients (a
+# progressive one) or a CMYK image beside the RGB one. Everything else: Pillow's RGBX image, the
+# array, and the bytes it is built from.
+_BYTES_PER_PIXEL_WEBP, _BYTES_PER_PIXEL_WEBP_ALPHA = 17, 27
+_BYTES_PER_PIXEL_ALPHA, _BYTES_PER_PIXEL_JPEG, _BYTES_PER_PIXEL_OTHER = 20, 12, 10
+# The budget: this many bytes for each pixel the pixel limit allows, what the costliest ordinary
+# image (a JPEG) needs at that limit. WebP and images with transparency are refused at a
+# proportionally smaller size (WebP: 12/17 of the pixel limit).
+DECODE_BYTES_PER_LIMIT_PIXEL = 12
 
 # What Pillow raises from a header or a pixel stream it cannot parse. zlib/struct errors escape
 # some plugins unwrapped; EOFError comes from GIF/WebP frame readers.
@@ -41,22 +94,184 @@ def _pixel_limit(max_image_pixels: int | None) -> int | None:
     return min(limits) if limits else None
 
 
-def _webp_canvas_size(data: bytes) -> tuple[int, int] | None:
-    """(width, height) from a WebP file's first chunk header, or None if not WebP / not known."""
+def derived_pixel_limit(model_max_pixels: int | None) -> int:
+    """The default pixel limit: ``PIXEL_LIMIT_MAX_PIXELS_MULTIPLE`` times the model's max_pixels, at
+    most ``PIXEL_LIMIT_CAP`` (which is also the limit of a model that states no max_pixels)."""
+    if not model_max_pixels:
+        return PIXEL_LIMIT_CAP
+    return min(PIXEL_LIMIT_MAX_PIXELS_MULTIPLE * model_max_pixels, PIXEL_LIMIT_CAP)
+
+
+def model_max_pixels(preprocess_config: object) -> int | None:
+    """The pixels a family's preprocessing resizes an image down to (``max_pixels`` of its config),
+    None where the config states none (a stand-in model's)."""
+    value = getattr(preprocess_config, "max_pixels", None)
+    return int(value) if value else None
+
+
+def _single_scan(data: bytes) -> bool:
+    """Whether a JPEG's header makes libjpeg refuse any scan after the first: a sequential frame
+    whose first scan holds all its components (libjpeg then expects EOI: "broken data stream").
+    False where the header says otherwise or cannot be walked cheaply."""
+    pos, components = 2, None
+    for _ in range(_MAX_HEADER_SEGMENTS):
+        if pos + 10 > len(data) or data[pos] != 0xFF:
+            return False
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte before a marker
+            pos += 1
+            continue
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # SOFn
+            if marker in _PROGRESSIVE_SOF or components is not None:
+                return False
+            components = data[pos + 9]
+        elif marker == 0xDA:
+            return components is not None and data[pos + 4] == components
+        pos += 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
+    return False
+
+
+def jpeg_scans(data: bytes) -> int:
+    """How many scans (SOS markers) libjpeg would read in ``data``, counted up to
+    ``MAX_JPEG_SCANS + 1``; 0 for bytes that are not a JPEG.
+
+    A sequential JPEG whose first scan holds every component can have no other (``_single_scan``):
+    1, from its header alone, the usual photo. Otherwise every SOS marker is the bytes FF DA, so
+    counting those (numpy, at memory speed) bounds the scans from above; scan data cannot hold them
+    (a 0xFF there is followed by 0x00 or a restart marker), but metadata can (an ICC profile, an
+    EXIF thumbnail). Only when that bound is over ``ORDINARY_JPEG_SCANS`` are the markers walked as
+    libjpeg reads them: a segment's parameters skipped by their length, scan data and stray bytes
+    searched for the next marker, up to EOI."""
+    if data[:2] != b"\xff\xd8":
+        return 0
+    if _single_scan(data):
+        return 1
+    raw = np.frombuffer(data, dtype=np.uint8)
+    ff = np.flatnonzero(raw[:-1] == 0xFF)
+    code = raw[ff + 1]
+    upper = int(np.count_nonzero(code == 0xDA))
+    if upper <= ORDINARY_JPEG_SCANS:
+        return upper
+    # Markers: 0xFF followed by neither 0x00 (a stuffed 0xFF), 0xFF (fill), TEM nor RSTn (no length).
+    markers = ff[(code != 0x00) & (code != 0xFF) & (code != 0x01) & ((code < 0xD0) | (code > 0xD7))]
+    scans, pos = 0, 2
+    for _ in range(_MAX_COUNTED_MARKERS):
+        k = int(np.searchsorted(markers, pos))
+        if k == len(markers):
+            return scans
+        at = int(markers[k])
+        marker = data[at + 1]
+        if marker in (0xD8, 0xD9):  # EOI ends the image; a second SOI is an error to libjpeg
+            return scans
+        if marker == 0xDA:
+            scans += 1
+            if scans > MAX_JPEG_SCANS:
+                return scans
+        # The segment's parameters (for SOS, its header: the scan data follows and is searched).
+        pos = at + 2 + max(2, int.from_bytes(data[at + 2:at + 4], "big"))
+    return min(upper, MAX_JPEG_SCANS + 1)
+
+
+def check_jpeg_scans(data: bytes) -> int:
+    """The scans of a JPEG (0 for other bytes); ResourceExhausted over ``MAX_JPEG_SCANS``."""
+    scans = jpeg_scans(data)
+    if scans > MAX_JPEG_SCANS:
+        raise ResourceExhausted(
+            f"JPEG has more than {MAX_JPEG_SCANS} scans, over the limit of {MAX_JPEG_SCANS} scans per image "
+            f"(each scan is a pass over the whole image; encoders write at most about 11)")
+    return scans
+
+
+class ExpensiveImage(Exception):
+    """Raised instead of decoding an image that is expensive by its header, inside a
+    ``decode_budget(..., expensive_pixels=N)``: the caller decodes it elsewhere. Not an error."""
+
+
+def _webp_header(data: bytes) -> tuple[int, int, bool] | None:
+    """(width, height, has alpha) from a WebP file's first chunk header, or None if not WebP / not known."""
     if len(data) < 30 or data[:4] != b"RIFF" or data[8:12] != b"WEBP":
         return None
     chunk = data[12:16]
-    if chunk == b"VP8X":  # extended: 24-bit canvas width-1, height-1
-        return int.from_bytes(data[24:27], "little") + 1, int.from_bytes(data[27:30], "little") + 1
-    if chunk == b"VP8L" and data[20] == 0x2F:  # lossless: 14-bit width-1, height-1 after signature
+    if chunk == b"VP8X":  # extended: flags (alpha: 0x10), 24-bit canvas width-1, height-1
+        return (int.from_bytes(data[24:27], "little") + 1, int.from_bytes(data[27:30], "little") + 1,
+                bool(data[20] & 0x10))
+    if chunk == b"VP8L" and data[20] == 0x2F:  # lossless: 14-bit width-1, height-1, alpha_is_used
         bits = int.from_bytes(data[21:25], "little")
-        return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
-    if chunk == b"VP8 " and data[23:26] == b"\x9d\x01\x2a":  # lossy key frame: 14-bit sides
+        return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1, bool(bits >> 28 & 1)
+    if chunk == b"VP8 " and data[23:26] == b"\x9d\x01\x2a":  # lossy key frame: 14-bit sides, no alpha
         return (
             int.from_bytes(data[26:28], "little") & 0x3FFF,
             int.from_bytes(data[28:30], "little") & 0x3FFF,
+            False,
         )
     return None
+
+
+def _check_memory(fmt: str, width: int, height: int, bytes_per_pixel: int, limit: int | None) -> None:
+    """Refuses an image whose decode would need more than the budget (``DECODE_BYTES_PER_LIMIT_PIXEL``
+    bytes for each pixel the limit allows), from its header, before anything is allocated."""
+    if limit is None:
+        return
+    need, budget = width * height * bytes_per_pixel, limit * DECODE_BYTES_PER_LIMIT_PIXEL
+    if need > budget:
+        raise ResourceExhausted(
+            f"decoding this {fmt} image of {width}x{height} takes about {need >> 20} MiB of memory "
+            f"({bytes_per_pixel} bytes a pixel), over the limit of {budget >> 20} MiB per image "
+            f"({DECODE_BYTES_PER_LIMIT_PIXEL} bytes for each of the {limit} pixels the pixel limit allows)")
+
+
+def _bytes_per_pixel(image: Image.Image) -> int:
+    """Peak decode bytes per pixel of an image Pillow has opened (its header parsed; not WebP)."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        return _BYTES_PER_PIXEL_ALPHA
+    return _BYTES_PER_PIXEL_JPEG if image.format == "JPEG" else _BYTES_PER_PIXEL_OTHER
+
+
+# --- the time budget, and where expensive images go --------------------------------------------------
+
+_budget = threading.local()  # .seconds, .expensive_pixels: for the decodes running on this thread
+
+
+@contextlib.contextmanager
+def decode_budget(seconds: float | None, expensive_pixels: int | None = None) -> Iterator[None]:
+    """Limits on every ``open_image`` on this thread inside the block.
+
+    ``seconds`` (None: none): the decode stops with ResourceExhausted once it has run this long.
+    Checked at each read of the file: Pillow feeds its decoders 64 KB at a time and parses PNG
+    chunks one read at a time, so a decode overruns by at most what one read's bytes cost (bounded
+    by the scan and pixel limits); WebP decodes in one call (bounded by its memory limit).
+
+    ``expensive_pixels`` (None: decode everything): an image that passes every limit but is
+    expensive by its header (a JPEG of more than ``ORDINARY_JPEG_SCANS`` scans, or of more pixels
+    than this) raises ``ExpensiveImage`` before any of its pixels is decoded."""
+    previous = getattr(_budget, "seconds", None), getattr(_budget, "expensive_pixels", None)
+    _budget.seconds, _budget.expensive_pixels = seconds, expensive_pixels
+    try:
+        yield
+    finally:
+        _budget.seconds, _budget.expensive_pixels = previous
+
+
+def _route(pixels: int, scans: int) -> None:
+    """Raises ExpensiveImage where the thread's ``decode_budget`` sends expensive images elsewhere."""
+    expensive_pixels = getattr(_budget, "expensive_pixels", None)
+    if expensive_pixels is not None and (scans > ORDINARY_JPEG_SCANS or pixels > expensive_pixels):
+        raise ExpensiveImage(f"{pixels} pixels, {scans} scans")
+
+
+class _BudgetedBytes(io.BytesIO):
+    """The file's bytes for Pillow, each read refused once the decode is past its deadline."""
+
+    def __init__(self, data: bytes, seconds: float) -> None:
+        super().__init__(data)
+        self.seconds = seconds
+        self.deadline = time.monotonic() + seconds
+
+    def read(self, size: int | None = -1) -> bytes:
+        if time.monotonic() > self.deadline:
+            raise ResourceExhausted(f"decoding the image took more than {self.seconds:g} s, over the limit of "
+                                    f"--max-decode-seconds {self.seconds:g}")
+        return super().read(size)
 
 
 def _check_header_size(width: int, height: int, limit: int | None) -> None:
@@ -78,7 +293,10 @@ def open_image(data: bytes, max_image_pixels: int | None) -> Image.Image:
     """Decode ``data`` fully, in the file's own mode (P, L, RGBA, CMYK, ...), EXIF-oriented.
 
     Raises InvalidInput for empty / unrecognised / truncated / corrupt data and for an aspect
-    ratio over 200, ResourceExhausted when the header claims more pixels than allowed.
+    ratio over 200, ResourceExhausted when the header claims more pixels than allowed, when the
+    decode would need more memory than the limit allows for them, for a JPEG of more than
+    ``MAX_JPEG_SCANS`` scans, and when the decode outlasts its ``decode_budget``; ExpensiveImage
+    where the ``decode_budget`` sends expensive images elsewhere.
     """
     if ImageFile.LOAD_TRUNCATED_IMAGES:
         # With this flag Pillow silently pads a truncated image with black and we would encode
@@ -88,12 +306,18 @@ def open_image(data: bytes, max_image_pixels: int | None) -> Image.Image:
         raise InvalidInput("not a decodable image: empty bytes")
 
     limit = _pixel_limit(max_image_pixels)
-    webp_size = _webp_canvas_size(data)
-    if webp_size is not None:
+    scans = check_jpeg_scans(data)
+    webp = _webp_header(data)
+    if webp is not None:
         # libwebp allocates the whole canvas inside Image.open, before we could look at .size.
-        _check_header_size(*webp_size, limit)
+        width, height, alpha = webp
+        _check_header_size(width, height, limit)
+        _check_memory("WEBP", width, height, _BYTES_PER_PIXEL_WEBP_ALPHA if alpha else _BYTES_PER_PIXEL_WEBP, limit)
+        _route(width * height, scans)
+    seconds = getattr(_budget, "seconds", None)
+    source = io.BytesIO(data) if seconds is None else _BudgetedBytes(data, seconds)
     try:
-        image = Image.open(io.BytesIO(data), formats=SUPPORTED_FORMATS)
+        image = Image.open(source, formats=SUPPORTED_FORMATS)
     except Image.DecompressionBombError as e:
         # Pillow refuses inside Image.open past twice its own limit, before we see .size; its
         # message names the claimed pixel count and the limit it applied.
@@ -108,6 +332,9 @@ def open_image(data: bytes, max_image_pixels: int | None) -> Image.Image:
 
     # Image.open has parsed the header only; nothing below allocates pixels until load().
     _check_header_size(*image.size, limit)
+    if webp is None:
+        _check_memory(image.format, *image.size, _bytes_per_pixel(image), limit)
+        _route(image.width * image.height, scans)
 
     try:
         image.load()

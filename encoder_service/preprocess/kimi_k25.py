@@ -91,6 +91,12 @@ class KimiK25PreprocessConfig:
     def factor(self) -> int:
         return self.patch_size * self.merge_size
 
+    @property
+    def max_pixels(self) -> int:
+        """The pixels of the patch budget: what an image is resized down to (the default pixel limit
+        is derived from it)."""
+        return self.max_patches * self.patch_size * self.patch_size
+
     def fingerprint(self) -> dict[str, Any]:
         return settings.fingerprint(self)
 
