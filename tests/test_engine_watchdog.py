@@ -177,3 +177,37 @@ def test_a_dead_in_process_worker_thread_stops_serving_even_with_the_progress_ch
             await asyncio.gather(request, return_exceptions=True)
 
     asyncio.run(main())
+
+
+def test_a_worker_that_misses_its_wake_up_while_images_wait_is_stalled_by_the_engines_own_queue_time(fake_model):
+    """The idle-while-images-wait rule, with the timestamp the engine itself supplies: the batch
+    queue's put loses its notify (a worker asleep that missed its wake-up), so the worker is idle,
+    no batch in flight, while an image waits. Only the queue's own oldest_enqueued_at, passed by
+    the engine's watch loop, can tell the watchdog; the notify given at last serves it again."""
+
+    async def main():
+        async with running_engine(fake_model, watchdog_timeout_s=0.3) as engine:
+            queue = engine._queue
+            changes = []
+            engine.on_serving_change = changes.append
+
+            def put_without_waking_the_worker(item):
+                with queue._cond:
+                    queue._items.append(item)
+
+            queue.put = put_without_waking_the_worker
+            request = asyncio.create_task(encode_all(engine, [patches(0, seed=7)]))
+            await until(lambda: len(queue) == 1)
+            assert engine.serving and queue.oldest_enqueued_at() is not None
+            await until(lambda: not engine.serving)
+            assert sample(engine, "encoder_service_worker_stalled", device="cpu") == 1
+            assert not request.done() and len(queue) == 1  # still waiting: nobody took it
+            del queue.put  # the class's own put again
+            with queue._cond:
+                queue._cond.notify()  # the wake-up, late
+            (result,) = await request
+            await until(lambda: engine.serving)
+            assert sample(engine, "encoder_service_worker_stalled", device="cpu") == 0
+            assert changes == [False, True] and not result.cache_hit
+
+    asyncio.run(main())
