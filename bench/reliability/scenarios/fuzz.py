@@ -1,7 +1,8 @@
 """Fuzzing Encode: hypothesis over every EncodeRequest field and over image bytes (truncated, corrupt,
-bombs, animated, 16-bit, CMYK, EXIF-rotated), plus fixed hostile cases (huge ids, thousands of
-images, tiny chunks). Every call has a deadline. 0 crashes, 0 INTERNAL/UNKNOWN, 0 hangs, responses
-bounded by the embeddings they carry, and the server healthy afterwards."""
+bombs of pixels, JPEG scans, WebP memory and PNG chunks, animated, 16-bit, CMYK, EXIF-rotated), plus
+fixed hostile cases (huge ids, thousands of images, tiny chunks). Every call has a deadline. 0 crashes,
+0 INTERNAL/UNKNOWN, 0 hangs, responses bounded by the embeddings they carry, and the server healthy
+afterwards."""
 
 from __future__ import annotations
 
@@ -81,6 +82,11 @@ def _fixed_cases() -> dict[str, tuple[pb.EncodeRequest, set[str]]]:
     return {
         "decompression bomb": (pb.EncodeRequest(images=[pb.Image(encoded=CORPUS["png_bomb"])]),
                                {"RESOURCE_EXHAUSTED"}),
+        "JPEG of 2006 scans": (pb.EncodeRequest(images=[pb.Image(encoded=CORPUS["jpeg_scan_bomb"])]),
+                               {"RESOURCE_EXHAUSTED"}),
+        "WebP needing 17 bytes a pixel": (pb.EncodeRequest(images=[pb.Image(encoded=CORPUS["webp_canvas_bomb"])]),
+                                          {"RESOURCE_EXHAUSTED"}),
+        "PNG of 2000 text chunks": (pb.EncodeRequest(images=[pb.Image(encoded=CORPUS["png_chunk_bomb"])]), {"OK"}),
         "animated gif, 300 frames": (pb.EncodeRequest(images=[pb.Image(encoded=CORPUS["gif_animated"])]), {"OK"}),
         "16-bit png": (pb.EncodeRequest(images=[pb.Image(encoded=CORPUS["png_16bit"])]), {"OK"}),
         "cmyk jpeg": (pb.EncodeRequest(images=[pb.Image(encoded=CORPUS["jpeg_cmyk"])]), {"OK"}),
