@@ -91,6 +91,23 @@ def test_counting_survives_truncated_and_damaged_bytes():
     assert jpeg_scans(b"\xff\xd8" + b"\xff\xda\x00" * 1000) <= 101  # lengths that point nowhere
 
 
+def test_counting_walks_scan_data_fill_and_segments_as_libjpeg_reads_them():
+    """Past the cheap bound (FF DA inside a comment), the walk skips stuffed bytes, fill bytes and
+    segments, windows at a time: a few MB of them are no scans and cost no memory to speak of."""
+    from encoder_service.preprocess.decode import jpeg_scans
+
+    data = save(Image.new("L", (64, 64)), progressive=True)
+    sos = data.index(b"\xff\xda")
+    comment = b"\xff\xfe" + (2 + 40).to_bytes(2, "big") + b"\xff\xda" * 20
+    head = data[:2] + comment + data[2:sos]
+    assert jpeg_scans(head + data[sos:sos + 10] + b"\xff\x00" * (2 << 20) + b"\xff\xd9") == 1
+    assert jpeg_scans(head + b"\xff" * (4 << 20) + b"\xff\xd9") == 0
+    assert jpeg_scans(head + b"\xff\xfe\x00\x02" * 1000 + data[sos:]) == 6
+    # Past 4096 markers (a real file has about 40) the cheap bound stands in: 20 + 6.
+    assert jpeg_scans(head + b"\xff\xfe\x00\x02" * 5000 + data[sos:]) == 26
+    assert jpeg_scans(head + (data[sos:sos + 10] + b"\x01\xff\xd0" * 1000) * 101 + b"\xff\xd9") == 101
+
+
 def test_the_bomb_helper_builds_what_it_says():
     bomb = jpeg_scan_bomb(64, 40)
     assert sum(1 for marker, _, _ in jpeg_segments(bomb) if marker == 0xDA) == 46

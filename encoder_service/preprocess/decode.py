@@ -131,6 +131,35 @@ def _single_scan(data: bytes) -> bool:
     return False
 
 
+_WINDOW = 1 << 20  # bytes searched at a time: the counting's memory stays a few MB whatever the file
+
+
+def _sos_bytes(raw: np.ndarray) -> int:
+    """How many times the bytes FF DA occur in ``raw``."""
+    total = 0
+    for start in range(0, len(raw) - 1, _WINDOW):
+        window = raw[start:start + _WINDOW + 1]
+        total += int(np.count_nonzero((window[:-1] == 0xFF) & (window[1:] == 0xDA)))
+    return total
+
+
+def _next_marker(raw: np.ndarray, pos: int) -> int:
+    """Where the next marker (0xFF followed by neither 0x00, a stuffed 0xFF; 0xFF, fill; TEM nor
+    RSTn, which have no length) starts at or after ``pos``; -1 if none. Searches a window that
+    doubles from 4 KB, so a near marker costs little and a far one one pass."""
+    width = 4096
+    while pos < len(raw) - 1:
+        window = raw[pos:pos + width + 1]
+        ff = np.flatnonzero(window[:-1] == 0xFF)
+        code = window[ff + 1]
+        hits = np.flatnonzero((code != 0x00) & (code != 0xFF) & (code != 0x01) & ((code < 0xD0) | (code > 0xD7)))
+        if len(hits):
+            return pos + int(ff[hits[0]])
+        pos += width
+        width = min(2 * width, _WINDOW)
+    return -1
+
+
 def jpeg_scans(data: bytes) -> int:
     """How many scans (SOS markers) libjpeg would read in ``data``, counted up to
     ``MAX_JPEG_SCANS + 1``; 0 for bytes that are not a JPEG.
@@ -147,23 +176,15 @@ def jpeg_scans(data: bytes) -> int:
     if _single_scan(data):
         return 1
     raw = np.frombuffer(data, dtype=np.uint8)
-    ff = np.flatnonzero(raw[:-1] == 0xFF)
-    code = raw[ff + 1]
-    upper = int(np.count_nonzero(code == 0xDA))
+    upper = _sos_bytes(raw)
     if upper <= ORDINARY_JPEG_SCANS:
         return upper
-    # Markers: 0xFF followed by neither 0x00 (a stuffed 0xFF), 0xFF (fill), TEM nor RSTn (no length).
-    markers = ff[(code != 0x00) & (code != 0xFF) & (code != 0x01) & ((code < 0xD0) | (code > 0xD7))]
     scans, pos = 0, 2
     for _ in range(_MAX_COUNTED_MARKERS):
-        k = int(np.searchsorted(markers, pos))
-        if k == len(markers):
+        at = _next_marker(raw, pos)
+        if at < 0 or data[at + 1] in (0xD8, 0xD9):  # EOI ends the image; a second SOI is an error to libjpeg
             return scans
-        at = int(markers[k])
-        marker = data[at + 1]
-        if marker in (0xD8, 0xD9):  # EOI ends the image; a second SOI is an error to libjpeg
-            return scans
-        if marker == 0xDA:
+        if data[at + 1] == 0xDA:
             scans += 1
             if scans > MAX_JPEG_SCANS:
                 return scans
