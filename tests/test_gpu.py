@@ -85,9 +85,17 @@ def test_auto_selects_the_kernels_and_a_named_backend_keeps_the_window_layers():
     assert asked.ops.describe() == want
 
 
+def forward_cases() -> list:
+    """(backend, graphs): every backend eager, and with CUDA graphs each backend that declares its
+    plans replayable (graph_safe); the others are not asked for graphs, so that a run in which
+    graphs were asked for and none was kept fails instead of skipping."""
+    return [pytest.param(name, graphs, id=f"{name}-{'graphs' if graphs else 'eager'}")
+            for name in ["sdpa", *cuda_backends()] for graphs in (True, False)
+            if not graphs or backend_class(name).graph_safe]
+
+
 @pytest.mark.parametrize("ops", ["auto", "window_attention=triton"])
-@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-@pytest.mark.parametrize("name", ["sdpa", *cuda_backends()])
+@pytest.mark.parametrize("name,graphs", forward_cases())
 def test_full_forward_runs_without_a_host_sync_and_matches_sdpa(name, graphs, ops, short_7b_state):
     rng = np.random.default_rng(0)
     n = sum(t * h * w for t, h, w in GRIDS)
@@ -103,11 +111,15 @@ def test_full_forward_runs_without_a_host_sync_and_matches_sdpa(name, graphs, op
     assert model.ops.describe().startswith(
         "window_attention=triton," if ops != "auto" else "window_attention=torch,rms_scale=triton,")
     model.set_cuda_graphs(4 if graphs else 0)  # off by default (--cuda-graphs 0)
-    if graphs and model.graphs is None:
-        pytest.skip(f"{name} plans cannot be captured (graph_safe is False)")
+    if graphs:
+        assert model.graphs is not None, f"--cuda-graphs 4 with {name} (graph_safe) kept no graph cache"
+    else:
+        assert model.graphs is None
     # Warm-up: kernel compilation, cuDNN graphs, plans; with graphs, the second call captures.
     for _ in range(2):
         model.encode_async(pixels, GRIDS).wait()
+    if graphs:
+        assert model.graphs.captures == 1 and len(model.graphs) == 1, "the second call should have captured"
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -218,6 +230,7 @@ def test_cuda_graph_replays_read_each_batch_new_pixels(name, short_7b_state):
     refs = [torch.cat(eager.encode(p, GRIDS)).float() for p in batches]
     model = short_7b(short_7b_state, name)
     model.set_cuda_graphs(4)  # off by default (--cuda-graphs 0)
+    assert model.graphs is not None, f"--cuda-graphs 4 with {name} kept no graph cache"
     outs = [torch.cat(model.encode(p, GRIDS)).float() for p in (*batches, batches[0])]
     assert (model.graphs.captures, model.graphs.replays) == (1, 3)  # eager, capture + replay, replays
     for out, ref in zip(outs, [*refs, refs[0]]):
