@@ -21,8 +21,7 @@ def patches(seed: int) -> tuple[np.ndarray, tuple[int, int, int]]:
 
 def images_by_source(server, source: str) -> float:
     """encoder_service_images_total for one input kind (whatever other labels the series has)."""
-    return sum(value for series, value in server.metrics().items()
-               if series.startswith("encoder_service_images_total{") and f'source="{source}"' in series)
+    return server.metric("encoder_service_images_total", f'source="{source}"')
 
 
 @pytest.fixture(scope="module")

@@ -59,7 +59,9 @@ def free_port() -> int:
 
 
 def sink_metric(server, reason: str) -> float:
-    return server.metric("encoder_service_sink_push_failures_total", f'pattern="127.0.0.1:*",reason="{reason}"')
+    # A pattern's series exists from its first failure on (labels are not created up front).
+    return server.metric("encoder_service_sink_push_failures_total", f'pattern="127.0.0.1:*",reason="{reason}"',
+                         missing_ok=True)
 
 
 # --- the encoder side ------------------------------------------------------------------------------

@@ -42,6 +42,23 @@ class ServerSpec:
         return out
 
 
+class MissingSeries(LookupError):
+    """/metrics shows no series of that name (with those labels)."""
+
+
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def _labels(text: str) -> dict[str, str]:
+    """'a="1",b="x"' (or 'a="1",b="x"}' as printed) -> {"a": "1", "b": "x"}; values stay escaped."""
+    text = text.strip()
+    text = text[:-1] if text.endswith("}") else text
+    pairs = _LABEL.findall(text)
+    if text and ",".join(f'{k}="{v}"' for k, v in pairs) != text.rstrip(","):
+        raise ValueError(f"labels {text!r} are not name=\"value\" pairs")
+    return dict(pairs)
+
+
 @dataclass
 class EncoderProcess:
     """The tests' ``start_encoder_server`` fixture hands out these too."""
@@ -74,20 +91,30 @@ class EncoderProcess:
                 out[name] = float(value)
         return out
 
-    def metric(self, name: str, labels: str = "") -> float:
-        """One sample, e.g. metric("encoder_service_requests_total", 'method="Encode",code="OK"');
-        without labels, of a labelled metric: the sum over its series (the node's figure, e.g.
-        forwards over every device)."""
-        values = self.metrics()
-        if labels:
-            return values.get(f"{name}{{{labels}}}", 0.0)
-        if name in values:
-            return values[name]
-        return sum(v for k, v in values.items() if k.startswith(name + "{"))
+    def metric(self, name: str, labels: str = "", *, missing_ok: bool = False) -> float:
+        """The sum of the series of ``name`` whose labels include ``labels``, in any order: one
+        sample, e.g. metric("encoder_service_requests_total", 'method="Encode",code="OK"'); some or
+        no labels of a labelled metric, the sum over the rest (the node's figure, e.g. forwards
+        over every device).
+
+        No such series on /metrics raises MissingSeries: a renamed or dropped metric must not read
+        as 0 (and pass "back to 0"). ``missing_ok=True`` reads it as 0, for a series that may
+        legitimately be absent: prometheus-client shows an unlabelled metric from its creation, but
+        a labelled one only from its first ``labels(...)``, so a label set the server does not
+        create up front (sink failures by pattern and reason) is absent until it first happens."""
+        wanted = _labels(labels)
+        found = [value for key, value in self.metrics().items()
+                 if key.partition("{")[0] == name and wanted.items() <= _labels(key.partition("{")[2]).items()]
+        if found:
+            return sum(found)
+        if missing_ok:
+            return 0.0
+        raise MissingSeries(f"/metrics shows no series {name}{{{labels}}}" + (
+            "" if any(key.partition("{")[0] == name for key in self.metrics()) else f" (no {name} at all)"))
 
     def metric_sum(self, prefix: str) -> float:
-        """Sum of every labelled series of one metric, e.g. requests_total over codes."""
-        return sum(v for k, v in self.metrics().items() if k == prefix or k.startswith(prefix + "{"))
+        """Sum of every series of one metric, e.g. requests_total over codes (MissingSeries if none)."""
+        return self.metric(prefix)
 
     def rss_bytes(self) -> int:
         """VmRSS of the server process, from /proc (what the kernel charges it)."""

@@ -61,8 +61,7 @@ async def _burst(target: str, images: list[bytes], fired: threading.Event) -> li
 
 def _patch_images(server) -> float:
     """Images received as patches: only the big requests send patches."""
-    return sum(v for k, v in server.metrics().items()
-               if k.startswith("encoder_service_images_total{") and 'source="patches"' in k)
+    return server.metric("encoder_service_images_total", 'source="patches"')
 
 
 def _describe(samples, t_sig: float) -> str:
