@@ -29,6 +29,14 @@ from ..server import IN_FLIGHT, QUEUE_IMAGES, ServerSpec, start_server, wait_unt
 
 BIG_SIZES = ((448, 448), (336, 224), (224, 224))  # images whose forward takes a while on a CPU
 
+# The share of the requested images that must go unencoded. Seen: 61-67% on the CPU (the tiny preset,
+# CI's 2 cores and the 10-minute soak), 21% on one H100 with the 7B preset, whose forwards finish
+# before most callers give up. A server that still encoded the images its callers gave up on
+# (BatchQueue.remove broken, every other check green) skipped 6% on the CPU: the floors stand well
+# below what works and far above that.
+MIN_SKIPPED_PCT = {"cpu": 30.0}
+MIN_SKIPPED_PCT_ACCELERATOR = 10.0
+
 
 async def _give_up(stub, images: list[bytes], mode: str, rng: random.Random) -> str:
     request = pb.EncodeRequest(images=[pb.Image(encoded=im) for im in images])
@@ -94,8 +102,13 @@ def _quiet_after(server, t0: float, quiet_s: float, timeout_s: float) -> tuple[f
 
 def run(*, callers: int = 240, crashing: int = 2, per_crashing: int = 20, spread_s: float = 3.0,
         cache_bytes: int = 512 << 10, spec: ServerSpec = ServerSpec(), log_dir=None,
-        max_drain_s: float = 15.0, max_work_after_s: float = 5.0, recheck: int = 60) -> ScenarioResult:
+        max_drain_s: float = 15.0, max_work_after_s: float = 5.0, recheck: int = 60,
+        min_skipped_pct: float | None = None) -> ScenarioResult:
+    """``min_skipped_pct``: the share of the requested images that must never be encoded (default
+    by device: MIN_SKIPPED_PCT)."""
     result = ScenarioResult("cancellation")
+    if min_skipped_pct is None:
+        min_skipped_pct = MIN_SKIPPED_PCT.get(spec.device, MIN_SKIPPED_PCT_ACCELERATOR)
     # A queue deep enough for the whole storm: its jobs are what cancellation must clean up.
     server = start_server("--cache-bytes", str(cache_bytes), "--max-batch-tokens", "4096",
                           "--max-queue-images", "2048", spec=spec, log_dir=log_dir)
@@ -134,7 +147,8 @@ def run(*, callers: int = 240, crashing: int = 2, per_crashing: int = 20, spread
         work_stopped_s, encoded = _quiet_after(server, t_drained, quiet_s=1.0, timeout_s=max_work_after_s + 5)
         result.figure("work_after_drain_s", work_stopped_s)
         result.figure("images_encoded", encoded - encoded_before)
-        result.figure("work_skipped_pct", 100 * (1 - (encoded - encoded_before) / requested))
+        skipped_pct = 100 * (1 - (encoded - encoded_before) / requested)
+        result.figure("work_skipped_pct", skipped_pct)
 
         # RESOURCE_EXHAUSTED: a long soak's storm can outgrow even this queue; refusing is correct.
         result.figure("calls_resource_exhausted", codes.count("RESOURCE_EXHAUSTED"))
@@ -145,8 +159,8 @@ def run(*, callers: int = 240, crashing: int = 2, per_crashing: int = 20, spread
                      f"queue {server.metric(QUEUE_IMAGES):.0f}, in flight {server.metric(IN_FLIGHT):.0f}")
         result.check(f"work stops within {max_work_after_s:g} s of the gauges reaching 0",
                      work_stopped_s < max_work_after_s, f"last image encoded {work_stopped_s:.2f} s after")
-        result.check("given-up work was skipped", encoded - encoded_before < requested,
-                     f"{encoded - encoded_before:.0f} of {requested} images encoded")
+        result.check(f"at least {min_skipped_pct:g}% of the requested work skipped", skipped_pct >= min_skipped_pct,
+                     f"{skipped_pct:.1f}% skipped: {encoded - encoded_before:.0f} of {requested} images encoded")
 
         # No leaked job: images given up on are served again (a stuck job would hold them forever).
         with EncoderClient(server.target, timeout_s=60.0, retries=0) as client:
