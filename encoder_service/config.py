@@ -247,9 +247,29 @@ class ServiceConfig:
     sglang_compat_port: int = option(-1,
         "port of the SGLang-compatible front end: SGLang's sglang.grpc.encoder.SglangEncoder service, "
         "for a language server started with --language-only --encoder-urls grpc://HOST:PORT "
-        "(README 'Using it with SGLang'). Plaintext and without tokens; embeddings are pushed over "
-        "ZMQ to --allowed-sinks targets only. Needs the sglang extra. 0 picks a free one, -1 (the "
-        "default) opens none.")
+        "(README 'Using it with SGLang'). Plaintext; --auth-token-file's tokens (see "
+        "--sglang-compat-tokens) and --max-requests-per-client apply as on the main port; embeddings "
+        "are pushed over ZMQ to --allowed-sinks targets only. Needs the sglang extra. 0 picks a free "
+        "one, -1 (the default) opens none.")
+    # whether the SGLang port checks --auth-token-file's tokens
+    sglang_compat_tokens: str = option("on",
+        "on: with --auth-token-file, calls on the SGLang port need a bearer token too, as on the main "
+        "port. SGLang's own client (0.5.23) sends none: 'off' leaves that port without tokens (keep it "
+        "on the cluster network; per-client limits then count by IP address).",
+        choices=("on", "off"))
+    # bound on delivering an SGLang Encode's embeddings once computed
+    sglang_send_timeout_s: float = option(30.0,
+        "seconds an SGLang Encode's embeddings, once computed, may wait for delivery: for the "
+        "scheduler ranks' SchedulerReceiveUrl registrations and the ZMQ pushes together; then the "
+        "call is UNAVAILABLE and the embeddings are dropped. Also how long a registration waits for "
+        "its Encode.",
+        above=0)
+    # bytes of SGLang embeddings computed and not yet delivered, all calls together
+    sglang_max_held_bytes: int = option(1 * GiB,
+        "bytes of embeddings the SGLang port holds for delivery, all calls together (waiting for "
+        "receivers or being pushed); an Encode that would pass it is RESOURCE_EXHAUSTED (retry "
+        "later; never, for a request over it by itself).",
+        at_least=1)
     # hosts whose http(s) image URLs the SGLang front end fetches; empty = none
     allow_url_fetch: str = option("",
         "comma-separated hosts whose http(s) image URLs the SGLang front end may fetch: host names "

@@ -11,17 +11,29 @@ modules of their real names (so ``pickle`` finds ``EmbeddingData`` where SGLang'
 - ``sglang.srt.utils.common``: ``SafeUnpickler``, ``safe_pickle_loads`` (the allowlist);
 - ``sglang.srt.disaggregation.encoder.receiver``: the gRPC client (``_grpc_encode_request``,
   ``_grpc_scheduler_receive_url``, ``MMReceiverGrpc.encode``, which splits a request into parts),
-  ``EmbeddingData``, ``MultiModalEmbeddingData`` and the part checks and aggregation, and
-  ``WaitingZmqRequest._extract_embedding_from_buffer`` (the ``torch.frombuffer`` path);
+  ``EmbeddingData``, ``MultiModalEmbeddingData`` and the part checks and aggregation,
+  ``WaitingZmqRequest._extract_embedding_from_buffer`` (the ``torch.frombuffer`` path), and the
+  receive loops themselves: ``MMReceiverBase._recv_mm_data`` (the tokenizer's, zmq_to_tokenizer)
+  and, for a scheduler rank (zmq_to_scheduler), ``WaitingZmqRequestGrpc`` with its bases (its
+  ``send_encode_request`` registers the rank through ``_ReceiveRegistrationRunner``; its
+  ``consume_parts`` and ``_try_recv_mm_data`` receive and assemble) and
+  ``MMReceiverBase._drain_scheduler_embeddings`` (the rank's shared socket);
+- ``sglang.srt.utils.network`` (``get_zmq_socket_on_host``, how a rank binds its socket) is light
+  and imported whole;
 - ``sglang.srt.multimodal.cache.identity``: ``_digest_bytes``, how ``mm_content_hashes`` are computed;
 - ``sglang.srt.environ`` and ``sglang.srt.multimodal.modality`` are light and imported whole.
 
-Nothing is rewritten or mocked: a definition missing from the wheel fails the load.
+Nothing is rewritten or mocked: a definition missing from the wheel fails the load. The definitions
+are compiled with postponed annotations (``from __future__ import annotations``), so a name used only
+in an annotation (``TokenizedGenerateReqInput``, from ``sglang.srt.managers.io_struct``, which does
+not import without SGLang's runtime) need not exist.
 """
 
 from __future__ import annotations
 
 import ast
+import copy
+import importlib
 import importlib.metadata
 import importlib.util
 import sys
@@ -29,6 +41,7 @@ import types
 from pathlib import Path
 
 SGLANG_VERSION = "0.5.23"
+_POSTPONED_ANNOTATIONS = importlib.import_module("__future__").annotations.compiler_flag
 
 _COMMON = ("_safe_load_torch_storage", "SafeUnpickler", "safe_pickle_load", "safe_pickle_loads")
 _RECEIVER = ("_grpc_target", "_normalize_embedding_ports", "_grpc_scheduler_receive_url", "_grpc_encode_request",
@@ -36,11 +49,17 @@ _RECEIVER = ("_grpc_target", "_normalize_embedding_ports", "_grpc_scheduler_rece
              "_GENERAL_IMAGE_META_ATTRS", "_MIMO_VIDEO_AUDIO_META_ATTRS", "_VIDEO_META_TENSOR_ATTRS",
              "video_meta_attrs_for", "_cat_grid", "MultiModalEmbeddingData", "_validate_embedding_part",
              "_aggregate_embedding_part", "create_part_req_id", "extract_original_req_id",
-             "_resolve_embedding_part_request_id", "_embedding_part_matches_request")
+             "_resolve_embedding_part_request_id", "_embedding_part_matches_request",
+             # a scheduler rank's receive (zmq_to_scheduler)
+             "_ReceiveRegistrationRunner", "_mark_keep_device_embedding", "WaitingMMRequestStatus",
+             "_select_mm_processor_prompt", "WaitingMMRequestBase", "WaitingZmqRequest", "WaitingZmqRequestGrpc",
+             "_iter_part_ranges", "_view_pool_buffer_by_modality")
 _IDENTITY = ("CONTENT_HASH_PREFIX", "_SHA256_HEX_LENGTH", "parse_content_hash", "_digest_bytes")
 # (class, method) -> the module-level name it is loaded under
 _METHODS = {("WaitingZmqRequest", "_extract_embedding_from_buffer"): "extract_embedding_from_buffer",
-            ("MMReceiverGrpc", "encode"): "grpc_receiver_encode"}
+            ("MMReceiverGrpc", "encode"): "grpc_receiver_encode",
+            ("MMReceiverBase", "_recv_mm_data"): "recv_mm_data_loop",
+            ("MMReceiverBase", "_drain_scheduler_embeddings"): "drain_scheduler_embeddings"}
 
 
 def _names(node: ast.stmt) -> set[str]:
@@ -64,6 +83,7 @@ def _pick(path: Path, wanted: tuple[str, ...], methods: dict | None = None) -> a
             for item in node.body:
                 alias = (methods or {}).get((node.name, getattr(item, "name", None)))
                 if alias:
+                    item = copy.deepcopy(item)  # the class itself may be loaded too, its method unrenamed
                     item.name = alias
                     body.append(item)
                     found.add(alias)
@@ -78,7 +98,8 @@ def _module(name: str, path: Path, tree: ast.Module, namespace: dict) -> types.M
     module.__file__ = str(path)
     module.__dict__.update(namespace)
     sys.modules[name] = module
-    exec(compile(tree, str(path), "exec"), module.__dict__)
+    exec(compile(tree, str(path), "exec", flags=_POSTPONED_ANNOTATIONS, dont_inherit=True),
+         module.__dict__)
     return module
 
 
@@ -103,7 +124,13 @@ def load() -> types.SimpleNamespace:
     import logging
     import pickle
     import random
+    import threading
+    import time
+    import weakref
+    from abc import ABC, abstractmethod
+    from array import array
     from collections import OrderedDict, defaultdict
+    from enum import IntEnum
     from http import HTTPStatus
     from typing import Optional
 
@@ -112,6 +139,7 @@ def load() -> types.SimpleNamespace:
     import zmq
     from sglang.srt.environ import envs
     from sglang.srt.multimodal.modality import Modality
+    from sglang.srt.utils.network import get_zmq_socket_on_host
 
     common_path = root / "srt" / "utils" / "common.py"
     common = _module("sglang.srt.utils.common", common_path, _pick(common_path, _COMMON),
@@ -122,9 +150,11 @@ def load() -> types.SimpleNamespace:
         {"asyncio": asyncio, "itertools": itertools, "random": random, "logging": logging,
          "logger": logging.getLogger("sglang.receiver"), "defaultdict": defaultdict, "OrderedDict": OrderedDict,
          "Dict": dict, "List": list, "Optional": Optional, "Tuple": tuple, "HTTPStatus": HTTPStatus, "np": np,
-         "torch": torch, "zmq": zmq, "envs": envs, "Modality": Modality})
+         "torch": torch, "zmq": zmq, "envs": envs, "Modality": Modality, "threading": threading, "time": time,
+         "weakref": weakref, "ABC": ABC, "abstractmethod": abstractmethod, "array": array, "IntEnum": IntEnum,
+         "safe_pickle_loads": common.safe_pickle_loads, "get_zmq_socket_on_host": get_zmq_socket_on_host})
     identity_path = root / "srt" / "multimodal" / "cache" / "identity.py"
     identity = _module("sglang.srt.multimodal.cache.identity", identity_path, _pick(identity_path, _IDENTITY),
                        {"hashlib": hashlib, "Optional": Optional})
     return types.SimpleNamespace(common=common, receiver=receiver, identity=identity, Modality=Modality, envs=envs,
-                                 version=version)
+                                 get_zmq_socket_on_host=get_zmq_socket_on_host, version=version)

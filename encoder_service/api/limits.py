@@ -80,8 +80,12 @@ class PerClientLimitInterceptor(grpc.aio.ServerInterceptor):
     """Place it after the token interceptor: a token seen here has been accepted."""
 
     def __init__(self, limit: int, by_token: bool, relayed: bool = False,
-                 relay_regions: RegionBoard | None = None) -> None:
-        self.limits = ConcurrencyLimits(limit)
+                 relay_regions: RegionBoard | None = None, methods: frozenset[str] = LIMITED_METHODS,
+                 limits: ConcurrencyLimits | None = None) -> None:
+        """``methods``: the paths counted (another port's Encode: the SGLang port's); ``limits``:
+        counts shared with another port's interceptor, so a client's calls on both count together."""
+        self.limits = limits if limits is not None else ConcurrencyLimits(limit)
+        self.methods = methods
         self.by_token = by_token
         # Behind relay processes (--grpc-processes) every call comes from a relay over a private
         # socket; the relay names the caller's own peer in RELAYED_PEER, and the region it lent
@@ -99,7 +103,7 @@ class PerClientLimitInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
-        if handler is None or details.method not in LIMITED_METHODS:
+        if handler is None or details.method not in self.methods:
             return handler
         limits = self.limits
 

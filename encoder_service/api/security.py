@@ -1,5 +1,6 @@
 """The server's security settings, built once at start-up: TLS credentials of the gRPC port, the
-interceptors (bearer tokens, per-client limits), and what the start-up log says about them.
+interceptors (bearer tokens, per-client limits) of the gRPC port and, from the same settings, of the
+SGLang port, and what the start-up log says about them.
 
 Everything that reads a file happens here, before any port is bound, so a wrong path or a bad
 certificate stops the start with a message naming the file.
@@ -13,7 +14,7 @@ import grpc
 
 from ..config import ServiceConfig
 from .auth import TokenAuthInterceptor, TokenFile, TokenFileError
-from .limits import PerClientLimitInterceptor
+from .limits import ConcurrencyLimits, PerClientLimitInterceptor
 from .relay_regions import RegionBoard
 from .tls import ReloadingServerCredentials, TLSFileError, sink_channel_credentials
 
@@ -26,6 +27,16 @@ class Security:
     tokens: TokenFile | None = None
     interceptors: list[grpc.aio.ServerInterceptor] = field(default_factory=list)
     summary: list[str] = field(default_factory=list)
+    client_limits: ConcurrencyLimits | None = None  # per-client counts, shared with the SGLang port
+
+
+@dataclass
+class PortSecurity:
+    """Another port's share of the settings (the SGLang port's, api/sglang_compat.py)."""
+
+    interceptors: list[grpc.aio.ServerInterceptor]
+    by_token: bool  # tokens are checked there: a caller is its token
+    summary: list[str]
 
 
 def build_security(config: ServiceConfig, relay_regions: RegionBoard | None = None) -> Security:
@@ -48,10 +59,10 @@ def build_security(config: ServiceConfig, relay_regions: RegionBoard | None = No
         s.summary.append("bearer-token auth off")
     if config.max_requests_per_client > 0:
         # After the token check: a client is identified by a token only once it was accepted.
-        s.interceptors.append(PerClientLimitInterceptor(config.max_requests_per_client,
-                                                        by_token=s.tokens is not None,
-                                                        relayed=config.grpc_processes > 0,
-                                                        relay_regions=relay_regions))
+        limiter = PerClientLimitInterceptor(config.max_requests_per_client, by_token=s.tokens is not None,
+                                            relayed=config.grpc_processes > 0, relay_regions=relay_regions)
+        s.interceptors.append(limiter)
+        s.client_limits = limiter.limits
         s.summary.append(f"at most {config.max_requests_per_client} concurrent Encode calls per client "
                          f"(by {'token' if s.tokens else 'IP address'})")
     if config.sink_tls:
@@ -59,3 +70,23 @@ def build_security(config: ServiceConfig, relay_regions: RegionBoard | None = No
         s.summary.append("TLS toward sinks on" + (" (mTLS: client certificate " + config.sink_tls_cert + ")"
                                                    if config.sink_tls_cert else ""))
     return s
+
+
+def sglang_port_security(config: ServiceConfig, security: Security, limited_methods: frozenset[str]) -> PortSecurity:
+    """The SGLang port's interceptors, from the same settings as the main port's: the same token
+    file (unless ``--sglang-compat-tokens off``: SGLang's client sends no token) and the same
+    per-client counts (``limited_methods``: that port's Encode)."""
+    interceptors: list[grpc.aio.ServerInterceptor] = []
+    summary = []
+    tokens = security.tokens if config.sglang_compat_tokens == "on" else None
+    if tokens is not None:
+        interceptors.append(TokenAuthInterceptor(tokens))
+        summary.append("bearer-token auth on (--auth-token-file)")
+    else:
+        summary.append("bearer-token auth off" + (" (--sglang-compat-tokens off)" if security.tokens else ""))
+    if config.max_requests_per_client > 0:
+        interceptors.append(PerClientLimitInterceptor(config.max_requests_per_client, by_token=tokens is not None,
+                                                      methods=limited_methods, limits=security.client_limits))
+        summary.append(f"at most {config.max_requests_per_client} concurrent Encode calls per client, both ports "
+                       f"together (by {'token' if tokens is not None else 'IP address'} here)")
+    return PortSecurity(interceptors, tokens is not None, summary)

@@ -26,7 +26,7 @@ from ..engine import Engine
 from ..metrics import VISION_ENCODER, ServiceMetrics
 from .calls import CallBook, ServiceInterceptor
 from .relays import RelayProcesses, RelayStartError
-from .security import SecurityFileError, build_security
+from .security import Security, SecurityFileError, build_security
 from .servicer import VisionEncoderServicer
 from .streaming import serialize_chunk
 
@@ -90,7 +90,7 @@ async def _stop(server: grpc.aio.Server, health_server: grpc.aio.Server | None, 
 
 
 async def _start_sglang_compat(config: ServiceConfig, servicer: VisionEncoderServicer, metrics: ServiceMetrics,
-                               calls: CallBook, health_servicer: health.aio.HealthServicer):
+                               calls: CallBook, health_servicer: health.aio.HealthServicer, security: Security):
     """The SGLang-compatible port (api/sglang_compat.py) when --sglang-compat-port asks for it;
     None when it is off; raises RuntimeError (the message says why) when it cannot start."""
     if config.sglang_compat_port < 0:
@@ -100,7 +100,8 @@ async def _start_sglang_compat(config: ServiceConfig, servicer: VisionEncoderSer
     except ImportError as exc:
         raise RuntimeError(f"--sglang-compat-port needs the sglang extra (pip install "
                            f"'encoder-service[sglang]'): {exc}") from None
-    return await SglangCompatServer.start(config, servicer, metrics, calls, health_servicer, _grpc_options(config))
+    return await SglangCompatServer.start(config, servicer, metrics, calls, health_servicer, _grpc_options(config),
+                                          security)
 
 
 def _gib(n: int) -> str:
@@ -222,7 +223,7 @@ async def serve(config: ServiceConfig) -> int:
     log.info("encoder-service listening on %s:%d (NOT_SERVING until the model is warm)%s", config.host, port,
              f"; {relays.count} gRPC processes relay it to this process's {relays.upstream}" if relays else "")
     try:
-        compat = await _start_sglang_compat(config, servicer, metrics, calls, health_servicer)
+        compat = await _start_sglang_compat(config, servicer, metrics, calls, health_servicer, security)
     except RuntimeError as exc:
         log.error("cannot start the SGLang-compatible port: %s", exc)
         await _stop(server, health_server, 0, relays=relays)

@@ -12,34 +12,94 @@ reach internal services (SSRF). So, before any connection:
 - the connection goes to that resolved address (the Host header and TLS name stay the URL's), so a
   second DNS answer cannot switch it to another address (DNS rebinding);
 - redirects are not followed, the body is bounded by ``--max-message-bytes`` (checked against
-  Content-Length first, then while reading) and the whole fetch by ``FETCH_TIMEOUT_S``.
+  Content-Length first, then while reading).
+
+The whole fetch (resolving, waiting for a thread, connecting, TLS, headers, body) is bounded by
+``FETCH_TIMEOUT_S`` of wall-clock time, however slowly the server sends: the caller gets
+UNAVAILABLE at the bound, and the connection is shut down then, so the blocked read in the
+fetching thread returns at once. Fetches run in a pool of their own (``FETCH_THREADS``), never in
+the event loop's default executor; each read takes at most one ``recv`` under a socket timeout of
+the time left.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import ipaddress
 import socket
 import ssl
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 from ..errors import InvalidInput, PermissionDenied, ResourceExhausted, Unavailable
 from ..sink_allowlist import SinkAllowlist, parse_target
 
 FETCH_TIMEOUT_S = 10.0
-_READ_BYTES = 1 << 20
+FETCH_THREADS = 8
+_READ_BYTES = 1 << 16
+
+
+class _Deadline:
+    """One fetch's bound, shared by the event loop (which cuts it) and the fetching thread."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.at = time.monotonic() + timeout_s
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self.cut = False
+
+    def left(self) -> float:
+        return self.at - time.monotonic()
+
+    def over(self) -> bool:
+        return self.cut or self.left() <= 0
+
+    def attach(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sock = sock
+            cut = self.cut
+        if cut:
+            self._shutdown(sock)
+
+    def bound_next_read(self) -> None:
+        """The socket's timeout, the time left (the connection may have passed its socket on to the
+        response: the one attached is the one read)."""
+        with self._lock:
+            sock = self._sock
+        if sock is not None:
+            sock.settimeout(max(0.001, self.left()))
+
+    def cut_now(self) -> None:
+        """Ends the fetch: a thread blocked reading the socket gets EOF or an error at once."""
+        with self._lock:
+            self.cut = True
+            sock = self._sock
+        if sock is not None:
+            self._shutdown(sock)
+
+    @staticmethod
+    def _shutdown(sock: socket.socket) -> None:
+        with contextlib.suppress(OSError):  # the plain socket's, also for an SSLSocket (its own drops its SSL state)
+            socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
 class UrlFetcher:
-    def __init__(self, patterns: tuple[str, ...], max_bytes: int, timeout_s: float = FETCH_TIMEOUT_S) -> None:
+    def __init__(self, patterns: tuple[str, ...], max_bytes: int, timeout_s: float = FETCH_TIMEOUT_S,
+                 threads: int = FETCH_THREADS) -> None:
         self.allowlist = SinkAllowlist(patterns, "allow-url-fetch")
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="url-fetch")
 
     def __bool__(self) -> bool:
         return bool(self.allowlist)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def fetch(self, url: str, what: str) -> bytes:
         """The body of ``url`` (``what`` names it in errors: ``mm_items[2]``)."""
@@ -58,18 +118,30 @@ class UrlFetcher:
         target = parse_target(f"{literal}:{port}", f"{what} URL host")
         if self.allowlist.match(target) is None:
             raise PermissionDenied(f"{what}: host {literal}:{port} of {shown} is not in --allow-url-fetch")
-        address = await self._resolve(host, port, what)
         path = parts.path or "/"
         if parts.query:
             path += "?" + parts.query
+        deadline = _Deadline(self.timeout_s)
+        try:
+            return await asyncio.wait_for(self._fetch(deadline, parts.scheme, host, port, path, what, shown),
+                                          self.timeout_s)
+        except asyncio.TimeoutError:
+            raise Unavailable(f"{what}: fetching {shown} took over {self.timeout_s:g} s") from None
+        finally:
+            deadline.cut_now()  # a fetch still running past its bound stops now; a finished one has no socket
+
+    async def _fetch(self, deadline: _Deadline, scheme: str, host: str, port: int, path: str, what: str,
+                     shown: str) -> bytes:
+        address = await self._resolve(host, port, what)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, self._get, parts.scheme, host, address, port, path, what, shown)
+        return await loop.run_in_executor(self._pool, self._get, deadline, scheme, host, address, port, path,
+                                          what, shown)
 
     async def _resolve(self, host: str, port: int, what: str) -> str:
+        loop = asyncio.get_running_loop()
         try:
-            infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(
-                host, port, type=socket.SOCK_STREAM), self.timeout_s)
-        except (OSError, asyncio.TimeoutError) as exc:
+            infos = await loop.run_in_executor(self._pool, socket.getaddrinfo, host, port, 0, socket.SOCK_STREAM)
+        except OSError as exc:
             raise Unavailable(f"{what}: cannot resolve {host!r}: {exc}") from None
         addresses = []
         for info in infos:
@@ -85,9 +157,12 @@ class UrlFetcher:
             raise Unavailable(f"{what}: {host!r} resolves to no address")
         return addresses[0]
 
-    def _get(self, scheme: str, host: str, address: str, port: int, path: str, what: str, shown: str) -> bytes:
-        deadline = time.monotonic() + self.timeout_s
-        conn = (_PinnedHTTPS if scheme == "https" else _PinnedHTTP)(host, address, port, self.timeout_s)
+    def _get(self, deadline: _Deadline, scheme: str, host: str, address: str, port: int, path: str, what: str,
+             shown: str) -> bytes:
+        late = Unavailable(f"{what}: fetching {shown} took over {self.timeout_s:g} s")
+        if deadline.over():  # waited for a thread past the bound
+            raise late
+        conn = (_PinnedHTTPS if scheme == "https" else _PinnedHTTP)(host, address, port, deadline)
         try:
             conn.request("GET", path, headers={"User-Agent": "encoder-service", "Accept": "image/*"})
             response = conn.getresponse()
@@ -99,37 +174,54 @@ class UrlFetcher:
                 raise ResourceExhausted(f"{what}: {shown} is {length} bytes; at most {self.max_bytes} "
                                         "(--max-message-bytes)")
             body = bytearray()
-            while chunk := response.read(_READ_BYTES):
+            while True:
+                if deadline.over():
+                    raise late
+                deadline.bound_next_read()
+                chunk = response.read1(_READ_BYTES)  # one recv at most
+                if not chunk:
+                    break
                 body += chunk
                 if len(body) > self.max_bytes:
                     raise ResourceExhausted(f"{what}: {shown} is over {self.max_bytes} bytes (--max-message-bytes)")
-                if time.monotonic() > deadline:
-                    raise Unavailable(f"{what}: fetching {shown} took over {self.timeout_s:g} s")
             return bytes(body)
-        except (OSError, http.client.HTTPException) as exc:
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            if deadline.over():
+                raise late from None
             raise Unavailable(f"{what}: fetching {shown} failed: {exc}") from None
         finally:
             conn.close()
 
 
 class _PinnedHTTP(http.client.HTTPConnection):
-    """Connects to the address resolved and checked before; the Host header stays the URL's."""
+    """Connects to the address resolved and checked before; the Host header stays the URL's. The
+    socket is handed to the fetch's deadline as soon as it exists, so a cut reaches every step."""
 
-    def __init__(self, host: str, address: str, port: int, timeout: float) -> None:
-        super().__init__(host, port, timeout=timeout)
+    def __init__(self, host: str, address: str, port: int, deadline: _Deadline) -> None:
+        super().__init__(host, port, timeout=max(0.001, deadline.left()))
         self._address = address
+        self._deadline = deadline
+
+    def _open(self) -> socket.socket:
+        sock = socket.create_connection((self._address, self.port), max(0.001, self._deadline.left()))
+        self._deadline.attach(sock)
+        return sock
 
     def connect(self) -> None:
-        self.sock = socket.create_connection((self._address, self.port), self.timeout)
+        self.sock = self._open()
 
 
-class _PinnedHTTPS(http.client.HTTPSConnection):
+class _PinnedHTTPS(_PinnedHTTP, http.client.HTTPSConnection):
     """As _PinnedHTTP, over TLS: the certificate is checked against the URL's host name."""
 
-    def __init__(self, host: str, address: str, port: int, timeout: float) -> None:
-        super().__init__(host, port, timeout=timeout, context=ssl.create_default_context())
+    def __init__(self, host: str, address: str, port: int, deadline: _Deadline) -> None:
+        http.client.HTTPSConnection.__init__(self, host, port, timeout=max(0.001, deadline.left()),
+                                             context=ssl.create_default_context())
         self._address = address
+        self._deadline = deadline
 
     def connect(self) -> None:
-        sock = socket.create_connection((self._address, self.port), self.timeout)
-        self.sock = self._context.wrap_socket(sock, server_hostname=self.host)
+        sock = self._context.wrap_socket(self._open(), server_hostname=self.host, do_handshake_on_connect=False)
+        self._deadline.attach(sock)  # the wrapped socket owns the descriptor now
+        sock.do_handshake()
+        self.sock = sock
