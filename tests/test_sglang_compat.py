@@ -3,9 +3,15 @@
 A real server process (tiny preset) is called with SGLang's own gRPC client functions, the way its
 language server calls an encoder (``MMReceiverGrpc.encode`` splitting a request into parts,
 ``_grpc_encode_request``, ``_grpc_scheduler_receive_url``), and its pushes are received over real
-ZMQ sockets with SGLang's own receiver code (``safe_pickle_loads``, the part checks and aggregation,
-the ``torch.frombuffer`` path): tests/sglang_code.py says why those are loaded from the wheel's
-source rather than imported whole. The embeddings must equal the bytes our own service returns.
+ZMQ sockets by SGLang's own receive loops (the tokenizer's ``_recv_mm_data``; a scheduler rank's
+``WaitingZmqRequestGrpc``, which also registers the rank, and ``_drain_scheduler_embeddings``):
+tests/sglang_code.py says why those are loaded from the wheel's source rather than imported whole.
+The embeddings must equal the bytes our own service returns.
+
+The port's bounds are tested against real servers too: a flood of registrations from one host
+leaves room for another's, embeddings awaiting delivery are bounded in bytes and time, a URL whose
+server drips one byte a second is cut at the fetch bound, and tokens and per-client limits hold on
+this port as on the main one (SGLang's own client, which sends no token, included).
 """
 
 from __future__ import annotations
