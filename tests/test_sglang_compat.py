@@ -804,3 +804,27 @@ def test_registrations_are_bounded_per_source_and_in_all():
         table.register("ranks", "tcp://127.0.0.1:3", 2, "client 10.0.0.1")
     with pytest.raises(InvalidInput, match="receive_count"):
         table.register("many", "tcp://127.0.0.1:3", 100_000, "client 10.0.0.1")
+
+
+def test_the_sglang_port_shares_the_main_ports_token_file_and_client_counts(tmp_path):
+    from encoder_service.api.auth import TokenAuthInterceptor
+    from encoder_service.api.limits import PerClientLimitInterceptor
+    from encoder_service.api.security import build_security, sglang_port_security
+    from encoder_service.api.sglang_compat import LIMITED_METHODS
+    from encoder_service.config import parse_serve_args
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("t\n")
+    flags = ["--sglang-compat-port", "0", "--auth-token-file", str(tokens), "--max-requests-per-client", "2"]
+    for setting, by_token in (("on", True), ("off", False)):
+        config = parse_serve_args([*flags, "--sglang-compat-tokens", setting], environ={})
+        security = build_security(config)
+        port = sglang_port_security(config, security, LIMITED_METHODS)
+        kinds = [type(i) for i in port.interceptors]
+        assert kinds == ([TokenAuthInterceptor] if by_token else []) + [PerClientLimitInterceptor]
+        assert port.by_token is by_token and port.interceptors[-1].by_token is by_token
+        if by_token:
+            assert port.interceptors[0].tokens is security.tokens  # the same file, re-read in one place
+        limiter = port.interceptors[-1]
+        assert limiter.methods == {"/sglang.grpc.encoder.SglangEncoder/Encode"}
+        assert limiter.limits is security.client_limits  # one count per client across both ports
