@@ -26,6 +26,33 @@ from encoder_client.types import HashRef
 
 logger = logging.getLogger(__name__)
 
+PREPROCESS_CHECKS = ("refuse", "warn")
+# vLLM's image processor decodes with Pillow; each of its transformers backends has the encoder mode
+# that equals it (ModelInfo.preprocess).
+ENCODER_MODE_OF_BACKEND = {"torchvision": "torch", "pil": "pil"}
+
+
+class PreprocessMismatch(ValueError):
+    """The encoder cannot give the pixels the engine's own processor gives (preprocess_check refuse)."""
+
+
+def preprocess_problem(info: Any, engine_mode: str) -> str | None:
+    """Why the encoder described by ``info`` (its ModelInfo) cannot equal an engine whose image
+    processor is ``engine_mode`` ("pil" or "torch", as ModelInfo.preprocess says), or None."""
+    problems = []
+    if info.preprocess and info.preprocess != engine_mode:
+        problems.append(f"the encoder preprocesses with --preprocess {info.preprocess} but vLLM's image "
+                        f"processor is the {'torchvision' if engine_mode == 'torch' else 'PIL'} one, which "
+                        f"--preprocess {engine_mode} equals")
+    if info.decode and info.decode != "pillow":
+        problems.append(f"the encoder decodes with --decode {info.decode} but vLLM decodes with Pillow "
+                        "(--decode pillow)")
+    if not problems:
+        return None
+    return ("; ".join(problems) + ": its embeddings differ from what vLLM's own vision tower computes (up to "
+            "~1e-3, enough to flip tokens). Restart the encoder with the matching flags, or set "
+            "ec_connector_extra_config preprocess_check \"warn\" to go on anyway")
+
 
 @dataclass(frozen=True)
 class ConnectorSettings:
@@ -42,6 +69,11 @@ class ConnectorSettings:
     this connector serves; other items are left to vLLM. ``shared_memory``: the encoder runs on this
     host with ``--shared-memory on`` and writes each embedding into this process's shared memory
     instead of the gRPC stream (one encoder target only; ``encoder_client.shared_memory``).
+    ``preprocess_check``: what to do when the encoder's preprocessing (``ModelInfo.preprocess`` and
+    ``decode``) cannot give the pixels vLLM's own image processor gives: ``"refuse"`` (the default:
+    the connector does not start; with the encoder unreachable at start-up, every fetch fails
+    until it is checked) or ``"warn"`` (log it and go on: embeddings then differ from the engine's
+    own by up to ~1e-3, which can flip tokens).
     """
 
     encoder: Any = "localhost:50051"
@@ -58,6 +90,7 @@ class ConnectorSettings:
     shm_dir: str | None = None
     modalities: tuple[str, ...] = ("image",)
     shared_memory: bool = False
+    preprocess_check: str = "refuse"
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -72,6 +105,9 @@ class ConnectorSettings:
         settings = cls(**extra)
         if settings.timeout_s <= 0 or settings.fetch_threads < 1:
             raise ValueError("EncoderServiceECConnector: timeout_s must be > 0 and fetch_threads >= 1")
+        if settings.preprocess_check not in PREPROCESS_CHECKS:
+            raise ValueError(f"EncoderServiceECConnector: preprocess_check must be one of {PREPROCESS_CHECKS}, "
+                             f"got {settings.preprocess_check!r}")
         if settings.shared_memory and not settings._one_plain_target():
             raise ValueError("EncoderServiceECConnector: shared_memory needs exactly one encoder target "
                              f"(host:port on this host), got {settings.encoder!r}")
@@ -115,7 +151,15 @@ def describe_error(err: BaseException, timeout_s: float) -> str:
     """A reason a person can act on, for the log and the failed request."""
     if isinstance(err, EncoderClientError):
         if err.code == grpc.StatusCode.NOT_FOUND:
-            return f"the encoder does not cache this image (NOT_FOUND: {err.details})"
+            # vLLM 0.33 keys an item by the uuid verbatim only without mm_processor_kwargs and
+            # media_io_kwargs; with them the key is a blake3/sha256 hexdigest of the uuid and the
+            # kwargs: 64 hex digits too, and the engine core no longer sees the kwargs, so the two
+            # causes cannot be told apart here.
+            return (f"the encoder does not cache this image (NOT_FOUND: {err.details}). Either the encoder "
+                    "never encoded it (or evicted it): have it encode the image first, or send the image "
+                    "itself through the EPD proxy; or the request carries mm_processor_kwargs or "
+                    "media_io_kwargs, with which vLLM hashes the image's uuid into a key that names no "
+                    "embedding of the encoder: send the request without them")
         if err.code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return f"the encoder did not answer within {timeout_s:g} s (DEADLINE_EXCEEDED)"
         if err.code == grpc.StatusCode.UNAVAILABLE:
@@ -131,14 +175,15 @@ class EmbeddingStager:
     """
 
     def __init__(self, settings: ConnectorSettings, *, output_dtype: str, reports_per_load: int = 1,
-                 client: Any = None) -> None:
+                 client: Any = None, log: logging.Logger | None = None, engine_preprocess: str | None = None) -> None:
         self.settings = settings
+        self.log = log or logger
         self.output_dtype = output_dtype
         self.reports_per_load = reports_per_load
         self.staging = StagingArea(settings.shm_dir)
         swept = sweep_stale(self.staging.directory)
         if swept:
-            logger.info("encoder-service EC connector: removed %d staged files of dead processes", swept)
+            self.log.info("encoder-service EC connector: removed %d staged files of dead processes", swept)
         self._client = client if client is not None else settings.make_client()
         self._pool = ThreadPoolExecutor(settings.fetch_threads, thread_name_prefix="ec-fetch")
         self._entries: dict[str, _Entry] = {}
@@ -149,6 +194,42 @@ class EmbeddingStager:
         self.reasons: dict[str, str] = {}  # request id -> reason of its failure (last 1000)
         self.stats: Counter[str] = Counter()
         self._closed = False
+        self.engine_preprocess = engine_preprocess
+        self._check_lock = threading.Lock()
+        self._checked = engine_preprocess is None
+        self._check_refusal: str | None = None
+        if not self._checked:
+            self.check_preprocess(at_start=True)
+
+    def check_preprocess(self, at_start: bool = False) -> None:
+        """Compare the encoder's preprocessing with the engine's (see ``preprocess_check``). At
+        start-up a mismatch raises PreprocessMismatch (refuse) or is logged (warn); an encoder that
+        cannot be asked yet is asked again before the first fetch, whose failure then says why."""
+        with self._check_lock:
+            if self._checked:
+                return
+            try:
+                info = self._client.model_info()
+            except Exception as err:  # the encoder may start after vLLM
+                if at_start:
+                    self.log.warning("encoder-service EC connector: cannot check the encoder's preprocessing "
+                                     "yet (%s); it is checked before the first fetch", err)
+                    return
+                raise
+            self._checked = True
+            assert self.engine_preprocess is not None
+            problem = preprocess_problem(info, self.engine_preprocess)
+            if problem is None:
+                return
+            if self.settings.preprocess_check == "warn":
+                self.log.warning("encoder-service EC connector: %s (preprocess_check warn: going on)", problem)
+                return
+            self._check_refusal = problem
+            if at_start:
+                self.close()
+                raise PreprocessMismatch(f"EncoderServiceECConnector: {problem}")
+            self.log.error("encoder-service EC connector: %s (preprocess_check refuse: every fetch fails)",
+                           problem)
 
     # --- the scheduler's calls --------------------------------------------------------------------
     def ensure(self, request_id: str, items: list[tuple[str, int]]) -> bool:
@@ -231,7 +312,7 @@ class EmbeddingStager:
         try:
             self._client.close()
         except Exception:  # best effort at shutdown
-            logger.debug("closing the encoder client failed", exc_info=True)
+            self.log.debug("closing the encoder client failed", exc_info=True)
         self._entries.clear()
         self._held.clear()
 
@@ -242,6 +323,10 @@ class EmbeddingStager:
     def _fetch(self, content_hash: str) -> None:
         fetched, item, reason = False, None, None
         try:
+            if not self._checked:
+                self.check_preprocess()
+            if self._check_refusal is not None:
+                raise PreprocessMismatch(self._check_refusal)
             (result,) = self._client.encode([HashRef(content_hash)], output_dtype=self.output_dtype,
                                             timeout_s=self.settings.timeout_s, bf16_as="uint16")
             array = result.embedding if not result.deepstack else np.concatenate(
@@ -278,7 +363,7 @@ class EmbeddingStager:
     def _fail(self, request_id: str, reason: str) -> None:
         if request_id in self._failed:
             return
-        logger.error("encoder-service EC connector: request %s cannot have its embeddings: %s", request_id, reason)
+        self.log.error("encoder-service EC connector: request %s cannot have its embeddings: %s", request_id, reason)
         self._failed[request_id] = reason
         self.reasons[request_id] = reason
         while len(self.reasons) > 1000:

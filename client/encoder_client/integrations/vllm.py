@@ -27,7 +27,6 @@ Settings (``ec_connector_extra_config``): see ``encoder_client.integrations.stag
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,8 +38,9 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorWorkerMetadata,
 )
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorStats
+from vllm.logger import init_logger
 
-from encoder_client.integrations.stager import ConnectorSettings, EmbeddingStager
+from encoder_client.integrations.stager import ENCODER_MODE_OF_BACKEND, ConnectorSettings, EmbeddingStager
 from encoder_client.integrations.staging import StagedItem, open_staged
 
 if TYPE_CHECKING:
@@ -49,7 +49,9 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import ECConnectorOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
+# Under vLLM's "vllm" logger, so that its handler and format apply (a logger outside it has no
+# handler inside vLLM: errors came out as bare stderr lines and INFO not at all).
+logger = init_logger("vllm.ec_connector.encoder_service")
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _COUNTERS = ("items_fetched", "items_staged", "items_failed", "bytes_staged", "items_loaded", "bytes_loaded",
@@ -95,6 +97,23 @@ class EncoderServiceECStats(ECConnectorStats):
         return not any(self.data.values())
 
 
+def engine_preprocess(vllm_config: VllmConfig) -> str:
+    """The encoder preprocess mode (ModelInfo.preprocess) that equals vLLM's own image processor:
+    transformers' backend as transformers resolves it for vLLM's processor (``backend`` or the
+    deprecated ``use_fast`` in the engine's ``--mm-processor-kwargs``, else torchvision where it is
+    installed, else PIL)."""
+    model_config = vllm_config.model_config
+    kwargs = dict((model_config.mm_processor_kwargs or {}) if model_config is not None else {})
+    backend = kwargs.get("backend")
+    if backend is None and kwargs.get("use_fast") is not None:
+        backend = "torchvision" if kwargs["use_fast"] else "pil"
+    if backend is None:
+        from transformers.utils import is_torchvision_available
+
+        backend = "torchvision" if is_torchvision_available() else "pil"
+    return ENCODER_MODE_OF_BACKEND.get(str(backend), "torch")
+
+
 def _dtype_name(dtype: Any) -> str:
     name = str(dtype).removeprefix("torch.")
     if name not in _TORCH_DTYPES:
@@ -124,9 +143,11 @@ class EncoderServiceECConnector(ECConnectorBase):
             reports = (pc.tensor_parallel_size * pc.prefill_context_parallel_size
                        if pc.distributed_executor_backend == "mp" else 1)
             self.stager = EmbeddingStager(self.settings, reports_per_load=reports,
-                                          output_dtype=self.settings.output_dtype or _dtype_name(self.dtype))
-            logger.info("EncoderServiceECConnector: encoder %s, staging in %s, tensors in %s",
-                        self.settings.encoder, self.stager.staging.directory, self.dtype)
+                                          output_dtype=self.settings.output_dtype or _dtype_name(self.dtype),
+                                          log=logger, engine_preprocess=engine_preprocess(vllm_config))
+            logger.info("EncoderServiceECConnector: encoder %s, staging in %s, tensors in %s, preprocessing %s "
+                        "(preprocess_check %s)", self.settings.encoder, self.stager.staging.directory, self.dtype,
+                        self.stager.engine_preprocess, self.settings.preprocess_check)
 
     # --- scheduler side -------------------------------------------------------------------------------
     def _items(self, request: Request, num_computed_tokens: int) -> list[tuple[str, int]]:
