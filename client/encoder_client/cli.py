@@ -162,6 +162,9 @@ def _add_proxy(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mm-kwargs", choices=["refuse", "strip"], default="refuse",
                    help="requests carrying mm_processor_kwargs or media_io_kwargs break the uuid contract: refuse "
                         "them with a 400 (default) or strip those keys and forward the rest")
+    p.add_argument("--encode-mode", choices=["cache", "full"], default="cache",
+                   help="cache (default): the encoder encodes and caches each image and returns its header "
+                        "only; full: it streams each embedding back, which the proxy drops")
     p.add_argument("--max-image-bytes", type=int, default=32 << 20, help="largest image, bytes (default 32 MiB)")
     p.add_argument("--max-request-bytes", type=int, default=128 << 20,
                    help="largest request body, bytes (default 128 MiB)")

@@ -18,6 +18,7 @@ image's position in the request.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import socket
 import threading
@@ -209,8 +210,10 @@ class RoutingEncoderClient:
 
     def encode(self, images: Sequence[ImageInput], *, output_dtype: str | None = None,
                max_chunk_bytes: int | None = None, timeout_s: float | None = None,
-               bf16_as: str = "float32") -> list[EncodedImage]:
-        """Embeddings of images in request order, each computed where its hash routes."""
+               bf16_as: str = "float32", cache_only: bool = False) -> list[EncodedImage]:
+        """Embeddings of images in request order, each computed where its hash routes.
+        ``cache_only``: have each encoder encode and cache its images and return their headers
+        only (``encoder_client.cache_only``: a PushedImage per image, no rows)."""
         check_images_sequence(images)
         protos = [image_to_proto(i, image) for i, image in enumerate(images)]
         if not protos:
@@ -218,8 +221,9 @@ class RoutingEncoderClient:
         namespace = self.cache_namespace()
         hashes = [content_hash(p, namespace) for p in protos]
         deadline = None if (timeout_s or self.timeout_s) is None else time.monotonic() + (timeout_s or self.timeout_s)
-        kwargs = {"output_dtype": output_dtype, "max_chunk_bytes": max_chunk_bytes, "bf16_as": bf16_as,
-                  "hash_first": self.hash_first}
+        kwargs = ({"hash_first": self.hash_first, "cache_only": True} if cache_only else
+                  {"output_dtype": output_dtype, "max_chunk_bytes": max_chunk_bytes, "bf16_as": bf16_as,
+                   "hash_first": self.hash_first})
         results: dict[int, EncodedImage] = {}
         tried: dict[int, set[str]] = {i: set() for i in range(len(protos))}
         todo = list(range(len(protos)))
@@ -241,7 +245,10 @@ class RoutingEncoderClient:
                 idx = groups[target]
                 try:
                     for i, result in zip(idx, future.result(), strict=True):
-                        result.index = i
+                        if cache_only:  # PushedImage headers are frozen
+                            result = dataclasses.replace(result, index=i)
+                        else:
+                            result.index = i
                         results[i] = result
                 except EncoderClientError as err:
                     if err.code not in FAILOVER_CODES and not _full(err):
@@ -257,4 +264,9 @@ class RoutingEncoderClient:
 
     def _encode_on(self, target: str, images: list, deadline: float | None, kwargs: dict) -> list[EncodedImage]:
         timeout_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if kwargs.get("cache_only"):
+            from encoder_client.cache_only import encode_cache_only
+
+            return encode_cache_only(self._client(target), images, timeout_s=timeout_s,  # type: ignore[return-value]
+                                     hash_first=kwargs["hash_first"])
         return self._client(target).encode(images, timeout_s=timeout_s, **kwargs)

@@ -77,6 +77,12 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
         if plan.sink is not None:
             await self._encode_to_sink(engine, plan, request_id, model_dtype, context)
             return
+        if request.cache_only:  # encode and cache; each image's header chunk only, no rows
+            async with contextlib.aclosing(engine.encode(plan.images)) as results:
+                async for result in results:
+                    await context.write(region_chunk(result, request_id=request_id, out_dtype=plan.output_dtype,
+                                                     model_dtype=model_dtype, offset=0, length=0))
+            return
         region = self._region(request, context)
         # aclosing: a cancelled or failed stream releases its cache pins and queue slots right away.
         async with contextlib.aclosing(engine.encode(plan.images)) as results:

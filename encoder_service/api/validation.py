@@ -67,6 +67,8 @@ def parse_encode_request(request: encoder_pb2.EncodeRequest, engine: Engine, def
     if sink is not None and request.HasField("output_region"):
         raise InvalidInput("output_region and sink are both set: the embeddings go either to the sink "
                            "or into the region")
+    if request.cache_only and (sink is not None or request.HasField("output_region")):
+        raise InvalidInput("cache_only returns no rows: it takes neither a sink nor an output_region")
     if len(request.images) == 0:
         raise InvalidInput("no images in the request (images is empty)")
     if len(request.images) > max_images:

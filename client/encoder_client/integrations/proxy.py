@@ -27,9 +27,11 @@ import grpc
 from aiohttp import web
 
 from encoder_client._request import content_hash
+from encoder_client.cache_only import encode_cache_only
 from encoder_client.client import EncoderClient
 from encoder_client.errors import EncoderClientError
 from encoder_client.integrations.proxy_rewrite import (
+    CONTENT_HASH_RE,
     HostAllowList,
     ImagePart,
     ProxyRequestError,
@@ -58,6 +60,10 @@ class ProxySettings:
     max_image_bytes: int = 32 << 20
     max_request_bytes: int = 128 << 20
     encoder_timeout_s: float = 60.0
+    # "cache": the encoder encodes and caches each miss and returns its header only (Encode
+    # cache_only); "full": it streams the embedding back, which the proxy drops (servers older
+    # than cache_only do that anyway).
+    encode_mode: str = "cache"
     fetch_timeout_s: float = 10.0
     security: dict[str, Any] = field(default_factory=dict)  # credentials / token of the encoder clients
 
@@ -65,7 +71,9 @@ class ProxySettings:
 class EncoderBridge:
     """The blocking encoder calls of one request, run in a worker thread."""
 
-    def __init__(self, targets: Sequence[str], timeout_s: float, security: dict[str, Any]) -> None:
+    def __init__(self, targets: Sequence[str], timeout_s: float, security: dict[str, Any],
+                 cache_only: bool = True) -> None:
+        self.cache_only = cache_only
         self.single = len(targets) == 1 and not targets[0].startswith("dns:")
         self.client: EncoderClient | RoutingEncoderClient = (
             EncoderClient(targets[0], timeout_s=timeout_s, **security) if self.single
@@ -73,6 +81,20 @@ class EncoderBridge:
 
     def close(self) -> None:
         self.client.close()
+
+    def cached(self, content_hashes: Sequence[str]) -> list[bool]:
+        """Whether the encoder each hash routes to caches it now."""
+        if self.single:
+            return self.client.lookup(list(content_hashes))
+        client = self.client
+        assert isinstance(client, RoutingEncoderClient)
+        out = []
+        for h in content_hashes:
+            target = client.route(h)
+            if target is None:
+                raise EncoderClientError(grpc.StatusCode.UNAVAILABLE, "no encoder is healthy")
+            out.extend(client._client(target).lookup([h]))
+        return out
 
     def ensure_encoded(self, images: Sequence[bytes]) -> list[str]:
         """Each image's content hash, once the encoder caches its embedding."""
@@ -83,8 +105,13 @@ class EncoderBridge:
         if self.single:  # skip what the encoder caches already (the routing client asks each encoder)
             todo = [h for h, hit in zip(todo, self.client.lookup(todo), strict=True) if not hit]
         if todo:
-            kwargs = {"hash_first": True} if self.single else {}
-            results = self.client.encode([unique[h] for h in todo], **kwargs)
+            images_todo = [unique[h] for h in todo]
+            if self.cache_only and self.single:  # pixels of misses only: Lookup said they are not cached
+                results: Sequence[Any] = encode_cache_only(self.client, images_todo, hash_first=False)
+            elif self.cache_only:
+                results = self.client.encode(images_todo, cache_only=True)
+            else:
+                results = self.client.encode(images_todo, **({"hash_first": True} if self.single else {}))
             for want, got in zip(todo, results, strict=True):
                 if got.content_hash != want:  # a server hashing otherwise would break the uuid contract
                     raise EncoderClientError(grpc.StatusCode.INTERNAL, f"encoder returned content hash "
@@ -117,7 +144,8 @@ class EpdProxy:
         self.settings = settings
         self.vllm = settings.vllm.rstrip("/")
         self.allowed = HostAllowList(settings.allowed_hosts)
-        self.bridge = EncoderBridge(settings.encoder, settings.encoder_timeout_s, settings.security)
+        self.bridge = EncoderBridge(settings.encoder, settings.encoder_timeout_s, settings.security,
+                                    cache_only=settings.encode_mode == "cache")
         self.session: aiohttp.ClientSession | None = None
         self.fetcher: aiohttp.ClientSession | None = None
 
@@ -167,6 +195,8 @@ class EpdProxy:
         if stripped:
             log.info("stripped %s from a request (--mm-kwargs strip)", ", ".join(stripped))
         parts = image_parts(body)
+        await self._check_references([p for p in parts if p.uuid is not None])
+        parts = [p for p in parts if p.uuid is None]
         if not parts:
             return body
         media = await asyncio.gather(*(self._image(p) for p in parts))
@@ -181,6 +211,27 @@ class EpdProxy:
             # cache (it needs the image for the prompt's placeholder count), never on a first sight.
             rewrite_part(part, uuid, url)
         return body
+
+    async def _check_references(self, refs: Sequence[ImagePart]) -> None:
+        """Parts that name their image by uuid alone go to vLLM as they are, once the encoder is
+        seen to cache each uuid: otherwise vLLM's connector would fail the request with an HTTP
+        500 whose reason is only in vLLM's log; here it is a 400 naming the part, before vLLM."""
+        if not refs:
+            return
+        for ref in refs:
+            if not CONTENT_HASH_RE.match(ref.uuid or ""):
+                raise bad_request(f"{ref.where}: an image part without an image must carry the encoder's content "
+                                  f"hash of it as its uuid (64 hex digits), got {ref.uuid[:80]!r}", ref.where)
+        try:
+            cached = await asyncio.to_thread(self.bridge.cached, [r.uuid for r in refs])
+        except EncoderClientError as err:
+            raise _encoder_error(err, refs) from None
+        missing = [r for r, hit in zip(refs, cached, strict=True) if not hit]
+        if missing:
+            raise bad_request(
+                "; ".join(f"{r.where}: the encoder does not cache the image of uuid {r.uuid} (never encoded, or "
+                          "evicted)" for r in missing) + ": send the image itself (a data: URL) in that part",
+                missing[0].where)
 
     async def _image(self, part: ImagePart) -> tuple[str, bytes]:
         """(the data URL to forward, the image's bytes)."""
@@ -245,7 +296,8 @@ def settings_from_args(args: argparse.Namespace, security: dict[str, Any]) -> Pr
         encoder=[t.strip() for t in args.encoder.split(",") if t.strip()], vllm=args.vllm,
         allowed_hosts=[h for h in (args.allowed_hosts or "").split(",") if h.strip()], mm_kwargs=args.mm_kwargs,
         max_image_bytes=args.max_image_bytes, max_request_bytes=args.max_request_bytes,
-        encoder_timeout_s=args.timeout, fetch_timeout_s=args.fetch_timeout, security=security)
+        encoder_timeout_s=args.timeout, fetch_timeout_s=args.fetch_timeout, security=security,
+        encode_mode=getattr(args, "encode_mode", "cache"))
 
 
 def run(args: argparse.Namespace, security: dict[str, Any]) -> int:

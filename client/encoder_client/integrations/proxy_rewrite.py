@@ -13,10 +13,12 @@ from __future__ import annotations
 import base64
 import binascii
 import ipaddress
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+CONTENT_HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 # Request keys that make vLLM hash the uuid with them, so the key no longer names our embedding.
 CONTRACT_BREAKING_KEYS = ("mm_processor_kwargs", "media_io_kwargs")
 MM_KWARGS_POLICIES = ("refuse", "strip")
@@ -45,7 +47,8 @@ class ImagePart:
 
     where: str  # "messages[1].content[0]", for error messages
     part: dict[str, Any]
-    url: str
+    url: str  # "" for a part that names its image by uuid alone
+    uuid: str | None = None  # the client's own uuid of a part without an image
 
 
 def bad_request(message: str, param: str | None = None) -> ProxyRequestError:
@@ -58,6 +61,11 @@ def _part_url(part: dict[str, Any], where: str) -> str:
     if not isinstance(url, str) or not url:
         raise bad_request(f"{where}: image_url has no url (the proxy needs the image itself to encode it)", where)
     return url
+
+
+def _has_no_image(part: dict[str, Any]) -> bool:
+    image_url = part.get("image_url")
+    return image_url is None or (isinstance(image_url, dict) and image_url.get("url") is None)
 
 
 def image_parts(body: dict[str, Any]) -> list[ImagePart]:
@@ -76,7 +84,10 @@ def image_parts(body: dict[str, Any]) -> list[ImagePart]:
             kind = part.get("type")
             if kind == "image_url" or (kind is None and "image_url" in part):
                 where = f"messages[{i}].content[{j}]"
-                found.append(ImagePart(where, part, _part_url(part, where)))
+                if _has_no_image(part) and isinstance(part.get("uuid"), str) and part["uuid"]:
+                    found.append(ImagePart(where, part, "", part["uuid"]))  # by reference: checked with the encoder
+                else:
+                    found.append(ImagePart(where, part, _part_url(part, where)))
     return found
 
 

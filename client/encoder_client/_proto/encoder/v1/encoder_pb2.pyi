@@ -49,20 +49,22 @@ class Sink(_message.Message):
     def __init__(self, target: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("request_id", "images", "output_dtype", "sink", "max_chunk_bytes", "output_region")
+    __slots__ = ("request_id", "images", "output_dtype", "sink", "max_chunk_bytes", "output_region", "cache_only")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     SINK_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_REGION_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ONLY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     images: _containers.RepeatedCompositeFieldContainer[Image]
     output_dtype: DType
     sink: Sink
     max_chunk_bytes: int
     output_region: SharedMemoryRegion
-    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., output_dtype: _Optional[_Union[DType, str]] = ..., sink: _Optional[_Union[Sink, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ..., output_region: _Optional[_Union[SharedMemoryRegion, _Mapping]] = ...) -> None: ...
+    cache_only: bool
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., output_dtype: _Optional[_Union[DType, str]] = ..., sink: _Optional[_Union[Sink, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ..., output_region: _Optional[_Union[SharedMemoryRegion, _Mapping]] = ..., cache_only: _Optional[bool] = ...) -> None: ...
 
 class SharedMemoryRegion(_message.Message):
     __slots__ = ("name", "size", "key")
