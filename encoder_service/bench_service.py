@@ -42,6 +42,9 @@ from .bench_report import forward_totals, forward_under_load, summary
 _CHECKOUT = Path(__file__).resolve().parents[1]
 ROOT = _CHECKOUT if (_CHECKOUT / "pyproject.toml").is_file() else Path.cwd()
 SHM = "shared-memory"  # the transport that has the server write into the client's shared memory
+# What each transport asks of EncoderClient: "default" is a plain client (shared_memory="auto":
+# shared memory where the server is on this host and writes it, else the stream).
+CLIENT_SHARED_MEMORY = {"stream": False, SHM: True, "default": "auto"}
 
 
 def photo_jpeg(seed: int, size: int = 1008, quality: int = 90) -> bytes:
@@ -190,7 +193,7 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
 
 
 def _client_proc(target: str, threads: int, images: list[bytes], duration_s: float, warmup: int,
-                 start_at: float, out: mp.Queue, shared_memory: bool = False, repeat: bool = False) -> None:
+                 start_at: float, out: mp.Queue, shared_memory: bool | str = False, repeat: bool = False) -> None:
     from encoder_client import EncoderClient
 
     client = EncoderClient(target, shared_memory=shared_memory)
@@ -296,7 +299,8 @@ def drive(target: str, concurrency: int, images: list[bytes], args, warmup: int,
     q = ctx.Queue()
     start_at = time.time() + args.client_start_s + 0.1 * concurrency  # after every process is up and warmed
     ps = [ctx.Process(target=_client_proc, args=(target, per[i], images[i * share:(i + 1) * share], args.seconds,
-                                                 warmup, start_at, q, transport == SHM, args.repeat_images))
+                                                 warmup, start_at, q, CLIENT_SHARED_MEMORY[transport],
+                                                 args.repeat_images))
           for i in range(procs)]
     done = threading.Event()
     if sample is not None:
@@ -331,7 +335,7 @@ def cache_hits(target: str, args, transport: str = "stream") -> dict:
     from encoder_client import EncoderClient
 
     img = photo_jpeg(10**6)
-    with EncoderClient(target, shared_memory=transport == SHM) as client:
+    with EncoderClient(target, shared_memory=CLIENT_SHARED_MEMORY[transport]) as client:
         client.encode([img], output_dtype="bfloat16", timeout_s=120)
         lat = []
         for _ in range(args.hit_iters):
@@ -384,16 +388,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-hits", action="store_true")
     p.add_argument("--transports", default="stream",
                    help=f"comma-separated: stream (embeddings on the gRPC stream), {SHM} (written into the "
-                        f"client's shared memory; the server gets --shared-memory on); each level runs once per "
-                        "transport, on new images"),
+                        f"client's shared memory; the server gets --shared-memory on), default (a plain "
+                        "EncoderClient, as users run it); each level runs once per transport, on new images"),
     p.add_argument("--server-cwd", default=str(ROOT), help="checkout the server (and forward-only) run from")
     p.add_argument("--start-timeout-s", type=float, default=600)
     p.add_argument("--label", default="")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
-    if not transports or set(transports) - {"stream", SHM}:
-        p.error(f"--transports: stream and/or {SHM}, got {args.transports!r}")
+    if not transports or set(transports) - set(CLIENT_SHARED_MEMORY):
+        p.error(f"--transports: some of {', '.join(CLIENT_SHARED_MEMORY)}, got {args.transports!r}")
     if SHM in transports and "--shared-memory" not in serve_args:
         serve_args = [*serve_args, "--shared-memory", "on"]
     args.serve_args = serve_args

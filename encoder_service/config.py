@@ -116,9 +116,10 @@ class ServiceConfig:
         "request; more is INVALID_ARGUMENT. Bounds what one request can make "
         "the server hold and send.",
         at_least=1)
-    batch_wait_ms: float = option(1.0,
-        "how long the device worker waits for more images before starting a forward "
-        "that is not full (0 = run what is queued right away).",
+    batch_wait_ms: float = option(0.0,
+        "how long an idle device worker waits for more images before starting a forward that "
+        "is not full (0, the default: run what is queued right away; a busy worker batches what "
+        "queued while its forward ran, so a lone image never waits and load still batches).",
         at_least=0)
     # -1 = by device
     preprocess_threads: int = option(-1,
@@ -188,12 +189,13 @@ class ServiceConfig:
         "grayscale or CMYK JPEGs still decode with Pillow.",
         choices=("pillow", "nvjpeg"))
     # on: Encode may name an EncodeRequest.output_region (api/shared_memory.py)
-    shared_memory: str = option("off",
+    shared_memory: str = option("on",
         "on: a caller on this host may have its embeddings written into a shared-memory region "
         "it created (/dev/shm/encoder-*, EncodeRequest.output_region) instead of the stream, "
-        "so the bytes never pass through gRPC (the client's shared_memory=True). Turn it on "
-        "only where every caller that can reach the port is trusted: the server writes into "
-        "the object a request names.",
+        "so the bytes never pass through gRPC (what the Python client does by default for a "
+        "target on its host). The server writes only into an object whose first bytes are the "
+        "request's key, which only the object's owner can read: no caller can have it write into "
+        "another's region. off: every response on the stream.",
         choices=("off", "on"))
     # processes that serve the gRPC port for this one (api/relay.py); 0 = this process serves it
     grpc_processes: int = option(0,

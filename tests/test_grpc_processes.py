@@ -190,9 +190,9 @@ def test_sigterm_stops_the_relays_and_leaves_no_socket_or_region(start_encoder_s
 def test_a_caller_cannot_have_the_server_write_into_another_callers_relay_region(start_encoder_server):
     """The attack seen on earlier releases: a local user lists /dev/shm and names the relays'
     regions it finds in its own calls, while a victim's responses stream through the relays."""
-    server = start_encoder_server("--grpc-processes", "2", "--max-batch-tokens", "4096")  # --shared-memory off
+    server = start_encoder_server("--grpc-processes", "2", "--max-batch-tokens", "4096", "--shared-memory", "off")
     victim, attacker = png(40, (224, 168)), png(41, (224, 168))
-    with EncoderClient(server.target, timeout_s=30) as client:
+    with EncoderClient(server.target, timeout_s=30, shared_memory=False) as client:
         want = client.encode([victim])[0].embedding
     stop = threading.Event()
     attacks: Counter[str] = Counter()
@@ -216,7 +216,7 @@ def test_a_caller_cannot_have_the_server_write_into_another_callers_relay_region
     thread.start()
     wrong = calls = 0
     try:
-        with EncoderClient(server.target, timeout_s=30) as client:
+        with EncoderClient(server.target, timeout_s=30, shared_memory=False) as client:  # streamed via relays
             deadline = time.monotonic() + 4.0
             while time.monotonic() < deadline:
                 got = client.encode([victim])[0].embedding

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from encoder_client import AsyncEncoderClient, EncoderClient, EncoderClientError
 from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
-from encoder_client.shared_memory import SHM_DIR, OutputRegion, RegionPool, RegionsExhausted
+from encoder_client.shared_memory import SHM_DIR, OutputRegion, RegionPool, RegionsExhausted, same_host_target
 from PIL import Image
 
 from encoder_service.api.shared_memory import RegionTable, RegionUnusable
@@ -135,7 +135,7 @@ def test_model_info_says_the_server_writes_shared_memory(encoder_server):
 
 
 def test_a_server_without_shared_memory_refuses_a_region_clearly(start_encoder_server):
-    server = start_encoder_server()
+    server = start_encoder_server("--shared-memory", "off")
     try:
         with EncoderClient(server.target, shared_memory=True) as client:
             assert client.model_info().shared_memory is False
@@ -146,8 +146,41 @@ def test_a_server_without_shared_memory_refuses_a_region_clearly(start_encoder_s
             assert not our_objects()  # the failed call's region was not kept
         with EncoderClient(server.target) as client:
             assert client.encode([png(23)])[0].num_tokens > 0  # and it goes on serving
+            # A plain client (shared_memory="auto") took the refusal as "stream from now on".
+            assert not client.uses_shared_memory and not our_objects()
+            assert client.encode([png(24)])[0].num_tokens > 0
     finally:
         server.stop()
+
+
+def test_a_plain_client_on_the_servers_host_gets_shared_memory_with_the_defaults(start_encoder_server):
+    server = start_encoder_server()  # no flags: --shared-memory on is the default
+    try:
+        with EncoderClient(server.target, shared_memory=False) as streamed:
+            want = streamed.encode([png(25), png(26)])
+        with EncoderClient(server.target) as client:
+            assert client.model_info().shared_memory is True
+            assert client.uses_shared_memory
+            got = client.encode([png(25), png(26)])
+            assert our_objects()  # the call lent the server one of this process's regions
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(g.embedding, w.embedding)
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(("target", "local"), [
+    ("127.0.0.1:50051", True), ("localhost:50051", True), ("[::1]:50051", True), ("ipv4:127.0.0.2:1", True),
+    ("dns:///localhost:50051", True), ("unix:/tmp/encoder.sock", True),
+    ("10.0.0.3:50051", False), ("encoder.svc:50051", False), ("dns:///encoder-headless:50051", False),
+])
+def test_a_plain_client_tries_shared_memory_only_for_a_target_on_its_host(target, local):
+    assert same_host_target(target) is local
+    client = EncoderClient(target)
+    try:
+        assert client.uses_shared_memory is local
+    finally:
+        client.close()
 
 
 def test_a_caller_that_shrinks_its_region_mid_call_gets_an_error_and_the_server_serves_on(encoder_server):

@@ -4,6 +4,7 @@ retry policy, the health status and the requests built before a call."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -13,10 +14,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from encoder_client.dtypes import BF16_AS
+from encoder_client.errors import EncoderClientError
 from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
 from encoder_client.protocol.chunks import parse_chunk
 from encoder_client.security import call_metadata
-from encoder_client.shared_memory import DEFAULT_INITIAL_BYTES, RegionPool
+from encoder_client.shared_memory import DEFAULT_INITIAL_BYTES, RegionPool, region_refused, same_host_target
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -149,11 +153,16 @@ class ClientBase:
         metadata: Sequence[tuple[str, str]] | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
         token: str | None = None,
-        shared_memory: bool = False,
+        shared_memory: bool | str = "auto",
         shared_memory_bytes: int = DEFAULT_INITIAL_BYTES,
     ) -> None:
         self.target = target
-        self._regions = RegionPool(shared_memory_bytes) if shared_memory else None
+        if shared_memory not in (True, False, "auto"):
+            raise ValueError(f"shared_memory must be True, False or 'auto', got {shared_memory!r}")
+        # "auto": on this host, try; at the first refusal, stream for good (see _stream_from_now_on).
+        self._shared_memory_auto = shared_memory == "auto"
+        wanted = shared_memory is True or (self._shared_memory_auto and same_host_target(target))
+        self._regions = RegionPool(shared_memory_bytes) if wanted else None
         self.timeout_s = timeout_s
         self._retry = RetryPolicy(retries, backoff_base_s, backoff_max_s)
         self._metadata = call_metadata(metadata, token)
@@ -174,6 +183,28 @@ class ClientBase:
 
     def _timeout(self, timeout_s: float | None) -> float | None:
         return self.timeout_s if timeout_s is None else timeout_s
+
+    @property
+    def uses_shared_memory(self) -> bool:
+        """Whether Encode calls lend the server a shared-memory region now."""
+        return self._regions is not None
+
+    def _stream_from_now_on(self, error: BaseException) -> bool:
+        """With ``shared_memory="auto"``: whether ``error`` (of an Encode that lent a region) says the
+        server cannot write this process's regions (another host behind the address, shared memory
+        off, a full /dev/shm here); if so this client streams from now on, and the caller sends the
+        call again without a region. Never with ``shared_memory=True``: the error is the caller's."""
+        if not self._shared_memory_auto or self._regions is None:
+            return False
+        if isinstance(error, EncoderClientError):
+            if not region_refused(error.code.name, error.details):
+                return False
+        elif not isinstance(error, OSError):
+            return False
+        log.info("encoder client for %s: streaming responses (shared memory not usable: %s)", self.target, error)
+        regions, self._regions = self._regions, None
+        regions.close()
+        return True
 
 
 def lookup_request(content_hashes: Sequence[str]) -> encoder_pb2.LookupRequest:

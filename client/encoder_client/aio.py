@@ -116,7 +116,15 @@ class AsyncEncoderClient(ClientBase):
             return []
         # gRPC retries an attempt that failed UNAVAILABLE before any response arrived (see
         # RetryPolicy); this call's iteration sees only the attempt that answered.
-        with reassembling(request, bf16_as=bf16_as, regions=self._regions) as reassembler:
+        try:
+            with reassembling(request, bf16_as=bf16_as, regions=self._regions) as reassembler:
+                await self._call_encode(request, timeout_s, reassembler.add)
+                return reassembler.results()
+        except (EncoderClientError, OSError) as err:
+            if not self._stream_from_now_on(err):
+                raise
+        request.ClearField("output_region")
+        with reassembling(request, bf16_as=bf16_as, regions=None) as reassembler:
             await self._call_encode(request, timeout_s, reassembler.add)
             return reassembler.results()
 

@@ -30,9 +30,12 @@ class EncoderClient(ClientBase):
     channel's service config (see ``_rpc.RetryPolicy``). ``credentials`` makes the channel a
     secure one (``encoder_client.tls_credentials``); ``metadata`` is sent with every call, and
     ``token`` adds ``authorization: Bearer <token>`` to it (the server's ``--auth-token-file``).
-    ``shared_memory``: on the server's host, have the server write embeddings into this process's
-    shared memory instead of the stream (the server needs ``--shared-memory on``; regions start at
-    ``shared_memory_bytes`` and grow as calls need; see ``encoder_client.shared_memory``).
+    ``shared_memory``: have the server write embeddings into this process's shared memory instead
+    of the stream (it must be on the server's host; the server needs ``--shared-memory on``, its
+    default). ``"auto"`` (the default) does so for a target on this host and streams elsewhere, or
+    from the first call the server cannot serve that way on; ``True`` always, an error where it
+    cannot; ``False`` never. Regions start at ``shared_memory_bytes`` and are sized as calls need
+    (see ``encoder_client.shared_memory``).
     """
 
     _channels = grpc
@@ -123,7 +126,14 @@ class EncoderClient(ClientBase):
             return []
         # gRPC retries an attempt that failed UNAVAILABLE before any response arrived (see
         # RetryPolicy); this call's iteration sees only the attempt that answered.
-        with reassembling(request, bf16_as=bf16_as, regions=self._regions) as reassembler:
+        try:
+            with reassembling(request, bf16_as=bf16_as, regions=self._regions) as reassembler:
+                return self._call_encode(request, timeout_s, lambda chunks: _reassemble(reassembler, chunks))
+        except (EncoderClientError, OSError) as err:
+            if not self._stream_from_now_on(err):
+                raise
+        request.ClearField("output_region")
+        with reassembling(request, bf16_as=bf16_as, regions=None) as reassembler:
             return self._call_encode(request, timeout_s, lambda chunks: _reassemble(reassembler, chunks))
 
     def _call_encode(self, request: encoder_pb2.EncodeRequest, timeout_s: float | None,

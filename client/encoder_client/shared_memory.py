@@ -3,7 +3,11 @@
 With ``EncoderClient(..., shared_memory=True)`` each Encode call lends the server one region, a
 POSIX shared-memory object this process created (``/dev/shm/encoder-<pid>-<random>``), and the
 server writes each image's rows there instead of streaming them (EncodeRequest.output_region; the
-server needs ``--shared-memory on``). The client copies each image out into its own array as its
+server needs ``--shared-memory on``, its default). The default, ``shared_memory="auto"``, does so
+for a target on this host (``same_host_target``: loopback, a unix socket, this host's name) and
+goes back to the stream for good at the first sign that the server cannot write there (another
+host behind a loopback address, a server with ``--shared-memory off``, a full /dev/shm):
+``region_refused``. The client copies each image out into its own array as its
 header chunk arrives, so a region is free again when the call returns.
 
 Regions are pooled (a call in flight holds one) and kept mapped: reusing one costs neither page
@@ -18,9 +22,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ipaddress
 import mmap
 import os
 import secrets
+import socket
 import threading
 import weakref
 from collections.abc import Callable
@@ -38,6 +44,34 @@ ALIGN = 64  # the server's alignment of each image in a region
 KEY_BYTES = 32
 HEADER_BYTES = 64  # the region's start, which holds the key; the server writes after it
 _GROW_STEP = 1 << 20
+
+
+def same_host_target(target: str) -> bool:
+    """Whether a gRPC target names this host: a unix socket, a loopback address or ``localhost``,
+    or this host's own name (``dns:///``, ``ipv4:`` and ``ipv6:`` prefixes allowed)."""
+    if target.startswith(("unix:", "unix-abstract:")):
+        return True
+    for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:", "passthrough:///"):
+        if target.startswith(scheme):
+            target = target[len(scheme):]
+            break
+    host = target.split(",", 1)[0]
+    if host.startswith("["):
+        host = host[1:].partition("]")[0]
+    elif host.count(":") == 1:
+        host = host.partition(":")[0]
+    if host in ("localhost", socket.gethostname()):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def region_refused(code_name: str, details: str) -> bool:
+    """Whether an Encode failed because the server cannot use the call's region (so the same call
+    streamed would pass): FAILED_PRECONDITION or PERMISSION_DENIED naming ``output_region``."""
+    return code_name in ("FAILED_PRECONDITION", "PERMISSION_DENIED") and "output_region" in (details or "")
 
 
 def _unlink(path: str) -> None:
