@@ -41,7 +41,7 @@ def test_image_is_based_on_a_cuda_runtime():
 
 def test_service_and_client_are_installed_and_the_entrypoint_is_the_server():
     runs = " ".join(arg for op, arg in instructions() if op == "RUN")
-    assert "pip install ./client" in runs and re.search(r"pip install \. ", runs)
+    assert re.search(r'pip install "\./client[\[\]\w,]*"', runs) and re.search(r'pip install "\.[\[\]\w,]*" ', runs)
     steps = dict(final_stage())
     assert steps["ENTRYPOINT"] == '["encoder-service"]' and steps["CMD"] == '["serve"]'
 
@@ -56,3 +56,19 @@ def test_final_stage_runs_as_a_non_root_user_and_exposes_grpc_and_metrics():
     metrics_port = int(re.search(r"ENCODER_SERVICE_METRICS_PORT=(\d+)", env).group(1))
     assert exposed == {port, metrics_port}
     assert "ENCODER_SERVICE_METRICS_HOST=0.0.0.0" in env  # a published port reaches nothing on loopback
+
+
+def _pip_installs() -> list[str]:
+    return [args for op, args in instructions() if op == "RUN" and "pip install" in args]
+
+
+def test_the_image_can_run_every_feature_the_readme_offers():
+    """torchvision for --decode nvjpeg, the service's sglang extra for --sglang-compat-port, the
+    client's proxy extra for encoder-client proxy: every extra the README tells users to install."""
+    installs = " ".join(_pip_installs())
+    assert re.search(r'"torchvision==\$\{TORCHVISION_VERSION\}"', installs)
+    readme = (REPO_ROOT / "README.md").read_text()
+    offered = set(re.findall(r"pip install [^\n]*?'(\./client|\.)\[(\w+)\]'", readme))
+    assert {("./client", "proxy"), (".", "sglang")} <= offered, offered
+    for package, extra in offered:
+        assert re.search(rf'"?{re.escape(package)}\[[^\]]*\b{extra}\b[^\]]*\]"?', installs), (package, extra)
