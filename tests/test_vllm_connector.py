@@ -4,9 +4,11 @@ vLLM's own pieces throughout: ``ECConnectorFactory`` builds the connector from a
 ``VllmConfig`` / ``ECTransferConfig`` (the README's config), requests are vLLM's ``Request`` with
 ``MultiModalFeatureSpec`` items, the worker side runs through vLLM's model-runner mixin
 (``ECConnectorModelRunnerMixin``: bind metadata, ``start_load_caches``, worker metadata back) with
-the worker connector vLLM itself creates (``ensure_ec_transfer_initialized``), and stats go through
-vLLM's ``ECConnectorLogging``. The encoder is a real server process (tiny Qwen2.5-VL preset).
-scripts/ci_tools.sh installs vLLM's wheel without its CUDA dependencies.
+the worker connector vLLM itself creates (``ensure_ec_transfer_initialized``). The encoder is a real
+server process (tiny Qwen2.5-VL preset). scripts/ci_tools.sh installs vLLM's wheel without its CUDA
+dependencies. These tests check what a real engine run cannot show: bfloat16 bytes, the staged files'
+life (held for a worker, swept, none left at shutdown), shared memory, dns routing, the row-count
+check, the settings; tests/test_vllm_engine.py runs the connector inside a real vLLM engine.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from vllm.config import ECTransferConfig, VllmConfig
 from vllm.distributed.ec_transfer import ec_transfer_state
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
-from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorLogging
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -214,12 +215,10 @@ def test_staged_tensors_equal_the_servers_embeddings(encoder, connectors, dtype)
     assert stats.data["items_fetched"] == 2 and stats.data["items_staged"] == 2
     assert stats.data["bytes_staged"] == sum(r.num_tokens * r.hidden_size for r in images) * (
         4 if dtype == "float32" else 2)
+    # The worker connector counts its loads; whether vLLM reports them is its model runner's doing
+    # (the V1 runner does not ask: tests/test_vllm_engine.py checks what a real engine logs).
     worker_stats = ec_transfer_state.get_ec_transfer().get_ec_connector_stats()
     assert worker_stats.data["items_loaded"] == 2
-    logging = ECConnectorLogging(connector._vllm_config.ec_transfer_config)  # vLLM's own stats path
-    logging.observe(stats.data)
-    logging.observe(worker_stats.data)
-    assert logging.transfer_stats_accumulator.reduce()["items_loaded"] == 2
 
 
 def test_a_co_located_encoder_hands_embeddings_over_in_shared_memory(start_encoder_server, connectors):
