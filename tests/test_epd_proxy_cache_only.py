@@ -140,3 +140,33 @@ def test_a_uuid_the_encoder_caches_goes_to_vllm_as_it_was_sent(encoder_server, v
     assert status == 200, answer
     (part,) = forwarded_images(vllm.received[-1])
     assert part == {"type": "image_url", "image_url": None, "uuid": result.content_hash}
+
+
+def test_a_real_encoders_full_queue_is_a_503_with_retry_after_and_an_image_over_its_limits_a_413(
+        start_encoder_server, vllm, started):
+    """RESOURCE_EXHAUSTED by its cause, from a real server: its retry-pushback trailer says a full
+    queue (1000 ms: 503 with Retry-After) from a request over a limit by itself (-1: 413)."""
+    from encoder_client.protocol import encoder_pb2_grpc
+
+    from tests.test_server_lifecycle import BATCHES_STARTED, BIG_GRID, QUEUE, in_thread, patches, request, wait_for
+
+    server = start_encoder_server("--max-queue-images", "1", "--max-image-pixels", "4000000")
+    _, port = started([server.target], vllm.url)
+    before = len(vllm.received)
+    with grpc.insecure_channel(server.target, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+        stub = encoder_pb2_grpc.VisionEncoderStub(channel)
+        started_batches = server.metric(BATCHES_STARTED)
+        # One big image in its forward, a second waiting in the one queue slot.
+        big = [in_thread(lambda s=s: list(stub.Encode(request(patches(BIG_GRID, s, np.uint8)), timeout=120)))
+               for s in (30, 31)]
+        wait_for(lambda: server.metric(BATCHES_STARTED) == started_batches + 1 and server.metric(QUEUE) == 1)
+        status, answer, headers = post(port, chat(data_url(png(820))))
+        assert status == 503, answer
+        assert "queue full" in json.loads(answer)["error"]["message"] and headers["Retry-After"] == "1"
+        for thread, _ in big:
+            thread.join(120)
+    status, answer, headers = post(port, chat(data_url(png(821, size=(2100, 2100), solid=True))))
+    assert status == 413, answer
+    assert "over its limits" in json.loads(answer)["error"]["message"] and "Retry-After" not in headers
+    assert len(vllm.received) == before
+    server.stop()
