@@ -170,3 +170,14 @@ def test_a_real_encoders_full_queue_is_a_503_with_retry_after_and_an_image_over_
     assert "over its limits" in json.loads(answer)["error"]["message"] and "Retry-After" not in headers
     assert len(vllm.received) == before
     server.stop()
+
+
+def test_cache_only_through_relay_processes_answers_headers_only(start_encoder_server):
+    server = start_encoder_server("--grpc-processes", "2")
+    images = [png(830), png(831)]
+    with EncoderClient(server.target, timeout_s=60, shared_memory=False) as client:
+        request = encoder_pb2.EncodeRequest(images=[encoder_pb2.Image(encoded=i) for i in images], cache_only=True)
+        chunks = client._call_encode(request, None, list)
+        assert len(chunks) == 2 and all(c.last and not len(c.data) and not c.region_bytes for c in chunks)
+        assert client.lookup([c.content_hash for c in chunks]) == [True, True]
+    server.stop()

@@ -180,14 +180,14 @@ class Relay(grpc.GenericRpcHandler):
 
     def _with_region(self, raw: bytes):
         """(the request, one of our regions for it), or (None, None) when the call passes as sent:
-        it names its own region or a sink, does not parse (the server answers that), or no region
+        it names its own region or a sink, asks for no rows (cache_only), does not parse (the server answers that), or no region
         can be had (the server then streams)."""
         try:
             request = encoder_pb2.EncodeRequest.FromString(raw)
         except DecodeError:
             return None, None
-        if request.HasField("output_region") or request.HasField("sink"):
-            return None, None
+        if request.HasField("output_region") or request.HasField("sink") or request.cache_only:
+            return None, None  # cache_only: headers only, no rows to carry
         try:
             region = self._regions.acquire()
         except OSError as exc:
