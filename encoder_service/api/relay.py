@@ -180,8 +180,8 @@ class Relay(grpc.GenericRpcHandler):
 
     def _with_region(self, raw: bytes):
         """(the request, one of our regions for it), or (None, None) when the call passes as sent:
-        it names its own region or a sink, asks for no rows (cache_only), does not parse (the server answers that), or no region
-        can be had (the server then streams)."""
+        it names its own region or a sink, asks for no rows (cache_only), does not parse (the server
+        answers that), or no region can be had (the server then streams)."""
         try:
             request = encoder_pb2.EncodeRequest.FromString(raw)
         except DecodeError:
