@@ -24,10 +24,11 @@
 #                          files of the two are byte-identical): the real engine on the CPU for
 #                          tests/test_vllm_engine.py, which puts that folder on its vLLM subprocesses'
 #                          path. It pins the same torch 2.13.0+cpu (--no-deps --target: nothing in the
-#                          venv, torch included, is touched); beside it only what its engine
-#                          imports and the venv lacks, pinned: torchvision 0.28.0 (for torch 2.13; a CUDA
-#                          build, see tests/vllm_cpu_site/sitecustomize.py), einops, blake3,
-#                          compressed-tensors (+ loguru), setproctitle, python-json-logger, ijson. Its
+#                          venv, torch included, is touched); beside it, pinned, the packages it
+#                          declares that the venv lacks and its engine path may import: torchvision
+#                          0.28.0 (for torch 2.13; a CUDA build, see tests/vllm_cpu_site/sitecustomize.py),
+#                          einops, blake3, compressed-tensors (+ loguru), setproctitle,
+#                          python-json-logger, ijson. Its
 #                          declared transformers<5.20 is not enforced: it runs with the venv's.
 #                          One ~135 MB download and ~20 s on a cold venv; nothing when installed.
 set -euo pipefail
