@@ -69,6 +69,34 @@ def test_scans_are_counted_from_the_bytes():
     assert jpeg_scans(save(image, "PNG")) == 0
 
 
+def test_a_marker_without_a_length_cannot_hide_scans_behind_a_fake_header():
+    """RST0 right after SOI has no length for libjpeg, which goes on to the COM segments; a walk
+    that read a length after it landed inside a COM segment, on a fake one-scan sequential
+    header, and counted 1 for a file of thousands of scans (seen against a real server: 5-10 s of
+    decoding per such file, beside ordinary images)."""
+    from encoder_service.preprocess.decode import MAX_JPEG_SCANS, jpeg_scans
+
+    def segment(marker: int, payload: bytes) -> bytes:
+        return bytes((0xFF, marker)) + (len(payload) + 2).to_bytes(2, "big") + payload
+
+    bomb = jpeg_scan_bomb(64, 500)
+    com1 = bytearray(65533)
+    # After SOI (2) and RST0 (2), a walk that reads a length at offset 4 (COM's FF FE) jumps to
+    # offset 4 + 2 + 0xFFFF: there, inside this COM, it finds FF E1 with a length of 0x01FF...
+    com1[65538 - 8:65538 - 8 + 3] = b"\xff\xe1\x01"
+    prefix = b"\xff\xd8\xff\xd0" + segment(0xFE, bytes(com1))
+    fake = (segment(0xC0, bytes([8, 0, 64, 0, 64, 1, 1, 0x11, 0]))  # ...and lands on a one-component SOF0
+            + segment(0xDA, bytes([1, 1, 0, 0, 63, 0])))  # whose first scan holds every component
+    com2 = bytearray(4096)
+    at = 65538 + 2 + 0x01FF - (len(prefix) + 4)
+    com2[at:at + len(fake)] = fake
+    disguised = prefix + segment(0xFE, bytes(com2)) + bomb[2:]
+    assert jpeg_scans(bomb) == MAX_JPEG_SCANS + 1
+    assert jpeg_scans(disguised) == MAX_JPEG_SCANS + 1
+    with pytest.raises(ResourceExhausted, match="scans"):
+        decode_image(disguised, None)
+
+
 def test_start_of_scan_bytes_inside_metadata_are_not_scans():
     """0xFFDA inside an ICC profile, an EXIF thumbnail or a comment is skipped with its segment, as
     libjpeg skips it: such a file is neither refused nor sent the slow way."""

@@ -54,6 +54,8 @@ ORDINARY_JPEG_SCANS = 16
 _MAX_HEADER_SEGMENTS = 256
 _MAX_COUNTED_MARKERS = 4096
 _PROGRESSIVE_SOF = (0xC2, 0xC6, 0xCA, 0xCE)
+# Segments before the first scan that carry a length: APPn, COM, DQT, DHT, DRI, DAC.
+_HEADER_SEGMENT_MARKERS = frozenset((*range(0xE0, 0xF0), 0xFE, 0xDB, 0xC4, 0xDD, 0xCC))
 
 # The default pixel limit (--max-image-pixels -1): this many times the model's max_pixels, the size
 # its preprocessing resizes every image down to. 16 lets a 12 Mpx phone photo (4000x3000) through for
@@ -127,7 +129,15 @@ def _single_scan(data: bytes) -> bool:
             components = data[pos + 9]
         elif marker == 0xDA:
             return components is not None and data[pos + 4] == components
-        pos += 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
+        elif marker not in _HEADER_SEGMENT_MARKERS:
+            # A marker without a length (RSTn, TEM, a stuffed 0x00) or one a header does not hold:
+            # reading a length after it would land this walk where libjpeg never looks (a fake
+            # one-scan header hidden in a COM segment hid 20,000 scans that way). Count instead.
+            return False
+        length = int.from_bytes(data[pos + 2:pos + 4], "big")
+        if length < 2:
+            return False
+        pos += 2 + length
     return False
 
 
