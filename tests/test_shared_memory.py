@@ -234,7 +234,7 @@ def test_a_caller_cannot_have_the_server_write_into_another_callers_region(encod
 # --- the two ends' region handling, without a server -------------------------------------------------
 
 
-KEY = b"k" * 32
+KEY = bytes(range(32))
 
 
 def region(name: str, size: int, key: bytes = KEY) -> encoder_pb2.SharedMemoryRegion:
@@ -269,12 +269,40 @@ def test_the_server_writes_only_into_existing_regular_objects(tmp_path):
 def test_the_server_writes_only_into_a_region_whose_first_bytes_are_the_callers_key(tmp_path):
     """/dev/shm's names are listable by every user; only the owner can read an object's bytes."""
     table = RegionTable(True, directory=str(tmp_path))
-    keyed_object(tmp_path / "encoder-victim", 4096, key=b"v" * 32)
+    keyed_object(tmp_path / "encoder-victim", 4096, key=b"victim-" + bytes(range(25)))
     with pytest.raises(PermissionDenied, match="not its key"):
-        table.writer(region("encoder-victim", 4096, key=b"a" * 32))
+        table.writer(region("encoder-victim", 4096, key=b"attacker" + bytes(range(24))))
     with pytest.raises(InvalidInput, match="16 to 64 bytes"):
         table.writer(region("encoder-victim", 4096, key=b""))
-    assert table.writer(region("encoder-victim", 4096, key=b"v" * 32)).place(b"ok") == (64, 2)
+    assert table.writer(region("encoder-victim", 4096, key=b"victim-" + bytes(range(25)))).place(b"ok") == (64, 2)
+
+
+def test_a_key_of_one_repeated_byte_is_refused(tmp_path):
+    """What a region holds between its sizing and its key, had its creator sized it first."""
+    table = RegionTable(True, directory=str(tmp_path))
+    (tmp_path / "encoder-zeros").write_bytes(b"\0" * 4096)
+    with pytest.raises(InvalidInput, match="one byte repeated"):
+        table.writer(region("encoder-zeros", 4096, key=b"\0" * 32))
+
+
+def test_a_client_region_holds_its_key_before_it_has_any_other_size(monkeypatch, tmp_path):
+    """No moment where the object is sized and its first bytes are zeros another caller could name."""
+    import encoder_client.shared_memory as client_shm
+
+    seen = []
+    real = os.posix_fallocate
+
+    def watching(fd, offset, length):
+        seen.append((os.fstat(fd).st_size, os.pread(fd, 64, 0)))
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(client_shm.os, "posix_fallocate", watching)
+    created = OutputRegion(1 << 16, directory=str(tmp_path))
+    try:
+        assert seen == [(len(created.key), created.key)]
+        assert bytes(created.memory[:len(created.key)]) == created.key
+    finally:
+        created.close()
 
 
 def test_a_callers_region_may_not_pose_as_a_relays_and_errors_do_not_echo_names(tmp_path):

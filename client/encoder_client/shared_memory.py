@@ -91,8 +91,17 @@ class OutputRegion:
         self.size = size
         path = os.path.join(directory, self.name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        # The proof that this process created it: the server writes only into an object whose
+        # first bytes equal the key its request carries (only this user can read them), and never
+        # before HEADER_BYTES. Written while the object is still empty, before it has a size: an
+        # object sized first holds zeros for a moment, and a caller that names it with a key of
+        # zeros then had the server write into it (seen: a watcher on /dev/shm hit 7 of 16).
+        self.key = secrets.token_bytes(KEY_BYTES)
         try:
             self._finalizer = weakref.finalize(self, _unlink, path)
+            if os.pwrite(fd, self.key, 0) != KEY_BYTES:
+                self._finalizer()
+                raise OSError(f"cannot write a shared-memory region's key in {directory}")
             try:
                 # Reserve the pages now: on a full /dev/shm the error is ours, here, and not a
                 # SIGBUS in whichever process first writes past what tmpfs could give.
@@ -104,11 +113,6 @@ class OutputRegion:
             self.memory = np.frombuffer(mmap.mmap(fd, size, mmap.MAP_SHARED), np.uint8)
         finally:
             os.close(fd)
-        # The proof that this process created it: the server writes only into an object whose
-        # first bytes equal the key its request carries (only this user can read them), and
-        # never writes before HEADER_BYTES.
-        self.key = secrets.token_bytes(KEY_BYTES)
-        self.memory[:KEY_BYTES] = np.frombuffer(self.key, np.uint8)
 
     def proto(self) -> encoder_pb2.SharedMemoryRegion:
         return encoder_pb2.SharedMemoryRegion(name=self.name, size=self.size, key=self.key)

@@ -77,6 +77,10 @@ class RegionTable:
             raise InvalidInput(f"output_region.key is {len(region.key)} bytes; it must be {KEY_BYTES[0]} to "
                                f"{KEY_BYTES[1]} bytes that the region's creator also wrote at its start "
                                "(encoder_client's regions do)")
+        if len(set(region.key)) == 1:
+            # A key of one repeated byte is what an object holds before its creator wrote one.
+            raise InvalidInput("output_region.key is one byte repeated; it must be random bytes its creator "
+                               "wrote at the region's start before giving the region a size")
         if region.size <= FIRST_OFFSET:
             raise InvalidInput(f"output_region.size {region.size} leaves no room after its first {FIRST_OFFSET} bytes")
         path = os.path.join(self._directory, name)
