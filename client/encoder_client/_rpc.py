@@ -18,7 +18,15 @@ from encoder_client.errors import EncoderClientError
 from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
 from encoder_client.protocol.chunks import parse_chunk
 from encoder_client.security import call_metadata
-from encoder_client.shared_memory import DEFAULT_INITIAL_BYTES, RegionPool, region_refused, same_host_target
+from encoder_client.shared_memory import (
+    AUTO_INITIAL_BYTES,
+    AUTO_MAX_TOTAL_BYTES,
+    DEFAULT_INITIAL_BYTES,
+    RegionPool,
+    RegionsExhausted,
+    region_refused,
+    same_host_target,
+)
 
 log = logging.getLogger(__name__)
 
@@ -161,8 +169,13 @@ class ClientBase:
             raise ValueError(f"shared_memory must be True, False or 'auto', got {shared_memory!r}")
         # "auto": on this host, try; at the first refusal, stream for good (see _stream_from_now_on).
         self._shared_memory_auto = shared_memory == "auto"
-        wanted = shared_memory is True or (self._shared_memory_auto and same_host_target(target))
-        self._regions = RegionPool(shared_memory_bytes) if wanted else None
+        if shared_memory is True:
+            self._regions = RegionPool(shared_memory_bytes)
+        elif self._shared_memory_auto and same_host_target(target):
+            initial = AUTO_INITIAL_BYTES if shared_memory_bytes == DEFAULT_INITIAL_BYTES else shared_memory_bytes
+            self._regions = RegionPool(initial, max_total_bytes=AUTO_MAX_TOTAL_BYTES)
+        else:
+            self._regions = None
         self.timeout_s = timeout_s
         self._retry = RetryPolicy(retries, backoff_base_s, backoff_max_s)
         self._metadata = call_metadata(metadata, token)
@@ -193,9 +206,12 @@ class ClientBase:
         """With ``shared_memory="auto"``: whether ``error`` (of an Encode that lent a region) says the
         server cannot write this process's regions (another host behind the address, shared memory
         off, a full /dev/shm here); if so this client streams from now on, and the caller sends the
-        call again without a region. Never with ``shared_memory=True``: the error is the caller's."""
+        call again without a region (its regions all lent, RegionsExhausted: only this call streams).
+        Never with ``shared_memory=True``: the error is the caller's."""
         if not self._shared_memory_auto or self._regions is None:
             return False
+        if isinstance(error, RegionsExhausted):
+            return True  # the regions are all lent: this call streams, the next may have one
         if isinstance(error, EncoderClientError):
             if not region_refused(error.code.name, error.details):
                 return False
