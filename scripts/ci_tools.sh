@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs what the operations tests (tests/test_ops_*.py) need; .ci/run calls it before
-# scripts/test.sh. Each step is skipped when its tool is already there.
+# Installs the tools and engines the tests drive beyond the test extra; scripts/test.sh (the README's
+# test command, which .ci/run runs) calls it after setting up .venv. Each step is skipped when its
+# tool is already there.
 #   prometheus, promtool   Debian's `prometheus` package (the test starts its own server; the
 #                          package's service is not started where there is no systemd)
 #   kubectl (kustomize v5) the one on PATH if its kustomize is v5+, else the kubectl binary that the

