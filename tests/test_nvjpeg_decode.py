@@ -233,7 +233,7 @@ def forward_figures(metrics: ServiceMetrics) -> dict[str, float]:
 def test_nvjpeg_has_a_cache_namespace_of_its_own_and_pillow_keeps_its_old_one(stand_in):
     pillow, gpu = models()
     assert pillow.cache_namespace != gpu.cache_namespace
-    assert gpu.front().decode_backend == "nvjpeg" and pillow.front().decode_backend == "pillow"
+    assert gpu.front().decode == "nvjpeg" and pillow.front().decode == "pillow"
     again = load_vision_model("tiny-qwen2.5-vl", preprocess="torch")
     again.set_decode("pillow")
     assert again.cache_namespace == pillow.cache_namespace

@@ -261,7 +261,7 @@ async def serve(config: ServiceConfig) -> int:
              "preprocess %s (%d decode threads, decode %s); cache %s, max-batch-tokens %d, batch-wait-ms %g, "
              "max-queue-images %d, max-image-pixels %s; responses: shared memory %s for callers on this host, "
              "else streamed; warm-up forward %.0f ms",
-             d.model_id, d.model_type, d.device, d.dtype, d.attn_backend, d.ops, hidden, d.patch_dim,
+             d.model_id, d.model_type, d.device, d.dtype, d.attention_backend, d.ops, hidden, d.patch_dim,
              d.preprocess, config.preprocess_threads, d.decode, _gib(config.cache_bytes), config.max_batch_tokens,
              config.batch_wait_ms, config.max_queue_images, engine.pixel_limit_rule(), config.shared_memory,
              warmup_s * 1000)

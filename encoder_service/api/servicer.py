@@ -15,9 +15,8 @@ from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-from encoder_client.protocol import ModelInfo, encoder_pb2, encoder_pb2_grpc
+from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
 
-from .. import __version__
 from ..config import ServiceConfig
 from ..engine import Engine, ImageInput, ImageResult
 from ..errors import ResourceExhausted, Unavailable
@@ -178,17 +177,7 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
 
     async def GetModelInfo(self, request: encoder_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> encoder_pb2.ModelInfo:
-        d = self._ready_engine().describe()
-        c = self.config
-        return ModelInfo(
-            model_id=d.model_id, model_type=d.model_type, hidden_size=d.hidden_size,
-            dtype=d.dtype, patch_size=d.patch_size,
-            temporal_patch_size=d.temporal_patch_size, spatial_merge_size=d.spatial_merge_size,
-            patch_dim=d.patch_dim, attention_backend=d.attn_backend, device=d.device,
-            cache_namespace=d.cache_namespace, max_batch_tokens=c.max_batch_tokens,
-            max_message_bytes=c.max_message_bytes, max_image_pixels=d.max_image_pixels, version=__version__,
-            preprocess=d.preprocess, feature_levels=d.feature_levels,
-            shared_memory=self.regions.enabled, ops=d.ops, decode=d.decode).to_proto()
+        return self._ready_engine().describe(shared_memory=self.regions.enabled).to_proto()
 
 
 async def _inline(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:

@@ -7,6 +7,6 @@ Talks to a model only through ``models.served.ServedModel``.
 
 from .cache import EmbeddingCache
 from .engine import Engine
-from .types import ImageInput, ImageResult, ModelDescription, Timing
+from .types import ImageInput, ImageResult, Timing
 
-__all__ = ["EmbeddingCache", "Engine", "ImageInput", "ImageResult", "ModelDescription", "Timing"]
+__all__ = ["EmbeddingCache", "Engine", "ImageInput", "ImageResult", "Timing"]

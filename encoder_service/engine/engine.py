@@ -19,10 +19,13 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields
 
 import torch
 from encoder_client.protocol.hashing import hash_encoded, hash_patches
+from encoder_client.protocol.model_info import ModelInfo
 
+from .. import __version__
 from ..config import ServiceConfig
 from ..errors import RETRY_AFTER_S, InvalidInput, NotFound, ResourceExhausted, Unavailable
 from ..metrics import ServiceMetrics
@@ -35,7 +38,7 @@ from .batch_queue import BatchQueue, WorkItem
 from .cache import CacheEntry, EmbeddingCache
 from .devices_pool import InProcessDevice, WorkerProcesses
 from .jobs import Job, Wait, retag
-from .types import Grid, ImageInput, ImageResult, ModelDescription, Timing
+from .types import Grid, ImageInput, ImageResult, Timing
 from .watchdog import UP, Watchdog
 from .worker import BatchOutcome
 
@@ -101,7 +104,7 @@ class Engine:
         self.namespace = self.front.cache_namespace
         self._set_pixel_limits()
         d = self.describe()
-        self.metrics.track_engine(model_id=d.model_id, model_type=d.model_type, attn_backend=d.attn_backend,
+        self.metrics.track_engine(model_id=d.model_id, model_type=d.model_type, attn_backend=d.attention_backend,
                                   device=d.device, dtype=d.dtype, cache=self.cache,
                                   cache_capacity_bytes=self.config.cache_bytes,
                                   queue_capacity_images=self.config.max_queue_images,
@@ -174,17 +177,22 @@ class Engine:
         return f"{self.max_image_pixels} ({multiple} x the model's max_pixels {self.model_max_pixels})"
 
     # --- plain facts ---------------------------------------------------------------------------------
-    def describe(self) -> ModelDescription:
-        f = self.front
-        spec = f.spec
-        device = self.devices.label
-        return ModelDescription(
-            model_id=spec.model_id, model_type=spec.model_type, hidden_size=spec.hidden_size,
-            dtype=f.dtype, patch_size=spec.patch_size, temporal_patch_size=spec.temporal_patch_size,
-            spatial_merge_size=spec.spatial_merge_size, patch_dim=spec.patch_dim,
-            attn_backend=f.attn_backend, device=device, cache_namespace=self.namespace,
-            preprocess=f.preprocess_mode, feature_levels=spec.feature_levels, ops=f.ops,
-            decode=f.decode_backend, max_image_pixels=self.max_image_pixels)
+    def describe(self, **edge_facts) -> ModelInfo:
+        """The served model's facts, as GetModelInfo answers them and the start-up log states them.
+
+        Every field of ``ModelInfo`` is taken by its own name from, in order: ``edge_facts`` (what
+        only the API knows, e.g. ``shared_memory``), the engine's facts (device, cache namespace,
+        limits in force), the model's ``ModelFront`` and its ``ModelSpec``; a field none of them
+        has keeps its default, or is an error when it has none. So one name per fact, from the
+        model to the wire: a new reported fact is a field of the front (or spec) and of ModelInfo
+        and the proto, and no mapping in between."""
+        return model_info(edge_facts, self.engine_facts(), self.front, self.front.spec)
+
+    def engine_facts(self) -> dict[str, object]:
+        """The reported facts the engine adds to the model's: where it runs, the limits in force."""
+        return {"device": self.devices.label, "cache_namespace": self.namespace,
+                "max_image_pixels": self.max_image_pixels, "max_batch_tokens": self.config.max_batch_tokens,
+                "max_message_bytes": self.config.max_message_bytes, "version": __version__}
 
     @property
     def busy(self) -> bool:
@@ -383,7 +391,7 @@ class Engine:
             try:
                 with decode.decode_budget(self.config.max_decode_seconds,
                                           None if expensive_pool else self._ordinary_pixels):
-                    decoded = self.front.decode(image.data, self.max_image_pixels)
+                    decoded = self.front.decode_image(image.data, self.max_image_pixels)
             except decode.ExpensiveImage:
                 return _EXPENSIVE
             self._check_size(decoded.grid)
@@ -469,3 +477,19 @@ class Engine:
             job.stored = self.config.cache_bytes > 0 and self.cache.put(job.key, embedding, job.grid,
                                                                         pins=job.refs)
             job.done.set_result(embedding)
+
+
+def model_info(*sources, info_type: type[ModelInfo] = ModelInfo) -> ModelInfo:
+    """A ``ModelInfo`` whose fields are read by name from ``sources`` (mappings or objects), the
+    first that has a field winning; a field no source has keeps its default (TypeError without one)."""
+    values = {}
+    for field in fields(info_type):
+        for source in sources:
+            if isinstance(source, dict):
+                if field.name in source:
+                    values[field.name] = source[field.name]
+                    break
+            elif hasattr(source, field.name):
+                values[field.name] = getattr(source, field.name)
+                break
+    return info_type(**values)

@@ -173,8 +173,8 @@ class WorkerProcess:
         _, front, warmup_s = msg
         self.front = front
         log.info("worker on %s (pid %d): model %s, attention backend %s, ops %s, preprocess %s, dtype %s; "
-                 "warm-up %.0f ms", self.device.label, proc.pid, front.spec.model_id, front.attn_backend, front.ops,
-                 front.preprocess_mode, front.dtype, warmup_s * 1000)
+                 "warm-up %.0f ms", self.device.label, proc.pid, front.spec.model_id, front.attention_backend,
+                 front.ops, front.preprocess, front.dtype, warmup_s * 1000)
         return warmup_s
 
     def _serve(self) -> None:

@@ -84,25 +84,3 @@ class ImageResult:
             if self.keep_conversion is not None:
                 self.keep_conversion(dtype_name, data)
         return memoryview(data)
-
-
-@dataclass(frozen=True)
-class ModelDescription:
-    """Plain facts about the served model, for GetModelInfo and the start-up log."""
-
-    model_id: str
-    model_type: str
-    hidden_size: int
-    dtype: str
-    patch_size: int
-    temporal_patch_size: int
-    spatial_merge_size: int
-    patch_dim: int
-    attn_backend: str
-    device: str
-    cache_namespace: str
-    preprocess: str = "pil"
-    feature_levels: int = 1  # levels per embedding row, each hidden_size wide
-    decode: str = "pillow"  # where images decode: pillow (CPU) or nvjpeg (GPU)
-    ops: str = "none"  # the fused operations' providers (ops.OpsSelection.describe())
-    max_image_pixels: int = 0  # the pixel limit in force (--max-image-pixels, or derived from the model)

@@ -48,19 +48,23 @@ class Decoder:
 class ModelFront:
     """What the serving front end needs of a model, without its weights or its device: facts to
     plan and report with, and the CPU half of preprocessing. A worker process that owns the model
-    sends this to the front end (plain CPU objects only: the front end never touches a device)."""
+    sends this to the front end (plain CPU objects only: the front end never touches a device).
+
+    Its facts carry the names they have on the wire (``ModelInfo``, GetModelInfo's answer): the
+    engine reports them by name (``Engine.describe``), so a new reported fact is a field here (or in
+    ``ModelSpec``) and its field in ``ModelInfo`` and the proto, nothing in between."""
 
     spec: ModelSpec
     dtype: str  # "bfloat16", ...
     device: str
-    attn_backend: str
-    preprocess_mode: str
+    attention_backend: str
+    preprocess: str  # "pil" or "torch" (VisionModel.preprocess_mode)
     cache_namespace: str
     decoder: Decoder | nvjpeg.NvjpegDecoder
     ops: str = "none"  # OpsSelection.describe(): the fused operations' providers
-    decode_backend: str = "pillow"
+    decode: str = "pillow"  # where images decode: "pillow" (CPU) or "nvjpeg" (GPU)
 
-    def decode(self, image_bytes: bytes, max_image_pixels: int | None = None) -> DecodedImage:
+    def decode_image(self, image_bytes: bytes, max_image_pixels: int | None = None) -> DecodedImage:
         return self.decoder(image_bytes, max_image_pixels)
 
     def num_patches(self, grid: Sequence[int]) -> int:
@@ -173,9 +177,10 @@ class VisionModel:
 
     def front(self) -> ModelFront:
         """This model as the serving front end sees it (see ``ModelFront``)."""
-        return ModelFront(self.spec, str(self.dtype).removeprefix("torch."), str(self.device), str(self.attn_backend),
-                          self.preprocess_mode, self.cache_namespace, self._front_decoder(), self.ops.describe(),
-                          self.decode_backend)
+        return ModelFront(self.spec, dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
+                          attention_backend=str(self.attn_backend), preprocess=self.preprocess_mode,
+                          cache_namespace=self.cache_namespace, decoder=self._front_decoder(), ops=self.ops.describe(),
+                          decode=self.decode_backend)
 
     def _check_preprocess_mode(self, mode: str) -> None:
         """Raises where the family's config cannot be reproduced in ``mode``."""
