@@ -49,10 +49,11 @@ def _load(path_or_preset: str | Path, device: torch.device, dtype: torch.dtype, 
           seed: int, ops: str) -> VisionModel:
     path = Path(path_or_preset)
     if path.is_dir():
-        from .loader import read_checkpoint
+        from .loader import read_checkpoint, read_config
 
-        ckpt = read_checkpoint(path)
-        return load_checkpoint(family_for(ckpt.config.get("model_type")), ckpt, model_id=str(path_or_preset),
+        config = read_config(path)
+        family = family_for(config.get("model_type"))  # before the weight files: the more useful error
+        return load_checkpoint(family, read_checkpoint(path, config), model_id=str(path_or_preset),
                                device=device, dtype=dtype, attn_backend=attn_backend, ops=ops)
     name = str(path_or_preset)
     if name in PRESETS:

@@ -320,7 +320,7 @@ class KimiK25VisionModel(VisionModel):
     def __init__(self, cfg: KimiK25VisionConfig, module: KimiK25VisionTower, *, model_id: str,
                  preprocess_config: dict | None, device: torch.device, dtype: torch.dtype,
                  attn_backend: str, ops: str = "auto") -> None:
-        from ...preprocess.kimi_k25 import KimiK25PreprocessConfig
+        from .preprocess import KimiK25PreprocessConfig
 
         self.preprocess_config = KimiK25PreprocessConfig.from_dict(preprocess_config or {})
         super().__init__(cfg, module, device=device, dtype=dtype, attn_backend=attn_backend, ops=ops)
@@ -334,17 +334,17 @@ class KimiK25VisionModel(VisionModel):
         )
 
     def decoder(self) -> Decoder:
-        from ...preprocess.kimi_k25 import decode_kimi_k25, geometry
+        from .preprocess import decode_kimi_k25, geometry
 
         return Decoder(decode_kimi_k25, self.preprocess_config, self.preprocess_mode, geometry)
 
     def _value_table(self) -> torch.Tensor:
-        from ...preprocess.kimi_k25 import value_table
+        from .preprocess import value_table
 
         return value_table(self.preprocess_config)
 
     def _patchify(self, image: torch.Tensor) -> torch.Tensor:
-        from ...preprocess.kimi_k25 import patchify
+        from .preprocess import patchify
 
         return patchify(image, self.preprocess_config)
 
