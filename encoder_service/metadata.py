@@ -1,8 +1,7 @@
 """Attention metadata for a batch of images, computed on the host from integer grids.
 
-Grids arrive as Python ints and everything here is numpy (torch only for a CPU F.interpolate that
-builds resampling weights): nothing touches a device tensor, so the forward pass never has to ask
-the GPU for a sequence length (each such question is a hidden sync).
+Grids arrive as Python ints and everything here is numpy: nothing touches a device tensor, so the
+forward pass never has to ask the GPU for a sequence length (each such question is a hidden sync).
 The model copies the arrays to the device once per batch (pinned, non-blocking).
 
 Token order conventions (those of Qwen2-VL / Qwen2.5-VL):
@@ -19,8 +18,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
 from .errors import InvalidInput
 

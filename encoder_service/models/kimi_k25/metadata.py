@@ -1,5 +1,6 @@
-"""Host metadata of one Kimi-K2.5 (MoonViT) batch, all numpy, built from the integer grids before
-device work.
+"""Host metadata of one Kimi-K2.5 (MoonViT) batch, built from the integer grids before device work:
+all numpy (torch only for a CPU F.interpolate that builds resampling weights), beside the shared
+``encoder_service.metadata``.
 
 MoonViT keeps each frame's patches in raster order through the whole encoder and fuses the
 kh x kw blocks only at the end, pooling them over the frames of a clip. Its extra host-side

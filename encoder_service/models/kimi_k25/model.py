@@ -26,9 +26,10 @@ from torch import nn
 from ...attention import AttentionBackend
 from ...device import host_to_device
 from ...errors import InvalidInput
-from ...metadata import RasterBatchMetadata, SpatialConfig, bicubic_resample_matrix, build_raster_metadata
+from ...metadata import SpatialConfig
 from ..base import Decoder, Grid, ModelSpec, VisionModel, validate_batch
 from ..layers import activation, patch_conv_as_linear
+from .metadata import RasterBatchMetadata, bicubic_resample_matrix, build_raster_metadata
 
 MODEL_TYPE = "kimi_k25"
 # Rope2DPosEmbRepeated(head_dim, 512, 512) in the original MoonViT-3d: its frequency table stops at

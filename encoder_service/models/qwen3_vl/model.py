@@ -72,6 +72,6 @@ class Qwen3VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
 def _published_preprocessor() -> dict:
     """The preprocessor_config.json published with Qwen3-VL and Qwen3.5 checkpoints. Used only where a
     checkpoint has none; a file that omits a key gets transformers' class default for it, as there."""
-    from . import QWEN3_VL_PREPROCESSOR
+    from .preprocess import QWEN3_VL_PREPROCESSOR
 
     return QWEN3_VL_PREPROCESSOR
