@@ -1,10 +1,11 @@
 """Vision models: ``load_vision_model`` is the public entry point (README, "Python API").
 
 One package per model family (``qwen2_5_vl/``, ``kimi_k25/``, ``qwen3_vl/``), each registered by one
-line in ``registry.py`` and built through the contract in ``family.py``; ``base.py`` is what every
-loaded model offers, ``served.py`` the part of it the engine may call. Below this layer:
-preprocessing, host metadata and attention backends; above it, the engine. Nothing here knows a
-request, a cache or gRPC (tests/test_architecture.py checks the imports).
+line in ``registry.py`` and built through the contract in ``family.py``, each with its own image
+processing and batch metadata; ``base.py`` is what every loaded model offers, ``served.py`` the part
+of it the engine may call. Below this layer: the shared preprocessing, host metadata and attention
+backends; above it, the engine. Nothing here knows a request, a cache or gRPC
+(tests/test_architecture.py checks the imports).
 """
 
 from __future__ import annotations
