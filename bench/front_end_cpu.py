@@ -39,8 +39,8 @@ def main() -> int:
     from encoder_service.bench_service import photo_jpeg
     from encoder_service.engine import ImageResult
     from encoder_service.models.qwen2_5_vl import QWEN2_VL_PREPROCESSOR
+    from encoder_service.models.qwen2_5_vl.preprocess import Qwen2VLPreprocessConfig, decode_qwen2_vl, geometry
     from encoder_service.preprocess.nvjpeg import NvjpegDecoder
-    from encoder_service.preprocess.qwen2_vl import Qwen2VLPreprocessConfig, decode_qwen2_vl, geometry
 
     cfg = Qwen2VLPreprocessConfig.from_dict(QWEN2_VL_PREPROCESSOR)
     jpegs = [photo_jpeg(seed) for seed in range(args.images)]

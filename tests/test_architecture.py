@@ -2,6 +2,7 @@
 that crosses one fails here rather than in review."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,49 @@ def test_preprocessing_metadata_and_attention_do_not_know_the_models():
     assert _violations(_files(*BELOW_MODELS), ("encoder_service.models",)) == []
 
 
+def _family_names() -> set[str]:
+    """What a family's names start with: the letters of its model_types (qwen, kimi)."""
+    return {re.match("[a-z]*", t).group() for family in families() for t in family.model_types} - {""}
+
+
+def test_the_shared_preprocessing_and_metadata_hold_no_family():
+    # Each family's image processing and host metadata live in its package
+    # (models/<family>/preprocess.py, metadata.py); preprocess/ and metadata.py keep what more than one
+    # family uses, so no module or top-level name there is a family's.
+    stems = _family_names()
+    assert stems >= {"qwen", "kimi"}
+    hits = []
+    for path in _files("preprocess", "metadata"):
+        named = [path.stem] + [node.name for node in ast.parse(path.read_text()).body
+                               if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
+        named += [target.id for node in ast.parse(path.read_text()).body if isinstance(node, ast.Assign)
+                  for target in node.targets if isinstance(target, ast.Name)]
+        hits += [f"{path.relative_to(PACKAGE)}: {name}" for name in named if any(s in name.lower() for s in stems)]
+    assert hits == []
+
+
+def test_a_familys_preprocessing_and_metadata_stay_below_the_models():
+    # Moved from preprocess/ and metadata.py into the family packages, they keep that layer's edges: the
+    # shared preprocessing and metadata, errors, and another family's preprocess/metadata they build on;
+    # not the model contract, attention, ops, the engine.
+    allowed = ("encoder_service.errors", "encoder_service.preprocess", "encoder_service.metadata")
+    moved = [p for pkg in FAMILY_PACKAGES for p in sorted((PACKAGE.parent / pkg.replace(".", "/")).glob("*.py"))
+             if p.stem in ("preprocess", "metadata")]
+    assert {p.relative_to(PACKAGE).as_posix() for p in moved} >= {
+        "models/qwen2_5_vl/preprocess.py", "models/kimi_k25/preprocess.py", "models/kimi_k25/metadata.py"}
+    modules = _modules()
+    bad = []
+    for path in moved:
+        for name in _imports(path):
+            module = _module_of(name, modules)
+            if module is None or module in allowed or module.startswith("encoder_service.preprocess."):
+                continue
+            if module.rpartition(".")[2] in ("preprocess", "metadata") and module.startswith("encoder_service.models."):
+                continue
+            bad.append(f"{path.relative_to(PACKAGE)} imports {name}")
+    assert bad == []
+
+
 def test_models_never_name_a_kernel():
     # A model asks the ops layer for a capability (``from ...ops import select_ops``): it imports the
     # package, never a module under it (a provider, a kernel), nor a kernel library. The attention
@@ -134,6 +178,126 @@ def test_a_family_package_is_reached_only_through_the_registry():
                if not any(p.is_relative_to(PACKAGE.parent / pkg.replace(".", "/")) for pkg in FAMILY_PACKAGES)
                and p.name != "bench.py"]
     assert _violations(outside, FAMILY_PACKAGES) == []
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by name."""
+    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _module_of(name: str, modules: dict[str, Path]) -> str | None:
+    """The package module an imported name lives in: the name itself or its longest prefix that is one."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imported_modules(path: Path, modules: dict[str, Path], location: Path | None = None) -> set[str]:
+    """The package's modules that a file's imports (``_imports``, at any depth) run. ``from P import sub``,
+    ``sub`` a module, counts as an import of ``P.sub`` only: P's ``__init__`` runs before any module under
+    it anyway, so only a name taken from P itself (``from P import f``, ``import P``) makes an edge to it."""
+    names = _imports_as(path, location or path)
+    found = {m for m in (_module_of(n, modules) for n in names) if m is not None}
+    for package in list(found):
+        below = [n for n in names if n.startswith(package + ".")]
+        if below and all(_module_of(n, modules) != package for n in below):
+            found.discard(package)
+    found.discard(_module_name(location or path))
+    return found
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[str]:
+    """One cycle per back edge of a depth-first walk (none found: the graph has no cycle)."""
+    state: dict[str, str] = {}
+    stack: list[str] = []
+    found: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                found.append(" -> ".join([*stack[stack.index(nxt):], nxt]))
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return found
+
+
+def test_the_cycle_check_sees_a_cycle_and_a_lazy_import(tmp_path):
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a -> b -> c -> a"]
+    assert _cycles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+    modules = _modules()
+    # The circle the checkpoint reader once closed (family -> loader -> registry -> family) went
+    # through an import inside a function: the walk counts it.
+    probe = tmp_path / "probe.py"
+    probe.write_text("def read_checkpoint(path):\n    from .registry import family_for\n")
+    assert "encoder_service.models.registry" in _imported_modules(probe, modules, PACKAGE / "models" / "loader.py")
+    # A submodule taken from its package is an edge to the submodule, not to the package's __init__.
+    probe.write_text("from . import folded\nfrom ..base import VisionModel\n")
+    assert _imported_modules(probe, modules, PACKAGE / "models" / "qwen2_5_vl" / "model.py") == {
+        "encoder_service.models.qwen2_5_vl.folded", "encoder_service.models.base"}
+
+
+def test_no_import_cycle_among_the_package_modules():
+    # Module by module over the whole package, imports at any depth (a lazy import closes a circle too).
+    modules = _modules()
+    graph = {name: _imported_modules(path, modules) for name, path in modules.items()}
+    assert "encoder_service.models.loader" in graph["encoder_service.models.family"]
+    assert _cycles(graph) == []
+
+
+# What a family package may import outside itself: the shared contract. The models' contract
+# (family.py, base.py and what it re-exports from spec.py, layers.py, the checkpoint reader loader.py,
+# cuda_graphs.py), the ops and attention packages (never a module under them:
+# test_models_never_name_a_kernel), the shared metadata, errors and the device helpers; and any module
+# of the shared preprocess/ package.
+SHARED_CONTRACT = ("encoder_service.errors", "encoder_service.device", "encoder_service.metadata",
+                   "encoder_service.attention", "encoder_service.ops", "encoder_service.models.family",
+                   "encoder_service.models.base", "encoder_service.models.spec", "encoder_service.models.layers",
+                   "encoder_service.models.loader", "encoder_service.models.cuda_graphs")
+# Another family's modules a family builds on: Qwen3-VL is fed by Qwen2-VL's image processor.
+BUILDS_ON = {
+    "encoder_service.models.qwen3_vl": ("encoder_service.models.qwen2_5_vl.preprocess",
+                                        "encoder_service.models.qwen2_5_vl.processor"),
+}
+
+
+def _imports_outside(package: str) -> set[str]:
+    """The package modules that the files of a family package import outside the package."""
+    modules = _modules()
+    root = PACKAGE.parent / package.replace(".", "/")
+    return {m for path in root.rglob("*.py") for m in _imported_modules(path, modules)
+            if m != package and not m.startswith(package + ".")}
+
+
+@pytest.mark.parametrize("package", FAMILY_PACKAGES, ids=lambda p: p.rsplit(".", 1)[1])
+def test_a_family_package_imports_only_the_shared_contract(package):
+    # README "Adding a model family": a family is its package plus one line in registry.py. So
+    # the package needs nothing from outside but the shared contract (and the modules of a family it
+    # builds on); nothing outside reaches into it but the registry
+    # (test_a_family_package_is_reached_only_through_the_registry).
+    outside = _imports_outside(package)
+    assert "encoder_service.models.family" in outside  # the walk sees the package's imports
+    allowed = SHARED_CONTRACT + BUILDS_ON.get(package, ())
+    shared_preprocessing = [m for m in outside if m.split(".")[:2] == ["encoder_service", "preprocess"]]
+    assert sorted(outside - set(allowed) - set(shared_preprocessing)) == []
+
+
+def test_the_qwen3_vl_package_imports_the_contract_and_qwen2_vl_processing_only():
+    # The newest family, listed in full: what adding a family takes from the rest of the code.
+    assert _imports_outside("encoder_service.models.qwen3_vl") == {
+        "encoder_service.errors", "encoder_service.device", "encoder_service.metadata", "encoder_service.attention",
+        "encoder_service.models.family", "encoder_service.models.base", "encoder_service.models.layers",
+        "encoder_service.models.loader",
+        "encoder_service.models.qwen2_5_vl.preprocess", "encoder_service.models.qwen2_5_vl.processor",
+    }
+    assert "encoder_service.models.qwen3_vl" in FAMILY_PACKAGES
 
 
 @pytest.mark.parametrize("family", families(), ids=lambda f: f.model_types[0])

@@ -246,9 +246,9 @@ def test_the_default_pixel_limit_is_derived_from_the_models_max_pixels():
 
 
 def test_every_family_reports_its_max_pixels():
+    from encoder_service.models.kimi_k25.preprocess import KimiK25PreprocessConfig
+    from encoder_service.models.qwen2_5_vl.preprocess import Qwen2VLPreprocessConfig
     from encoder_service.preprocess.decode import model_max_pixels
-    from encoder_service.preprocess.kimi_k25 import KimiK25PreprocessConfig
-    from encoder_service.preprocess.qwen2_vl import Qwen2VLPreprocessConfig
 
     assert model_max_pixels(Qwen2VLPreprocessConfig()) == QWEN25_7B_MAX_PIXELS
     assert model_max_pixels(KimiK25PreprocessConfig()) == 16384 * 14 * 14

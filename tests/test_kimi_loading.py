@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from encoder_service.errors import InvalidInput
-from encoder_service.metadata import bicubic_resample_matrix, raster_position_ids, temporal_pool_index
 from encoder_service.models import load_vision_model, make_checkpoint
 from encoder_service.models.kimi_k25.loading import (
     original_to_split,
@@ -18,6 +17,7 @@ from encoder_service.models.kimi_k25.loading import (
     rope_rows_to_rotate_half,
     split_to_original,
 )
+from encoder_service.models.kimi_k25.metadata import bicubic_resample_matrix, raster_position_ids, temporal_pool_index
 from encoder_service.models.kimi_k25.model import KimiK25VisionConfig
 from encoder_service.models.presets import PRESETS, random_vision_state
 

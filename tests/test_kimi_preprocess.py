@@ -16,8 +16,12 @@ import torch.nn.functional as F
 from PIL import Image
 
 from encoder_service.models import load_vision_model
-from encoder_service.preprocess import KimiK25PreprocessConfig, preprocess_kimi_k25
-from encoder_service.preprocess.kimi_k25 import navit_resize, resize_bicubic_antialias
+from encoder_service.models.kimi_k25.preprocess import (
+    KimiK25PreprocessConfig,
+    navit_resize,
+    preprocess_kimi_k25,
+    resize_bicubic_antialias,
+)
 
 
 @pytest.mark.parametrize("size, expected", [

@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 
-from encoder_service.preprocess.kimi_k25 import resize_bicubic_antialias
+from encoder_service.models.kimi_k25.preprocess import resize_bicubic_antialias
 
 
 def _bicubic_aa(x: float) -> float:

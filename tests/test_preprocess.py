@@ -16,12 +16,8 @@ from PIL import Image, ImageFile, ImageOps
 from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as qwen2_vl_pil
 
 from encoder_service.errors import InvalidInput, ResourceExhausted
-from encoder_service.preprocess import (
-    Qwen2VLPreprocessConfig,
-    decode_image,
-    preprocess_qwen2_vl,
-    smart_resize,
-)
+from encoder_service.models.qwen2_5_vl.preprocess import Qwen2VLPreprocessConfig, preprocess_qwen2_vl, smart_resize
+from encoder_service.preprocess import decode_image
 from encoder_service.preprocess.decode import DECODE_BYTES_PER_LIMIT_PIXEL
 
 TOLERANCE = 1e-5

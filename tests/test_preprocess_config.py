@@ -8,7 +8,7 @@ import pytest
 from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as qwen2_vl_pil
 
 from encoder_service.errors import InvalidInput
-from encoder_service.preprocess import (
+from encoder_service.models.qwen2_5_vl.preprocess import (
     Qwen2VLPreprocessConfig,
 )
 

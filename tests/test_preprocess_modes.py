@@ -18,7 +18,7 @@ from PIL import Image
 
 from encoder_service.errors import InvalidInput
 from encoder_service.models import load_vision_model
-from encoder_service.preprocess import Qwen2VLPreprocessConfig, preprocess_qwen2_vl
+from encoder_service.models.qwen2_5_vl.preprocess import Qwen2VLPreprocessConfig, preprocess_qwen2_vl
 from encoder_service.preprocess.staged import RawPatches, resize_uint8, torchvision_value_table
 
 

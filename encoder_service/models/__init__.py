@@ -1,10 +1,11 @@
 """Vision models: ``load_vision_model`` is the public entry point (README, "Python API").
 
 One package per model family (``qwen2_5_vl/``, ``kimi_k25/``, ``qwen3_vl/``), each registered by one
-line in ``registry.py`` and built through the contract in ``family.py``; ``base.py`` is what every
-loaded model offers, ``served.py`` the part of it the engine may call. Below this layer:
-preprocessing, host metadata and attention backends; above it, the engine. Nothing here knows a
-request, a cache or gRPC (tests/test_architecture.py checks the imports).
+line in ``registry.py`` and built through the contract in ``family.py``, each with its own image
+processing and batch metadata; ``base.py`` is what every loaded model offers, ``served.py`` the part
+of it the engine may call. Below this layer: the shared preprocessing, host metadata and attention
+backends; above it, the engine. Nothing here knows a request, a cache or gRPC
+(tests/test_architecture.py checks the imports).
 """
 
 from __future__ import annotations
@@ -49,10 +50,11 @@ def _load(path_or_preset: str | Path, device: torch.device, dtype: torch.dtype, 
           seed: int, ops: str) -> VisionModel:
     path = Path(path_or_preset)
     if path.is_dir():
-        from .loader import read_checkpoint
+        from .loader import read_checkpoint, read_config
 
-        ckpt = read_checkpoint(path)
-        return load_checkpoint(family_for(ckpt.config.get("model_type")), ckpt, model_id=str(path_or_preset),
+        config = read_config(path)
+        family = family_for(config.get("model_type"))  # before the weight files: the more useful error
+        return load_checkpoint(family, read_checkpoint(path, config), model_id=str(path_or_preset),
                                device=device, dtype=dtype, attn_backend=attn_backend, ops=ops)
     name = str(path_or_preset)
     if name in PRESETS:

@@ -29,18 +29,23 @@ class CheckpointFiles:
     weight_map: dict[str, Path] = field(default_factory=dict)
 
 
-def read_checkpoint(path: str | Path) -> CheckpointFiles:
+def read_config(path: str | Path) -> dict:
+    """The checkpoint's ``config.json``, read before anything else: the caller picks the family from
+    its ``model_type`` (an unsupported model is the more useful error than anything about its weight
+    files), then reads the rest with ``read_checkpoint``."""
     root = Path(path)
     if not root.is_dir():
         raise InvalidInput(f"checkpoint {str(root)!r} is not a directory")
     config_file = root / "config.json"
     if not config_file.is_file():
         raise InvalidInput(f"checkpoint {str(root)!r} has no config.json")
-    config = json.loads(config_file.read_text())
-    # An unsupported model is the more useful error than anything about its weight files.
-    from .registry import family_for
+    return json.loads(config_file.read_text())
 
-    family_for(config.get("model_type"))
+
+def read_checkpoint(path: str | Path, config: dict) -> CheckpointFiles:
+    """The checkpoint at ``path`` whose ``config.json`` ``read_config`` gave: its preprocessor config
+    and where each tensor lives (safetensors headers only)."""
+    root = Path(path)
     pre_file = root / "preprocessor_config.json"
     preprocessor = json.loads(pre_file.read_text()) if pre_file.is_file() else None
 

@@ -1,6 +1,6 @@
-"""What the preprocessors' settings share (``Qwen2VLPreprocessConfig``, ``KimiK25PreprocessConfig``):
-transformers' image-processor keys for the flags, rescaling and normalisation, their checks, and the
-fingerprint that goes into the cache key."""
+"""What the preprocessors' settings share (``Qwen2VLPreprocessConfig``, models/qwen2_5_vl/preprocess.py;
+``KimiK25PreprocessConfig``, models/kimi_k25/preprocess.py): transformers' image-processor keys for the
+flags, rescaling and normalisation, their checks, and the fingerprint that goes into the cache key."""
 
 from __future__ import annotations
 

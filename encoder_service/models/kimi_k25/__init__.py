@@ -1,28 +1,13 @@
-"""Kimi-K2.5's vision tower and projector: the model (``model.py``) and loading of both checkpoint
-layouts (``loading.py``); ``FAMILY`` is its entry in the model registry."""
+"""Kimi-K2.5's vision tower and projector: the model (``model.py``), its per-batch host arrays
+(``metadata.py``), its image processing (``preprocess.py``) and loading of both checkpoint layouts
+(``loading.py``); ``FAMILY`` is its entry in the model registry."""
 
 from __future__ import annotations
 
 import torch
 
 from ..family import ModelFamily, Preset, prefixed
-
-# Defaults of transformers' Kimi_K25ImageProcessor (size and max_patches count patches, not pixels).
-KIMI_K25_PREPROCESSOR = {
-    "image_processor_type": "Kimi_K25ImageProcessor",
-    "size": {"max_height": 512, "max_width": 512},
-    "max_patches": 16384,
-    "patch_size": 14,
-    "merge_size": 2,
-    "image_mean": [0.5, 0.5, 0.5],
-    "image_std": [0.5, 0.5, 0.5],
-    "rescale_factor": 1 / 255,
-    "do_resize": True,
-    "do_rescale": True,
-    "do_normalize": True,
-    "do_convert_rgb": True,
-    "resample": 3,
-}
+from .preprocess import KIMI_K25_PREPROCESSOR
 
 
 class KimiK25Family(ModelFamily):

@@ -26,9 +26,10 @@ from torch import nn
 from ...attention import AttentionBackend
 from ...device import host_to_device
 from ...errors import InvalidInput
-from ...metadata import RasterBatchMetadata, SpatialConfig, bicubic_resample_matrix, build_raster_metadata
+from ...metadata import SpatialConfig
 from ..base import Decoder, Grid, ModelSpec, VisionModel, validate_batch
 from ..layers import activation, patch_conv_as_linear
+from .metadata import RasterBatchMetadata, bicubic_resample_matrix, build_raster_metadata
 
 MODEL_TYPE = "kimi_k25"
 # Rope2DPosEmbRepeated(head_dim, 512, 512) in the original MoonViT-3d: its frequency table stops at
@@ -320,7 +321,7 @@ class KimiK25VisionModel(VisionModel):
     def __init__(self, cfg: KimiK25VisionConfig, module: KimiK25VisionTower, *, model_id: str,
                  preprocess_config: dict | None, device: torch.device, dtype: torch.dtype,
                  attn_backend: str, ops: str = "auto") -> None:
-        from ...preprocess.kimi_k25 import KimiK25PreprocessConfig
+        from .preprocess import KimiK25PreprocessConfig
 
         self.preprocess_config = KimiK25PreprocessConfig.from_dict(preprocess_config or {})
         super().__init__(cfg, module, device=device, dtype=dtype, attn_backend=attn_backend, ops=ops)
@@ -334,17 +335,17 @@ class KimiK25VisionModel(VisionModel):
         )
 
     def decoder(self) -> Decoder:
-        from ...preprocess.kimi_k25 import decode_kimi_k25, geometry
+        from .preprocess import decode_kimi_k25, geometry
 
         return Decoder(decode_kimi_k25, self.preprocess_config, self.preprocess_mode, geometry)
 
     def _value_table(self) -> torch.Tensor:
-        from ...preprocess.kimi_k25 import value_table
+        from .preprocess import value_table
 
         return value_table(self.preprocess_config)
 
     def _patchify(self, image: torch.Tensor) -> torch.Tensor:
-        from ...preprocess.kimi_k25 import patchify
+        from .preprocess import patchify
 
         return patchify(image, self.preprocess_config)
 

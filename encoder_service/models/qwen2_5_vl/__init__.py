@@ -1,6 +1,8 @@
 """Qwen2.5-VL's vision tower: the model (``model.py``), its blocks with the norms folded into the
-GEMMs (``folded.py``, the one block implementation, whose fused steps the ops layer provides) and
-loading (``loading.py``); ``FAMILY`` is its entry in the model registry."""
+GEMMs (``folded.py``, the one block implementation, whose fused steps the ops layer provides),
+loading (``loading.py``), and transformers' Qwen2-VL image processing (``preprocess.py``, its hooks
+on the model in ``processor.py``; Qwen3-VL uses them too); ``FAMILY`` is its entry in the model
+registry."""
 
 from __future__ import annotations
 
@@ -8,24 +10,7 @@ import torch
 
 from ...errors import InvalidInput
 from ..family import ModelFamily, Preset, prefixed
-
-# Defaults of transformers' Qwen2VLImageProcessor (OpenAI CLIP mean/std).
-QWEN2_VL_PREPROCESSOR = {
-    "image_processor_type": "Qwen2VLImageProcessor",
-    "min_pixels": 56 * 56,
-    "max_pixels": 28 * 28 * 1280,
-    "patch_size": 14,
-    "temporal_patch_size": 2,
-    "merge_size": 2,
-    "image_mean": [0.48145466, 0.4578275, 0.40821073],
-    "image_std": [0.26862954, 0.26130258, 0.27577711],
-    "rescale_factor": 1 / 255,
-    "do_resize": True,
-    "do_rescale": True,
-    "do_normalize": True,
-    "do_convert_rgb": True,
-    "resample": 3,
-}
+from .preprocess import QWEN2_VL_PREPROCESSOR
 
 # transformers' save_pretrained writes the tower under model.visual.; the hub's original files
 # under visual. (both are read: loading.VISION_PREFIXES).

@@ -22,8 +22,8 @@ from ...metadata import BatchMetadata, SpatialConfig, build_metadata
 from ...ops import AUTO, OpsSelection, OpTarget, select_ops
 from ..base import ModelSpec, VisionModel
 from ..layers import RMSNorm
-from ..qwen2_vl_processor import Qwen2VLProcessorHooks
 from . import folded
+from .processor import Qwen2VLProcessorHooks
 
 MODEL_TYPE = "qwen2_5_vl"
 # Batch compositions kept as CUDA graphs (models/cuda_graphs.py). Off by default: under real traffic
@@ -240,7 +240,7 @@ class Qwen2_5_VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
     def __init__(self, cfg: Qwen2_5_VisionConfig, module: Qwen2_5_VisionTower, *, model_id: str,
                  preprocess_config: dict | None, device: torch.device, dtype: torch.dtype,
                  attn_backend: str, ops: str = AUTO) -> None:
-        from ...preprocess import Qwen2VLPreprocessConfig
+        from .preprocess import Qwen2VLPreprocessConfig
 
         self.preprocess_config = Qwen2VLPreprocessConfig.from_dict(preprocess_config or {})
         super().__init__(cfg, module, device=device, dtype=dtype, attn_backend=attn_backend, ops=ops)

@@ -3,7 +3,8 @@
 One tower serves the four: the MoE variants differ only in their LLM, and Qwen3.5 is Qwen3-VL's
 tower without the deepstack mergers. Files: ``config.py`` (settings from config.json),
 ``metadata.py`` (per-batch host arrays), ``tower.py`` (the module), ``model.py`` (the served model
-with its preprocessing), ``loading.py`` (build, preset configs); ``FAMILY`` is its registry entry.
+with its preprocessing: Qwen2-VL's, from the qwen2_5_vl package), ``preprocess.py`` (the published
+preprocessor settings), ``loading.py`` (build, preset configs); ``FAMILY`` is its registry entry.
 """
 
 from __future__ import annotations
@@ -11,18 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..family import ModelFamily, Preset, prefixed
+from .preprocess import QWEN3_VL_PREPROCESSOR
 
-# Qwen3-VL's preprocessor_config.json as published (Qwen3.5's is the same): transformers'
-# Qwen2VLImageProcessor at patch 16 with mean/std 0.5.
-QWEN3_VL_PREPROCESSOR = {
-    "image_processor_type": "Qwen2VLImageProcessorFast",
-    "size": {"shortest_edge": 65536, "longest_edge": 16777216},
-    "patch_size": 16,
-    "temporal_patch_size": 2,
-    "merge_size": 2,
-    "image_mean": [0.5, 0.5, 0.5],
-    "image_std": [0.5, 0.5, 0.5],
-}
 # The vision sizes every released Qwen3-VL and Qwen3.5 tower shares (transformers' defaults).
 _REAL_TOWER = {
     "depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "in_channels": 3,

@@ -1,6 +1,6 @@
 """A loaded Qwen3-VL / Qwen3.5 vision tower with its preprocessing: the public ``VisionModel`` API.
 
-Preprocessing is transformers' ``Qwen2VLImageProcessor`` (preprocess/qwen2_vl.py), the class both
+Preprocessing is transformers' ``Qwen2VLImageProcessor`` (models/qwen2_5_vl/preprocess.py), the class both
 families' processors use, with the checkpoint's settings. Each output row carries the main
 embedding, then (Qwen3-VL) one deepstack level per deepstack merger, each ``out_hidden_size``
 wide (``ModelSpec.feature_levels``).
@@ -15,7 +15,7 @@ import torch
 
 from ...errors import InvalidInput
 from ..base import Grid, ModelSpec, VisionModel, validate_batch
-from ..qwen2_vl_processor import Qwen2VLProcessorHooks
+from ..qwen2_5_vl.processor import Qwen2VLProcessorHooks
 from .config import Qwen3VLVisionConfig
 from .metadata import Qwen3VLBatchMetadata, build_qwen3_vl_metadata
 from .tower import Qwen3VLVisionTower
@@ -25,7 +25,7 @@ class Qwen3VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
     def __init__(self, cfg: Qwen3VLVisionConfig, module: Qwen3VLVisionTower, *, model_id: str,
                  preprocess_config: dict | None, device: torch.device, dtype: torch.dtype,
                  attn_backend: str, ops: str = "auto") -> None:
-        from ...preprocess import Qwen2VLPreprocessConfig
+        from ..qwen2_5_vl.preprocess import Qwen2VLPreprocessConfig
 
         self.preprocess_config = Qwen2VLPreprocessConfig.from_dict(
             _published_preprocessor() if preprocess_config is None else preprocess_config)
@@ -72,6 +72,6 @@ class Qwen3VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
 def _published_preprocessor() -> dict:
     """The preprocessor_config.json published with Qwen3-VL and Qwen3.5 checkpoints. Used only where a
     checkpoint has none; a file that omits a key gets transformers' class default for it, as there."""
-    from . import QWEN3_VL_PREPROCESSOR
+    from .preprocess import QWEN3_VL_PREPROCESSOR
 
     return QWEN3_VL_PREPROCESSOR

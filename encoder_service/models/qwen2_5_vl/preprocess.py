@@ -1,6 +1,7 @@
-"""Qwen2-VL / Qwen2.5-VL image preprocessing: bytes -> flat patches + grid.
+"""Qwen2-VL / Qwen2.5-VL image preprocessing: bytes -> flat patches + grid (Qwen3-VL and Qwen3.5 use it
+too, at patch 16).
 
-Split in two halves (``staged``): ``decode_qwen2_vl`` on the CPU, ``patchify`` (after the value
+Split in two halves (``preprocess/staged.py``): ``decode_qwen2_vl`` on the CPU, ``patchify`` (after the value
 table) on the model's device. Mode ``pil`` matches transformers' ``Qwen2VLImageProcessorPil`` bit for
 bit (same Pillow resize, same float rounding); mode ``torch`` matches its default, torchvision-backed
 ``Qwen2VLImageProcessor``.
@@ -17,10 +18,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-from encoder_service.errors import InvalidInput
-from encoder_service.preprocess import settings
-from encoder_service.preprocess.decode import MAX_ASPECT_RATIO, open_image, to_rgb
-from encoder_service.preprocess.staged import (
+from ...errors import InvalidInput
+from ...preprocess import settings
+from ...preprocess.decode import MAX_ASPECT_RATIO, open_image, to_rgb
+from ...preprocess.staged import (
     DecodedImage,
     apply_table,
     host_tensor,
@@ -115,6 +116,11 @@ class Qwen2VLPreprocessConfig:
     def fingerprint(self) -> dict[str, Any]:
         """Every field, JSON-ready; part of the cache key (any change changes the patches)."""
         return settings.fingerprint(self)
+
+
+# The preprocessor_config.json of transformers' Qwen2VLImageProcessor defaults (OpenAI CLIP mean/std):
+# the class defaults above, with the processor's name; what the presets start from.
+QWEN2_VL_PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", **Qwen2VLPreprocessConfig().fingerprint()}
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:

@@ -8,7 +8,7 @@ uint8 kernel), zero padding at the bottom/right to a multiple of ``merge_size * 
 ``(x - 127.5) / 127.5`` in float32 (mean and std 0.5, fused with the 1/255 rescale), and patches in
 raster order, each flattened as (C, P, P). In ``pil`` mode (the CPU default) the resize runs on the
 CPU with that same uint8 kernel, so the pixels are the processor's bit for bit; in ``torch`` mode it
-runs on the model's device (``staged``).
+runs on the model's device (``preprocess/staged.py``).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-from encoder_service.errors import InvalidInput
-from encoder_service.preprocess import settings
-from encoder_service.preprocess.decode import decode_image
-from encoder_service.preprocess.staged import (
+from ...errors import InvalidInput
+from ...preprocess import settings
+from ...preprocess.decode import decode_image
+from ...preprocess.staged import (
     DecodedImage,
     apply_table,
     host_tensor,
@@ -99,6 +99,21 @@ class KimiK25PreprocessConfig:
 
     def fingerprint(self) -> dict[str, Any]:
         return settings.fingerprint(self)
+
+
+def _transformers_config(cfg: KimiK25PreprocessConfig) -> dict[str, Any]:
+    """``cfg`` in the keys of transformers' ``preprocessor_config.json`` (``from_dict`` reads it back):
+    the per-side limit as ``size``; the processor always converts to RGB."""
+    fields = cfg.fingerprint()
+    side = fields.pop("max_side_patches")
+    resample = fields.pop("resample")
+    return {"image_processor_type": "Kimi_K25ImageProcessor", "size": {"max_height": side, "max_width": side},
+            **fields, "do_convert_rgb": True, "resample": resample}
+
+
+# Defaults of transformers' Kimi_K25ImageProcessor (size and max_patches count patches, not pixels):
+# the class defaults above; what the presets start from.
+KIMI_K25_PREPROCESSOR = _transformers_config(KimiK25PreprocessConfig())
 
 
 def navit_resize(height: int, width: int, patch_size: int, merge_size: int, max_patches: int,

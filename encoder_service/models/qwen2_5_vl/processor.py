@@ -1,13 +1,13 @@
 """The preprocessing hooks of ``VisionModel`` for towers fed by transformers' ``Qwen2VLImageProcessor``
 (Qwen2.5-VL at patch 14, Qwen3-VL and Qwen3.5 at patch 16): one implementation for every family
-that uses that processor (preprocess/qwen2_vl.py)."""
+that uses that processor (``preprocess.py`` beside this file)."""
 
 from __future__ import annotations
 
 import torch
 
-from ..preprocess import qwen2_vl
-from .base import Decoder
+from ..base import Decoder
+from . import preprocess as qwen2_vl
 
 
 class Qwen2VLProcessorHooks:
