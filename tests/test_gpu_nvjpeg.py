@@ -20,7 +20,7 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from encoder_service.bench_service import photo_jpeg
+from encoder_service.benchmarks.service_clients import photo_jpeg
 from encoder_service.preprocess import nvjpeg
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
