@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from aiohttp import web  # noqa: E402
 from encoder_client.integrations.proxy import EpdProxy, ProxySettings  # noqa: E402
 
-from bench.reliability.server import start_server  # noqa: E402
+from encoder_service.benchmarks.reliability.server import start_server  # noqa: E402
 from tests.test_epd_proxy import Served  # noqa: E402
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.reliability.server import EncoderProcess, start_server
+from encoder_service.benchmarks.reliability.server import EncoderProcess, start_server
 from encoder_service.models.base import Decoder, ModelSpec, VisionModel
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -102,7 +102,7 @@ def fake_model() -> FakeVisionModel:
 # --- the real server as a subprocess -------------------------------------------------------------------
 
 
-# The reliability harness's server process (bench/reliability/server.py) is the one implementation.
+# The reliability harness's server process (encoder_service/benchmarks/reliability/server.py) is the one implementation.
 RunningServer = EncoderProcess
 
 

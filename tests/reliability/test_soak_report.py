@@ -5,7 +5,7 @@ import json
 import pytest
 
 from bench import soak
-from bench.reliability.result import ScenarioResult
+from encoder_service.benchmarks.reliability.result import ScenarioResult
 
 pytestmark = pytest.mark.reliability
 
