@@ -10,7 +10,7 @@ Photo-like 1008x1008 JPEGs (the service benchmark's), Qwen2.5-VL-7B's preprocess
 - nvjpeg's CPU half: the JPEG header and the scan's marker check (``--decode nvjpeg``);
 - the response's chunk messages on the gRPC stream (header + embedding bytes, 4 MiB chunks); gRPC's
   own copy of each message into its buffers comes after this and is not counted here.
-The service benchmark (bench/service_throughput.py) measures the whole server process's CPU per
+The service benchmark (encoder-service bench --service) measures the whole server process's CPU per
 image under load; this script says where it goes.
 """
 
@@ -36,7 +36,7 @@ def main() -> int:
     from encoder_client.protocol.hashing import hash_encoded
 
     from encoder_service.api.streaming import serialized_chunks
-    from encoder_service.bench_service import photo_jpeg
+    from encoder_service.benchmarks.service_clients import photo_jpeg
     from encoder_service.engine import ImageResult
     from encoder_service.models.qwen2_5_vl import QWEN2_VL_PREPROCESSOR
     from encoder_service.models.qwen2_5_vl.preprocess import Qwen2VLPreprocessConfig, decode_qwen2_vl, geometry

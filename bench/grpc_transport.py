@@ -4,7 +4,7 @@ the service's default ``--max-chunk-bytes`` (4 MiB), to client processes that re
 
 No model, no cache, no protobuf: what is left is gRPC's own transport (HTTP/2 framing, flow
 control, the copies into and out of its buffers). Its images/s is the ceiling that streamed
-responses of the real service (``bench/service_throughput.py``, ``bench/multi_gpu_scaling.py``)
+responses of the real service (``encoder-service bench --service``, ``bench/multi_gpu_scaling.py``)
 can reach on the same machine; channel options are passed as ``key=int,...``, e.g.
 ``--client-opts grpc.http2.max_frame_size=16777215``, to try gRPC's flow-control and framing
 settings against the defaults in one run.

@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from encoder_service.attention.base import _dense_uniform
-from encoder_service.bench import time_it
+from encoder_service.benchmarks.forward import time_it
 from encoder_service.ops import apply_rotary
 from encoder_service.ops import triton_window as fused_window
 

@@ -2,7 +2,7 @@
 
     python bench/kimi_throughput.py --out kimi.json
 
-Same method as vit_throughput.py (random bf16 weights of the full-size preset, pixels already on the
+Same method as encoder-service bench (random bf16 weights of the full-size preset, pixels already on the
 GPU, median of CUDA-event timings after warm-up). Cases: (a) 8 images of 1008x1008, (c) 64 of 448x448.
 """
 
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import time_backends
 from encoder_service.attention.registry import BACKENDS, backend_class
-from encoder_service.bench import gemm_ceiling, time_it
+from encoder_service.benchmarks.forward import gemm_ceiling, time_it
 from encoder_service.models import load_vision_model
 from encoder_service.models.kimi_k25.loading import checkpoint_config, original_to_split
 from encoder_service.models.kimi_k25.model import KimiK25VisionConfig

@@ -21,7 +21,7 @@ import grpc
 from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.reliability.server import start_server
+from encoder_service.benchmarks.reliability.server import start_server
 
 
 def lookup_loop(target: str, hashes: int, stop_at: float, out) -> None:

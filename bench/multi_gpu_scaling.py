@@ -31,15 +31,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from encoder_service.bench_report import forward_totals, forward_under_load  # noqa: E402
-from encoder_service.bench_service import (  # noqa: E402
-    SHM,
-    drive,
-    make_images,
-    split_serve_args,
-    start_server,
-    stop_process,
-)
+from encoder_service.benchmarks.report import forward_totals, forward_under_load  # noqa: E402
+from encoder_service.benchmarks.service import split_serve_args, start_server, stop_process  # noqa: E402
+from encoder_service.benchmarks.service_clients import SHM, drive, make_images  # noqa: E402
 
 
 def _smi(*query: str) -> list[list[str]]:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from encoder_service.bench_service import photo_jpeg
+from encoder_service.benchmarks.service_clients import photo_jpeg
 from encoder_service.models import load_vision_model
 from encoder_service.preprocess.staged import DecodedImage
 

@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from encoder_service.bench import time_it
+from encoder_service.benchmarks.forward import time_it
 from encoder_service.models.presets import PRESETS, random_vision_state
 from encoder_service.models.qwen2_5_vl.loading import build
 from encoder_service.models.qwen2_5_vl.model import Qwen2_5_VisionConfig

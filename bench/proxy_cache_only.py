@@ -28,12 +28,13 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' fake vLLM server
 
 from aiohttp import web  # noqa: E402
 from encoder_client.integrations.proxy import EpdProxy, ProxySettings  # noqa: E402
+from test_epd_proxy import Served  # noqa: E402
 
-from bench.reliability.server import start_server  # noqa: E402
-from tests.test_epd_proxy import Served  # noqa: E402
+from encoder_service.benchmarks.reliability.server import start_server  # noqa: E402
 
 
 def png(seed: int, size: int) -> bytes:

@@ -2,7 +2,7 @@
 
     python bench/qwen3_vl_throughput.py --preset qwen3-vl-8b --out qwen3.json
 
-Same method as vit_throughput.py (random bf16 weights of the full-size preset, the same tensors in
+Same method as encoder-service bench (random bf16 weights of the full-size preset, the same tensors in
 both, pixels already on the GPU, median of CUDA-event timings after warm-up, and back to back) and
 the same cases, at Qwen3-VL's patch 16: (a) 8 x 1024x1024, (b) a mixed batch from 224x224 to
 1344x1344, (c) 64 x 448x448. The share of the bf16 GEMM ceiling counts the tower's FLOPs exactly
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import time_backends
 from encoder_service.attention.registry import BACKENDS, backend_class
-from encoder_service.bench import MIXED_SIZES, gemm_ceiling, grids_for, measure
+from encoder_service.benchmarks.forward import MIXED_SIZES, gemm_ceiling, grids_for, measure
 from encoder_service.models import load_vision_model
 from encoder_service.models.family import preset_config, random_state
 from encoder_service.models.presets import get_preset

@@ -26,10 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.reliability, also when run as a file
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's encoder_service, run as a file
 
-from bench.reliability.result import ScenarioResult
-from bench.reliability.scenarios import (
+from encoder_service.benchmarks.reliability.result import ScenarioResult
+from encoder_service.benchmarks.reliability.scenarios import (
     cancellation,
     failover,
     fuzz,
@@ -38,7 +38,7 @@ from bench.reliability.scenarios import (
     sink_faults,
     sustained,
 )
-from bench.reliability.server import ServerSpec
+from encoder_service.benchmarks.reliability.server import ServerSpec
 
 SCENARIOS = ("sustained", "overload", "cancellation", "sigterm", "sigterm_burst", "failover", "sink_faults", "fuzz")
 

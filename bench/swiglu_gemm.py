@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from encoder_service.bench import time_it
+from encoder_service.benchmarks.forward import time_it
 from encoder_service.ops.torch_ops import swiglu
 
 # Departures from _swiglu_gemm.DEFAULT.

@@ -45,11 +45,11 @@ def _setup_logging(level: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:2] == ["bench", "--service"]:
-        from .bench_service import main as service_main  # a real server process and clients
+        from .benchmarks.service import main as service_main  # a real server process and clients
 
         return service_main(argv[2:])
     if argv[:1] == ["bench"]:
-        from .bench import main as bench_main  # its own options; imports transformers only if asked
+        from .benchmarks.forward import main as bench_main  # its own options; imports transformers only if asked
 
         return bench_main(argv[1:])
     parser = _parser()

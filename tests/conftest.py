@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import sys
@@ -13,10 +14,23 @@ import numpy as np
 import pytest
 import torch
 
-from bench.reliability.server import EncoderProcess, start_server
+from encoder_service.benchmarks.reliability.server import EncoderProcess, start_server
 from encoder_service.models.base import Decoder, ModelSpec, VisionModel
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def import_script(relative_path: str):
+    """A script of the repository (``bench/soak.py``) imported from its file: bench/ holds scripts, not a
+    package on the path."""
+    path = REPO_ROOT / relative_path
+    name = path.stem
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 # --- a fake VisionModel for fast in-process engine tests ----------------------------------------------
@@ -102,7 +116,7 @@ def fake_model() -> FakeVisionModel:
 # --- the real server as a subprocess -------------------------------------------------------------------
 
 
-# The reliability harness's server process (bench/reliability/server.py) is the one implementation.
+# The reliability harness's server process (encoder_service/benchmarks/reliability/server.py) is the one implementation.
 RunningServer = EncoderProcess
 
 

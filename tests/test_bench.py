@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from encoder_service.bench import grids_for, model_flops
+from encoder_service.benchmarks.forward import grids_for, model_flops
 from encoder_service.models.presets import PRESETS
 from encoder_service.models.qwen2_5_vl.model import Qwen2_5_VisionConfig
 
@@ -66,7 +66,7 @@ def test_the_qwen3_vl_benchmark_counts_the_towers_gemm_flops_exactly():
 
 
 def test_forward_only_per_image_is_read_at_the_batch_size_the_load_had():
-    from encoder_service.bench_report import forward_only_ms_per_image
+    from encoder_service.benchmarks.report import forward_only_ms_per_image
 
     fo = {"by_batch": {"1": {"ms_per_image": 20.0}, "4": {"ms_per_image": 17.0}, "8": {"ms_per_image": 14.0}}}
     assert forward_only_ms_per_image(fo, 5.0) == 16.25  # between 4 and 8
@@ -75,7 +75,7 @@ def test_forward_only_per_image_is_read_at_the_batch_size_the_load_had():
 
 
 def test_the_device_time_under_load_separates_preprocessing_from_the_forward():
-    from encoder_service.bench_report import forward_under_load
+    from encoder_service.benchmarks.report import forward_under_load
 
     before = {"seconds": 1.0, "batches": 2, "images": 10, "device_preprocess_seconds": 0.1, "cpu_seconds": 5.0}
     after = {"seconds": 2.0, "batches": 12, "images": 60, "device_preprocess_seconds": 0.2, "cpu_seconds": 6.0}

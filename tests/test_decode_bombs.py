@@ -30,7 +30,7 @@ from encoder_client.protocol import encoder_pb2 as pb
 from encoder_client.protocol import encoder_pb2_grpc
 from PIL import Image
 
-from bench.reliability.fuzz_inputs import jpeg_scan_bomb, jpeg_segments, png_chunk_bomb
+from encoder_service.benchmarks.reliability.fuzz_inputs import jpeg_scan_bomb, jpeg_segments, png_chunk_bomb
 from encoder_service.errors import ResourceExhausted
 from encoder_service.preprocess.decode import decode_image
 
@@ -368,7 +368,7 @@ def test_progressive_jpegs_the_server_decodes(stub):
 def test_a_sequential_jpeg_with_one_scan_of_every_component_is_counted_from_its_header():
     """libjpeg refuses any scan after such a first one, so its scan data need not be searched; copies
     of its scan appended make it a broken file, refused at once, not a bomb."""
-    from bench.reliability.fuzz_inputs import jpeg_segments
+    from encoder_service.benchmarks.reliability.fuzz_inputs import jpeg_segments
     from encoder_service.errors import InvalidInput
     from encoder_service.preprocess.decode import jpeg_scans
 

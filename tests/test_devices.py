@@ -48,7 +48,7 @@ def test_devices_set_the_device_kind_and_scale_the_decode_threads_with_the_gpus(
 
 def test_a_front_end_with_worker_processes_copies_with_one_torch_thread_and_restores_it():
     # Its torch work is copies in and out of the hand-off buffers; a pool of OpenMP threads there
-    # spin-waited through the cores the decode threads need (bench/RESULTS.md, tenth session).
+    # spin-waited through the cores the decode threads need (bench/RESULTS.md, 2026-11-23, commit 69d7da2).
     import asyncio
 
     import torch

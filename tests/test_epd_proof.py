@@ -23,7 +23,7 @@ import torch
 from conftest import REPO_ROOT
 from encoder_client import EncoderClient
 
-from encoder_service.bench_service import stop_process
+from encoder_service.benchmarks.service import stop_process
 
 IMAGE_TOKEN, VISION_START, VISION_END = 100, 102, 103
 MAX_NEW_TOKENS = 4

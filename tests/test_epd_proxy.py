@@ -19,12 +19,11 @@ from pathlib import Path
 import grpc
 import pytest
 from aiohttp import web
+from client_servers import png
 from encoder_client import EncoderClient
 from encoder_client.cli import _security, build_parser
 from encoder_client.integrations.proxy import EpdProxy, ProxySettings, settings_from_args
 from encoder_client.testing import Failure, FakeVisionEncoder, serve_fake
-
-from tests.client_servers import png
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 NON_STREAMING_ANSWER = (b'{"id":"chatcmpl-1",  "object": "chat.completion",\n'

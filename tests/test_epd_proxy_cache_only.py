@@ -16,13 +16,12 @@ import json
 import grpc
 import numpy as np
 import pytest
+from client_servers import png
 from encoder_client import EncoderClient, HashRef
 from encoder_client.errors import EncoderClientError
 from encoder_client.integrations.proxy import EpdProxy, ProxySettings
 from encoder_client.protocol import encoder_pb2
-
-from tests.client_servers import png
-from tests.test_epd_proxy import FakeVllm, Served, _dead_port, chat, data_url, forwarded_images, post
+from test_epd_proxy import FakeVllm, Served, _dead_port, chat, data_url, forwarded_images, post
 
 
 @pytest.fixture(scope="module")
@@ -147,8 +146,7 @@ def test_a_real_encoders_full_queue_is_a_503_with_retry_after_and_an_image_over_
     """RESOURCE_EXHAUSTED by its cause, from a real server: its retry-pushback trailer says a full
     queue (1000 ms: 503 with Retry-After) from a request over a limit by itself (-1: 413)."""
     from encoder_client.protocol import encoder_pb2_grpc
-
-    from tests.test_server_lifecycle import BATCHES_STARTED, BIG_GRID, QUEUE, in_thread, patches, request, wait_for
+    from test_server_lifecycle import BATCHES_STARTED, BIG_GRID, QUEUE, in_thread, patches, request, wait_for
 
     server = start_encoder_server("--max-queue-images", "1", "--max-image-pixels", "4000000")
     _, port = started([server.target], vllm.url)

@@ -15,7 +15,7 @@ import pytest
 from encoder_client import EncoderClient, EncoderClientError
 from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
 
-from bench.reliability.sinks import SinkServer, receiver
+from encoder_service.benchmarks.reliability.sinks import SinkServer, receiver
 
 GRID = (1, 8, 8)
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from encoder_service.bench_service import photo_jpeg
+from encoder_service.benchmarks.service_clients import photo_jpeg
 from encoder_service.preprocess import nvjpeg
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -168,9 +168,10 @@ def test_a_server_with_worker_processes_decodes_on_its_gpu_as_the_in_process_nvj
     # --devices 0: the front end reads only the headers and never opens a CUDA context; the JPEG's
     # bytes cross the shared-memory hand-off and the worker process decodes them with nvJPEG.
     pytest.importorskip("torchvision")
+    from conftest import import_script
     from encoder_client import EncoderClient
 
-    from bench.multi_gpu_scaling import gpu_processes
+    gpu_processes = import_script("bench/multi_gpu_scaling.py").gpu_processes
 
     flags = ("--dtype", "float32", "--preprocess", "torch", "--decode", "nvjpeg", "--batch-wait-ms", "0")
     workers = start_encoder_server("--devices", "0", *flags)

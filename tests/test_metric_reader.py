@@ -1,4 +1,4 @@
-"""The harness's /metrics reader (bench/reliability/server.py), which the server tests and the
+"""The harness's /metrics reader (encoder_service/benchmarks/reliability/server.py), which the server tests and the
 reliability scenarios read every gauge and counter through: a series /metrics does not show is an
 error, not 0, so "back to 0" cannot pass on a metric that was renamed or dropped."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.reliability.server import EncoderProcess, MissingSeries
+from encoder_service.benchmarks.reliability.server import EncoderProcess, MissingSeries
 
 TEXT = """\
 # HELP encoder_service_queue_images Images admitted and waiting.

@@ -30,7 +30,7 @@ from conftest import REPO_ROOT, find_tool
 from encoder_client import EncoderClient, EncoderClientError, HashRef
 from PIL import Image
 
-from encoder_service.bench_service import stop_process
+from encoder_service.benchmarks.service import stop_process
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -1,7 +1,7 @@
 """Every script in bench/ and examples/ imports and answers ``--help`` (exit 0, a usage line) with no
 GPU, from the repository root with the repository and client/ on PYTHONPATH: a script that no longer
 imports (a moved helper, a GPU-only module imported at the top) fails here, not on the GPU machine.
-Packages (bench/reliability, driven by bench/soak.py) and bench/__init__.py are not scripts."""
+bench/__init__.py is not a script (the scenarios bench/soak.py drives are encoder_service/benchmarks/reliability)."""
 
 from __future__ import annotations
 

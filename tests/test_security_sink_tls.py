@@ -9,7 +9,7 @@ import pytest
 from certs import make_ca
 from encoder_client import EncoderClient
 
-from bench.reliability.sinks import SinkServer, receiver
+from encoder_service.benchmarks.reliability.sinks import SinkServer, receiver
 
 
 def tls_sink(pair, client_ca) -> SinkServer:

@@ -29,6 +29,7 @@ import pytest
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import torch
+from client_servers import png
 from encoder_client import EncoderClient, HashRef
 from encoder_client.integrations.stager import ConnectorSettings
 from vllm.config import ECTransferConfig, VllmConfig
@@ -41,8 +42,6 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ECConnectorOutput
 from vllm.v1.request import Request
 from vllm.v1.worker.ec_connector_model_runner_mixin import ECConnectorModelRunnerMixin
-
-from tests.client_servers import png
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 TESTED_VLLM = "0.33.0"

@@ -23,6 +23,7 @@ import pytest
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import transformers.utils
+from client_servers import png
 from encoder_client import EncoderClient
 from encoder_client.integrations import vllm as connector_module
 from encoder_client.integrations.stager import ConnectorSettings
@@ -33,8 +34,6 @@ from vllm.multimodal.hasher import MultiModalHasher
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request
-
-from tests.client_servers import png
 
 
 def config(target: str, **extra) -> VllmConfig:

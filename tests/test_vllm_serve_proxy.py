@@ -33,7 +33,7 @@ from conftest import REPO_ROOT
 from encoder_client import EncoderClient, content_hash
 from test_vllm_engine import DRIVER, LOGPROB_TOL, MAX_TOKENS, Engine, ec_transfer_config, encoder_flags, png
 
-from encoder_service.bench_service import stop_process
+from encoder_service.benchmarks.service import stop_process
 
 SERVE_DIR = REPO_ROOT / ".venv" / "vllm-cpu-serve"  # scripts/ci_tools.sh: the API server's extra packages
 PROMPT_TEXT = "describe the image"  # the driver's prompt, through the checkpoint's chat template

@@ -1,4 +1,4 @@
-"""The reliability suite: each test runs one scenario of bench/reliability (short, for CI) against
+"""The reliability suite: each test runs one scenario of encoder_service/benchmarks/reliability (short, for CI) against
 real server processes and asserts every one of its checks. ``bench/soak.py`` runs the same scenarios
 for long. Figures are printed (``pytest -s``), attached to the JUnit XML as properties, and appended
 as JSON lines to $RELIABILITY_FIGURES when it is set."""
@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from bench.reliability.result import ScenarioResult
+from encoder_service.benchmarks.reliability.result import ScenarioResult
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@ gauges return to 0, no job or cache pin leaks, the server keeps serving."""
 
 import pytest
 
-from bench.reliability.scenarios import cancellation
+from encoder_service.benchmarks.reliability.scenarios import cancellation
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(180)]
 

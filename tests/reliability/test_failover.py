@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench.reliability.scenarios import failover
+from encoder_service.benchmarks.reliability.scenarios import failover
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(240)]
 

@@ -3,7 +3,7 @@ UNKNOWN, no hang, bounded responses, a healthy server afterwards."""
 
 import pytest
 
-from bench.reliability.scenarios import fuzz
+from encoder_service.benchmarks.reliability.scenarios import fuzz
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(240)]
 

@@ -3,7 +3,7 @@ cache hits, bounded admitted latency, a queue that never exceeds its bound, quic
 
 import pytest
 
-from bench.reliability.scenarios import overload
+from encoder_service.benchmarks.reliability.scenarios import overload
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(180)]
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench.reliability.scenarios import sigterm
+from encoder_service.benchmarks.reliability.scenarios import sigterm
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(180)]
 

@@ -3,7 +3,7 @@ encoder healthy and serving others meanwhile, nothing stuck, memory bounded."""
 
 import pytest
 
-from bench.reliability.scenarios import sink_faults
+from encoder_service.benchmarks.reliability.scenarios import sink_faults
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(180)]
 

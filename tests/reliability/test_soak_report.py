@@ -3,9 +3,11 @@
 import json
 
 import pytest
+from conftest import import_script
 
-from bench import soak
-from bench.reliability.result import ScenarioResult
+from encoder_service.benchmarks.reliability.result import ScenarioResult
+
+soak = import_script("bench/soak.py")
 
 pytestmark = pytest.mark.reliability
 

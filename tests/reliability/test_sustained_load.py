@@ -3,7 +3,7 @@ RESOURCE_EXHAUSTED, no stall, RSS and cache bytes flat after warm-up."""
 
 import pytest
 
-from bench.reliability.scenarios import sustained
+from encoder_service.benchmarks.reliability.scenarios import sustained
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(240)]
 

@@ -1,6 +1,6 @@
 """ViT throughput on one GPU: our backends against transformers' reference, same random weights.
 
-    encoder-service bench --out results.json            (or: python bench/vit_throughput.py)
+    encoder-service bench --out results.json            (or: python -m encoder_service.benchmarks.forward)
 
 Cases (Qwen2.5-VL-7B vision sizes, bf16): (a) 8 images of 1008x1008, (b) a mixed batch from
 224x224 to 1344x1344, (c) 64 images of 448x448. Pixels are already on the GPU for every contender

@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 QUEUE_IMAGES = "encoder_service_queue_images"
 IN_FLIGHT = "encoder_service_requests_in_flight"

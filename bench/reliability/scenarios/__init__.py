@@ -1,1 +1,0 @@
-"""One module per scenario; each has ``run(...) -> ScenarioResult`` (see bench/reliability/__init__.py)."""

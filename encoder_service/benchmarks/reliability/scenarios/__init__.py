@@ -1,0 +1,1 @@
+"""One module per scenario; each has ``run(...) -> ScenarioResult`` (see ../__init__.py)."""
