@@ -197,7 +197,7 @@ class ServiceConfig:
         "request's key, which only the object's owner can read: no caller can have it write into "
         "another's region. off: every response on the stream.",
         choices=("off", "on"))
-    # processes that serve the gRPC port for this one (api/relay.py); 0 = this process serves it
+    # processes that serve the gRPC port for this one (api/relay/process.py); 0 = this process serves it
     grpc_processes: int = option(0,
         "N > 0: N processes of their own serve the gRPC port (SO_REUSEPORT; TLS ends there) and "
         "relay each call to this process over a private unix socket; what this process writes "
@@ -245,7 +245,7 @@ class ServiceConfig:
     sink_tls_key: str = option("",
         "PEM private key of --sink-tls-cert.")
 
-    # SGLang's encoder protocol (api/sglang_compat.py); -1 = off
+    # SGLang's encoder protocol (api/sglang/front_end.py); -1 = off
     sglang_compat_port: int = option(-1,
         "port of the SGLang-compatible front end: SGLang's sglang.grpc.encoder.SglangEncoder service, "
         "for a language server started with --language-only --encoder-urls grpc://HOST:PORT "
@@ -437,7 +437,7 @@ def check_devices(devices: str) -> list[str]:
 
 def _check_security(c: ServiceConfig) -> list[str]:
     """Combinations only; whether the files exist and parse is checked when they are loaded
-    (api/tls.py, api/auth.py), so the message can name the file and what is wrong with it."""
+    (api/security/tls.py, api/security/auth.py), so the message can name the file and what is wrong with it."""
     problems = []
     if bool(c.tls_cert) != bool(c.tls_key):
         problems.append("tls-cert and tls-key go together: give both (TLS) or neither (plaintext)")

@@ -1,7 +1,7 @@
 """Typed errors raised anywhere below the API layer.
 
 Each carries the gRPC status name it maps to; the API layer turns them into statuses in one place
-(the server interceptor of ``encoder_service.api.calls``). Layers below the API never import grpc.
+(the server interceptor of ``encoder_service.api.service_interceptor``). Layers below the API never import grpc.
 """
 
 from __future__ import annotations

@@ -24,9 +24,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from bench.reliability.server import wait_until
-from encoder_service.api.limits import PerClientLimitInterceptor
-from encoder_service.api.relay import upstream_metadata
-from encoder_service.api.relay_regions import RELAY_REGION
+from encoder_service.api.relay.process import upstream_metadata
+from encoder_service.api.relay.regions import RELAY_REGION
+from encoder_service.api.security.client_limits import PerClientLimitInterceptor
 
 ENCODE = "/encoder.v1.VisionEncoder/Encode"
 SHM_DIR = "/dev/shm"

@@ -16,8 +16,8 @@ from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
 from encoder_client.testing import float32_to_bf16_bits
 
 from bench.reliability.sinks import SinkServer, receiver
-from encoder_service.api.calls import CallBook, ServiceInterceptor
 from encoder_service.api.server import _add_vision_encoder, _grpc_options
+from encoder_service.api.service_interceptor import CallBook, ServiceInterceptor
 from encoder_service.api.servicer import VisionEncoderServicer
 from encoder_service.config import ServiceConfig
 from encoder_service.engine import Engine

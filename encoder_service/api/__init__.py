@@ -3,7 +3,7 @@ mapping, chunked streaming and the server's life cycle. Knows protobuf; hands pl
 engine.
 
 ``serve`` and ``VisionEncoderServicer`` are imported on first use: the relay processes of
-``--grpc-processes`` (api/relay.py) import modules of this package and must not pay for torch and
+``--grpc-processes`` (api/relay/process.py) import modules of this package and must not pay for torch and
 the engine, which they never touch.
 """
 

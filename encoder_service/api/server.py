@@ -5,7 +5,7 @@ forward ran, SERVING after, NOT_SERVING while no device worker is up and making 
 engine's watchdog) and again while draining. Reflection is on, so grpcurl works
 without the proto files. With ``--health-port`` a second, plaintext server answers grpc.health.v1
 only, from the same HealthServicer (Kubernetes' gRPC probes cannot speak TLS). TLS, tokens and
-per-client limits are set up in api/security.py.
+per-client limits are set up in api/security/settings.py.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from .. import memory
 from ..config import ServiceConfig
 from ..engine import Engine
 from ..metrics import VISION_ENCODER, ServiceMetrics
-from .calls import CallBook, ServiceInterceptor
-from .relays import RelayProcesses, RelayStartError
-from .security import Security, SecurityFileError, build_security
+from .relay.supervisor import RelayProcesses, RelayStartError
+from .security.settings import Security, SecurityFileError, build_security
+from .service_interceptor import CallBook, ServiceInterceptor
 from .servicer import VisionEncoderServicer
 from .streaming import serialize_chunk
 
@@ -91,12 +91,12 @@ async def _stop(server: grpc.aio.Server, health_server: grpc.aio.Server | None, 
 
 async def _start_sglang_compat(config: ServiceConfig, servicer: VisionEncoderServicer, metrics: ServiceMetrics,
                                calls: CallBook, health_servicer: health.aio.HealthServicer, security: Security):
-    """The SGLang-compatible port (api/sglang_compat.py) when --sglang-compat-port asks for it;
+    """The SGLang-compatible port (api/sglang/front_end.py) when --sglang-compat-port asks for it;
     None when it is off; raises RuntimeError (the message says why) when it cannot start."""
     if config.sglang_compat_port < 0:
         return None
     try:
-        from .sglang_compat import SglangCompatServer
+        from .sglang.front_end import SglangCompatServer
     except ImportError as exc:
         raise RuntimeError(f"--sglang-compat-port needs the sglang extra (pip install "
                            f"'encoder-service[sglang]'): {exc}") from None
@@ -187,7 +187,7 @@ async def serve(config: ServiceConfig) -> int:
 
     address = f"{config.host}:{config.port}"
     try:
-        if relays is not None:  # the relays own the public port and end TLS (api/relays.py)
+        if relays is not None:  # the relays own the public port and end TLS (api/relay/supervisor.py)
             server.add_insecure_port(relays.upstream)
             port = 0
         else:

@@ -1,6 +1,6 @@
 """The VisionEncoder gRPC service: checks requests, hands them to the engine, streams the results.
 
-Methods raise typed errors; the service interceptor (api/calls.py) answers them as statuses and
+Methods raise typed errors; the service interceptor (api/service_interceptor.py) answers them as statuses and
 records the request metrics."""
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from ..engine import Engine, ImageInput, ImageResult
 from ..errors import ResourceExhausted, Unavailable
 from ..metrics import ServiceMetrics
 from ..sink_allowlist import SinkAllowlist
-from .calls import CallBook
-from .relay_regions import RELAY_REGION, RegionBoard
+from .relay.regions import RELAY_REGION, RegionBoard
+from .security.tls import sink_channel_credentials
+from .service_interceptor import CallBook
 from .shared_memory import DescriptorWriter, RegionTable, RegionWriter
-from .sink import PUSH_MAX_CHUNK_BYTES, SinkChannels, SinkFailed, SinkPush, fail_uniformly, header_chunk
+from .sink_push import PUSH_MAX_CHUNK_BYTES, SinkChannels, SinkFailed, SinkPush, fail_uniformly, header_chunk
 from .streaming import OFF_LOOP_MIN_BYTES, built_off_loop, embedding_chunks, region_chunk, serialized_chunks
-from .tls import sink_channel_credentials
 from .validation import EncodePlan, parse_encode_request
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
         self.sink_channels = SinkChannels(config.max_message_bytes, credentials=sink_channel_credentials(config))
         self.sink_allowlist = SinkAllowlist(config.allowed_sink_patterns)
         self.regions = RegionTable(config.shared_memory == "on")  # callers' own regions
-        # Behind relays (--grpc-processes): the regions they lend, by descriptor (api/relay_regions.py).
+        # Behind relays (--grpc-processes): the regions they lend, by descriptor (api/relay/regions.py).
         self.relay_regions = relay_regions
         # A few threads are enough: each copy runs at memory speed without the GIL.
         self.response_copies = ThreadPoolExecutor(max_workers=4, thread_name_prefix="response-copy")
@@ -118,7 +118,7 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
 
     async def encode_images(self, images: list[ImageInput]) -> list[tuple[ImageResult, bytes]]:
         """Encode's engine path (cache, in-flight joins, admission, batching) for the other front
-        ends (api/sglang_compat.py): every image's result and its rows as raw bytes in the model
+        ends (api/sglang/front_end.py): every image's result and its rows as raw bytes in the model
         dtype, in request order. Each result's cache pin is released once its bytes are copied."""
         engine = self._ready_engine()
         dtype = engine.describe().dtype
@@ -132,7 +132,7 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
                               context: grpc.aio.ServicerContext) -> None:
         """Each image's chunks go to the sink as it is ready; the caller gets every image's header and
         an OK status only after the sink acknowledged every image. Headers wait for the ack so that
-        nothing the caller sees depends on how the sink failed (see api/sink.py)."""
+        nothing the caller sees depends on how the sink failed (see api/sink_push.py)."""
         sink, bound = plan.sink, self.config.sink_timeout_s
         max_chunk_bytes = min(plan.max_chunk_bytes, PUSH_MAX_CHUNK_BYTES)
         push: SinkPush | None = None

@@ -6,13 +6,13 @@ An SGLang language server started with ``--language-only --encoder-urls grpc://H
 module serves that service on its own port, next to VisionEncoder, as SGLang's encoder server
 does (``sglang/srt/disaggregation/encoder/grpc_server.py``, SGLang 0.5.23):
 
-- ``Encode``: ``mm_items`` (image URLs, api/sglang_media.py) are encoded through the same engine
+- ``Encode``: ``mm_items`` (image URLs, api/sglang/media.py) are encoded through the same engine
   path as our Encode (cache, batching, admission: ``VisionEncoderServicer.encode_images``), then
   this part (``num_parts``, ``part_idx``, as the language server split the request across its
   encoders) is pushed as two ZMQ frames, a pickled ``EmbeddingData`` header
-  (api/sglang_header.py) and the rows' raw bytes, to ``prefill_host:embedding_port`` for every
+  (api/sglang/header.py) and the rows' raw bytes, to ``prefill_host:embedding_port`` for every
   port given, or, with none, to every scheduler rank that registered with ``SchedulerReceiveUrl``
-  (api/zmq_push.py). The call returns once every receiver has the data. Computed embeddings wait
+  (api/sglang/zmq_push.py). The call returns once every receiver has the data. Computed embeddings wait
   for their receivers at most ``--sglang-send-timeout-s`` (the ranks' registrations and the
   pushes together), and at most ``--sglang-max-held-bytes`` of them in all: over it the call is
   RESOURCE_EXHAUSTED (with a retry pushback, or none for a request over the budget by itself).
@@ -22,7 +22,7 @@ does (``sglang/srt/disaggregation/encoder/grpc_server.py``, SGLang 0.5.23):
 
 The port checks the main port's bearer tokens (``--auth-token-file``, unless
 ``--sglang-compat-tokens off``) and per-client limits (``--max-requests-per-client``, one count per
-client across both ports), with the interceptors of api/security.py. Errors are typed
+client across both ports), with the interceptors of api/security/settings.py. Errors are typed
 (``EncoderError``) and become statuses in the service interceptor, as on the main port, so every
 bad input is a status naming it and the server serves on. The response's trailing metadata carries
 each image's SGLang content digest (``x-mm-content-hashes``: ``sha256:<hex of the raw bytes>``,
@@ -42,19 +42,19 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from smg_grpc_proto import sglang_encoder_pb2, sglang_encoder_pb2_grpc
 
-from ..config import ServiceConfig
-from ..engine import ImageInput
-from ..errors import EncoderError, InvalidInput
-from ..metrics import ServiceMetrics
-from ..sink_allowlist import SinkAllowlist
-from .auth import client_identity, presented_token
-from .calls import CallBook, ServiceInterceptor
-from .interceptors import method_path
-from .limits import peer_address
-from .security import Security, sglang_port_security
-from .servicer import VisionEncoderServicer
-from .sglang_header import embedding_data_header
-from .sglang_media import load_mm_items, sglang_content_hash
+from ...config import ServiceConfig
+from ...engine import ImageInput
+from ...errors import EncoderError, InvalidInput
+from ...metrics import ServiceMetrics
+from ...sink_allowlist import SinkAllowlist
+from ..interceptor_support import method_path
+from ..security.auth import client_identity, presented_token
+from ..security.client_limits import peer_address
+from ..security.settings import Security, sglang_port_security
+from ..service_interceptor import CallBook, ServiceInterceptor
+from ..servicer import VisionEncoderServicer
+from .header import embedding_data_header
+from .media import load_mm_items, sglang_content_hash
 from .url_fetch import UrlFetcher
 from .zmq_push import Destinations, HeldBytes, ZmqPusher, checked_endpoint, host_port
 

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from ..config import ServiceConfig
+from ...config import ServiceConfig
+from ..relay.regions import RegionBoard
 from .auth import TokenAuthInterceptor, TokenFile, TokenFileError
-from .limits import ConcurrencyLimits, PerClientLimitInterceptor
-from .relay_regions import RegionBoard
+from .client_limits import ConcurrencyLimits, PerClientLimitInterceptor
 from .tls import ReloadingServerCredentials, TLSFileError, sink_channel_credentials
 
 SecurityFileError = (TLSFileError, TokenFileError)
@@ -32,7 +32,7 @@ class Security:
 
 @dataclass
 class PortSecurity:
-    """Another port's share of the settings (the SGLang port's, api/sglang_compat.py)."""
+    """Another port's share of the settings (the SGLang port's, api/sglang/front_end.py)."""
 
     interceptors: list[grpc.aio.ServerInterceptor]
     by_token: bool  # tokens are checked there: a caller is its token

@@ -35,8 +35,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
-from ..errors import InvalidInput, PermissionDenied, ResourceExhausted, Unavailable
-from ..sink_allowlist import SinkAllowlist, parse_target
+from ...errors import InvalidInput, PermissionDenied, ResourceExhausted, Unavailable
+from ...sink_allowlist import SinkAllowlist, parse_target
 
 FETCH_TIMEOUT_S = 10.0
 FETCH_THREADS = 8
