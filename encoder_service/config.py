@@ -7,6 +7,7 @@ a flag given on the command line wins over the environment, the environment over
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields
@@ -306,6 +307,16 @@ class ServiceConfig:
         """``--allow-url-fetch`` as ``host:port`` patterns (``host:*`` where no port is given)."""
         return tuple(url_fetch_pattern(p.strip()) for p in self.allow_url_fetch.split(",") if p.strip())
 
+    @functools.cached_property
+    def sink_allowlist(self) -> SinkAllowlist:
+        """``--allowed-sinks``, parsed once for every user (the start-up check raises its ValueError)."""
+        return SinkAllowlist(self.allowed_sink_patterns, "allowed-sinks")
+
+    @functools.cached_property
+    def url_fetch_allowlist(self) -> SinkAllowlist:
+        """``--allow-url-fetch``, parsed once (as strictly as ``--allowed-sinks``)."""
+        return SinkAllowlist(self.url_fetch_patterns, "allow-url-fetch")
+
     @property
     def tls(self) -> bool:
         return bool(self.tls_cert)
@@ -401,9 +412,9 @@ def _check(c: ServiceConfig) -> None:
         if meta["above"] is not None and value <= meta["above"]:
             problems.append(f"{_flag(f.name)} must be > {meta['above']}{note}")
     problems.extend(check_devices(c.devices))
-    for patterns, name in ((c.allowed_sink_patterns, "allowed-sinks"), (c.url_fetch_patterns, "allow-url-fetch")):
+    for allowlist in ("sink_allowlist", "url_fetch_allowlist"):
         try:
-            SinkAllowlist(patterns, name)
+            getattr(c, allowlist)
         except ValueError as exc:
             problems.append(str(exc))
     if not 0 <= c.port <= 65535:
