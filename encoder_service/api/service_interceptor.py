@@ -33,10 +33,10 @@ from .interceptor_support import method_path, wrap_behaviour
 
 @dataclass
 class CallBook:
-    """What the drain (api/server.py) and the servicer know of the calls in progress; only the
-    event loop's thread touches it."""
+    """What the drain (api/server.py) and the engine gate (api/engine_gate.py) know of the calls in
+    progress; only the event loop's thread touches it."""
 
-    draining: bool = False  # set on SIGTERM: the servicer answers new calls UNAVAILABLE
+    draining: bool = False  # set on SIGTERM: the front ends answer new calls UNAVAILABLE
     in_flight: int = 0  # calls that began before the drain and have not ended
     last_started: float = 0.0  # time.monotonic() at the start of the latest call
 
