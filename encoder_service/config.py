@@ -7,6 +7,7 @@ a flag given on the command line wins over the environment, the environment over
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields
@@ -197,7 +198,7 @@ class ServiceConfig:
         "request's key, which only the object's owner can read: no caller can have it write into "
         "another's region. off: every response on the stream.",
         choices=("off", "on"))
-    # processes that serve the gRPC port for this one (api/relay.py); 0 = this process serves it
+    # processes that serve the gRPC port for this one (api/relay/process.py); 0 = this process serves it
     grpc_processes: int = option(0,
         "N > 0: N processes of their own serve the gRPC port (SO_REUSEPORT; TLS ends there) and "
         "relay each call to this process over a private unix socket; what this process writes "
@@ -245,7 +246,7 @@ class ServiceConfig:
     sink_tls_key: str = option("",
         "PEM private key of --sink-tls-cert.")
 
-    # SGLang's encoder protocol (api/sglang_compat.py); -1 = off
+    # SGLang's encoder protocol (api/sglang/front_end.py); -1 = off
     sglang_compat_port: int = option(-1,
         "port of the SGLang-compatible front end: SGLang's sglang.grpc.encoder.SglangEncoder service, "
         "for a language server started with --language-only --encoder-urls grpc://HOST:PORT "
@@ -305,6 +306,16 @@ class ServiceConfig:
     def url_fetch_patterns(self) -> tuple[str, ...]:
         """``--allow-url-fetch`` as ``host:port`` patterns (``host:*`` where no port is given)."""
         return tuple(url_fetch_pattern(p.strip()) for p in self.allow_url_fetch.split(",") if p.strip())
+
+    @functools.cached_property
+    def sink_allowlist(self) -> SinkAllowlist:
+        """``--allowed-sinks``, parsed once for every user (the start-up check raises its ValueError)."""
+        return SinkAllowlist(self.allowed_sink_patterns, "allowed-sinks")
+
+    @functools.cached_property
+    def url_fetch_allowlist(self) -> SinkAllowlist:
+        """``--allow-url-fetch``, parsed once (as strictly as ``--allowed-sinks``)."""
+        return SinkAllowlist(self.url_fetch_patterns, "allow-url-fetch")
 
     @property
     def tls(self) -> bool:
@@ -401,9 +412,9 @@ def _check(c: ServiceConfig) -> None:
         if meta["above"] is not None and value <= meta["above"]:
             problems.append(f"{_flag(f.name)} must be > {meta['above']}{note}")
     problems.extend(check_devices(c.devices))
-    for patterns, name in ((c.allowed_sink_patterns, "allowed-sinks"), (c.url_fetch_patterns, "allow-url-fetch")):
+    for allowlist in ("sink_allowlist", "url_fetch_allowlist"):
         try:
-            SinkAllowlist(patterns, name)
+            getattr(c, allowlist)
         except ValueError as exc:
             problems.append(str(exc))
     if not 0 <= c.port <= 65535:
@@ -437,7 +448,7 @@ def check_devices(devices: str) -> list[str]:
 
 def _check_security(c: ServiceConfig) -> list[str]:
     """Combinations only; whether the files exist and parse is checked when they are loaded
-    (api/tls.py, api/auth.py), so the message can name the file and what is wrong with it."""
+    (api/security/tls.py, api/security/auth.py), so the message can name the file and what is wrong with it."""
     problems = []
     if bool(c.tls_cert) != bool(c.tls_key):
         problems.append("tls-cert and tls-key go together: give both (TLS) or neither (plaintext)")

@@ -1,10 +1,18 @@
 """Typed errors raised anywhere below the API layer.
 
 Each carries the gRPC status name it maps to; the API layer turns them into statuses in one place
-(the server interceptor of ``encoder_service.api.calls``). Layers below the API never import grpc.
+(the server interceptor of ``encoder_service.api.service_interceptor``). Layers below the API never import grpc.
 """
 
 from __future__ import annotations
+
+# gRPC's status codes by name, in ``grpc.StatusCode``'s order: the values ``EncoderError.code`` takes
+# and the ``code`` label of encoder_service_requests_total (metrics.py). Spelled out so that nothing
+# below the API imports grpc; api/error_status.py maps a name to its ``grpc.StatusCode``, and
+# tests/test_architecture.py checks this list against grpc's.
+STATUS_CODES = ("OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
+                "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
+                "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED")
 
 
 class EncoderError(Exception):

@@ -25,7 +25,6 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import PurePosixPath
 
-import grpc
 from encoder_client.protocol import encoder_pb2
 from prometheus_client import (
     CollectorRegistry,
@@ -43,6 +42,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from . import __version__
+from .errors import STATUS_CODES
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,6 @@ BATCH_IMAGE_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0
 VISION_ENCODER = encoder_pb2.DESCRIPTOR.services_by_name["VisionEncoder"]
 RPC_METHODS = tuple(m.name for m in VISION_ENCODER.methods)
 IMAGE_SOURCES = ("encoded", "patches", "content_hash")
-STATUS_CODES = tuple(code.name for code in grpc.StatusCode)
 
 
 _HF_CACHE_DIR = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)")

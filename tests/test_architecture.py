@@ -335,3 +335,23 @@ def test_the_private_stubs_check_sees_every_form_of_import(tmp_path, source):
     bad = tmp_path / "bad.py"
     bad.write_text(source + "\n")
     assert _violations([bad], (PRIVATE_STUBS,)) != []
+
+
+def test_the_sglang_front_end_never_reaches_into_the_vision_encoder_servicer():
+    # Both front ends reach the engine through api/engine_gate.py; neither calls the other.
+    sglang = _files("api/sglang")
+    assert len(sglang) >= 5  # the walk sees the package
+    assert _violations(sglang, ("encoder_service.api.servicer",)) == []
+
+
+def test_the_metrics_speak_no_grpc():
+    # The status codes are named in encoder_service/errors.py; their grpc.StatusCode is the API's business.
+    assert _violations([PACKAGE / "metrics.py"], ("grpc",)) == []
+
+
+def test_the_status_names_below_the_api_are_grpcs():
+    import grpc
+
+    from encoder_service.errors import STATUS_CODES
+
+    assert tuple(code.name for code in grpc.StatusCode) == STATUS_CODES

@@ -291,7 +291,7 @@ def test_receiver_refuses_chunks_without_request_id_or_image_count(sink):
 
 
 def test_sink_channels_close_when_idle_and_stay_few_however_many_targets_callers_name():
-    from encoder_service.api.sink import SinkChannels
+    from encoder_service.api.sink_push import SinkChannels
 
     async def run():
         channels = SinkChannels(1 << 20, idle_close_s=0.2, max_channels=3)

@@ -23,9 +23,9 @@ from encoder_client.protocol.chunks import parse_chunk
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from encoder_service.api.limits import PerClientLimitInterceptor
-from encoder_service.api.relay import upstream_metadata
-from encoder_service.api.relay_regions import RELAY_REGION
+from encoder_service.api.relay.process import upstream_metadata
+from encoder_service.api.relay.regions import RELAY_REGION
+from encoder_service.api.security.client_limits import PerClientLimitInterceptor
 from encoder_service.benchmarks.reliability.server import wait_until
 
 ENCODE = "/encoder.v1.VisionEncoder/Encode"

@@ -1,4 +1,4 @@
-"""The relays' regions handed to the server process by descriptor (api/relay_regions.py): both ends
+"""The relays' regions handed to the server process by descriptor (api/relay/regions.py): both ends
 over a real unix socket, in one process. The server processes that use them are in
 test_grpc_processes.py."""
 
@@ -11,7 +11,7 @@ import socket
 import numpy as np
 import pytest
 
-from encoder_service.api.relay_regions import RegionBoard, RegionLender
+from encoder_service.api.relay.regions import RegionBoard, RegionLender
 
 
 async def settle(condition, timeout_s: float = 5.0) -> None:

@@ -157,7 +157,7 @@ def test_the_cli_names_an_unusable_security_file(server, tmp_path, capsys):
 
 
 def test_a_token_file_without_tokens_stops_the_start(tmp_path):
-    from encoder_service.api.auth import TokenFile, TokenFileError
+    from encoder_service.api.security.auth import TokenFile, TokenFileError
 
     empty = tmp_path / "tokens"
     empty.write_text("# nobody yet\n\n")

@@ -14,8 +14,8 @@ from encoder_client import EncoderClient
 from encoder_client._request import build_request
 from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
 
-from encoder_service.api.calls import CallBook, ServiceInterceptor
-from encoder_service.api.limits import PerClientLimitInterceptor, peer_address
+from encoder_service.api.security.client_limits import PerClientLimitInterceptor, peer_address
+from encoder_service.api.service_interceptor import CallBook, ServiceInterceptor
 from encoder_service.metrics import ServiceMetrics
 
 ENCODE = "/encoder.v1.VisionEncoder/Encode"

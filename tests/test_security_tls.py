@@ -19,8 +19,8 @@ from certs import make_ca
 from conftest import REPO_ROOT
 from encoder_client import EncoderClient, EncoderClientError, tls_credentials
 
-from encoder_service.api.security import build_security
-from encoder_service.api.tls import TLSFileError
+from encoder_service.api.security.settings import build_security
+from encoder_service.api.security.tls import TLSFileError
 from encoder_service.config import parse_serve_args
 
 

@@ -1,4 +1,4 @@
-"""The service interceptor (api/calls.py), on a real in-process grpc.aio server: the one place typed
+"""The service interceptor (api/service_interceptor.py), on a real in-process grpc.aio server: the one place typed
 errors become statuses (anything else is INTERNAL without details), requests are counted by method
 and code, and the drain's bookkeeping is kept."""
 
@@ -13,9 +13,9 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from encoder_service.api.calls import CallBook, ServiceInterceptor
-from encoder_service.api.errors import INTERNAL_MESSAGE
-from encoder_service.api.interceptors import refusal
+from encoder_service.api.error_status import INTERNAL_MESSAGE
+from encoder_service.api.interceptor_support import refusal
+from encoder_service.api.service_interceptor import CallBook, ServiceInterceptor
 from encoder_service.errors import InvalidInput, NotFound, PermissionDenied, ResourceExhausted, Unavailable
 from encoder_service.metrics import VISION_ENCODER, ServiceMetrics
 

@@ -15,8 +15,8 @@ from encoder_client import EncoderClient, HashRef
 from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
 from encoder_client.testing import float32_to_bf16_bits
 
-from encoder_service.api.calls import CallBook, ServiceInterceptor
 from encoder_service.api.server import _add_vision_encoder, _grpc_options
+from encoder_service.api.service_interceptor import CallBook, ServiceInterceptor
 from encoder_service.api.servicer import VisionEncoderServicer
 from encoder_service.benchmarks.reliability.sinks import SinkServer, receiver
 from encoder_service.config import ServiceConfig

@@ -14,7 +14,7 @@ from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
 from prometheus_client import CollectorRegistry
 from test_engine_batching import encode_all, patches, running_engine
 
-from encoder_service.api.calls import CallBook
+from encoder_service.api.service_interceptor import CallBook
 from encoder_service.api.servicer import LOOKUP_SLICE, MAX_LOOKUP_HASHES, VisionEncoderServicer
 from encoder_service.config import ServiceConfig
 from encoder_service.metrics import ServiceMetrics

@@ -374,7 +374,7 @@ def test_the_header_is_what_sglangs_encoder_pickles(sg, dtype):
     ``pickle.dumps(EmbeddingData(...).copy_without_embedding())``, attribute for attribute."""
     import pickle
 
-    from encoder_service.api.sglang_header import embedding_data_header
+    from encoder_service.api.sglang.header import embedding_data_header
 
     ours = sg.common.safe_pickle_loads(embedding_data_header(
         "rid", 3, 2, [(1, 4, 6), (2, 8, 8)], 38, 48, dtype, mm_content_hashes=["sha256:00"]))
@@ -529,7 +529,7 @@ def test_a_slow_drip_url_is_cut_at_the_fetch_bound(sg, server, images, drip_serv
 
 
 def test_the_fetch_bound_holds_while_headers_drip_too(drip_server):
-    from encoder_service.api.url_fetch import UrlFetcher
+    from encoder_service.api.sglang.url_fetch import UrlFetcher
     from encoder_service.errors import Unavailable
 
     fetcher = UrlFetcher(("127.0.0.2:*",), 1 << 20, timeout_s=1.0)
@@ -563,7 +563,7 @@ def test_https_fetches_check_the_name_and_are_cut_at_the_bound_too(tmp_path, mon
 
     from certs import make_ca
 
-    from encoder_service.api import url_fetch
+    from encoder_service.api.sglang import url_fetch
     from encoder_service.errors import Unavailable
 
     ca = make_ca(tmp_path, "fetch")
@@ -765,7 +765,7 @@ def test_registrations_are_bounded_per_source_and_in_all():
     """The table behind SchedulerReceiveUrl: a source over its share replaces its own oldest
     registrations; a full table makes room from the source holding the most; registrations an
     Encode waits on are never dropped, and when nothing can be dropped the refusal says why."""
-    from encoder_service.api.zmq_push import Destinations
+    from encoder_service.api.sglang.zmq_push import Destinations
     from encoder_service.errors import InvalidInput, ResourceExhausted
 
     table = Destinations(ttl_s=60, max_pending=5, max_per_source=3)
@@ -807,10 +807,10 @@ def test_registrations_are_bounded_per_source_and_in_all():
 
 
 def test_the_sglang_port_shares_the_main_ports_token_file_and_client_counts(tmp_path):
-    from encoder_service.api.auth import TokenAuthInterceptor
-    from encoder_service.api.limits import PerClientLimitInterceptor
-    from encoder_service.api.security import build_security, sglang_port_security
-    from encoder_service.api.sglang_compat import LIMITED_METHODS
+    from encoder_service.api.security.auth import TokenAuthInterceptor
+    from encoder_service.api.security.client_limits import PerClientLimitInterceptor
+    from encoder_service.api.security.settings import build_security, sglang_port_security
+    from encoder_service.api.sglang.front_end import LIMITED_METHODS
     from encoder_service.config import parse_serve_args
 
     tokens = tmp_path / "tokens"

@@ -104,7 +104,7 @@ def allowed_or_refused(target: str, patterns) -> str | None:
 def test_the_url_fetcher_refuses_hosts_in_disguise_before_resolving_them():
     import asyncio
 
-    from encoder_service.api.url_fetch import UrlFetcher
+    from encoder_service.api.sglang.url_fetch import UrlFetcher
 
     fetcher = UrlFetcher(("*:*",), 1 << 20)
     for url in ("http://0x7f000001/x.png", "http://127.0.0.0x1:8080/x.png", "http://0177.1/x.png"):

@@ -1,10 +1,11 @@
 """gRPC edge: servicers (VisionEncoder, health, reflection), request validation, error-to-status
 mapping, chunked streaming and the server's life cycle. Knows protobuf; hands plain inputs to the
-engine.
+engine. The relay processes (``relay/``), the SGLang-compatible front end (``sglang/``) and the
+security stack (``security/``) are subpackages of their own.
 
 ``serve`` and ``VisionEncoderServicer`` are imported on first use: the relay processes of
-``--grpc-processes`` (api/relay.py) import modules of this package and must not pay for torch and
-the engine, which they never touch.
+``--grpc-processes`` (api/relay/process.py) import modules of this package and must not pay for
+torch and the engine, which they never touch.
 """
 
 from __future__ import annotations

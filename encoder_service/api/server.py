@@ -5,15 +5,18 @@ forward ran, SERVING after, NOT_SERVING while no device worker is up and making 
 engine's watchdog) and again while draining. Reflection is on, so grpcurl works
 without the proto files. With ``--health-port`` a second, plaintext server answers grpc.health.v1
 only, from the same HealthServicer (Kubernetes' gRPC probes cannot speak TLS). TLS, tokens and
-per-client limits are set up in api/security.py.
+per-client limits are set up in api/security/settings.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 from google.protobuf import message_factory
@@ -24,11 +27,15 @@ from .. import memory
 from ..config import ServiceConfig
 from ..engine import Engine
 from ..metrics import VISION_ENCODER, ServiceMetrics
-from .calls import CallBook, ServiceInterceptor
-from .relays import RelayProcesses, RelayStartError
-from .security import Security, SecurityFileError, build_security
+from .engine_gate import EngineGate
+from .relay.supervisor import RelayProcesses, RelayStartError
+from .security.settings import Security, SecurityFileError, build_security
+from .service_interceptor import CallBook, ServiceInterceptor
 from .servicer import VisionEncoderServicer
 from .streaming import serialize_chunk
+
+if TYPE_CHECKING:  # imported when --sglang-compat-port is on (it needs the sglang extra)
+    from .sglang.front_end import SglangCompatServer
 
 log = logging.getLogger(__name__)
 
@@ -78,29 +85,81 @@ async def _set_health(health_servicer: health.aio.HealthServicer, serving: bool)
         await health_servicer.set(name, status)
 
 
-async def _stop(server: grpc.aio.Server, health_server: grpc.aio.Server | None, grace_s: float,
-                compat=None, relays: RelayProcesses | None = None) -> None:
-    """The health port answers (NOT_SERVING) for as long as the main port (and the SGLang port) drain.
-    Relays stop first: their calls in flight still read from this process's socket."""
-    if relays is not None:
-        await relays.stop(grace_s)
-    await asyncio.gather(server.stop(grace_s), *([compat.stop(grace_s)] if compat is not None else []))
-    if health_server is not None:
-        await health_server.stop(0)
+@dataclass
+class _Ports:
+    """The gRPC ports that drain: the main port and the SGLang port, stopped together with the grace
+    the drain left (0 when the start failed or was stopped)."""
+
+    server: grpc.aio.Server
+    compat: SglangCompatServer | None = None
+    grace_s: float = 0.0
+
+    async def stop(self) -> None:
+        await asyncio.gather(self.server.stop(self.grace_s),
+                             *([self.compat.stop(self.grace_s)] if self.compat is not None else []))
 
 
-async def _start_sglang_compat(config: ServiceConfig, servicer: VisionEncoderServicer, metrics: ServiceMetrics,
+def _main_server(config: ServiceConfig, metrics: ServiceMetrics, calls: CallBook, security: Security,
+                 servicer: VisionEncoderServicer, health_servicer: health.aio.HealthServicer) -> grpc.aio.Server:
+    """The main port's server: VisionEncoder, health and reflection behind the interceptors."""
+    # First, so that it sees every call to its end, the security interceptors' refusals included.
+    interceptors = [ServiceInterceptor(metrics, calls), *security.interceptors]
+    server = grpc.aio.server(options=_grpc_options(config), interceptors=interceptors)
+    _add_vision_encoder(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    return server
+
+
+def _bind(server: grpc.aio.Server, config: ServiceConfig, security: Security,
+          relays: RelayProcesses | None) -> int | None:
+    """Binds the main port (behind relays: their private unix socket); the port, 0 behind relays,
+    None (logged) when it cannot be bound."""
+    address = f"{config.host}:{config.port}"
+    try:
+        if relays is not None:  # the relays own the public port and end TLS (api/relay/supervisor.py)
+            server.add_insecure_port(relays.upstream)
+            return 0
+        return (server.add_secure_port(address, security.tls.credentials) if security.tls
+                else server.add_insecure_port(address))
+    except RuntimeError as exc:
+        log.error("cannot bind %s: %s", relays.upstream if relays else address, exc)
+        return None
+
+
+async def _start_health_port(config: ServiceConfig, health_servicer: health.aio.HealthServicer,
+                             resources: contextlib.AsyncExitStack) -> bool:
+    """The plaintext health port when --health-port asks for it; False (logged) when it cannot be bound."""
+    if config.health_port < 0:
+        return True
+    health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+    health_address = f"{config.host}:{config.health_port}"
+    try:
+        health_port = health_server.add_insecure_port(health_address)
+    except RuntimeError as exc:
+        log.error("cannot bind the health port %s: %s", health_address, exc)
+        return False
+    await health_server.start()
+    # Stopped after the ports that drain: it answers (NOT_SERVING) for as long as they do.
+    resources.push_async_callback(health_server.stop, 0)
+    log.info("health port (plaintext, grpc.health.v1 only) on %s:%d", config.host, health_port)
+    return True
+
+
+async def _start_sglang_compat(config: ServiceConfig, gate: EngineGate, metrics: ServiceMetrics,
                                calls: CallBook, health_servicer: health.aio.HealthServicer, security: Security):
-    """The SGLang-compatible port (api/sglang_compat.py) when --sglang-compat-port asks for it;
+    """The SGLang-compatible port (api/sglang/front_end.py) when --sglang-compat-port asks for it;
     None when it is off; raises RuntimeError (the message says why) when it cannot start."""
     if config.sglang_compat_port < 0:
         return None
     try:
-        from .sglang_compat import SglangCompatServer
+        from .sglang.front_end import SglangCompatServer
     except ImportError as exc:
         raise RuntimeError(f"--sglang-compat-port needs the sglang extra (pip install "
                            f"'encoder-service[sglang]'): {exc}") from None
-    return await SglangCompatServer.start(config, servicer, metrics, calls, health_servicer, _grpc_options(config),
+    return await SglangCompatServer.start(config, gate, metrics, calls, health_servicer, _grpc_options(config),
                                           security)
 
 
@@ -148,112 +207,19 @@ async def _lame_duck(calls: CallBook, grace_s: float) -> float:
     return max(0.0, deadline - loop.time())
 
 
-async def serve(config: ServiceConfig) -> int:
-    """Runs until SIGTERM/SIGINT; returns the process exit code."""
-    memory.limit_arenas()  # before the decode and worker threads exist (see encoder_service/memory.py)
-    if config.device.startswith("cuda"):
-        # Streamed responses reuse mapped memory (same module). Not where this process or its
-        # workers compute on the CPU: there CPU kernels' float32 results depend on where buffers
-        # lie, and heap-served buffers lie differently call by call (seen in 1e-6 differences
-        # between servers given the same image).
-        memory.keep_large_blocks_in_heap()
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+async def _load(engine: Engine, stop: asyncio.Event) -> float | None:
+    """Loads and warms the model (in workers with --devices); the warm-up seconds, or None when
+    SIGTERM came first (nothing in flight to drain). Raises what loading raised."""
+    start = asyncio.ensure_future(engine.start())
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({start, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if not start.done():
+        return None
+    stopped.cancel()
+    return start.result()
 
-    metrics = ServiceMetrics(process=True)  # what --metrics-port serves
-    calls = CallBook()
-    relays = RelayProcesses(config, config.grpc_processes) if config.grpc_processes > 0 else None
-    try:
-        security = build_security(config, relay_regions=relays.regions if relays else None)
-        servicer = VisionEncoderServicer(config, metrics, calls,  # reads the --sink-tls-* files
-                                         relay_regions=relays.regions if relays else None)
-    except SecurityFileError as exc:
-        log.error("cannot start: %s", exc)
-        if relays is not None:
-            relays.discard()
-        return 1
-    # First, so that it sees every call to its end, the security interceptors' refusals included.
-    interceptors = [ServiceInterceptor(metrics, calls), *security.interceptors]
-    server = grpc.aio.server(options=_grpc_options(config), interceptors=interceptors)
-    health_servicer = health.aio.HealthServicer()
-    _add_vision_encoder(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    address = f"{config.host}:{config.port}"
-    try:
-        if relays is not None:  # the relays own the public port and end TLS (api/relays.py)
-            server.add_insecure_port(relays.upstream)
-            port = 0
-        else:
-            port = (server.add_secure_port(address, security.tls.credentials) if security.tls
-                    else server.add_insecure_port(address))
-    except RuntimeError as exc:
-        log.error("cannot bind %s: %s", relays.upstream if relays else address, exc)
-        if relays is not None:
-            await relays.stop(0)
-        return 1
-    health_server = None
-    if config.health_port >= 0:
-        health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
-        health_address = f"{config.host}:{config.health_port}"
-        try:
-            health_port = health_server.add_insecure_port(health_address)
-        except RuntimeError as exc:
-            log.error("cannot bind the health port %s: %s", health_address, exc)
-            if relays is not None:
-                relays.discard()
-            return 1
-        await health_server.start()
-        log.info("health port (plaintext, grpc.health.v1 only) on %s:%d", config.host, health_port)
-    await server.start()
-    if relays is not None:
-        try:
-            port = await relays.start()
-        except RelayStartError as exc:
-            log.error("cannot start the gRPC processes: %s", exc)
-            await _stop(server, health_server, 0)
-            return 1
-    log.info("encoder-service listening on %s:%d (NOT_SERVING until the model is warm)%s", config.host, port,
-             f"; {relays.count} gRPC processes relay it to this process's {relays.upstream}" if relays else "")
-    try:
-        compat = await _start_sglang_compat(config, servicer, metrics, calls, health_servicer, security)
-    except RuntimeError as exc:
-        log.error("cannot start the SGLang-compatible port: %s", exc)
-        await _stop(server, health_server, 0, relays=relays)
-        return 1
-    log.info("security: %s", "; ".join(security.summary))
-    if config.metrics_port >= 0:
-        metrics_port = metrics.serve_http(config.metrics_port, config.metrics_host)
-        log.info("metrics on http://%s:%d/metrics", config.metrics_host, metrics_port)
-
-    if config.uses_default_model:
-        log.info("no --model given: serving the built-in %s preset (random weights) on %s",
-                 config.model_or_default, config.device)
-    engine = Engine(config, metrics=metrics)
-    try:
-        start = asyncio.ensure_future(engine.start())  # loads the model (in workers with --devices)
-        stopped = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({start, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        if not start.done():  # SIGTERM while loading: nothing in flight to drain
-            log.info("stopping before the model finished loading")
-            await _stop(server, health_server, 0, compat, relays)
-            await engine.stop()
-            return 0
-        stopped.cancel()
-        warmup_s = start.result()
-    except Exception:
-        log.exception("could not load and warm up the model %r", config.model_or_default)
-        await _stop(server, health_server, 0, compat, relays)
-        await engine.stop()
-        return 1
-
+def _log_model(config: ServiceConfig, engine: Engine, warmup_s: float) -> None:
     d = engine.describe()
     # Rows of a model with extra feature levels (deepstack) are that many times hidden wide.
     hidden = f"{d.hidden_size} x {d.feature_levels} levels" if d.feature_levels > 1 else str(d.hidden_size)
@@ -265,9 +231,10 @@ async def serve(config: ServiceConfig) -> int:
              d.preprocess, config.preprocess_threads, d.decode, _gib(config.cache_bytes), config.max_batch_tokens,
              config.batch_wait_ms, config.max_queue_images, engine.pixel_limit_rule(), config.shared_memory,
              warmup_s * 1000)
-    servicer.engine = engine
-    trimmer = asyncio.ensure_future(_release_free_memory(engine, calls))
-    await _set_health(health_servicer, engine.serving)
+
+
+def _follow_serving(engine: Engine, calls: CallBook, health_servicer: health.aio.HealthServicer) -> None:
+    """Health follows the engine from now on: SERVING while some device worker is up and progressing."""
     health_tasks: set[asyncio.Task] = set()
 
     def on_serving_change(serving: bool) -> None:
@@ -282,18 +249,97 @@ async def serve(config: ServiceConfig) -> int:
         task.add_done_callback(health_tasks.discard)
 
     engine.on_serving_change = on_serving_change
-    log.info("SERVING")
 
-    await stop.wait()
-    trimmer.cancel()
-    log.info("draining: NOT_SERVING, refusing new requests, up to %.1f s for in-flight ones",
-             config.grace_period_s)
-    calls.draining = True
-    await health_servicer.enter_graceful_shutdown()
-    remaining_s = await _lame_duck(calls, config.grace_period_s)
-    await _stop(server, health_server, remaining_s, compat, relays)
-    await engine.stop()
-    await servicer.sink_channels.close()
-    servicer.response_copies.shutdown(wait=False)
+
+async def serve(config: ServiceConfig) -> int:
+    """Runs until SIGTERM/SIGINT; returns the process exit code.
+
+    Everything it starts goes on one exit stack, so every exit, a failed start included, lets go of
+    it on one path, last started first: the relays (their calls in flight still read from this
+    process's socket), the main and SGLang ports (with the grace the drain left), the health port,
+    the engine, the servicer's sink channels and threads, the relays' socket directory."""
+    memory.limit_arenas()  # before the decode and worker threads exist (see encoder_service/memory.py)
+    if config.device.startswith("cuda"):
+        # Streamed responses reuse mapped memory (same module). Not where this process or its
+        # workers compute on the CPU: there CPU kernels' float32 results depend on where buffers
+        # lie, and heap-served buffers lie differently call by call (seen in 1e-6 differences
+        # between servers given the same image).
+        memory.keep_large_blocks_in_heap()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    metrics = ServiceMetrics(process=True)  # what --metrics-port serves
+    calls = CallBook()
+    gate = EngineGate(calls)  # the engine, once warm, for both front ends
+    async with contextlib.AsyncExitStack() as resources:
+        relays = RelayProcesses(config, config.grpc_processes) if config.grpc_processes > 0 else None
+        if relays is not None:
+            resources.callback(relays.discard)
+        try:
+            security = build_security(config, relay_regions=relays.regions if relays else None)
+        except SecurityFileError as exc:  # reads the --tls-*, --auth-token-file and --sink-tls-* files
+            log.error("cannot start: %s", exc)
+            return 1
+        servicer = VisionEncoderServicer(config, metrics, calls, gate=gate, sink_credentials=security.sink_credentials,
+                                         relay_regions=relays.regions if relays else None)
+        resources.push_async_callback(servicer.close)
+        engine = Engine(config, metrics=metrics)  # loads nothing until started
+        resources.push_async_callback(engine.stop)
+        health_servicer = health.aio.HealthServicer()
+        server = _main_server(config, metrics, calls, security, servicer, health_servicer)
+        await _set_health(health_servicer, False)
+        port = _bind(server, config, security, relays)
+        if port is None or not await _start_health_port(config, health_servicer, resources):
+            return 1
+        await server.start()
+        ports = _Ports(server)
+        resources.push_async_callback(ports.stop)
+        if relays is not None:
+            resources.push_async_callback(lambda: relays.stop(ports.grace_s))  # first: see the docstring
+            try:
+                port = await relays.start()
+            except RelayStartError as exc:
+                log.error("cannot start the gRPC processes: %s", exc)
+                return 1
+        log.info("encoder-service listening on %s:%d (NOT_SERVING until the model is warm)%s", config.host, port,
+                 f"; {relays.count} gRPC processes relay it to this process's {relays.upstream}" if relays else "")
+        try:
+            ports.compat = await _start_sglang_compat(config, gate, metrics, calls, health_servicer, security)
+        except RuntimeError as exc:
+            log.error("cannot start the SGLang-compatible port: %s", exc)
+            return 1
+        log.info("security: %s", "; ".join(security.summary))
+        if config.metrics_port >= 0:
+            metrics_port = metrics.serve_http(config.metrics_port, config.metrics_host)
+            log.info("metrics on http://%s:%d/metrics", config.metrics_host, metrics_port)
+
+        if config.uses_default_model:
+            log.info("no --model given: serving the built-in %s preset (random weights) on %s",
+                     config.model_or_default, config.device)
+        try:
+            warmup_s = await _load(engine, stop)
+            if warmup_s is None:
+                log.info("stopping before the model finished loading")
+                return 0
+        except Exception:
+            log.exception("could not load and warm up the model %r", config.model_or_default)
+            return 1
+
+        _log_model(config, engine, warmup_s)
+        gate.open(engine)
+        trimmer = asyncio.ensure_future(_release_free_memory(engine, calls))
+        await _set_health(health_servicer, engine.serving)
+        _follow_serving(engine, calls, health_servicer)
+        log.info("SERVING")
+
+        await stop.wait()
+        trimmer.cancel()
+        log.info("draining: NOT_SERVING, refusing new requests, up to %.1f s for in-flight ones",
+                 config.grace_period_s)
+        calls.draining = True
+        await health_servicer.enter_graceful_shutdown()
+        ports.grace_s = await _lame_duck(calls, config.grace_period_s)
     log.info("stopped")
     return 0

@@ -1,6 +1,6 @@
 """The VisionEncoder gRPC service: checks requests, hands them to the engine, streams the results.
 
-Methods raise typed errors; the service interceptor (api/calls.py) answers them as statuses and
+Methods raise typed errors; the service interceptor (api/service_interceptor.py) answers them as statuses and
 records the request metrics."""
 
 from __future__ import annotations
@@ -18,16 +18,15 @@ import grpc
 from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
 
 from ..config import ServiceConfig
-from ..engine import Engine, ImageInput, ImageResult
-from ..errors import ResourceExhausted, Unavailable
+from ..engine import Engine, ImageResult
+from ..errors import ResourceExhausted
 from ..metrics import ServiceMetrics
-from ..sink_allowlist import SinkAllowlist
-from .calls import CallBook
-from .relay_regions import RELAY_REGION, RegionBoard
+from .engine_gate import EngineGate
+from .relay.regions import RELAY_REGION, RegionBoard
+from .service_interceptor import CallBook
 from .shared_memory import DescriptorWriter, RegionTable, RegionWriter
-from .sink import PUSH_MAX_CHUNK_BYTES, SinkChannels, SinkFailed, SinkPush, fail_uniformly, header_chunk
+from .sink_push import PUSH_MAX_CHUNK_BYTES, SinkChannels, SinkFailed, SinkPush, fail_uniformly, header_chunk
 from .streaming import OFF_LOOP_MIN_BYTES, built_off_loop, embedding_chunks, region_chunk, serialized_chunks
-from .tls import sink_channel_credentials
 from .validation import EncodePlan, parse_encode_request
 
 log = logging.getLogger(__name__)
@@ -42,33 +41,45 @@ _ids = itertools.count()
 
 
 class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
-    """Serves once ``engine`` is set (model loaded and warmed); UNAVAILABLE before and while draining."""
+    """Serves once its gate is open (model loaded and warmed); UNAVAILABLE before and while draining."""
 
-    def __init__(self, config: ServiceConfig, metrics: ServiceMetrics, calls: CallBook,
-                 relay_regions: RegionBoard | None = None) -> None:
+    def __init__(self, config: ServiceConfig, metrics: ServiceMetrics, calls: CallBook, *,
+                 gate: EngineGate | None = None, relay_regions: RegionBoard | None = None,
+                 sink_credentials: grpc.ChannelCredentials | None = None) -> None:
+        """``gate``: the engine's readiness, shared with the server's other front ends (by default
+        one of this servicer's own over ``calls``); ``sink_credentials``: toward the sinks
+        (``Security.sink_credentials``, from --sink-tls-*; None: plaintext)."""
+        if config.sink_tls and sink_credentials is None:
+            raise ValueError("--sink-tls-* is set: the servicer needs its credentials (Security.sink_credentials)")
         self.config = config
         self.metrics = metrics
-        self.calls = calls  # whether the server drains
-        self.engine: Engine | None = None
-        self.sink_channels = SinkChannels(config.max_message_bytes, credentials=sink_channel_credentials(config))
-        self.sink_allowlist = SinkAllowlist(config.allowed_sink_patterns)
+        self.gate = gate if gate is not None else EngineGate(calls)
+        self.sink_channels = SinkChannels(config.max_message_bytes, credentials=sink_credentials)
+        self.sink_allowlist = config.sink_allowlist
         self.regions = RegionTable(config.shared_memory == "on")  # callers' own regions
-        # Behind relays (--grpc-processes): the regions they lend, by descriptor (api/relay_regions.py).
+        # Behind relays (--grpc-processes): the regions they lend, by descriptor (api/relay/regions.py).
         self.relay_regions = relay_regions
         # A few threads are enough: each copy runs at memory speed without the GIL.
         self.response_copies = ThreadPoolExecutor(max_workers=4, thread_name_prefix="response-copy")
 
-    def _ready_engine(self) -> Engine:
-        if self.calls.draining:
-            raise Unavailable("server is draining (shutting down); retry on another replica")
-        if self.engine is None:
-            raise Unavailable("server is starting: the model is not loaded and warmed up yet")
-        return self.engine
+    @property
+    def engine(self) -> Engine | None:
+        """The gate's engine; setting it opens the gate (how a test serves an engine of its own)."""
+        return self.gate.engine
+
+    @engine.setter
+    def engine(self, engine: Engine) -> None:
+        self.gate.open(engine)
+
+    async def close(self) -> None:
+        """After the ports stopped: closes the sink channels and the response-copy threads."""
+        await self.sink_channels.close()
+        self.response_copies.shutdown(wait=False)
 
     async def Encode(self, request: encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext) -> None:
         started = time.perf_counter()
         first_chunk = True
-        engine = self._ready_engine()
+        engine = self.gate.ready()
         plan = parse_encode_request(request, engine, self.config.max_chunk_bytes, self.sink_allowlist,
                                     self.config.max_images_per_request)
         request_id = request.request_id or f"{_ID_PREFIX}-{next(_ids)}"
@@ -115,23 +126,11 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
             return None
         return RegionWriter(memory)
 
-    async def encode_images(self, images: list[ImageInput]) -> list[tuple[ImageResult, bytes]]:
-        """Encode's engine path (cache, in-flight joins, admission, batching) for the other front
-        ends (api/sglang_compat.py): every image's result and its rows as raw bytes in the model
-        dtype, in request order. Each result's cache pin is released once its bytes are copied."""
-        engine = self._ready_engine()
-        dtype = engine.describe().dtype
-        out: list = [None] * len(images)
-        async with contextlib.aclosing(engine.encode(images)) as results:
-            async for result in results:
-                out[result.index] = (result, bytes(result.wire_bytes(dtype)))
-        return out
-
     async def _encode_to_sink(self, engine: Engine, plan: EncodePlan, request_id: str, model_dtype: str,
                               context: grpc.aio.ServicerContext) -> None:
         """Each image's chunks go to the sink as it is ready; the caller gets every image's header and
         an OK status only after the sink acknowledged every image. Headers wait for the ack so that
-        nothing the caller sees depends on how the sink failed (see api/sink.py)."""
+        nothing the caller sees depends on how the sink failed (see api/sink_push.py)."""
         sink, bound = plan.sink, self.config.sink_timeout_s
         max_chunk_bytes = min(plan.max_chunk_bytes, PUSH_MAX_CHUNK_BYTES)
         push: SinkPush | None = None
@@ -161,7 +160,7 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
 
     async def Lookup(self, request: encoder_pb2.LookupRequest,
                      context: grpc.aio.ServicerContext) -> encoder_pb2.LookupResponse:
-        engine = self._ready_engine()
+        engine = self.gate.ready()
         hashes = request.content_hashes
         if len(hashes) > MAX_LOOKUP_HASHES:
             raise ResourceExhausted(f"lookup of {len(hashes)} hashes; at most {MAX_LOOKUP_HASHES} per call")
@@ -177,7 +176,7 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
 
     async def GetModelInfo(self, request: encoder_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> encoder_pb2.ModelInfo:
-        return self._ready_engine().describe(shared_memory=self.regions.enabled).to_proto()
+        return self.gate.ready().describe(shared_memory=self.regions.enabled).to_proto()
 
 
 async def _inline(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:

@@ -1,5 +1,5 @@
 """Embeddings written into shared memory instead of the stream: a caller's region
-(EncodeRequest.output_region, ``--shared-memory on``) or a relay process's (api/relay_regions.py).
+(EncodeRequest.output_region, ``--shared-memory on``) or a relay process's (api/relay/regions.py).
 
 A caller on the server's host creates a POSIX shared-memory object (/dev/shm/encoder-...), names it
 in its request and reads each image where the stream's header chunk says. Moving a 1008x1008
@@ -38,7 +38,7 @@ from ..errors import EncoderError, InvalidInput, PermissionDenied
 
 SHM_DIR = "/dev/shm"
 NAME_PATTERN = re.compile(r"encoder-[A-Za-z0-9._-]{1,200}")
-# Names earlier releases gave the relays' regions; they have none now (api/relay_regions.py), and a
+# Names earlier releases gave the relays' regions; they have none now (api/relay/regions.py), and a
 # caller's region may not pose as one.
 RESERVED_PREFIX = "encoder-relay-"
 ALIGN = 64  # each image starts on a cache line: the reader's copy out is aligned

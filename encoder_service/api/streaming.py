@@ -21,7 +21,7 @@ from encoder_client.protocol import BY_NAME, encoder_pb2
 from encoder_client.protocol.chunks import data_field_prefix
 from encoder_client.protocol.chunks import row_bytes as wire_row_bytes
 
-if TYPE_CHECKING:  # the relay processes (api/relay.py) use this module without the engine and torch
+if TYPE_CHECKING:  # the relay processes (api/relay/process.py) use this module without the engine and torch
     from ..engine import ImageResult
 
 # Responses from this size on are copied into their chunks (or the caller's shared memory) in
@@ -115,7 +115,7 @@ def rows_on_stream(header: encoder_pb2.EmbeddingChunk, rows: memoryview | np.nda
                    max_chunk_bytes: int) -> Iterator[bytes]:
     """An image whose rows were written into a shared-memory region (``header`` is its region
     chunk, ``rows`` the bytes it points at) as the chunks (wire bytes) ``serialized_chunks`` gives
-    for it on the stream: what a relay process (api/relay.py) sends its caller."""
+    for it on the stream: what a relay process (api/relay/process.py) sends its caller."""
     template = encoder_pb2.EmbeddingChunk()
     template.CopyFrom(header)
     for name in ("region_offset", "region_bytes", "timing", "last", "token_offset", "data"):

@@ -21,8 +21,8 @@ import threading
 
 import grpc
 
-from ..errors import PermissionDenied, Unauthenticated
-from .interceptors import OPEN_SERVICE_PREFIXES, metadata_value, refusal
+from ...errors import PermissionDenied, Unauthenticated
+from ..interceptor_support import OPEN_SERVICE_PREFIXES, metadata_value, refusal
 
 log = logging.getLogger(__name__)
 

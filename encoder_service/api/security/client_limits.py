@@ -7,7 +7,7 @@ queue from the others. The count is taken when the handler starts and given back
 around it: an OK end, an error, the caller cancelling and a deadline (gRPC cancels the handler's
 task) all release it. Behind relay processes (``--grpc-processes``) a call whose response a relay
 streams from its region is the caller's until the relay has streamed it all (or the caller is
-gone): the slot is given back when the relay says so (api/relay_regions.py), not when this
+gone): the slot is given back when the relay says so (api/relay/regions.py), not when this
 process has written the region, or callers that stop reading could hold any number of calls.
 """
 
@@ -22,11 +22,11 @@ from collections import Counter
 
 import grpc
 
-from ..errors import RETRY_AFTER_S, ResourceExhausted
-from ..metrics import VISION_ENCODER
+from ...errors import RETRY_AFTER_S, ResourceExhausted
+from ...metrics import VISION_ENCODER
+from ..interceptor_support import RELAYED_PEER, metadata_value, method_path, wrap_behaviour
+from ..relay.regions import RELAY_REGION, RegionBoard
 from .auth import client_identity, presented_token
-from .interceptors import RELAYED_PEER, metadata_value, method_path, wrap_behaviour
-from .relay_regions import RELAY_REGION, RegionBoard
 
 log = logging.getLogger(__name__)
 

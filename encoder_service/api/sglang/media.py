@@ -1,7 +1,7 @@
 """SGLang's ``mm_items`` (strings, as its language server forwards ``image_url``s) -> image bytes.
 
 Accepted: ``data:[<mediatype>];base64,<data>`` URLs, bare base64 (SGLang's ``load_image`` decodes
-any other string as base64 too) and http(s) URLs of ``--allow-url-fetch`` hosts (api/url_fetch.py).
+any other string as base64 too) and http(s) URLs of ``--allow-url-fetch`` hosts (api/sglang/url_fetch.py).
 Local paths and ``file://`` URLs are never read. Each error names the item (``mm_items[i]``).
 
 ``sglang_content_hash`` is the digest SGLang's routers and processors use for
@@ -16,7 +16,7 @@ import base64
 import binascii
 import hashlib
 
-from ..errors import EncoderError, InvalidInput
+from ...errors import EncoderError, InvalidInput
 from .url_fetch import UrlFetcher
 
 CONTENT_HASH_PREFIX = "sha256:"

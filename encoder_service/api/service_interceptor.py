@@ -3,7 +3,7 @@
 It is the first interceptor of the server, so it sees each call's whole life, refusals by the
 security interceptors included, and does in one place what each handler would otherwise repeat:
 
-- errors become statuses (api/errors.py): a servicer method, or an interceptor refusing a call,
+- errors become statuses (api/error_status.py): a servicer method, or an interceptor refusing a call,
   just raises a typed ``EncoderError``;
 - the request metrics: ``encoder_service_requests_total{method, code}``, ``_request_seconds``,
   ``_requests_in_flight``;
@@ -27,16 +27,16 @@ import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 
 from ..metrics import VISION_ENCODER, ServiceMetrics
-from .errors import to_status, trailers
-from .interceptors import method_path, wrap_behaviour
+from .error_status import to_status, trailers
+from .interceptor_support import method_path, wrap_behaviour
 
 
 @dataclass
 class CallBook:
-    """What the drain (api/server.py) and the servicer know of the calls in progress; only the
-    event loop's thread touches it."""
+    """What the drain (api/server.py) and the engine gate (api/engine_gate.py) know of the calls in
+    progress; only the event loop's thread touches it."""
 
-    draining: bool = False  # set on SIGTERM: the servicer answers new calls UNAVAILABLE
+    draining: bool = False  # set on SIGTERM: the front ends answer new calls UNAVAILABLE
     in_flight: int = 0  # calls that began before the drain and have not ended
     last_started: float = 0.0  # time.monotonic() at the start of the latest call
 

@@ -1,4 +1,4 @@
-"""Typed errors -> gRPC statuses: what the server interceptor (api/calls.py) answers for an error.
+"""Typed errors -> gRPC statuses: what the server interceptor (api/service_interceptor.py) answers for an error.
 
 An ``EncoderError`` becomes its status with its message (which names the image). Anything else is
 a bug: logged with its traceback, answered INTERNAL with a generic message (never the trace).

@@ -2,7 +2,7 @@
 by file descriptor: nothing in /dev/shm names them, so no caller can name one (a local user lists
 /dev/shm), and nothing is left behind when a relay dies.
 
-A relay (api/relay.py) creates each region with ``memfd_create``, reserves its pages and seals its
+A relay (api/relay/process.py) creates each region with ``memfd_create``, reserves its pages and seals its
 size (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL: no process can shrink it under the server's
 mapping, which would kill the server with SIGBUS), maps it and sends the descriptor to the server
 process over a SOCK_SEQPACKET unix socket in the server's private 0700 directory (SCM_RIGHTS). The
@@ -15,7 +15,7 @@ Messages, one datagram each, ASCII:
 
 - relay -> server ``add KEY SIZE`` with the descriptor; server -> relay ``ok`` or ``no REASON``;
 - relay -> server ``back KEY SEQ``: lend SEQ is over at the relay (its caller has every chunk, or
-  is gone). Per-client limits hold the caller's slot until then (api/limits.py): the server is
+  is gone). Per-client limits hold the caller's slot until then (api/security/client_limits.py): the server is
   done with a call long before a slow caller has read what the relay streams;
 - relay -> server ``drop KEY``: the relay closed the region; the server unmaps it (a call still
   writing keeps its own view until it ends).

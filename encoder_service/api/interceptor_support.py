@@ -1,6 +1,6 @@
 """What the server interceptors share: refusing a call before it reaches its handler, and wrapping
 a handler's behaviour, whatever its cardinality. A refusal raises a typed error; the service
-interceptor (api/calls.py), outermost, turns it into a status and counts it like any answer."""
+interceptor (api/service_interceptor.py), outermost, turns it into a status and counts it like any answer."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 OPEN_SERVICE_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
                          "/grpc.reflection.v1.ServerReflection/")
 
-# Metadata a relay process (api/relay.py) sets on each call it passes on: the caller's own peer
+# Metadata a relay process (api/relay/process.py) sets on each call it passes on: the caller's own peer
 # (gRPC's peer string), which per-client limits count by. Whatever a caller sent under this key is
 # dropped by the relay.
 RELAYED_PEER = "x-encoder-relayed-peer"

@@ -1,4 +1,4 @@
-"""The server process's side of ``--grpc-processes``: starts the relay processes (api/relay.py),
+"""The server process's side of ``--grpc-processes``: starts the relay processes (api/relay/process.py),
 starts again one that dies, and stops them after the drain.
 
 The server process then serves gRPC only on a unix socket in a directory of its own (mode 0700),
@@ -19,9 +19,9 @@ import shutil
 import tempfile
 import time
 
-from ..config import ServiceConfig
-from .relay import RelaySpec, relay_main
-from .relay_regions import RegionBoard
+from ...config import ServiceConfig
+from .process import RelaySpec, relay_main
+from .regions import RegionBoard
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
-"""The server's security settings, built once at start-up: TLS credentials of the gRPC port, the
-interceptors (bearer tokens, per-client limits) of the gRPC port and, from the same settings, of the
-SGLang port, and what the start-up log says about them.
+"""The server's security settings, built once at start-up: TLS credentials of the gRPC port and toward
+the sinks, the interceptors (bearer tokens, per-client limits) of the gRPC port and, from the same
+settings, of the SGLang port, and what the start-up log says about them.
 
 Everything that reads a file happens here, before any port is bound, so a wrong path or a bad
 certificate stops the start with a message naming the file.
@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from ..config import ServiceConfig
+from ...config import ServiceConfig
+from ..relay.regions import RegionBoard
 from .auth import TokenAuthInterceptor, TokenFile, TokenFileError
-from .limits import ConcurrencyLimits, PerClientLimitInterceptor
-from .relay_regions import RegionBoard
+from .client_limits import ConcurrencyLimits, PerClientLimitInterceptor
 from .tls import ReloadingServerCredentials, TLSFileError, sink_channel_credentials
 
 SecurityFileError = (TLSFileError, TokenFileError)
@@ -28,11 +28,12 @@ class Security:
     interceptors: list[grpc.aio.ServerInterceptor] = field(default_factory=list)
     summary: list[str] = field(default_factory=list)
     client_limits: ConcurrencyLimits | None = None  # per-client counts, shared with the SGLang port
+    sink_credentials: grpc.ChannelCredentials | None = None  # toward the sinks (--sink-tls-*); None: plaintext
 
 
 @dataclass
 class PortSecurity:
-    """Another port's share of the settings (the SGLang port's, api/sglang_compat.py)."""
+    """Another port's share of the settings (the SGLang port's, api/sglang/front_end.py)."""
 
     interceptors: list[grpc.aio.ServerInterceptor]
     by_token: bool  # tokens are checked there: a caller is its token
@@ -66,7 +67,7 @@ def build_security(config: ServiceConfig, relay_regions: RegionBoard | None = No
         s.summary.append(f"at most {config.max_requests_per_client} concurrent Encode calls per client "
                          f"(by {'token' if s.tokens else 'IP address'})")
     if config.sink_tls:
-        sink_channel_credentials(config)  # read and checked now; the servicer builds its own copy
+        s.sink_credentials = sink_channel_credentials(config)  # read and checked now; the servicer is handed them
         s.summary.append("TLS toward sinks on" + (" (mTLS: client certificate " + config.sink_tls_cert + ")"
                                                    if config.sink_tls_cert else ""))
     return s

@@ -35,8 +35,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
-from ..errors import InvalidInput, PermissionDenied, ResourceExhausted, Unavailable
-from ..sink_allowlist import SinkAllowlist, parse_target
+from ...errors import InvalidInput, PermissionDenied, ResourceExhausted, Unavailable
+from ...sink_allowlist import SinkAllowlist, parse_target
 
 FETCH_TIMEOUT_S = 10.0
 FETCH_THREADS = 8
@@ -88,9 +88,11 @@ class _Deadline:
 
 
 class UrlFetcher:
-    def __init__(self, patterns: tuple[str, ...], max_bytes: int, timeout_s: float = FETCH_TIMEOUT_S,
+    def __init__(self, allowed: SinkAllowlist | tuple[str, ...], max_bytes: int, timeout_s: float = FETCH_TIMEOUT_S,
                  threads: int = FETCH_THREADS) -> None:
-        self.allowlist = SinkAllowlist(patterns, "allow-url-fetch")
+        """``allowed``: ``--allow-url-fetch`` as parsed at start-up (``ServiceConfig.url_fetch_allowlist``),
+        or its patterns."""
+        self.allowlist = allowed if isinstance(allowed, SinkAllowlist) else SinkAllowlist(allowed, "allow-url-fetch")
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="url-fetch")

@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from ..errors import RETRY_AFTER_S, InvalidInput, PermissionDenied, ResourceExhausted, Unavailable
-from ..sink_allowlist import SinkAllowlist, parse_target
+from ...errors import RETRY_AFTER_S, InvalidInput, PermissionDenied, ResourceExhausted, Unavailable
+from ...sink_allowlist import SinkAllowlist, parse_target
 
 MAX_PENDING_REQUESTS = 4096
 MAX_PENDING_PER_SOURCE = 1024

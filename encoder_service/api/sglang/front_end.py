@@ -6,13 +6,13 @@ An SGLang language server started with ``--language-only --encoder-urls grpc://H
 module serves that service on its own port, next to VisionEncoder, as SGLang's encoder server
 does (``sglang/srt/disaggregation/encoder/grpc_server.py``, SGLang 0.5.23):
 
-- ``Encode``: ``mm_items`` (image URLs, api/sglang_media.py) are encoded through the same engine
-  path as our Encode (cache, batching, admission: ``VisionEncoderServicer.encode_images``), then
+- ``Encode``: ``mm_items`` (image URLs, api/sglang/media.py) are encoded through the same engine
+  path as our Encode (cache, batching, admission: ``EngineGate.encode_all``, api/engine_gate.py), then
   this part (``num_parts``, ``part_idx``, as the language server split the request across its
   encoders) is pushed as two ZMQ frames, a pickled ``EmbeddingData`` header
-  (api/sglang_header.py) and the rows' raw bytes, to ``prefill_host:embedding_port`` for every
+  (api/sglang/header.py) and the rows' raw bytes, to ``prefill_host:embedding_port`` for every
   port given, or, with none, to every scheduler rank that registered with ``SchedulerReceiveUrl``
-  (api/zmq_push.py). The call returns once every receiver has the data. Computed embeddings wait
+  (api/sglang/zmq_push.py). The call returns once every receiver has the data. Computed embeddings wait
   for their receivers at most ``--sglang-send-timeout-s`` (the ranks' registrations and the
   pushes together), and at most ``--sglang-max-held-bytes`` of them in all: over it the call is
   RESOURCE_EXHAUSTED (with a retry pushback, or none for a request over the budget by itself).
@@ -22,7 +22,7 @@ does (``sglang/srt/disaggregation/encoder/grpc_server.py``, SGLang 0.5.23):
 
 The port checks the main port's bearer tokens (``--auth-token-file``, unless
 ``--sglang-compat-tokens off``) and per-client limits (``--max-requests-per-client``, one count per
-client across both ports), with the interceptors of api/security.py. Errors are typed
+client across both ports), with the interceptors of api/security/settings.py. Errors are typed
 (``EncoderError``) and become statuses in the service interceptor, as on the main port, so every
 bad input is a status naming it and the server serves on. The response's trailing metadata carries
 each image's SGLang content digest (``x-mm-content-hashes``: ``sha256:<hex of the raw bytes>``,
@@ -42,19 +42,18 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from smg_grpc_proto import sglang_encoder_pb2, sglang_encoder_pb2_grpc
 
-from ..config import ServiceConfig
-from ..engine import ImageInput
-from ..errors import EncoderError, InvalidInput
-from ..metrics import ServiceMetrics
-from ..sink_allowlist import SinkAllowlist
-from .auth import client_identity, presented_token
-from .calls import CallBook, ServiceInterceptor
-from .interceptors import method_path
-from .limits import peer_address
-from .security import Security, sglang_port_security
-from .servicer import VisionEncoderServicer
-from .sglang_header import embedding_data_header
-from .sglang_media import load_mm_items, sglang_content_hash
+from ...config import ServiceConfig
+from ...engine import ImageInput
+from ...errors import EncoderError, InvalidInput
+from ...metrics import ServiceMetrics
+from ..engine_gate import EngineGate
+from ..interceptor_support import method_path
+from ..security.auth import client_identity, presented_token
+from ..security.client_limits import peer_address
+from ..security.settings import Security, sglang_port_security
+from ..service_interceptor import CallBook, ServiceInterceptor
+from .header import embedding_data_header
+from .media import load_mm_items, sglang_content_hash
 from .url_fetch import UrlFetcher
 from .zmq_push import Destinations, HeldBytes, ZmqPusher, checked_endpoint, host_port
 
@@ -87,12 +86,13 @@ def _check(request: sglang_encoder_pb2.EncodeRequest, max_images: int) -> None:
 
 
 class SglangEncoderServicer(sglang_encoder_pb2_grpc.SglangEncoderServicer):
-    def __init__(self, config: ServiceConfig, servicer: VisionEncoderServicer, by_token: bool = False) -> None:
-        """``by_token``: this port checks bearer tokens, so a caller is its token."""
+    def __init__(self, config: ServiceConfig, gate: EngineGate, by_token: bool = False) -> None:
+        """``gate``: the engine path, its readiness and drain, shared with the VisionEncoder port;
+        ``by_token``: this port checks bearer tokens, so a caller is its token."""
         self.config = config
-        self.servicer = servicer  # its engine path, its readiness and drain
-        self.sinks = SinkAllowlist(config.allowed_sink_patterns)
-        self.fetcher = UrlFetcher(config.url_fetch_patterns, config.max_message_bytes)
+        self.gate = gate
+        self.sinks = config.sink_allowlist
+        self.fetcher = UrlFetcher(config.url_fetch_allowlist, config.max_message_bytes)
         self.send_timeout_s = config.sglang_send_timeout_s
         self.destinations = Destinations(ttl_s=self.send_timeout_s)
         self.held = HeldBytes(config.sglang_max_held_bytes)
@@ -131,7 +131,7 @@ class SglangEncoderServicer(sglang_encoder_pb2_grpc.SglangEncoderServicer):
         with expecting as entry:
             blobs = await load_mm_items(list(request.mm_items), self.fetcher)
             images = [ImageInput(index=i, kind="encoded", data=b) for i, b in enumerate(blobs)]
-            encoded = await self.servicer.encode_images(images)
+            encoded = await self.gate.encode_all(images)
             results = [r for r, _ in encoded]
             sglang_hashes = [sglang_content_hash(b) for b in blobs]
             del blobs, images
@@ -149,7 +149,7 @@ class SglangEncoderServicer(sglang_encoder_pb2_grpc.SglangEncoderServicer):
                 ours = [r.content_hash for r in results]
                 header = embedding_data_header(
                     request.req_id, request.num_parts, request.part_idx, [r.grid for r in results], num_tokens,
-                    row_width, self.servicer.engine.describe().dtype,
+                    row_width, self.gate.engine.describe().dtype,
                     mm_content_hashes=sglang_hashes, encoder_content_hashes=ours)
                 await self._push(endpoints, [header, payload], deadline)
                 if entry is not None:
@@ -184,13 +184,13 @@ class SglangCompatServer:
         self.server, self.servicer, self.port = server, servicer, port
 
     @classmethod
-    async def start(cls, config: ServiceConfig, servicer: VisionEncoderServicer, metrics: ServiceMetrics,
+    async def start(cls, config: ServiceConfig, gate: EngineGate, metrics: ServiceMetrics,
                     calls: CallBook, health_servicer: health.aio.HealthServicer,
                     options: list[tuple[str, int]], security: Security) -> SglangCompatServer:
         """Raises RuntimeError when the port cannot be bound; ``options``: the main port's;
         ``security``: the main port's (its token file and per-client counts are shared)."""
         port_security = sglang_port_security(config, security, LIMITED_METHODS)
-        compat = SglangEncoderServicer(config, servicer, by_token=port_security.by_token)
+        compat = SglangEncoderServicer(config, gate, by_token=port_security.by_token)
         # The service interceptor first, as on the main port: it answers the others' refusals.
         server = grpc.aio.server(options=options, interceptors=[
             ServiceInterceptor(metrics, calls, SGLANG_ENCODER, LABEL_PREFIX), *port_security.interceptors])

@@ -12,7 +12,7 @@ streaming scales with N, and the cache, the batch queue and the metrics stay one
 What a relay does with a call:
 - **Encode asking for streamed responses** (no ``output_region``, no ``sink``): the relay lends the
   server one of its regions (sealed memfds handed over by descriptor, named in the call's metadata
-  by an opaque key: api/relay_regions.py), and sends each image it reads there on as the chunks the
+  by an opaque key: api/relay/regions.py), and sends each image it reads there on as the chunks the
   server would have streamed: the same messages, byte for byte (``streaming.rows_on_stream``). An
   image that did not fit the region comes on the stream and passes as it came. Regions are sized
   for recent calls up to ``REGION_MAX_BYTES``, and a relay's regions hold at most
@@ -50,12 +50,12 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
-from ..config import ServiceConfig, chunk_budget
-from ..metrics import VISION_ENCODER
-from .interceptors import RELAYED_PEER, method_path
-from .relay_regions import RELAY_REGION, RegionLender
-from .streaming import OFF_LOOP_MIN_BYTES, built_off_loop, rows_on_stream
-from .tls import ReloadingServerCredentials
+from ...config import ServiceConfig, chunk_budget
+from ...metrics import VISION_ENCODER
+from ..interceptor_support import RELAYED_PEER, method_path
+from ..security.tls import ReloadingServerCredentials
+from ..streaming import OFF_LOOP_MIN_BYTES, built_off_loop, rows_on_stream
+from .regions import RELAY_REGION, RegionLender
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class RelaySpec:
 
     config: ServiceConfig
     upstream: str  # the server process's address: unix:/path
-    regions_path: str  # the server process's region socket (api/relay_regions.py)
+    regions_path: str  # the server process's region socket (api/relay/regions.py)
     port: int  # the public port to bind (0 for the first relay when --port 0)
     index: int
 
@@ -302,7 +302,7 @@ async def serve_relay(spec: RelaySpec, conn: Connection) -> int:
 
 
 def relay_main(spec: RelaySpec, conn: Connection) -> None:
-    """The relay process's entry point (started with spawn by api/relays.py)."""
+    """The relay process's entry point (started with spawn by api/relay/supervisor.py)."""
     logging.basicConfig(level=spec.config.log_level, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s relay-{spec.index} %(name)s: %(message)s")
     # Ctrl-C reaches the whole process group; the server process drains, then stops the relays.
