@@ -10,7 +10,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .config import ENV_PREFIX, add_serve_arguments, build_config
+from .config import ENV_PREFIX
+from .config_flags import add_serve_arguments, build_config
 
 
 def _parser() -> argparse.ArgumentParser:

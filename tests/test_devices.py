@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from encoder_service.config import parse_serve_args
+from encoder_service.config_flags import parse_serve_args
 from encoder_service.engine.devices import WorkerDevice, parse_devices
 
 

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from encoder_service.config import ServiceConfig
 from encoder_service.engine import Engine
-from encoder_service.engine.engine import model_info
+from encoder_service.engine.facts import model_info
 from encoder_service.metrics import ServiceMetrics
 from encoder_service.models import load_vision_model
 

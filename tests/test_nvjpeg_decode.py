@@ -13,7 +13,8 @@ import torch
 from PIL import Image, ImageOps
 from prometheus_client import CollectorRegistry
 
-from encoder_service.config import ServiceConfig, parse_serve_args
+from encoder_service.config import ServiceConfig
+from encoder_service.config_flags import parse_serve_args
 from encoder_service.engine import Engine, ImageInput
 from encoder_service.errors import BackendUnavailable, InvalidInput, ResourceExhausted
 from encoder_service.metrics import ServiceMetrics

@@ -22,7 +22,8 @@ from test_nvjpeg_decode import (  # noqa: F401 (stand_in: a fixture)
     stand_in,
 )
 
-from encoder_service.config import ServiceConfig, parse_serve_args
+from encoder_service.config import ServiceConfig
+from encoder_service.config_flags import parse_serve_args
 from encoder_service.engine import Engine, ImageInput
 from encoder_service.engine.handoff import copy_bytes, describe, rebuild
 from encoder_service.engine.shared_buffer import SharedBuffer

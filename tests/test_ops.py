@@ -224,7 +224,7 @@ def test_the_ops_package_imports_without_triton():
 
 
 def test_the_option_reaches_the_config():
-    from encoder_service.config import parse_serve_args
+    from encoder_service.config_flags import parse_serve_args
 
     assert parse_serve_args([]).ops == "auto"
     assert parse_serve_args(["--ops", "torch"]).ops == "torch"

@@ -18,7 +18,8 @@ import pytest
 import yaml
 from conftest import REPO_ROOT, find_tool
 
-from encoder_service.config import ENV_PREFIX, ServiceConfig, build_config
+from encoder_service.config import ENV_PREFIX, ServiceConfig
+from encoder_service.config_flags import build_config
 
 K8S = REPO_ROOT / "deploy" / "k8s"
 OVERLAYS = ("cpu-demo", "gpu", "gpu-node", "tls")

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from encoder_service.config import build_config
+from encoder_service.config_flags import build_config
 from encoder_service.metrics import model_label
 from encoder_service.models import make_checkpoint
 

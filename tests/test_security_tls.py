@@ -21,7 +21,7 @@ from encoder_client import EncoderClient, EncoderClientError, tls_credentials
 
 from encoder_service.api.security.settings import build_security
 from encoder_service.api.security.tls import TLSFileError
-from encoder_service.config import parse_serve_args
+from encoder_service.config_flags import parse_serve_args
 
 
 def png(seed: int) -> bytes:

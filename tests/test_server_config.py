@@ -9,7 +9,8 @@ from dataclasses import fields
 import pytest
 
 from encoder_service.cli import main
-from encoder_service.config import ServiceConfig, parse_serve_args
+from encoder_service.config import ServiceConfig
+from encoder_service.config_flags import parse_serve_args
 
 SERVE_FLAGS = ["--model", "--device", "--dtype", "--attn-backend", "--host", "--port", "--cache-bytes",
                "--max-batch-tokens", "--max-queue-images", "--max-message-bytes", "--max-image-pixels",

@@ -356,7 +356,7 @@ def test_send_is_unimplemented_and_receive_url_is_checked(sg, server):
 def test_the_readme_encoder_command_parses():
     from conftest import REPO_ROOT
 
-    from encoder_service.config import parse_serve_args
+    from encoder_service.config_flags import parse_serve_args
 
     readme = (REPO_ROOT / "README.md").read_text()
     section = readme.split("## Using it with SGLang", 1)[1].split("\n## ", 1)[0]
@@ -811,7 +811,7 @@ def test_the_sglang_port_shares_the_main_ports_token_file_and_client_counts(tmp_
     from encoder_service.api.security.client_limits import PerClientLimitInterceptor
     from encoder_service.api.security.settings import build_security, sglang_port_security
     from encoder_service.api.sglang.front_end import LIMITED_METHODS
-    from encoder_service.config import parse_serve_args
+    from encoder_service.config_flags import parse_serve_args
 
     tokens = tmp_path / "tokens"
     tokens.write_text("t\n")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from encoder_service.config import parse_serve_args
+from encoder_service.config_flags import parse_serve_args
 from encoder_service.errors import InvalidInput
 from encoder_service.sink_allowlist import SinkAllowlist, parse_target
 

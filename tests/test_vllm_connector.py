@@ -169,7 +169,7 @@ def test_the_readme_config_is_the_one_the_tests_use():
 
 
 def test_the_readme_encoder_command_parses():
-    from encoder_service.config import parse_serve_args
+    from encoder_service.config_flags import parse_serve_args
 
     section = README.read_text().split("## Using it with vLLM", 1)[1].split("\n## ", 1)[0]
     block = re.findall(r"```bash\n(.*?)```", section, re.S)[0].replace("\\\n", " ")

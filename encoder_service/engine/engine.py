@@ -18,16 +18,13 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import fields
 
 import torch
-from encoder_client.protocol.hashing import hash_encoded, hash_patches
 from encoder_client.protocol.model_info import ModelInfo
 
 from .. import __version__
 from ..config import ServiceConfig
-from ..errors import RETRY_AFTER_S, InvalidInput, NotFound, ResourceExhausted, Unavailable
+from ..errors import InvalidInput, NotFound, ResourceExhausted, Unavailable
 from ..metrics import ServiceMetrics
 from ..models.base import validate_grid
 from ..models.served import ServedModel
@@ -37,25 +34,15 @@ from .admission import Admission
 from .batch_queue import BatchQueue, WorkItem
 from .cache import CacheEntry, EmbeddingCache
 from .devices_pool import InProcessDevice, WorkerProcesses
+from .facts import PixelLimits, model_info
 from .jobs import Job, Wait, retag
+from .keys import content_keys
+from .preparation import EXPENSIVE, PreparePools
 from .types import Grid, ImageInput, ImageResult, Timing
 from .watchdog import UP, Watchdog
 from .worker import BatchOutcome
 
 log = logging.getLogger(__name__)
-
-# Requests up to this size are hashed on the event loop; larger ones in the hash pool, since sha256
-# releases the GIL and the loop would otherwise sit idle while it runs.
-HASH_INLINE_BYTES = 64 * 1024
-HASH_THREADS = 2  # sha256 releases the GIL: two threads keep large requests off the loop
-# Images expensive to decode by their header (decode.ExpensiveImage: a JPEG with more scans than
-# encoders write, or more pixels than the derived default limit) decode in a pool of their own: one
-# thread for every 4 decode threads (at least one), so they take at most that share of the decoding
-# CPU and never hold up an ordinary image. At most this many per thread are decoding or waiting;
-# beyond that RESOURCE_EXHAUSTED (retry later).
-EXPENSIVE_DECODES_PER_THREAD = 4
-_EXPENSIVE = object()  # what the ordinary pool answers for an image it hands on to the expensive one
-
 
 class Engine:
     """``Engine(config, metrics=...)`` loads the configured model when started: in this process (one
@@ -79,12 +66,7 @@ class Engine:
         self._queue = BatchQueue()
         self._inflight: dict[str, Job] = {}
         self._tasks: set[asyncio.Task] = set()
-        self._pool = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="preprocess")
-        expensive_threads = max(1, config.preprocess_threads // 4)
-        self._expensive_pool = ThreadPoolExecutor(expensive_threads, thread_name_prefix="preprocess-expensive")
-        self._expensive_capacity = EXPENSIVE_DECODES_PER_THREAD * expensive_threads
-        self._expensive_waiting = 0
-        self._hash_pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="hash")
+        self._pools = PreparePools(config.preprocess_threads)
         self._closed = False
         self._started = False
         self._watch_task: asyncio.Task | None = None
@@ -128,9 +110,7 @@ class Engine:
             if not job.done.done():
                 job.done.set_exception(Unavailable("server is shutting down"))
         await self.devices.stop()
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._expensive_pool.shutdown(wait=False, cancel_futures=True)
-        self._hash_pool.shutdown(wait=False, cancel_futures=True)
+        self._pools.shutdown()
 
     @property
     def serving(self) -> bool:
@@ -156,25 +136,12 @@ class Engine:
     def _set_pixel_limits(self) -> None:
         """The pixel limit in force (--max-image-pixels; -1: derived from the model's max_pixels) and
         the size above which an image decodes in the expensive pool (the derived default)."""
-        max_pixels = None
-        if self.front is not None:
-            max_pixels = decode.model_max_pixels(getattr(self.front.decoder, "config", None))
-        self.model_max_pixels = max_pixels
-        self._ordinary_pixels = decode.derived_pixel_limit(max_pixels)
-        configured = self.config.max_image_pixels
-        self.max_image_pixels = self._ordinary_pixels if configured == -1 else configured
+        self.pixel_limits = PixelLimits.derive(self.config.max_image_pixels, self.front)
+        self.max_image_pixels = self.pixel_limits.in_force
 
     def pixel_limit_rule(self) -> str:
         """The pixel limit in force and where it comes from, for the start-up log."""
-        if self.config.max_image_pixels != -1:
-            return f"{self.max_image_pixels} (--max-image-pixels)"
-        if self.model_max_pixels is None:
-            return f"{self.max_image_pixels} (the model states no max_pixels)"
-        multiple = decode.PIXEL_LIMIT_MAX_PIXELS_MULTIPLE
-        if self.max_image_pixels < multiple * self.model_max_pixels:
-            return (f"{self.max_image_pixels} (the cap: {multiple} x the model's max_pixels "
-                    f"{self.model_max_pixels} is more)")
-        return f"{self.max_image_pixels} ({multiple} x the model's max_pixels {self.model_max_pixels})"
+        return self.pixel_limits.rule()
 
     # --- plain facts ---------------------------------------------------------------------------------
     def describe(self, **edge_facts) -> ModelInfo:
@@ -232,7 +199,7 @@ class Engine:
             raise InvalidInput("no images in the request")
         for image in images:
             self.metrics.image_received(image.kind)
-        keys = await self._hash(images)
+        keys = await self._pools.hashed(functools.partial(content_keys, self.namespace), images)
 
         # Everything from here to the first await runs atomically on the loop: admission counts
         # exactly the jobs this request creates.
@@ -285,27 +252,6 @@ class Engine:
             for wait in waits:
                 wait.leave(self._leave)
 
-    async def _hash(self, images: Sequence[ImageInput]) -> list[str]:
-        """The images' keys, never behind other requests' decoding: that would make cache hits and
-        admission (RESOURCE_EXHAUSTED) wait for it under load. Small requests are hashed right here
-        (sha256 runs ~1.5 GB/s); larger ones in a pool of their own."""
-        size = sum(len(image.data) for image in images)
-        if size <= HASH_INLINE_BYTES:
-            return self._keys(images)
-        return await asyncio.get_running_loop().run_in_executor(self._hash_pool, self._keys, images)
-
-    def _keys(self, images: Sequence[ImageInput]) -> list[str]:
-        """Server-computed content hashes (thread pool: hashing megabytes is CPU work)."""
-        keys = []
-        for image in images:
-            if image.kind == "encoded":
-                keys.append(hash_encoded(self.namespace, image.data))
-            elif image.kind == "patches":
-                keys.append(hash_patches(self.namespace, image.grid, image.dtype_enum, image.data))
-            else:  # a caller's hash is only a reference to look up, never a key we store under
-                keys.append(image.content_hash)
-        return keys
-
     async def _await_prepared(self, waits: list[Wait]) -> None:
         futures = {w.job.prepared for w in waits}
         if futures:
@@ -348,12 +294,9 @@ class Engine:
 
     # --- jobs ------------------------------------------------------------------------------------------
     async def _prepare(self, job: Job, image: ImageInput) -> None:
-        loop = asyncio.get_running_loop()
         started = time.perf_counter()
         try:
-            payload = await loop.run_in_executor(self._pool, self._prepare_sync, image, False)
-            if payload is _EXPENSIVE:
-                payload = await self._prepare_expensive(image)
+            payload = await self._pools.prepared(self._prepare_sync, image, self.pixel_limits.ordinary)
         except Exception as exc:
             if job.state == "preparing":
                 job.state = "failed"
@@ -368,32 +311,18 @@ class Engine:
         job.payload, job.grid, job.state = payload, payload.grid, "prepared"
         job.prepared.set_result(None)
 
-    async def _prepare_expensive(self, image: ImageInput) -> StagedInput:
-        """Decodes an image that is expensive by its header in the pool of its own, if it has room."""
-        if self._expensive_waiting >= self._expensive_capacity:
-            raise ResourceExhausted(
-                f"{self._expensive_waiting} images that are expensive to decode (JPEGs of more than "
-                f"{decode.ORDINARY_JPEG_SCANS} scans, or of more than {self._ordinary_pixels} pixels) are "
-                "already being decoded or waiting; retry later", retry_after_s=RETRY_AFTER_S)
-        self._expensive_waiting += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._expensive_pool, self._prepare_sync,
-                                                                    image, True)
-        finally:
-            self._expensive_waiting -= 1
-
     def _prepare_sync(self, image: ImageInput, expensive_pool: bool) -> StagedInput | object:
         """The CPU half of preprocessing (thread pool): decode to uint8 pixels, or check a client's
         patch bytes. Resize, normalize and patchify run on the model's device, batched per forward.
         In the ordinary pool, an image that is expensive to decode by its header is answered
-        ``_EXPENSIVE`` (to be decoded in the other pool) before any of its pixels is decoded."""
+        ``EXPENSIVE`` (to be decoded in the other pool) before any of its pixels is decoded."""
         if image.kind == "encoded":
             try:
                 with decode.decode_budget(self.config.max_decode_seconds,
-                                          None if expensive_pool else self._ordinary_pixels):
+                                          None if expensive_pool else self.pixel_limits.ordinary):
                     decoded = self.front.decode_image(image.data, self.max_image_pixels)
             except decode.ExpensiveImage:
-                return _EXPENSIVE
+                return EXPENSIVE
             self._check_size(decoded.grid)
             return decoded
         return check_patch_bytes(image.data, image.patch_dtype, image.grid, self.front.spec.patch_dim)
@@ -478,18 +407,3 @@ class Engine:
                                                                         pins=job.refs)
             job.done.set_result(embedding)
 
-
-def model_info(*sources, info_type: type[ModelInfo] = ModelInfo) -> ModelInfo:
-    """A ``ModelInfo`` whose fields are read by name from ``sources`` (mappings or objects), the
-    first that has a field winning; a field no source has keeps its default (TypeError without one)."""
-    values = {}
-    for field in fields(info_type):
-        for source in sources:
-            if isinstance(source, dict):
-                if field.name in source:
-                    values[field.name] = source[field.name]
-                    break
-            elif hasattr(source, field.name):
-                values[field.name] = getattr(source, field.name)
-                break
-    return info_type(**values)

@@ -1,0 +1,68 @@
+"""The thread pools of an image's CPU half: hashing a request's images, decoding ordinary images,
+and decoding images that are expensive by their header in a pool of their own (so ordinary images
+never queue behind them). The engine decides what preparing an image means; this decides where it
+runs and how many expensive ones may wait."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from ..errors import RETRY_AFTER_S, ResourceExhausted
+from ..preprocess import decode
+
+# Requests up to this size are hashed on the event loop; larger ones in the hash pool, since sha256
+# releases the GIL and the loop would otherwise sit idle while it runs.
+HASH_INLINE_BYTES = 64 * 1024
+HASH_THREADS = 2  # sha256 releases the GIL: two threads keep large requests off the loop
+# Images expensive to decode by their header (decode.ExpensiveImage: a JPEG with more scans than
+# encoders write, or more pixels than the derived default limit) decode in a pool of their own: one
+# thread for every 4 decode threads (at least one), so they take at most that share of the decoding
+# CPU and never hold up an ordinary image. At most this many per thread are decoding or waiting;
+# beyond that RESOURCE_EXHAUSTED (retry later).
+EXPENSIVE_DECODES_PER_THREAD = 4
+EXPENSIVE = object()  # what the ordinary pool answers for an image it hands on to the expensive one
+
+T = TypeVar("T")
+
+
+class PreparePools:
+    def __init__(self, preprocess_threads: int) -> None:
+        self._pool = ThreadPoolExecutor(preprocess_threads, thread_name_prefix="preprocess")
+        expensive_threads = max(1, preprocess_threads // 4)
+        self._expensive_pool = ThreadPoolExecutor(expensive_threads, thread_name_prefix="preprocess-expensive")
+        self._expensive_capacity = EXPENSIVE_DECODES_PER_THREAD * expensive_threads
+        self._expensive_waiting = 0
+        self._hash_pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="hash")
+
+    async def hashed(self, keys: Callable[[Sequence], list[str]], images: Sequence) -> list[str]:
+        """The images' keys, never behind other requests' decoding: that would make cache hits and
+        admission (RESOURCE_EXHAUSTED) wait for it under load. Small requests are hashed right here
+        (sha256 runs ~1.5 GB/s); larger ones in a pool of their own."""
+        size = sum(len(image.data) for image in images)
+        if size <= HASH_INLINE_BYTES:
+            return keys(images)
+        return await asyncio.get_running_loop().run_in_executor(self._hash_pool, keys, images)
+
+    async def prepared(self, prepare: Callable[[object, bool], T], image: object, ordinary_pixels: int) -> T:
+        """``prepare(image, expensive_pool)`` in the ordinary pool; if it answers ``EXPENSIVE``, again
+        in the expensive pool, if that has room."""
+        payload = await asyncio.get_running_loop().run_in_executor(self._pool, prepare, image, False)
+        if payload is not EXPENSIVE:
+            return payload
+        if self._expensive_waiting >= self._expensive_capacity:
+            raise ResourceExhausted(
+                f"{self._expensive_waiting} images that are expensive to decode (JPEGs of more than "
+                f"{decode.ORDINARY_JPEG_SCANS} scans, or of more than {ordinary_pixels} pixels) are "
+                "already being decoded or waiting; retry later", retry_after_s=RETRY_AFTER_S)
+        self._expensive_waiting += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._expensive_pool, prepare, image, True)
+        finally:
+            self._expensive_waiting -= 1
+
+    def shutdown(self) -> None:
+        for pool in (self._pool, self._expensive_pool, self._hash_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
