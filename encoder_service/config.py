@@ -107,6 +107,27 @@ class ServiceConfig:
         "(RESOURCE_EXHAUSTED). Checked at each read of the file's bytes; the pixel, memory and "
         "JPEG scan limits bound what happens between two.",
         above=0)
+    max_video_bytes: int = option(64 * MiB,
+        "largest video accepted, in bytes (a container, or the sum of a clip's frames); larger is "
+        "RESOURCE_EXHAUSTED before anything is decoded. 0: the server takes no video.",
+        at_least=0)
+    max_video_frames: int = option(18000,
+        "most frames a clip's stream may hold (what decoding may have to walk through, 10 minutes "
+        "at 30 fps by default), read from the container and enforced while decoding; the frames the "
+        "model samples are bounded by its own max_frames and by --max-batch-tokens.",
+        at_least=1)
+    max_video_seconds: float = option(600.0,
+        "longest clip accepted, in seconds of its stream (as the container states, enforced on the "
+        "frames' timestamps while decoding)",
+        above=0)
+    max_video_decode_seconds: float = option(60.0,
+        "wall-clock budget of one clip's decode in its decoder process; past it the process is "
+        "killed and replaced and the clip refused (RESOURCE_EXHAUSTED)",
+        above=0)
+    video_decode_processes: int = option(2,
+        "processes decoding video containers: a decoder that crashes or hangs loses only its own "
+        "clip; the process is replaced",
+        at_least=1)
     max_chunk_bytes: int = option(4 * MiB,
         "default (and upper bound) of the embedding bytes in one streamed chunk; "
         f"a request may ask for less, down to {MIN_CHUNK_BYTES}.",

@@ -62,7 +62,8 @@ BATCH_IMAGE_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0
 # values (a method added to the proto gets its series without a list kept by hand).
 VISION_ENCODER = encoder_pb2.DESCRIPTOR.services_by_name["VisionEncoder"]
 RPC_METHODS = tuple(m.name for m in VISION_ENCODER.methods)
-IMAGE_SOURCES = ("encoded", "patches", "content_hash")
+IMAGE_SOURCES = ("encoded", "patches", "content_hash", "video")
+MODALITIES = ("image", "video")
 
 
 _HF_CACHE_DIR = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)")
@@ -154,6 +155,15 @@ class ServiceMetrics:
         self.tokens_encoded = Counter(
             "encoder_service_tokens_encoded", "Embedding tokens produced by forward passes (rows of the "
             "[num_tokens, hidden] outputs, i.e. LLM input tokens).", registry=r)
+        self.modality_tokens_encoded = Counter(
+            "encoder_service_modality_tokens_encoded", "Embedding tokens produced by forward passes, by "
+            "modality (image: images and patches; video: clips).", ["modality"], registry=r)
+        self.video_frames_decoded = Counter(
+            "encoder_service_video_frames_decoded", "Frames of clips decoded (the sampled ones, each once).",
+            registry=r)
+        self.video_decode_seconds = Histogram(
+            "encoder_service_video_decode_seconds", "Decode, sampling and processing time of one clip.",
+            buckets=LATENCY_BUCKETS_S, registry=r)
         self.inflight_joins = Counter(
             "encoder_service_inflight_joins", "Images that joined a forward already under way for the same "
             "content.", registry=r)
@@ -253,6 +263,8 @@ class ServiceMetrics:
         self.queue_capacity_images.set(queue_capacity_images)
         for source in IMAGE_SOURCES:
             self.images.labels(source=source, model=model)
+        for modality in MODALITIES:
+            self.modality_tokens_encoded.labels(modality=modality)
 
     def image_received(self, source: str) -> None:
         """One image of a request, by its kind (IMAGE_SOURCES), for the served model."""

@@ -57,7 +57,7 @@ from encoder_client.protocol import ModelInfo, bf16_bits_to_float32
 from encoder_client.routing import RoutingEncoderClient
 from encoder_client.security import read_token_file, tls_credentials
 from encoder_client.sink import EmbeddingSinkReceiver, PushedImage
-from encoder_client.types import EncodedImage, HashRef, ImageInput
+from encoder_client.types import EncodedImage, HashRef, ImageInput, Video
 
 __all__ = [
     "AsyncEncoderClient",
@@ -70,6 +70,7 @@ __all__ = [
     "ModelInfo",
     "PushedImage",
     "RoutingEncoderClient",
+    "Video",
     "bf16_bits_to_float32",
     "content_hash",
     "read_token_file",

@@ -168,6 +168,8 @@ class Reassembler:
             dtype=dtype_name(part.first.dtype),
             timing=timing,
             latency_ms=(time.monotonic() - self._started_s) * 1000.0,
+            frame_indices=tuple(last.frame_indices),
+            frame_timestamps_s=tuple(last.frame_timestamps_s),
         )
 
 

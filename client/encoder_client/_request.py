@@ -11,7 +11,7 @@ import numpy as np
 
 from encoder_client.dtypes import output_dtype_enum
 from encoder_client.protocol import BY_NAME, DTYPES, encoder_pb2, hashing
-from encoder_client.types import HashRef, ImageInput
+from encoder_client.types import HashRef, ImageInput, Video
 
 MAX_UINT32 = 2**32 - 1
 
@@ -64,6 +64,8 @@ def image_to_proto(index: int, image: ImageInput) -> encoder_pb2.Image:
         if not image.content_hash:
             raise ValueError(f"image {index}: HashRef with an empty content_hash")
         return encoder_pb2.Image(content_hash=image.content_hash)
+    if isinstance(image, Video):
+        return encoder_pb2.Image(video=image.to_proto())
     if isinstance(image, (bytes, bytearray, memoryview)):
         return encoder_pb2.Image(encoded=bytes(image))
     if isinstance(image, (str, os.PathLike)):
@@ -71,13 +73,13 @@ def image_to_proto(index: int, image: ImageInput) -> encoder_pb2.Image:
     if isinstance(image, tuple) and len(image) == 2:
         return encoder_pb2.Image(patches=_patches_to_proto(index, image[0], image[1]))
     raise TypeError(
-        f"image {index}: expected bytes, a path, (patches, grid) or HashRef, got {type(image).__name__}"
+        f"image {index}: expected bytes, a path, (patches, grid), Video or HashRef, got {type(image).__name__}"
     )
 
 
 def check_images_sequence(images: object) -> None:
     """Refuse a single image passed where a list is expected (bytes would iterate as ints)."""
-    single = (bytes, bytearray, memoryview, str, os.PathLike, HashRef, encoder_pb2.Image)
+    single = (bytes, bytearray, memoryview, str, os.PathLike, HashRef, Video, encoder_pb2.Image)
     if isinstance(images, single) or (
         isinstance(images, tuple) and len(images) == 2 and isinstance(images[0], np.ndarray)
     ):
@@ -117,4 +119,15 @@ def content_hash(image: ImageInput, cache_namespace: str) -> str:
         return hashing.hash_patches(cache_namespace, p.grid_thw, p.dtype, p.data)
     if source == "content_hash":
         return msg.content_hash
+    if source == "video":
+        return video_hash(cache_namespace, msg.video)
     raise ValueError("image has no source set")
+
+
+def video_hash(cache_namespace: str, video: encoder_pb2.Video) -> str:
+    """The content hash of a clip as the server computes it (``hashing.hash_video``)."""
+    s = video.sampling
+    key = hashing.sampling_key(s.reference, s.fps, s.num_frames, s.min_frames, s.max_frames, s.min_pixels,
+                               s.max_pixels)
+    return hashing.hash_video(cache_namespace, key, encoded=video.encoded, frames=list(video.frames),
+                              frames_fps=video.frames_fps)

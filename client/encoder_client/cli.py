@@ -16,7 +16,7 @@ from encoder_client.errors import EncoderClientError
 from encoder_client.protocol import OUTPUT_DTYPES
 from encoder_client.routing import RoutingEncoderClient
 from encoder_client.security import read_token_file, tls_credentials
-from encoder_client.types import EncodedImage
+from encoder_client.types import EncodedImage, Video
 
 ENV_PREFIX = "ENCODER_CLIENT_"
 
@@ -27,10 +27,21 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+# A file with one of these suffixes is sent as a clip (Video), any other as an image.
+VIDEO_SUFFIXES = (".mp4", ".m4v", ".webm", ".mkv", ".mov", ".avi")
+
+
+def _input(path: Path, args: argparse.Namespace) -> bytes | Video:
+    data = path.read_bytes()
+    if path.suffix.lower() not in VIDEO_SUFFIXES:
+        return data
+    return Video(data, fps=args.fps, num_frames=args.num_frames, reference=args.video_reference)
+
+
 def _encode(args: argparse.Namespace, client: EncoderClient | RoutingEncoderClient) -> int:
     output_dtype = None if args.dtype == "model" else args.dtype
     # Read once: --repeat measures the service (cache hits on repeats), not the disk.
-    images = [Path(f).read_bytes() for f in args.files]
+    images = [_input(Path(f), args) for f in args.files]
     runs: list[list[EncodedImage]] = []
     kwargs = {} if isinstance(client, RoutingEncoderClient) else {"hash_first": args.hash_first}
     for _ in range(args.repeat):
@@ -39,6 +50,9 @@ def _encode(args: argparse.Namespace, client: EncoderClient | RoutingEncoderClie
     # A "levels" column only for models with extra feature levels (deepstack): others print as before.
     levels = any(r.feature_levels > 1 for r in results)
     header = ["image", "tokens", "hidden", *(["levels"] if levels else []), "hash", "cache hit", "ms"]
+    frames = any(r.frame_indices for r in results)  # a "frames" column only when clips were sent
+    if frames:
+        header.append("frames")
     if args.repeat > 1:
         header = ["run", *header]
     rows: list[list[str]] = []
@@ -46,16 +60,25 @@ def _encode(args: argparse.Namespace, client: EncoderClient | RoutingEncoderClie
         for name, r in zip(args.files, run_results, strict=True):
             row = [name, str(r.num_tokens), str(r.hidden_size), *([str(r.feature_levels)] if levels else []),
                    r.content_hash[:12], "yes" if r.cache_hit else "no", f"{r.latency_ms:.1f}"]
+            if frames:
+                row.append(_frames(r.frame_indices))
             rows.append([str(run + 1), *row] if args.repeat > 1 else row)
     print(_table(rows, header))
     if args.out is not None:
         arrays = {f"image_{r.index}": r.embedding for r in results}
         arrays.update({f"image_{r.index}_deepstack_{k}": level for r in results for k, level in enumerate(r.deepstack)})
         # Fixed-width unicode, not object arrays, so np.load works without allow_pickle.
+        arrays.update({f"image_{r.index}_frame_indices": np.array(r.frame_indices, dtype=np.int64)
+                       for r in results if r.frame_indices})
         arrays["hashes"] = np.array([r.content_hash for r in results], dtype=str)
         np.savez(args.out, **arrays)
         print(f"wrote {args.out}")
     return 0
+
+
+def _frames(indices: tuple[int, ...]) -> str:
+    shown = ",".join(map(str, indices[:8]))
+    return f"{len(indices)}: {shown}{',...' if len(indices) > 8 else ''}"
 
 
 def _info(args: argparse.Namespace, client: EncoderClient) -> int:
@@ -121,8 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
         _add_security(p)
         return p
 
-    p = add("encode", "encode image files and print one row per image")
-    p.add_argument("files", nargs="+", metavar="FILE")
+    p = add("encode", "encode image and video files and print one row per file")
+    p.add_argument("files", nargs="+", metavar="FILE",
+                   help=f"images, or clips (a file ending {', '.join(VIDEO_SUFFIXES)}: sampled by the server)")
+    p.add_argument("--fps", type=float, default=None, help="clips: frames to sample per second (default: the model's)")
+    p.add_argument("--num-frames", type=int, default=None, help="clips: frames to sample in all (instead of --fps)")
+    p.add_argument("--video-reference", choices=["transformers", "vllm"], default="transformers",
+                   help="clips: whose frame sampling to equal (default transformers; vllm for an encoder feeding vLLM)")
     p.add_argument("--dtype", choices=["model", *OUTPUT_DTYPES], default="model",
                    help="output dtype (default: the model's)")
     p.add_argument("--bf16-as", choices=["float32", "uint16"], default="float32",

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Union
 
 import numpy as np
 
 from encoder_client.protocol import ModelInfo, encoder_pb2
 
-__all__ = ["EncodedImage", "HashRef", "ImageInput", "ModelInfo"]  # ModelInfo: encoder_client.protocol's
+__all__ = ["EncodedImage", "HashRef", "ImageInput", "ModelInfo", "Video"]  # ModelInfo: encoder_client.protocol's
 
 
 @dataclass(frozen=True)
@@ -24,12 +25,57 @@ class HashRef:
     content_hash: str
 
 
+@dataclass(frozen=True)
+class Video:
+    """A clip, taken wherever an image is: ``Video("clip.mp4")`` or ``Video(mp4_bytes, fps=1)`` for a
+    container (MP4/WebM/MKV/MOV), or ``Video(frames=[jpeg, ...], frames_fps=30)`` for frames already
+    decoded to JPEG/PNG, in order.
+
+    The server samples frames as ``reference`` does ("transformers", the default: transformers' video
+    processor; "vllm": what vLLM does, which an encoder feeding vLLM must use), with these settings
+    (None: the model's default; ``fps`` and ``num_frames`` are exclusive), processes them as the
+    model's video processor does and returns one embedding for the clip, with the frame indices it
+    used (``EncodedImage.frame_indices``). The settings are part of the content hash.
+    """
+
+    data_or_path: bytes | bytearray | memoryview | str | os.PathLike | None = None
+    fps: float | None = None
+    num_frames: int | None = None
+    min_frames: int | None = None
+    max_frames: int | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    reference: str = "transformers"
+    frames: tuple[bytes, ...] | list[bytes] | None = None
+    frames_fps: float | None = None
+
+    def to_proto(self) -> encoder_pb2.Video:
+        if (self.data_or_path is None) == (self.frames is None):
+            raise ValueError("Video takes a container (data_or_path) or frames, exactly one of them")
+        if self.fps is not None and self.num_frames is not None:
+            raise ValueError("Video: fps and num_frames are exclusive; give one of them")
+        for name in ("fps", "num_frames", "min_frames", "max_frames", "min_pixels", "max_pixels", "frames_fps"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"Video: {name} must be > 0, got {value!r}")
+        sampling = encoder_pb2.VideoSampling(
+            reference=self.reference, fps=self.fps or 0.0, num_frames=self.num_frames or 0,
+            min_frames=self.min_frames or 0, max_frames=self.max_frames or 0,
+            min_pixels=self.min_pixels or 0, max_pixels=self.max_pixels or 0)
+        if self.frames is not None:
+            return encoder_pb2.Video(frames=[bytes(f) for f in self.frames], sampling=sampling,
+                                     frames_fps=self.frames_fps or 0.0)
+        data = self.data_or_path
+        encoded = bytes(data) if isinstance(data, (bytes, bytearray, memoryview)) else Path(data).read_bytes()
+        return encoder_pb2.Video(encoded=encoded, sampling=sampling)
+
+
 # bytes: an encoded image (JPEG/PNG/...); str/PathLike: a file holding one; (patches, grid):
 # preprocessed patches [t*h*w, patch_dim] with their grid (t, h, w); HashRef: a cached entry;
 # an encoder_pb2.Image is passed through as is.
 ImageInput = Union[
     bytes, bytearray, memoryview, str, "os.PathLike[str]",
-    tuple[np.ndarray, tuple[int, int, int]], HashRef, encoder_pb2.Image,
+    tuple[np.ndarray, tuple[int, int, int]], HashRef, Video, encoder_pb2.Image,
 ]
 
 
@@ -61,6 +107,10 @@ class EncodedImage:
     timing: dict[str, float] | None
     latency_ms: float = 0.0
     deepstack: tuple[np.ndarray, ...] = ()
+    # A clip: the source frames the server sampled (in order, the padding frame repeated) and, where
+    # the source states its fps, their timestamps in seconds; empty for an image.
+    frame_indices: tuple[int, ...] = ()
+    frame_timestamps_s: tuple[float, ...] = ()
 
     @property
     def feature_levels(self) -> int:

@@ -41,16 +41,26 @@ def _template(result: ImageResult, name: str, request_id: str) -> encoder_pb2.Em
         feature_levels=result.feature_levels if result.feature_levels > 1 else 0)
 
 
-def _timing(result: ImageResult) -> encoder_pb2.ServerTiming:
+# What only an image's last chunk carries.
+LAST_CHUNK_FIELDS = ("timing", "frame_indices", "frame_timestamps_s")
+
+
+def _last_fields(result: ImageResult) -> encoder_pb2.EmbeddingChunk:
+    """The fields of an image's last chunk: the server's timing and, for a clip, its frames."""
     t = result.timing
-    return encoder_pb2.ServerTiming(queue_ms=t.queue_ms, preprocess_ms=t.preprocess_ms, forward_ms=t.forward_ms)
+    last = encoder_pb2.EmbeddingChunk(timing=encoder_pb2.ServerTiming(
+        queue_ms=t.queue_ms, preprocess_ms=t.preprocess_ms, forward_ms=t.forward_ms))
+    if result.clip is not None:
+        last.frame_indices.extend(result.clip.indices)
+        last.frame_timestamps_s.extend(result.clip.timestamps_s)
+    return last
 
 
-def _headers(template: encoder_pb2.EmbeddingChunk, timing: encoder_pb2.ServerTiming | None, row_bytes: int,
+def _headers(template: encoder_pb2.EmbeddingChunk, last_fields: encoder_pb2.EmbeddingChunk | None, row_bytes: int,
              max_chunk_bytes: int) -> Iterator[tuple[encoder_pb2.EmbeddingChunk, int, int]]:
     """Each chunk's message without ``data``, with its row range [start, stop): whole rows (every
     feature level of a token), at least one per chunk whatever the budget; the last one carries the
-    server's timing."""
+    server's timing and a clip's frames (``last_fields``)."""
     num_tokens = template.num_tokens
     rows_per_chunk = max(1, max_chunk_bytes // max(1, row_bytes))
     start = 0
@@ -61,8 +71,8 @@ def _headers(template: encoder_pb2.EmbeddingChunk, timing: encoder_pb2.ServerTim
         header.CopyFrom(template)
         header.token_offset = start
         header.last = last
-        if last and timing is not None:
-            header.timing.CopyFrom(timing)
+        if last and last_fields is not None:
+            header.MergeFrom(last_fields)
         yield header, start, stop
         if last:
             return
@@ -78,7 +88,7 @@ def embedding_chunks(result: ImageResult, *, request_id: str, out_dtype: str | N
     name = out_dtype or model_dtype
     data = result.wire_bytes(name)
     row_bytes = _row_bytes(result, name)
-    for chunk, start, stop in _headers(_template(result, name, request_id), _timing(result), row_bytes,
+    for chunk, start, stop in _headers(_template(result, name, request_id), _last_fields(result), row_bytes,
                                        max_chunk_bytes):
         chunk.data = bytes(data[start * row_bytes:stop * row_bytes])
         yield chunk
@@ -90,7 +100,7 @@ def region_chunk(result: ImageResult, *, request_id: str, out_dtype: str | None,
     name = out_dtype or model_dtype
     header = _template(result, name, request_id)
     header.last = True
-    header.timing.CopyFrom(_timing(result))
+    header.MergeFrom(_last_fields(result))
     header.region_offset = offset
     header.region_bytes = length
     return header.SerializeToString()
@@ -106,7 +116,7 @@ def serialized_chunks(result: ImageResult, *, request_id: str, out_dtype: str | 
     """Like ``embedding_chunks``, as wire bytes (see the module docstring); parses to the same
     messages. ``data``: ``result.wire_bytes`` already taken (on the event loop: it may touch the cache)."""
     name = out_dtype or model_dtype
-    yield from _serialized(_template(result, name, request_id), _timing(result),
+    yield from _serialized(_template(result, name, request_id), _last_fields(result),
                            result.wire_bytes(name) if data is None else data, _row_bytes(result, name),
                            max_chunk_bytes)
 
@@ -118,16 +128,19 @@ def rows_on_stream(header: encoder_pb2.EmbeddingChunk, rows: memoryview | np.nda
     for it on the stream: what a relay process (api/relay/process.py) sends its caller."""
     template = encoder_pb2.EmbeddingChunk()
     template.CopyFrom(header)
-    for name in ("region_offset", "region_bytes", "timing", "last", "token_offset", "data"):
+    last_fields = encoder_pb2.EmbeddingChunk()
+    for name in LAST_CHUNK_FIELDS:
+        if name != "timing" or header.HasField("timing"):
+            getattr(last_fields, name).MergeFrom(getattr(header, name))
+    for name in ("region_offset", "region_bytes", "last", "token_offset", "data", *LAST_CHUNK_FIELDS):
         template.ClearField(name)
-    timing = header.timing if header.HasField("timing") else None
-    yield from _serialized(template, timing, rows, wire_row_bytes(header), max_chunk_bytes)
+    yield from _serialized(template, last_fields, rows, wire_row_bytes(header), max_chunk_bytes)
 
 
-def _serialized(template: encoder_pb2.EmbeddingChunk, timing: encoder_pb2.ServerTiming | None,
+def _serialized(template: encoder_pb2.EmbeddingChunk, last_fields: encoder_pb2.EmbeddingChunk | None,
                 data: memoryview | np.ndarray, row_bytes: int, max_chunk_bytes: int) -> Iterator[bytes]:
     data = np.frombuffer(data, np.uint8)
-    for header, start, stop in _headers(template, timing, row_bytes, max_chunk_bytes):
+    for header, start, stop in _headers(template, last_fields, row_bytes, max_chunk_bytes):
         payload = data[start * row_bytes:stop * row_bytes]
         prefix = header.SerializeToString()
         if len(payload):  # proto3 leaves an empty bytes field off the wire

@@ -6,12 +6,14 @@ model-level checks (grid rules, batch limit) are asked of the engine, which know
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from encoder_client.protocol import BY_NAME, encoder_pb2
+from encoder_client.protocol import BY_NAME, encoder_pb2, sampling_key
 
 from ..config import chunk_budget
 from ..engine import Engine, ImageInput
+from ..engine.types import VideoInput, VideoSampling
 from ..errors import EncoderError, InvalidInput, PermissionDenied
 from ..sink_allowlist import SinkAllowlist, parse_target
 from . import dtypes
@@ -91,12 +93,47 @@ def _parse_image(index: int, image: encoder_pb2.Image, engine: Engine) -> ImageI
         return ImageInput(index=index, kind="encoded", data=image.encoded)
     if source == "patches":
         return _parse_patches(index, image.patches, engine)
+    if source == "video":
+        return _parse_video(index, image.video)
     if source == "content_hash":
         h = image.content_hash
         if not h or len(h) > MAX_HASH_CHARS:
             raise InvalidInput(f"content_hash must be 1..{MAX_HASH_CHARS} characters, got {len(h)}")
         return ImageInput(index=index, kind="content_hash", content_hash=h)
-    raise InvalidInput("no source set: give encoded, patches or content_hash")
+    raise InvalidInput("no source set: give encoded, patches, video or content_hash")
+
+
+SAMPLING_REFERENCES = ("transformers", "vllm")
+
+
+def _parse_video(index: int, video: encoder_pb2.Video) -> ImageInput:
+    """A clip's wire form checked: a container or frames (one of them), sampling settings that make
+    sense; what the clip holds is checked when it is decoded."""
+    if bool(video.encoded) == bool(video.frames):
+        raise InvalidInput("video needs a container (encoded) or its frames, exactly one of them")
+    if any(not frame for frame in video.frames):
+        raise InvalidInput("video.frames holds an empty frame")
+    s = video.sampling
+    reference = s.reference or SAMPLING_REFERENCES[0]
+    if reference not in SAMPLING_REFERENCES:
+        raise InvalidInput(f"video.sampling.reference {s.reference!r} is not one of {', '.join(SAMPLING_REFERENCES)}")
+    if s.fps and s.num_frames:
+        raise InvalidInput("video.sampling: fps and num_frames are exclusive; give one of them")
+    for name in ("fps", "frames_fps"):
+        value = getattr(s, name) if name == "fps" else video.frames_fps
+        if not math.isfinite(value) or value < 0:
+            raise InvalidInput(f"video {name} must be a finite number >= 0 (0: the default), got {value}")
+    if s.min_frames and s.max_frames and s.min_frames > s.max_frames:
+        raise InvalidInput(f"video.sampling.min_frames {s.min_frames} is above max_frames {s.max_frames}")
+    if s.min_pixels and s.max_pixels and s.min_pixels > s.max_pixels:
+        raise InvalidInput(f"video.sampling.min_pixels {s.min_pixels} is above max_pixels {s.max_pixels}")
+    sampling = VideoSampling(reference=reference, fps=s.fps or None, num_frames=s.num_frames or None,
+                             min_frames=s.min_frames or None, max_frames=s.max_frames or None,
+                             min_pixels=s.min_pixels or None, max_pixels=s.max_pixels or None)
+    key = sampling_key(s.reference, s.fps, s.num_frames, s.min_frames, s.max_frames, s.min_pixels, s.max_pixels)
+    clip = VideoInput(sampling=sampling, sampling_key=key, encoded=video.encoded, frames=tuple(video.frames),
+                      frames_fps=video.frames_fps if video.frames else 0.0)
+    return ImageInput(index=index, kind="video", video=clip)
 
 
 def _parse_patches(index: int, patches: encoder_pb2.Patches, engine: Engine) -> ImageInput:

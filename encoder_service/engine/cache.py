@@ -27,6 +27,7 @@ class CacheEntry:
     nbytes: int  # the embedding's and its conversions' bytes
     pins: int = 0
     conversions: dict[str, bytes] = field(default_factory=dict)  # wire dtype name -> raw rows
+    clip: object | None = None  # a clip's ClipFrames (engine.types), served again with each hit
 
 
 class EmbeddingCache:
@@ -66,7 +67,7 @@ class EmbeddingCache:
         if entry is not None and entry.pins > 0:
             entry.pins -= 1
 
-    def put(self, key: str, embedding: torch.Tensor, grid: Grid, pins: int = 0) -> bool:
+    def put(self, key: str, embedding: torch.Tensor, grid: Grid, pins: int = 0, clip: object | None = None) -> bool:
         """Stores a CPU tensor with ``pins`` pins already held; False if it was not stored.
 
         Not stored: larger than the whole cache, or the room cannot be freed because the other
@@ -82,7 +83,7 @@ class EmbeddingCache:
             return False
         if not self._shrink_to(self.capacity_bytes - nbytes):
             return False
-        self._entries[key] = CacheEntry(key, embedding, grid, nbytes, pins)
+        self._entries[key] = CacheEntry(key, embedding, grid, nbytes, pins, clip=clip)
         self._used_bytes += nbytes
         return True
 

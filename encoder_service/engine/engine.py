@@ -39,6 +39,7 @@ from .jobs import Job, Wait, retag
 from .keys import content_keys
 from .preparation import EXPENSIVE, PreparePools
 from .types import Grid, ImageInput, ImageResult, Timing
+from .video_preparation import VideoPreparer
 from .watchdog import UP, Watchdog
 from .worker import BatchOutcome
 
@@ -67,6 +68,7 @@ class Engine:
         self._inflight: dict[str, Job] = {}
         self._tasks: set[asyncio.Task] = set()
         self._pools = PreparePools(config.preprocess_threads)
+        self._videos = VideoPreparer(config)
         self._closed = False
         self._started = False
         self._watch_task: asyncio.Task | None = None
@@ -111,6 +113,7 @@ class Engine:
                 job.done.set_exception(Unavailable("server is shutting down"))
         await self.devices.stop()
         self._pools.shutdown()
+        self._videos.close()
 
     @property
     def serving(self) -> bool:
@@ -159,7 +162,8 @@ class Engine:
         """The reported facts the engine adds to the model's: where it runs, the limits in force."""
         return {"device": self.devices.label, "cache_namespace": self.namespace,
                 "max_image_pixels": self.max_image_pixels, "max_batch_tokens": self.config.max_batch_tokens,
-                "max_message_bytes": self.config.max_message_bytes, "version": __version__}
+                "max_message_bytes": self.config.max_message_bytes, "version": __version__,
+                **self._videos.facts(self.front)}
 
     @property
     def busy(self) -> bool:
@@ -285,18 +289,24 @@ class Engine:
         other dtypes that entry keeps, and the way to keep a new one."""
         if entry is not None and entry.embedding is not embedding:
             entry = None  # evicted and computed again meanwhile: not this result's entry
-        key, grid = (job.key, job.grid) if job is not None else (entry.key, entry.grid)
+        key, grid, clip = (job.key, job.grid, job.clip) if job is not None else (entry.key, entry.grid, entry.clip)
         return ImageResult(
             index, key, grid, embedding, cache_hit=cache_hit, timing=job.timing if job is not None else Timing(),
             feature_levels=self.front.spec.feature_levels,
             conversions=entry.conversions if entry is not None else None,
-            keep_conversion=functools.partial(self.cache.add_conversion, entry) if entry is not None else None)
+            keep_conversion=functools.partial(self.cache.add_conversion, entry) if entry is not None else None,
+            clip=clip)
 
     # --- jobs ------------------------------------------------------------------------------------------
     async def _prepare(self, job: Job, image: ImageInput) -> None:
         started = time.perf_counter()
         try:
-            payload = await self._pools.prepared(self._prepare_sync, image, self.pixel_limits.ordinary)
+            if image.kind == "video":
+                payload, job.clip = await self._videos.prepare(self.front, image.video, self.max_image_pixels,
+                                                               self._pools.executor)
+                self._check_size(payload.grid)
+            else:
+                payload = await self._pools.prepared(self._prepare_sync, image, self.pixel_limits.ordinary)
         except Exception as exc:
             if job.state == "preparing":
                 job.state = "failed"
@@ -306,6 +316,9 @@ class Engine:
         job.timing.preprocess_ms = (time.perf_counter() - started) * 1000.0
         if image.kind == "encoded":
             self.metrics.preprocess_seconds.observe(job.timing.preprocess_ms / 1000.0)
+        elif job.clip is not None:
+            self.metrics.video_decode_seconds.observe(job.timing.preprocess_ms / 1000.0)
+            self.metrics.video_frames_decoded.inc(len(set(job.clip.indices)))
         if job.state != "preparing":  # abandoned while it was being prepared
             return
         job.payload, job.grid, job.state = payload, payload.grid, "prepared"
@@ -401,9 +414,11 @@ class Engine:
             m.images_encoded.labels(device=device).inc()
             m.patches_encoded.inc(patches)
             m.tokens_encoded.inc(int(embedding.shape[0]))  # a shape: no device sync
+            m.modality_tokens_encoded.labels(modality="video" if job.clip is not None else "image").inc(
+                int(embedding.shape[0]))
             job.state = "done"
             # Pin once per request still waiting: each unpins after streaming it.
             job.stored = self.config.cache_bytes > 0 and self.cache.put(job.key, embedding, job.grid,
-                                                                        pins=job.refs)
+                                                                        pins=job.refs, clip=job.clip)
             job.done.set_result(embedding)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from ..errors import EncoderError
 from ..preprocess.staged import StagedInput
 from .batch_queue import WorkItem
-from .types import Grid, ImageInput, Timing
+from .types import ClipFrames, Grid, ImageInput, Timing
 
 
 @dataclass(eq=False)
@@ -26,6 +26,7 @@ class Job:
     holds_slot: bool = True  # an admission slot, until it enters a forward or is dropped
     stored: bool = False  # whether the cache took it (then each remaining ref holds a pin)
     timing: Timing = field(default_factory=Timing)
+    clip: ClipFrames | None = None  # a clip's sampled frames, once prepared
     prepared: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from encoder_client.protocol.hashing import hash_encoded, hash_patches
+from encoder_client.protocol.hashing import hash_encoded, hash_patches, hash_video
 
 from .types import ImageInput
 
@@ -17,6 +17,10 @@ def content_keys(namespace: str, images: Sequence[ImageInput]) -> list[str]:
     for image in images:
         if image.kind == "encoded":
             keys.append(hash_encoded(namespace, image.data))
+        elif image.kind == "video":
+            v = image.video
+            keys.append(hash_video(namespace, v.sampling_key, encoded=v.encoded, frames=v.frames,
+                                   frames_fps=v.frames_fps))
         elif image.kind == "patches":
             keys.append(hash_patches(namespace, image.grid, image.dtype_enum, image.data))
         else:  # a caller's hash is only a reference to look up, never a key we store under

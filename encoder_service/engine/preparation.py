@@ -37,11 +37,16 @@ class PreparePools:
         self._expensive_waiting = 0
         self._hash_pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="hash")
 
+    @property
+    def executor(self) -> ThreadPoolExecutor:
+        """The ordinary decode pool, for other CPU preparation (a clip's frame processing)."""
+        return self._pool
+
     async def hashed(self, keys: Callable[[Sequence], list[str]], images: Sequence) -> list[str]:
         """The images' keys, never behind other requests' decoding: that would make cache hits and
         admission (RESOURCE_EXHAUSTED) wait for it under load. Small requests are hashed right here
         (sha256 runs ~1.5 GB/s); larger ones in a pool of their own."""
-        size = sum(len(image.data) for image in images)
+        size = sum(image.nbytes for image in images)
         if size <= HASH_INLINE_BYTES:
             return keys(images)
         return await asyncio.get_running_loop().run_in_executor(self._hash_pool, keys, images)

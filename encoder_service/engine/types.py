@@ -8,11 +8,37 @@ from typing import Literal
 
 import torch
 
+from ..preprocess.video_sampling import VideoSampling
 from ..torch_dtypes import torch_dtype
 from .convert import rows_to_bytes, wire_view
 
 Grid = tuple[int, int, int]
-InputKind = Literal["encoded", "patches", "content_hash"]
+InputKind = Literal["encoded", "patches", "content_hash", "video"]
+
+
+@dataclass(frozen=True)
+class VideoInput:
+    """A clip as the API checked it: a container's bytes, or its frames (JPEG/PNG) in order with the
+    rate they were taken at (0: unknown), and how the caller asked it to be sampled."""
+
+    sampling: VideoSampling
+    sampling_key: bytes  # the settings as hashed (encoder_client.protocol.hashing.sampling_key)
+    encoded: bytes = b""
+    frames: tuple[bytes, ...] = ()
+    frames_fps: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.encoded) + sum(len(f) for f in self.frames)
+
+
+@dataclass(frozen=True)
+class ClipFrames:
+    """Which source frames a clip's embedding was computed from (the padding frame repeated where
+    the model pads to its temporal patch size) and their timestamps in seconds (empty: unknown)."""
+
+    indices: tuple[int, ...]
+    timestamps_s: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -23,6 +49,7 @@ class ImageInput:
     ``patches``: ``data`` holds raw little-endian patches [t*h*w, patch_dim] in ``patch_dtype``,
     ``grid`` the (t, h, w) and ``dtype_enum`` the wire enum value (part of the content hash).
     ``content_hash``: ``content_hash`` names an entry the cache should hold.
+    ``video``: ``video`` holds the clip (``data`` stays empty).
     """
 
     index: int
@@ -32,6 +59,11 @@ class ImageInput:
     patch_dtype: str = "float32"
     dtype_enum: int = 0
     content_hash: str = ""
+    video: VideoInput | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.video.nbytes if self.video is not None else len(self.data)
 
 
 @dataclass
@@ -56,6 +88,7 @@ class ImageResult:
     # The cache entry's rows in other wire dtypes, and how to keep a new one there (None: not cached).
     conversions: dict[str, bytes] | None = None
     keep_conversion: Callable[[str, bytes], object] | None = None
+    clip: ClipFrames | None = None  # a clip's frames; None for an image
 
     @property
     def num_tokens(self) -> int:

@@ -45,6 +45,25 @@ class Decoder:
 
 
 @dataclass(frozen=True)
+class VideoFront:
+    """A family's video path, CPU half, bound to its settings: picklable like ``Decoder`` (module-level
+    functions, partials of them), since ``sample`` runs in a decoder process.
+
+    ``sample(clip, sampling)``: the source frame indices the caller's reference samples (ClipFacts,
+    VideoSampling of preprocess/video_sampling.py); raises InvalidInput where the reference fails.
+    ``process(frames, indices, sampling)``: sampled uint8 frames [T, H, W, 3] -> (pixel values
+    float32 [t*h*w, patch_dim], grid (t, h, w), the indices used: padding repeats the last frame),
+    exactly as the family's video processor computes ``pixel_values_videos`` / ``video_grid_thw``.
+    ``timestamps(clip, indices)``: each used frame's time in seconds (empty when the fps is unknown).
+    """
+
+    sample: Callable[..., Sequence[int]]
+    process: Callable[..., tuple[np.ndarray, Grid, Sequence[int]]]
+    timestamps: Callable[..., Sequence[float]]
+    references: tuple[str, ...] = ("transformers", "vllm")
+
+
+@dataclass(frozen=True)
 class ModelFront:
     """What the serving front end needs of a model, without its weights or its device: facts to
     plan and report with, and the CPU half of preprocessing. A worker process that owns the model
@@ -63,6 +82,7 @@ class ModelFront:
     decoder: Decoder | nvjpeg.NvjpegDecoder
     ops: str = "none"  # OpsSelection.describe(): the fused operations' providers
     decode: str = "pillow"  # where images decode: "pillow" (CPU) or "nvjpeg" (GPU)
+    video_front: VideoFront | None = None  # the family's video path (None: it takes no video)
 
     def decode_image(self, image_bytes: bytes, max_image_pixels: int | None = None) -> DecodedImage:
         return self.decoder(image_bytes, max_image_pixels)
@@ -180,7 +200,11 @@ class VisionModel:
         return ModelFront(self.spec, dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
                           attention_backend=str(self.attn_backend), preprocess=self.preprocess_mode,
                           cache_namespace=self.cache_namespace, decoder=self._front_decoder(), ops=self.ops.describe(),
-                          decode=self.decode_backend)
+                          decode=self.decode_backend, video_front=self.video_front())
+
+    def video_front(self) -> VideoFront | None:
+        """The family's video path bound to this model's settings; None: the family takes no video."""
+        return None
 
     def _check_preprocess_mode(self, mode: str) -> None:
         """Raises where the family's config cannot be reproduced in ``mode``."""

@@ -16,6 +16,9 @@ from collections.abc import Sequence
 HASH_VERSION = b"encoder.v1/content-hash/1"
 KIND_ENCODED = b"encoded"
 KIND_PATCHES = b"patches"
+KIND_VIDEO = b"video"
+KIND_VIDEO_FRAMES = b"video-frames"
+DEFAULT_SAMPLING_REFERENCE = "transformers"
 
 
 def _frame(h: hashlib._Hash, part: bytes) -> None:
@@ -38,4 +41,30 @@ def hash_patches(cache_namespace: str, grid_thw: Sequence[int], dtype: int, data
     header = struct.pack("<4I", *(int(x) for x in grid_thw), int(dtype))
     for part in (HASH_VERSION, cache_namespace.encode(), KIND_PATCHES, header, data):
         _frame(h, part)
+    return h.hexdigest()
+
+
+def sampling_key(reference: str = "", fps: float = 0.0, num_frames: int = 0, min_frames: int = 0, max_frames: int = 0,
+                 min_pixels: int = 0, max_pixels: int = 0) -> bytes:
+    """A clip's sampling settings as hashed (the VideoSampling message's fields; 0 = the model's
+    default). fps is taken as the wire's 32-bit float, and an empty reference is the default one, so
+    a caller and the server agree whatever they spelled."""
+    name = (reference or DEFAULT_SAMPLING_REFERENCE).encode()
+    return struct.pack("<fIIIQQ", float(fps), int(num_frames), int(min_frames), int(max_frames),
+                       int(min_pixels), int(max_pixels)) + name
+
+
+def hash_video(cache_namespace: str, sampling: bytes, *, encoded: bytes = b"", frames: Sequence[bytes] = (),
+               frames_fps: float = 0.0) -> str:
+    """Hash of a clip: its container bytes exactly as sent, or its frames (count, then each frame's
+    bytes, with the rate they were taken at), and its sampling settings (``sampling_key``): the same
+    clip sampled otherwise is another entry."""
+    h = hashlib.sha256()
+    if frames:
+        head = (KIND_VIDEO_FRAMES, sampling, struct.pack("<fQ", float(frames_fps), len(frames)))
+        for part in (HASH_VERSION, cache_namespace.encode(), *head, *frames):
+            _frame(h, part)
+    else:
+        for part in (HASH_VERSION, cache_namespace.encode(), KIND_VIDEO, sampling, encoded):
+            _frame(h, part)
     return h.hexdigest()

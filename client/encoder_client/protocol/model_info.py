@@ -41,6 +41,12 @@ class ModelInfo:
     # Which provider runs each fused operation, e.g. "window_attention=triton,rms_scale=triton,
     # gated_mlp=torch"; "none" for a model that uses none; empty from servers older than the field.
     ops: str = ""
+    # Video input: "" from a server that takes none (or older than the field), else the decoder and
+    # the sampling references it offers; and the limits a clip must stay within (0: unknown).
+    video: str = ""
+    max_video_frames: int = 0
+    max_video_seconds: float = 0.0
+    max_video_bytes: int = 0
 
     @classmethod
     def from_proto(cls, msg: encoder_pb2.ModelInfo) -> ModelInfo:

@@ -31,14 +31,46 @@ class Patches(_message.Message):
     def __init__(self, grid_thw: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Image(_message.Message):
-    __slots__ = ("encoded", "patches", "content_hash")
+    __slots__ = ("encoded", "patches", "content_hash", "video")
     ENCODED_FIELD_NUMBER: _ClassVar[int]
     PATCHES_FIELD_NUMBER: _ClassVar[int]
     CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_FIELD_NUMBER: _ClassVar[int]
     encoded: bytes
     patches: Patches
     content_hash: str
-    def __init__(self, encoded: _Optional[bytes] = ..., patches: _Optional[_Union[Patches, _Mapping]] = ..., content_hash: _Optional[str] = ...) -> None: ...
+    video: Video
+    def __init__(self, encoded: _Optional[bytes] = ..., patches: _Optional[_Union[Patches, _Mapping]] = ..., content_hash: _Optional[str] = ..., video: _Optional[_Union[Video, _Mapping]] = ...) -> None: ...
+
+class Video(_message.Message):
+    __slots__ = ("encoded", "frames", "sampling", "frames_fps")
+    ENCODED_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FPS_FIELD_NUMBER: _ClassVar[int]
+    encoded: bytes
+    frames: _containers.RepeatedScalarFieldContainer[bytes]
+    sampling: VideoSampling
+    frames_fps: float
+    def __init__(self, encoded: _Optional[bytes] = ..., frames: _Optional[_Iterable[bytes]] = ..., sampling: _Optional[_Union[VideoSampling, _Mapping]] = ..., frames_fps: _Optional[float] = ...) -> None: ...
+
+class VideoSampling(_message.Message):
+    __slots__ = ("reference", "fps", "num_frames", "min_frames", "max_frames", "min_pixels", "max_pixels")
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    FPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MIN_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MIN_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    reference: str
+    fps: float
+    num_frames: int
+    min_frames: int
+    max_frames: int
+    min_pixels: int
+    max_pixels: int
+    def __init__(self, reference: _Optional[str] = ..., fps: _Optional[float] = ..., num_frames: _Optional[int] = ..., min_frames: _Optional[int] = ..., max_frames: _Optional[int] = ..., min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ...) -> None: ...
 
 class Sink(_message.Message):
     __slots__ = ("target", "request_id")
@@ -77,7 +109,7 @@ class SharedMemoryRegion(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., key: _Optional[bytes] = ...) -> None: ...
 
 class EmbeddingChunk(_message.Message):
-    __slots__ = ("request_id", "image_index", "content_hash", "grid_thw", "num_tokens", "hidden_size", "dtype", "token_offset", "data", "last", "cache_hit", "timing", "num_images", "feature_levels", "region_offset", "region_bytes")
+    __slots__ = ("request_id", "image_index", "content_hash", "grid_thw", "num_tokens", "hidden_size", "dtype", "token_offset", "data", "last", "cache_hit", "timing", "num_images", "feature_levels", "region_offset", "region_bytes", "frame_indices", "frame_timestamps_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +126,8 @@ class EmbeddingChunk(_message.Message):
     FEATURE_LEVELS_FIELD_NUMBER: _ClassVar[int]
     REGION_OFFSET_FIELD_NUMBER: _ClassVar[int]
     REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FRAME_INDICES_FIELD_NUMBER: _ClassVar[int]
+    FRAME_TIMESTAMPS_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     image_index: int
     content_hash: str
@@ -110,7 +144,9 @@ class EmbeddingChunk(_message.Message):
     feature_levels: int
     region_offset: int
     region_bytes: int
-    def __init__(self, request_id: _Optional[str] = ..., image_index: _Optional[int] = ..., content_hash: _Optional[str] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., token_offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., cache_hit: _Optional[bool] = ..., timing: _Optional[_Union[ServerTiming, _Mapping]] = ..., num_images: _Optional[int] = ..., feature_levels: _Optional[int] = ..., region_offset: _Optional[int] = ..., region_bytes: _Optional[int] = ...) -> None: ...
+    frame_indices: _containers.RepeatedScalarFieldContainer[int]
+    frame_timestamps_s: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[str] = ..., image_index: _Optional[int] = ..., content_hash: _Optional[str] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., token_offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., cache_hit: _Optional[bool] = ..., timing: _Optional[_Union[ServerTiming, _Mapping]] = ..., num_images: _Optional[int] = ..., feature_levels: _Optional[int] = ..., region_offset: _Optional[int] = ..., region_bytes: _Optional[int] = ..., frame_indices: _Optional[_Iterable[int]] = ..., frame_timestamps_s: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ServerTiming(_message.Message):
     __slots__ = ("queue_ms", "preprocess_ms", "forward_ms")
@@ -145,7 +181,7 @@ class PushAck(_message.Message):
     def __init__(self, images: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "model_type", "hidden_size", "dtype", "patch_size", "temporal_patch_size", "spatial_merge_size", "patch_dim", "attention_backend", "device", "cache_namespace", "max_batch_tokens", "max_message_bytes", "max_image_pixels", "version", "preprocess", "feature_levels", "shared_memory", "ops", "decode")
+    __slots__ = ("model_id", "model_type", "hidden_size", "dtype", "patch_size", "temporal_patch_size", "spatial_merge_size", "patch_dim", "attention_backend", "device", "cache_namespace", "max_batch_tokens", "max_message_bytes", "max_image_pixels", "version", "preprocess", "feature_levels", "shared_memory", "ops", "decode", "video", "max_video_frames", "max_video_seconds", "max_video_bytes")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +202,10 @@ class ModelInfo(_message.Message):
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_FIELD_NUMBER: _ClassVar[int]
+    MAX_VIDEO_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MAX_VIDEO_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_VIDEO_BYTES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_type: str
     hidden_size: int
@@ -186,4 +226,8 @@ class ModelInfo(_message.Message):
     shared_memory: bool
     ops: str
     decode: str
-    def __init__(self, model_id: _Optional[str] = ..., model_type: _Optional[str] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., patch_size: _Optional[int] = ..., temporal_patch_size: _Optional[int] = ..., spatial_merge_size: _Optional[int] = ..., patch_dim: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., cache_namespace: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., version: _Optional[str] = ..., preprocess: _Optional[str] = ..., feature_levels: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., ops: _Optional[str] = ..., decode: _Optional[str] = ...) -> None: ...
+    video: str
+    max_video_frames: int
+    max_video_seconds: float
+    max_video_bytes: int
+    def __init__(self, model_id: _Optional[str] = ..., model_type: _Optional[str] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., patch_size: _Optional[int] = ..., temporal_patch_size: _Optional[int] = ..., spatial_merge_size: _Optional[int] = ..., patch_dim: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., cache_namespace: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., version: _Optional[str] = ..., preprocess: _Optional[str] = ..., feature_levels: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., ops: _Optional[str] = ..., decode: _Optional[str] = ..., video: _Optional[str] = ..., max_video_frames: _Optional[int] = ..., max_video_seconds: _Optional[float] = ..., max_video_bytes: _Optional[int] = ...) -> None: ...
