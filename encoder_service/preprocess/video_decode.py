@@ -26,9 +26,10 @@ child process with a wall-clock bound.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -124,6 +125,27 @@ def _av():
     return av
 
 
+# What PyAV raises on bytes it cannot parse: FFmpeg's errors (av.error.FFmpegError is an OSError),
+# and Python errors from its own handling of what FFmpeg returned (metadata that is not text,
+# impossible rates or sizes).
+_PARSE_ERRORS = (OSError, EOFError, ValueError, IndexError, ArithmeticError)
+
+
+@contextlib.contextmanager
+def _parse_errors(limits: VideoLimits) -> Iterator[None]:
+    """PyAV's errors inside the block as the service's (InvalidInput; ResourceExhausted for a frame
+    over FFmpeg's max_pixels), FFmpeg's log lines captured instead of logged."""
+    import av.logging
+
+    with av.logging.Capture():
+        try:
+            yield
+        except EncoderError:
+            raise
+        except _PARSE_ERRORS as e:
+            raise _av_error(e, limits) from None
+
+
 def _av_error(e: Exception, limits: VideoLimits) -> EncoderError:
     """The service's error for an exception PyAV raised on this clip."""
     if _MAX_PIXELS_LOG in str(e):
@@ -159,15 +181,13 @@ class _Clip:
         fmt = container_format(data)
         av = _av()
         self.av, self.limits, self.deadline = av, limits, deadline
-        with av.logging.Capture():
-            try:
-                # options reach every stream's decoder that stream-info probing runs: the pixel limit binds them.
-                self.container = av.open(io.BytesIO(data), format=fmt,
-                                         options={"max_pixels": str(limits.max_frame_pixels)})
-            except av.error.FFmpegError as e:
-                raise _av_error(e, limits) from None
+        with _parse_errors(limits):
+            # options reach every stream's decoder that stream-info probing runs: the pixel limit binds them.
+            self.container = av.open(io.BytesIO(data), format=fmt, metadata_errors="replace",
+                                     options={"max_pixels": str(limits.max_frame_pixels)})
         try:
-            self._check_header()
+            with _parse_errors(limits):
+                self._check_header()
         except BaseException:
             self.container.close()
             raise
@@ -194,19 +214,16 @@ class _Clip:
         """The stream's packets (one a frame, what torchcodec's exact mode counts), read without
         decoding, with the frame, duration and time limits applied as they go."""
         count = 0
-        with self.av.logging.Capture():
-            try:
-                for packet in self.container.demux(self.stream):
-                    if packet.size == 0:  # the demuxer's end-of-stream packet
-                        continue
-                    count += 1
-                    _check_frames(count, self.limits, "has more than")
-                    if packet.pts is not None and packet.time_base:
-                        _check_seconds(float(packet.pts * packet.time_base), self.limits, "runs past")
-                    if count % 64 == 0:
-                        _check_time(self.deadline, self.limits)
-            except self.av.error.FFmpegError as e:
-                raise _av_error(e, self.limits) from None
+        with _parse_errors(self.limits):
+            for packet in self.container.demux(self.stream):
+                if packet.size == 0:  # the demuxer's end-of-stream packet
+                    continue
+                count += 1
+                _check_frames(count, self.limits, "has more than")
+                if packet.pts is not None and packet.time_base:
+                    _check_seconds(float(packet.pts * packet.time_base), self.limits, "runs past")
+                if count % 64 == 0:
+                    _check_time(self.deadline, self.limits)
         return count
 
     def __enter__(self) -> _Clip:
@@ -249,30 +266,27 @@ def _decode(data: bytes, indices: Sequence[int], limits: VideoLimits, deadline: 
         rows.setdefault(index, []).append(row)
     last = max(wanted)
     out: np.ndarray | None = None
-    with _Clip(data, limits, deadline) as clip, clip.av.logging.Capture():
+    decoded = 0
+    with _Clip(data, limits, deadline) as clip, _parse_errors(limits):
         clip.container.seek(0)  # as read_video_pyav does
-        decoded = 0
-        try:
-            for i, frame in enumerate(clip.container.decode(video=0)):
-                decoded = i + 1
-                _check_time(deadline, limits)
-                _check_frames(decoded, limits, "has more than")
-                _check_frame_size(frame.width, frame.height, limits, "frame of")
-                if frame.time is not None:
-                    _check_seconds(frame.time, limits, "runs past")
-                if i in rows:
-                    pixels = frame.to_ndarray(format="rgb24")
-                    if out is None:
-                        out = np.empty((len(wanted), *pixels.shape), np.uint8)
-                    elif pixels.shape != out.shape[1:]:
-                        raise InvalidInput(
-                            f"video frames of different sizes: frame {i} is {pixels.shape[1]}x{pixels.shape[0]}, "
-                            f"an earlier one {out.shape[2]}x{out.shape[1]}")
-                    out[rows[i]] = pixels
-                if i >= last:
-                    break
-        except clip.av.error.FFmpegError as e:
-            raise _av_error(e, limits) from None
+        for i, frame in enumerate(clip.container.decode(video=0)):
+            decoded = i + 1
+            _check_time(deadline, limits)
+            _check_frames(decoded, limits, "has more than")
+            _check_frame_size(frame.width, frame.height, limits, "frame of")
+            if frame.time is not None:
+                _check_seconds(frame.time, limits, "runs past")
+            if i in rows:
+                pixels = frame.to_ndarray(format="rgb24")
+                if out is None:
+                    out = np.empty((len(wanted), *pixels.shape), np.uint8)
+                elif pixels.shape != out.shape[1:]:
+                    raise InvalidInput(
+                        f"video frames of different sizes: frame {i} is {pixels.shape[1]}x{pixels.shape[0]}, "
+                        f"an earlier one {out.shape[2]}x{out.shape[1]}")
+                out[rows[i]] = pixels
+            if i >= last:
+                break
     if decoded == 0:
         raise InvalidInput("not a decodable video: no frame could be decoded")
     if decoded <= last:
