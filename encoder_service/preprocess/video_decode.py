@@ -125,9 +125,8 @@ def _av():
     return av
 
 
-# What PyAV raises on bytes it cannot parse: FFmpeg's errors (av.error.FFmpegError is an OSError),
-# and Python errors from its own handling of what FFmpeg returned (metadata that is not text,
-# impossible rates or sizes).
+# What PyAV raises on bytes it cannot parse besides FFmpeg's errors (av.error.FFmpegError): Python
+# errors from its own handling of what FFmpeg returned (metadata that is not text, impossible rates).
 _PARSE_ERRORS = (OSError, EOFError, ValueError, IndexError, ArithmeticError)
 
 
@@ -135,6 +134,7 @@ _PARSE_ERRORS = (OSError, EOFError, ValueError, IndexError, ArithmeticError)
 def _parse_errors(limits: VideoLimits) -> Iterator[None]:
     """PyAV's errors inside the block as the service's (InvalidInput; ResourceExhausted for a frame
     over FFmpeg's max_pixels), FFmpeg's log lines captured instead of logged."""
+    import av.error
     import av.logging
 
     with av.logging.Capture():
@@ -142,7 +142,7 @@ def _parse_errors(limits: VideoLimits) -> Iterator[None]:
             yield
         except EncoderError:
             raise
-        except _PARSE_ERRORS as e:
+        except (av.error.FFmpegError, *_PARSE_ERRORS) as e:  # FFmpeg's ENOMEM too: a size from corrupt data
             raise _av_error(e, limits) from None
 
 
