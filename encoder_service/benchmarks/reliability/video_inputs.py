@@ -1,0 +1,133 @@
+"""Video inputs for tests and fuzzing: small clips generated with PyAV (no files in the repository),
+broken and hostile variants of them, and faults to inject into a video decode process.
+
+What the av 18.1.0 wheel encodes (and decodes): MP4/MOV with mpeg4, libx264 (H.264), libx265
+(H.265), libsvtav1 (AV1, MP4 only), libvpx-vp9 (VP9, MP4 only); Matroska with all of those and
+libvpx (VP8); WebM with VP8, VP9 and AV1. MJPEG encodes too (a codec the service refuses). AV1
+decodes with libdav1d. Matroska and WebM headers state no frame count (PyAV reports 0 frames).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import os
+import struct
+import time
+
+import numpy as np
+
+# (container, encoder) pairs that round-trip through the av wheel; the decoder's canonical name third.
+CLIP_KINDS: tuple[tuple[str, str, str], ...] = (
+    ("mp4", "mpeg4", "mpeg4"),
+    ("mp4", "libx264", "h264"),
+    ("mov", "libx264", "h264"),
+    ("mp4", "libx265", "hevc"),
+    ("mp4", "libvpx-vp9", "vp9"),
+    ("mp4", "libsvtav1", "av1"),
+    ("matroska", "libx264", "h264"),
+    ("matroska", "libx265", "hevc"),
+    ("webm", "libvpx", "vp8"),
+    ("webm", "libvpx-vp9", "vp9"),
+    ("webm", "libsvtav1", "av1"),
+)
+
+
+def frame_pattern(i: int, width: int, height: int) -> np.ndarray:
+    """Frame i of a generated clip: every frame different, with edges and flat areas."""
+    img = np.zeros((height, width, 3), np.uint8)
+    img[..., 0] = (i * 20) % 256
+    img[:, : (i * 5) % width, 1] = 200
+    img[height // 2:, :, 2] = (50 + 7 * i) % 256
+    img[(i * 3) % height, :, :] = 255
+    return img
+
+
+def make_clip(container: str = "mp4", codec: str = "libx264", frames: int = 12, width: int = 64, height: int = 48,
+              fps: int = 10, pix_fmt: str = "yuv420p", sizes: list[tuple[int, int]] | None = None) -> bytes:
+    """A clip of ``frames`` generated frames, encoded in memory. ``sizes``: a (width, height) per
+    frame, for encoders that take a size change mid-stream."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=container) as out:
+        stream = out.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, pix_fmt
+        if codec.startswith("libx26"):  # quiet, and no encoder threads on a shared CI machine
+            stream.options = {"x264-params" if codec == "libx264" else "x265-params": "log-level=error"}
+        for i in range(frames):
+            w, h = sizes[i] if sizes else (width, height)
+            frame = av.VideoFrame.from_ndarray(frame_pattern(i, w, h), format="rgb24")
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def vp8_size_bomb(width: int = 12000, height: int = 12000, frames: int = 3) -> bytes:
+    """A WebM whose container header says 64x48 but whose first VP8 key frame claims width x
+    height: the header passes, the decoder would allocate the frame (12000x12000: about 260 MB)."""
+    data = bytearray(make_clip("webm", "libvpx", frames=frames))
+    at = data.find(b"\x9d\x01\x2a")  # a VP8 key frame's start code; 14-bit width and height follow
+    data[at + 3:at + 7] = struct.pack("<HH", width, height)
+    return bytes(data)
+
+
+def matroska_without_frames() -> bytes:
+    """A Matroska file whose header and video track are intact and whose clusters are all cut off."""
+    data = make_clip("matroska", "libx264")
+    return data[: data.index(b"\x1f\x43\xb6\x75")]  # the first Cluster element
+
+
+def video_corpus() -> dict[str, bytes]:
+    """Valid, awkward and broken clips: the service must decode each or refuse it cleanly."""
+    good = make_clip("mp4", "libx264")
+    webm = make_clip("webm", "libvpx-vp9")
+    items = {
+        "mp4_h264": good,
+        "mov_h264": make_clip("mov", "libx264"),
+        "mkv_h264": make_clip("matroska", "libx264"),
+        "webm_vp9": webm,
+        "webm_vp8": make_clip("webm", "libvpx"),
+        "mp4_mpeg4_one_frame": make_clip("mp4", "mpeg4", frames=1),
+        "mov_mjpeg_unsupported": make_clip("mov", "mjpeg", pix_fmt="yuvj420p"),
+        "mkv_no_frames": matroska_without_frames(),
+        "webm_vp8_size_bomb": vp8_size_bomb(),
+        "mp4_truncated_half": good[: len(good) // 2],
+        "mp4_header_only": good[:64],
+        "webm_truncated": webm[: len(webm) * 2 // 3],
+        "random_bytes": np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes(),
+        "png_not_a_video": b"\x89PNG\r\n\x1a\n" + b"\x00" * 64,
+    }
+    rng = np.random.default_rng(1)
+    for name in ("mp4_h264", "webm_vp9"):
+        flipped = bytearray(items[name])
+        for at in rng.integers(0, len(flipped), 24):
+            flipped[at] ^= 1 << int(rng.integers(0, 8))
+        items[f"{name}_bit_flipped"] = bytes(flipped)
+    return items
+
+
+# --- faults for a video decode process (picklable: module-level, they run in the child) ------------
+
+def first_frame(facts) -> list[int]:
+    """An indices_fn: frame 0."""
+    return [0]
+
+
+def abort_process(facts) -> list[int]:
+    """An indices_fn that aborts its process (SIGABRT), as a C library's failed assertion does."""
+    os.abort()
+
+
+def segfault_process(facts) -> list[int]:
+    """An indices_fn that reads address 0 (SIGSEGV), as a decoder's bad pointer does."""
+    ctypes.string_at(0)
+    return [0]
+
+
+def hang_process(facts, seconds: float = 3600.0) -> list[int]:
+    """An indices_fn that never answers in time, as a decoder stuck in a loop does."""
+    time.sleep(seconds)
+    return [0]

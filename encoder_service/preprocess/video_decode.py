@@ -1,0 +1,346 @@
+"""Video bytes -> uint8 RGB frames: bounded, strict decoding of a clip, shared by every model family.
+
+Decoder: PyAV (``av`` on PyPI), whose wheel bundles its own FFmpeg (with dav1d, libvpx, x264/x265),
+so the service needs no system libraries. torchcodec, the other well-kept choice, loads the
+system's FFmpeg shared libraries (libavcodec.so.N and friends) at import, which neither the
+development machine nor CI has; PyAV is also transformers' default video backend, so frames equal
+the reference's by construction.
+
+Parity target: ``transformers.video_utils.read_video_pyav`` (transformers 5.x). For the same
+strictly increasing indices our frames equal its frames bit for bit: the same ``av.open`` of the
+same bytes, ``container.seek(0)``, ``container.decode(video=0)`` counted from 0 in presentation
+order, and ``frame.to_ndarray(format="rgb24")`` (tests/test_video_decode.py compares the two).
+Where they differ on purpose: an index repeated in ``indices`` gives the frame once per time asked
+(read_video_pyav keeps each decoded frame once, in decode order), an index past the last decodable
+frame is an error (read_video_pyav returns fewer frames), and a Matroska/WebM header's frame count
+of 0 is replaced by the frames counted (read_video_pyav reports 0).
+
+Attack surface: only two demuxers are reachable (ISO BMFF, i.e. MP4/MOV, and Matroska/WebM,
+chosen from the file's first bytes and passed to FFmpeg, so FFmpeg never probes for HLS, concat or
+any other format that opens further files) and only the decoders in ``SUPPORTED_CODECS``. Limits
+(``VideoLimits``) are checked from the header before any frame is decoded and again while decoding
+(headers lie): FFmpeg's own ``max_pixels`` refuses a frame over the pixel limit before allocating
+it. A decode can still crash or hang inside FFmpeg: ``video_pool.VideoDecodePool`` runs it in a
+child process with a wall-clock bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from encoder_service.errors import EncoderError, InvalidInput, ResourceExhausted
+from encoder_service.preprocess.decode import decode_budget, decode_image
+
+# The codecs a clip may use (FFmpeg's canonical names; AV1 decodes with libdav1d). H.264, H.265, VP9
+# and AV1 are what the service promises; VP8 and MPEG-4 Part 2 are the older codecs of WebM and MP4.
+SUPPORTED_CODECS = frozenset({"h264", "hevc", "vp8", "vp9", "av1", "mpeg4"})
+# ISO BMFF top-level boxes a file may start with (FFmpeg's mov_probe accepts these at offset 4).
+_ISO_BOXES = (b"ftyp", b"moov", b"mdat", b"free", b"skip", b"wide", b"pnot")
+_EBML_MAGIC = b"\x1a\x45\xdf\xa3"
+# FFmpeg's message for a frame over the codec's max_pixels option (libavutil/imgutils.c).
+_MAX_PIXELS_LOG = "exceeds specified max pixel count"
+
+
+@dataclass(frozen=True)
+class ClipFacts:
+    """What the container says about a clip's video stream, what frame sampling needs."""
+
+    total_frames: int  # frames in the stream: the header's count, or counted where it says 0 (Matroska/WebM)
+    fps: float | None  # the stream's average frame rate; None when unknown
+    duration_s: float | None  # total_frames / fps as read_video_pyav computes it; the header's duration without fps
+
+
+@dataclass(frozen=True)
+class VideoLimits:
+    max_bytes: int  # --max-video-bytes
+    max_frames: int  # --max-video-frames: frames in the clip, and frames asked for
+    max_seconds: float  # --max-video-seconds
+    max_frame_pixels: int  # --max-image-pixels: width * height of one frame
+    max_decode_seconds: float  # --max-decode-seconds: the whole clip's probe and decode
+
+
+def _deadline(limits: VideoLimits) -> float:
+    return time.monotonic() + limits.max_decode_seconds
+
+
+def _check_time(deadline: float, limits: VideoLimits) -> None:
+    if time.monotonic() > deadline:
+        raise ResourceExhausted(
+            f"decoding the clip took more than {limits.max_decode_seconds:g} s, over the limit of "
+            f"--max-decode-seconds {limits.max_decode_seconds:g}")
+
+
+def _check_bytes(size: int, limits: VideoLimits) -> None:
+    if size > limits.max_bytes:
+        raise ResourceExhausted(
+            f"video is {size} bytes, over the limit of --max-video-bytes {limits.max_bytes}")
+
+
+def _check_frames(frames: int, limits: VideoLimits, what: str) -> None:
+    """``what`` reads before the count: "header claims" N frames; "has more than" (counting, N over)."""
+    if frames > limits.max_frames:
+        shown = limits.max_frames if what == "has more than" else frames
+        raise ResourceExhausted(
+            f"video {what} {shown} frames, over the limit of --max-video-frames {limits.max_frames}")
+
+
+def _check_seconds(seconds: float, limits: VideoLimits, what: str) -> None:
+    if seconds > limits.max_seconds:
+        raise ResourceExhausted(
+            f"video {what} {seconds:.3f} s, over the limit of --max-video-seconds {limits.max_seconds:g}")
+
+
+def _check_frame_size(width: int, height: int, limits: VideoLimits, what: str) -> None:
+    if width * height > limits.max_frame_pixels:
+        raise ResourceExhausted(
+            f"video {what} {width}x{height} = {width * height} pixels a frame, over the limit of "
+            f"--max-image-pixels {limits.max_frame_pixels}")
+
+
+def container_format(data: bytes) -> str:
+    """The FFmpeg demuxer for ``data``, from its first bytes: "mov" (MP4, MOV) or "matroska"
+    (MKV, WebM); InvalidInput for anything else."""
+    if data[:4] == _EBML_MAGIC:
+        return "matroska"
+    if len(data) >= 8 and data[4:8] in _ISO_BOXES:
+        return "mov"
+    raise InvalidInput("not a decodable video: container not recognised (supported: MP4, MOV, MKV, WebM)")
+
+
+def _av():
+    """PyAV, imported on first use. FFmpeg's log level is set to errors so that an error's
+    message carries FFmpeg's last log line (how a frame over ``max_pixels`` is told from corrupt
+    data); our decodes capture the lines instead of logging them."""
+    import av
+    import av.logging
+
+    if av.logging.get_level() is None:
+        av.logging.set_level(av.logging.ERROR)
+    return av
+
+
+# What PyAV raises on bytes it cannot parse besides FFmpeg's errors (av.error.FFmpegError): Python
+# errors from its own handling of what FFmpeg returned (metadata that is not text, impossible rates).
+_PARSE_ERRORS = (OSError, EOFError, ValueError, IndexError, ArithmeticError)
+
+
+@contextlib.contextmanager
+def _parse_errors(limits: VideoLimits) -> Iterator[None]:
+    """PyAV's errors inside the block as the service's (InvalidInput; ResourceExhausted for a frame
+    over FFmpeg's max_pixels), FFmpeg's log lines captured instead of logged."""
+    import av.error
+    import av.logging
+
+    with av.logging.Capture():
+        try:
+            yield
+        except EncoderError:
+            raise
+        except (av.error.FFmpegError, *_PARSE_ERRORS) as e:  # FFmpeg's ENOMEM too: a size from corrupt data
+            raise _av_error(e, limits) from None
+
+
+def _av_error(e: Exception, limits: VideoLimits) -> EncoderError:
+    """The service's error for an exception PyAV raised on this clip."""
+    if _MAX_PIXELS_LOG in str(e):
+        return ResourceExhausted(
+            f"a video frame is over the limit of --max-image-pixels {limits.max_frame_pixels} pixels "
+            f"(FFmpeg: {str(e).rsplit('last error log: ', 1)[-1].strip()})")
+    return InvalidInput(f"not a decodable video (truncated or corrupt): {type(e).__name__}: {e}")
+
+
+def _fps(stream) -> float | None:
+    rate = stream.average_rate
+    return float(rate) if rate else None
+
+
+def _header_seconds(container, stream) -> float:
+    """The longest duration the header states (stream or container), 0 where it states none."""
+    seconds = 0.0
+    if stream.duration and stream.time_base:
+        seconds = float(stream.duration * stream.time_base)
+    if container.duration:
+        seconds = max(seconds, container.duration / 1_000_000)  # AV_TIME_BASE
+    return seconds
+
+
+class _Clip:
+    """An open container whose header passed every limit, and its first video stream with the
+    decoder's pixel limit set. Use as a context manager (closes the container)."""
+
+    def __init__(self, data: bytes, limits: VideoLimits, deadline: float) -> None:
+        if not data:
+            raise InvalidInput("not a decodable video: empty bytes")
+        _check_bytes(len(data), limits)
+        fmt = container_format(data)
+        av = _av()
+        self.av, self.limits, self.deadline = av, limits, deadline
+        with _parse_errors(limits):
+            # options reach every stream's decoder that stream-info probing runs: the pixel limit binds them.
+            self.container = av.open(io.BytesIO(data), format=fmt, metadata_errors="replace",
+                                     options={"max_pixels": str(limits.max_frame_pixels)})
+        try:
+            with _parse_errors(limits):
+                self._check_header()
+        except BaseException:
+            self.container.close()
+            raise
+
+    def _check_header(self) -> None:
+        limits = self.limits
+        if not self.container.streams.video:
+            raise InvalidInput("not a decodable video: the container has no video stream")
+        stream = self.stream = self.container.streams.video[0]
+        codec = stream.codec_context.codec.canonical_name if stream.codec_context else "unknown"
+        if codec not in SUPPORTED_CODECS:
+            raise InvalidInput(f"unsupported video codec {codec!r} (supported: {', '.join(sorted(SUPPORTED_CODECS))})")
+        width, height = stream.codec_context.width, stream.codec_context.height
+        _check_frame_size(width, height, limits, "header claims")
+        if stream.frames:
+            _check_frames(stream.frames, limits, "header claims")
+        self.fps = _fps(stream)
+        _check_seconds(_header_seconds(self.container, stream), limits, "header claims")
+        if self.fps and stream.frames:
+            _check_seconds(stream.frames / self.fps, limits, "header claims")
+        stream.codec_context.options = {"max_pixels": str(limits.max_frame_pixels)}
+
+    def count_frames(self) -> int:
+        """The stream's packets (one a frame, what torchcodec's exact mode counts), read without
+        decoding, with the frame, duration and time limits applied as they go."""
+        count = 0
+        with _parse_errors(self.limits):
+            for packet in self.container.demux(self.stream):
+                if packet.size == 0:  # the demuxer's end-of-stream packet
+                    continue
+                count += 1
+                _check_frames(count, self.limits, "has more than")
+                if packet.pts is not None and packet.time_base:
+                    _check_seconds(float(packet.pts * packet.time_base), self.limits, "runs past")
+                if count % 64 == 0:
+                    _check_time(self.deadline, self.limits)
+        return count
+
+    def __enter__(self) -> _Clip:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.container.close()
+
+
+def _probe(data: bytes, limits: VideoLimits, deadline: float) -> ClipFacts:
+    with _Clip(data, limits, deadline) as clip:
+        total = clip.stream.frames or clip.count_frames()
+        if total == 0:
+            raise InvalidInput("not a decodable video: the video stream has no frames")
+        duration = total / clip.fps if clip.fps else (_header_seconds(clip.container, clip.stream) or None)
+        return ClipFacts(total_frames=int(total), fps=clip.fps, duration_s=duration)
+
+
+def probe(data: bytes, limits: VideoLimits) -> ClipFacts:
+    """The clip's facts from its header (frames counted without decoding where the header has
+    none), every limit checked. InvalidInput for bytes that are not a supported clip,
+    ResourceExhausted over a limit."""
+    return _probe(data, limits, _deadline(limits))
+
+
+def _check_indices(indices: Sequence[int], limits: VideoLimits) -> list[int]:
+    wanted = [int(i) for i in indices]
+    if not wanted:
+        raise InvalidInput("no frame indices asked for")
+    if min(wanted) < 0:
+        raise InvalidInput(f"frame index {min(wanted)} is negative")
+    _check_frames(len(wanted), limits, "sampling asks for")
+    return wanted
+
+
+def _decode(data: bytes, indices: Sequence[int], limits: VideoLimits, deadline: float) -> np.ndarray:
+    wanted = _check_indices(indices, limits)
+    rows: dict[int, list[int]] = {}
+    for row, index in enumerate(wanted):
+        rows.setdefault(index, []).append(row)
+    last = max(wanted)
+    out: np.ndarray | None = None
+    decoded = 0
+    with _Clip(data, limits, deadline) as clip, _parse_errors(limits):
+        clip.container.seek(0)  # as read_video_pyav does
+        for i, frame in enumerate(clip.container.decode(video=0)):
+            decoded = i + 1
+            _check_time(deadline, limits)
+            _check_frames(decoded, limits, "has more than")
+            _check_frame_size(frame.width, frame.height, limits, "frame of")
+            if frame.time is not None:
+                _check_seconds(frame.time, limits, "runs past")
+            if i in rows:
+                pixels = frame.to_ndarray(format="rgb24")
+                if out is None:
+                    out = np.empty((len(wanted), *pixels.shape), np.uint8)
+                elif pixels.shape != out.shape[1:]:
+                    raise InvalidInput(
+                        f"video frames of different sizes: frame {i} is {pixels.shape[1]}x{pixels.shape[0]}, "
+                        f"an earlier one {out.shape[2]}x{out.shape[1]}")
+                out[rows[i]] = pixels
+            if i >= last:
+                break
+    if decoded == 0:
+        raise InvalidInput("not a decodable video: no frame could be decoded")
+    if decoded <= last:
+        raise InvalidInput(f"video has {decoded} decodable frames; frame index {last} is past the end")
+    assert out is not None
+    return out
+
+
+def decode_frames(data: bytes, indices: Sequence[int], limits: VideoLimits) -> np.ndarray:
+    """The frames at ``indices`` (counted from 0 in presentation order, as read_video_pyav counts),
+    uint8 ``[len(indices), H, W, 3]`` RGB, one row per entry of ``indices`` in its order.
+    InvalidInput for bad bytes, an index past the last decodable frame, frames of different sizes;
+    ResourceExhausted over a limit."""
+    return _decode(data, indices, limits, _deadline(limits))
+
+
+def probe_and_decode(data: bytes, indices_fn, limits: VideoLimits) -> tuple[ClipFacts, list[int], np.ndarray]:
+    """``probe``, ``indices_fn(facts)``, then ``decode_frames`` of those indices, under one time budget."""
+    deadline = _deadline(limits)
+    facts = _probe(data, limits, deadline)
+    indices = [int(i) for i in indices_fn(facts)]
+    return facts, indices, _decode(data, indices, limits, deadline)
+
+
+def decode_frame_list(frames: Sequence[bytes], limits: VideoLimits) -> np.ndarray:
+    """A clip given as its frames, each an encoded image (JPEG, PNG, or what ``decode_image``
+    takes), decoded with the image decoder's limits: uint8 ``[len(frames), H, W, 3]`` RGB. Every
+    frame must be the same size (InvalidInput otherwise); ResourceExhausted over a limit: frames,
+    their bytes together, a frame's pixels, the decode time of the whole list."""
+    if not frames:
+        raise InvalidInput("a video given as frames has no frames")
+    _check_frames(len(frames), limits, "has")
+    _check_bytes(sum(len(f) for f in frames), limits)
+    deadline = _deadline(limits)
+    out: np.ndarray | None = None
+    for i, data in enumerate(frames):
+        _check_time(deadline, limits)
+        try:
+            with decode_budget(max(0.0, deadline - time.monotonic())):
+                pixels = np.asarray(decode_image(data, limits.max_frame_pixels))
+        except ResourceExhausted as e:
+            if "--max-decode-seconds" in e.message:
+                _check_time(float("-inf"), limits)
+            raise ResourceExhausted(f"video frame {i}: {e.message} (per frame: --max-image-pixels "
+                                    f"{limits.max_frame_pixels})") from None
+        except InvalidInput as e:
+            raise InvalidInput(f"video frame {i}: {e.message}") from None
+        if out is None:
+            out = np.empty((len(frames), *pixels.shape), np.uint8)
+        elif pixels.shape != out.shape[1:]:
+            raise InvalidInput(
+                f"video frames of different sizes: frame {i} is {pixels.shape[1]}x{pixels.shape[0]}, "
+                f"frame 0 is {out.shape[2]}x{out.shape[1]}")
+        out[i] = pixels
+    assert out is not None
+    return out
+

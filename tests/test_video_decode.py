@@ -1,0 +1,310 @@
+"""Video decoding (preprocess/video_decode.py, preprocess/video_pool.py): frames equal to
+transformers' ``read_video_pyav`` for every container and codec the av wheel encodes, the frame count
+of containers whose header has none, every bad input with its error and flag, limits from the header
+before any frame is decoded, and a decode pool that survives crashing and hanging decodes.
+
+Clips are generated here with PyAV (``benchmarks/reliability/video_inputs.py``): 64x48, 10 fps."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import io
+import struct
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from encoder_service.benchmarks.reliability import video_inputs as vi
+from encoder_service.benchmarks.reliability.fuzz_inputs import png_bomb
+from encoder_service.errors import EncoderError, InvalidInput, ResourceExhausted
+from encoder_service.preprocess.decode import decode_image
+from encoder_service.preprocess.video_decode import (
+    ClipFacts,
+    VideoLimits,
+    decode_frame_list,
+    decode_frames,
+    probe,
+)
+from encoder_service.preprocess.video_pool import DecodedClip, VideoDecodePool
+
+LIMITS = VideoLimits(max_bytes=1 << 24, max_frames=256, max_seconds=60.0, max_frame_pixels=1 << 20,
+                     max_decode_seconds=10.0)
+
+
+def limits(**changes) -> VideoLimits:
+    return dataclasses.replace(LIMITS, **changes)
+
+
+@functools.cache
+def clip(container: str = "mp4", codec: str = "libx264", frames: int = 14, **kw) -> bytes:
+    return vi.make_clip(container, codec, frames=frames, **kw)
+
+
+def reference(data: bytes, indices: list[int]) -> tuple[np.ndarray, int]:
+    """transformers' read_video_pyav on the same bytes: its frames and its header frame count."""
+    from transformers.video_utils import read_video_pyav
+
+    frames, metadata = read_video_pyav(io.BytesIO(data), sample_indices_fn=lambda metadata, **kw: indices)
+    return frames, metadata.total_num_frames
+
+
+# --- frames equal to the reference ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("container,codec,decoder", vi.CLIP_KINDS, ids=[f"{c}-{d}" for c, _, d in vi.CLIP_KINDS])
+def test_frames_equal_read_video_pyav(container, codec, decoder):
+    data = clip(container, codec)
+    facts = probe(data, LIMITS)
+    assert facts == ClipFacts(total_frames=14, fps=10.0, duration_s=1.4)
+    for indices in ([0], [0, 3, 5, 13], list(range(14)), [6, 7]):
+        ours = decode_frames(data, indices, LIMITS)
+        theirs, header_frames = reference(data, indices)
+        assert ours.dtype == np.uint8 and ours.shape == (len(indices), 48, 64, 3)
+        assert np.array_equal(ours, theirs), (container, codec, indices)
+    # Matroska and WebM state no frame count: read_video_pyav reports 0, we count them.
+    assert header_frames == (0 if container in ("matroska", "webm") else 14)
+
+
+def test_frames_follow_the_indices_order_with_repeats():
+    data = clip()
+    every = decode_frames(data, list(range(14)), LIMITS)
+    ours = decode_frames(data, [5, 5, 2, 13, 0], LIMITS)
+    assert np.array_equal(ours, every[[5, 5, 2, 13, 0]])
+
+
+def test_frames_are_the_encoded_pictures():
+    # Frame i (presentation order) is nearest to the picture encoded as frame i.
+    frames = decode_frames(clip("mp4", "libx264"), list(range(14)), LIMITS).astype(int)
+    patterns = np.stack([vi.frame_pattern(i, 64, 48) for i in range(14)]).astype(int)
+    distance = np.abs(frames[:, None] - patterns[None]).mean(axis=(2, 3, 4))
+    assert list(distance.argmin(axis=1)) == list(range(14))
+
+
+# --- bad input: InvalidInput ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("data,message", [
+    (b"", "empty bytes"),
+    (b"\x89PNG\r\n\x1a\n" + bytes(64), "container not recognised"),
+    (bytes(4096), "container not recognised"),
+])
+def test_not_a_video(data, message):
+    with pytest.raises(InvalidInput, match=message):
+        probe(data, LIMITS)
+
+
+def test_truncated_and_corrupt_containers():
+    good = clip()
+    for data in (good[:64], good[: len(good) // 2]):
+        with pytest.raises(InvalidInput, match="truncated or corrupt"):
+            probe(data, LIMITS)
+    # Every frame's data zeroed: the header parses, no frame decodes.
+    zeroed = bytearray(good)
+    at = zeroed.find(b"mdat")
+    size = struct.unpack(">I", zeroed[at - 4:at])[0]
+    zeroed[at + 4:at - 4 + size] = bytes(size - 8)
+    assert probe(bytes(zeroed), LIMITS).total_frames == 14
+    with pytest.raises(InvalidInput, match="not a decodable video"):
+        decode_frames(bytes(zeroed), [0], LIMITS)
+
+
+def test_unsupported_codec():
+    with pytest.raises(InvalidInput, match="unsupported video codec 'mjpeg'"):
+        probe(vi.make_clip("mov", "mjpeg", pix_fmt="yuvj420p"), LIMITS)
+
+
+def test_zero_frames():
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:  # a video track with no samples
+        stream = out.add_stream("libx264", rate=10)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        out.start_encoding()
+    with pytest.raises(InvalidInput, match="not a decodable video"):
+        probe(buf.getvalue(), LIMITS)
+
+
+def test_bad_indices():
+    data = clip()
+    with pytest.raises(InvalidInput, match="14 decodable frames; frame index 14 is past the end"):
+        decode_frames(data, [0, 14], LIMITS)
+    with pytest.raises(InvalidInput, match="negative"):
+        decode_frames(data, [-1], LIMITS)
+    with pytest.raises(InvalidInput, match="no frame indices"):
+        decode_frames(data, [], LIMITS)
+
+
+# --- limits: ResourceExhausted naming the flag ------------------------------------------------------
+
+
+def test_bytes_limit():
+    data = clip()
+    with pytest.raises(ResourceExhausted, match=f"video is {len(data)} bytes, over .* --max-video-bytes 1000"):
+        probe(data, limits(max_bytes=1000))
+
+
+@pytest.mark.parametrize("container", ["mp4", "webm"])
+def test_frames_limit(container):
+    data = clip(container, "libvpx-vp9")
+    # MP4 states 14 frames in its header; WebM's are counted from packets, none decoded.
+    with pytest.raises(ResourceExhausted, match="over the limit of --max-video-frames 10"):
+        probe(data, limits(max_frames=10))
+    with pytest.raises(ResourceExhausted, match=r"sampling asks for 11 frames, over .* --max-video-frames 10"):
+        decode_frames(clip(), list(range(11)), limits(max_frames=10))
+
+
+def test_seconds_limit():
+    slow = clip("mp4", "libx264", frames=12, fps=1)  # 12 s
+    with pytest.raises(ResourceExhausted, match=r"header claims 12\.000 s, over the limit of --max-video-seconds 5"):
+        probe(slow, limits(max_seconds=5.0))
+    assert probe(slow, LIMITS).duration_s == 12.0
+
+
+def test_frame_pixels_limit_from_the_header_before_decoding(monkeypatch):
+    import av.container
+
+    # probe never decodes: any decode would fail this test.
+    monkeypatch.setattr(av.container.InputContainer, "decode", lambda *a, **k: pytest.fail("decoded"))
+    message = r"header claims 64x48 = 3072 pixels a frame, .* --max-image-pixels 3000"
+    with pytest.raises(ResourceExhausted, match=message):
+        probe(clip(), limits(max_frame_pixels=3000))
+
+
+def test_frame_bomb_refused_before_its_frame_is_allocated():
+    # The container says 64x48; the VP8 key frame claims 12000x12000 (260 MB of frame). FFmpeg's
+    # max_pixels refuses it before allocating (its message is quoted in ours).
+    data = vi.vp8_size_bomb(12000, 12000)
+    assert probe(data, LIMITS).total_frames == 3
+    message = r"--max-image-pixels 1048576 .*12000x12000 exceeds specified max pixel"
+    with pytest.raises(ResourceExhausted, match=message):
+        decode_frames(data, [0], LIMITS)
+
+
+def test_decode_seconds_limit():
+    with pytest.raises(ResourceExhausted, match="took more than 0 s, over the limit of --max-decode-seconds 0"):
+        decode_frames(clip(), [13], limits(max_decode_seconds=0.0))
+
+
+# --- a clip given as decoded frames -----------------------------------------------------------------
+
+
+def encoded(array: np.ndarray, fmt: str = "PNG") -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(array).save(out, fmt)
+    return out.getvalue()
+
+
+def test_frame_list_equals_the_image_decoder():
+    arrays = [vi.frame_pattern(i, 64, 48) for i in range(4)]
+    frames = [encoded(a, "PNG") for a in arrays[:2]] + [encoded(a, "JPEG") for a in arrays[2:]]
+    out = decode_frame_list(frames, LIMITS)
+    assert out.shape == (4, 48, 64, 3) and out.dtype == np.uint8
+    assert np.array_equal(out[:2], np.stack(arrays[:2]))  # PNG is lossless
+    for row, data in zip(out, frames, strict=True):
+        assert np.array_equal(row, np.asarray(decode_image(data, None)))
+
+
+def test_frame_list_errors():
+    a, b = encoded(vi.frame_pattern(0, 64, 48)), encoded(vi.frame_pattern(1, 32, 48))
+    with pytest.raises(InvalidInput, match="frames of different sizes: frame 2 is 32x48, frame 0 is 64x48"):
+        decode_frame_list([a, a, b], LIMITS)
+    with pytest.raises(InvalidInput, match="no frames"):
+        decode_frame_list([], LIMITS)
+    with pytest.raises(InvalidInput, match="video frame 1: "):
+        decode_frame_list([a, a[:100]], LIMITS)
+    with pytest.raises(ResourceExhausted, match="has 3 frames, over the limit of --max-video-frames 2"):
+        decode_frame_list([a, a, a], limits(max_frames=2))
+    with pytest.raises(ResourceExhausted, match="--max-video-bytes 100"):
+        decode_frame_list([a], limits(max_bytes=100))
+    with pytest.raises(ResourceExhausted, match=r"video frame 1: .*--max-image-pixels 1048576"):
+        decode_frame_list([a, png_bomb()], LIMITS)
+    with pytest.raises(ResourceExhausted, match="--max-decode-seconds 0"):
+        decode_frame_list([a], limits(max_decode_seconds=0.0))
+
+
+# --- the corpus, in process -------------------------------------------------------------------------
+
+
+def test_video_corpus_decodes_or_refuses():
+    for name, data in vi.video_corpus().items():
+        try:
+            facts = probe(data, LIMITS)
+            decode_frames(data, [0, facts.total_frames - 1], LIMITS)
+        except (InvalidInput, ResourceExhausted):
+            assert not name.startswith(("mp4_h264", "mov_h264", "mkv_h264", "webm_vp9", "webm_vp8")) or \
+                "flipped" in name or "bomb" in name, name
+
+
+# --- the pool: crashes and hangs cost one call ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with VideoDecodePool(2, grace_s=1.0) as p:
+        yield p
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_pool_decodes_like_in_process(pool):
+    data = clip("webm", "libvpx-vp9")
+    got = run(pool.decode(data, vi.first_frame, LIMITS))
+    assert isinstance(got, DecodedClip)
+    assert got.facts == probe(data, LIMITS) and got.indices == [0]
+    assert np.array_equal(got.frames, decode_frames(data, [0], LIMITS))
+    with pytest.raises(ResourceExhausted, match="--max-video-frames 10"):
+        run(pool.decode(data, vi.first_frame, limits(max_frames=10)))
+
+
+@pytest.mark.parametrize("fault,exit_code", [(vi.abort_process, -6), (vi.segfault_process, -11)])
+def test_pool_survives_a_crash(pool, fault, exit_code):
+    data = clip()
+    replaced = pool.replaced
+
+    async def both():
+        return await asyncio.gather(pool.decode(data, fault, LIMITS), pool.decode(data, vi.first_frame, LIMITS),
+                                    return_exceptions=True)
+
+    crashed, fine = run(both())
+    assert isinstance(crashed, InvalidInput) and f"crashed on this clip (decode process exit code {exit_code})" in str(
+        crashed)
+    assert isinstance(fine, DecodedClip)  # the call on the other process is not lost
+    assert pool.replaced == replaced + 1
+    assert run(pool.decode(data, vi.first_frame, LIMITS)).frames.shape == (1, 48, 64, 3)
+
+
+def test_pool_kills_a_hang(pool):
+    data = clip()
+    bound = limits(max_decode_seconds=0.5)
+    with pytest.raises(ResourceExhausted, match=r"took more than 1.5 s and was stopped, .* --max-decode-seconds 0.5"):
+        run(pool.decode(data, vi.hang_process, bound))
+    got = run(asyncio.wait_for(pool.decode(data, vi.first_frame, bound), 30))
+    assert got.frames.shape == (1, 48, 64, 3)
+
+
+def test_pool_fuzz_never_breaks(pool):
+    rng = np.random.default_rng(7)
+    seeds = [clip(), clip("webm", "libvpx-vp9"), clip("matroska", "libx265"), clip("mp4", "libsvtav1")]
+    inputs = []
+    for i in range(32):
+        data = bytearray(seeds[i % len(seeds)])
+        if i % 2:
+            data = data[: int(rng.integers(8, len(data)))]
+        for at in rng.integers(0, len(data), int(rng.integers(1, 32))):
+            data[at] = int(rng.integers(0, 256))
+        inputs.append(bytes(data))
+
+    async def all_of_them():
+        return await asyncio.gather(*(pool.decode(d, vi.first_frame, LIMITS) for d in inputs),
+                                    return_exceptions=True)
+
+    for result in run(all_of_them()):
+        assert isinstance(result, (DecodedClip, InvalidInput, ResourceExhausted)), repr(result)
+        assert not isinstance(result, EncoderError) or result.code in ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED")
+    assert run(pool.decode(clip(), vi.first_frame, LIMITS)).frames.shape == (1, 48, 64, 3)
