@@ -185,7 +185,7 @@ def test_frame_bomb_refused_before_its_frame_is_allocated():
 
 
 def test_decode_seconds_limit():
-    with pytest.raises(ResourceExhausted, match="took more than 0 s, over the limit of --max-decode-seconds 0"):
+    with pytest.raises(ResourceExhausted, match="took more than 0 s, over the limit of --max-video-decode-seconds 0"):
         decode_frames(clip(), [13], limits(max_decode_seconds=0.0))
 
 
@@ -222,7 +222,7 @@ def test_frame_list_errors():
         decode_frame_list([a], limits(max_bytes=100))
     with pytest.raises(ResourceExhausted, match=r"video frame 1: .*--max-image-pixels 1048576"):
         decode_frame_list([a, png_bomb()], LIMITS)
-    with pytest.raises(ResourceExhausted, match="--max-decode-seconds 0"):
+    with pytest.raises(ResourceExhausted, match="--max-video-decode-seconds 0"):
         decode_frame_list([a], limits(max_decode_seconds=0.0))
 
 
@@ -282,7 +282,8 @@ def test_pool_survives_a_crash(pool, fault, exit_code):
 def test_pool_kills_a_hang(pool):
     data = clip()
     bound = limits(max_decode_seconds=0.5)
-    with pytest.raises(ResourceExhausted, match=r"took more than 1.5 s and was stopped, .* --max-decode-seconds 0.5"):
+    with pytest.raises(ResourceExhausted,
+                       match=r"took more than 1.5 s and was stopped, .* --max-video-decode-seconds 0.5"):
         run(pool.decode(data, vi.hang_process, bound))
     got = run(asyncio.wait_for(pool.decode(data, vi.first_frame, bound), 30))
     assert got.frames.shape == (1, 48, 64, 3)

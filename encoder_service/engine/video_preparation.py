@@ -19,8 +19,8 @@ from ..config import ServiceConfig
 from ..errors import InvalidInput, ResourceExhausted
 from ..models.base import ModelFront
 from ..preprocess.staged import RawPatches
-from ..preprocess.video_decode import VideoDecodePool, VideoLimits, decode_frame_list
-from ..preprocess.video_sampling import ClipFacts
+from ..preprocess.video_decode import ClipFacts, VideoLimits, decode_frame_list
+from ..preprocess.video_pool import VideoDecodePool
 from .types import ClipFrames, VideoInput
 
 
@@ -59,7 +59,8 @@ class VideoPreparer:
         if video.encoded:
             if self._pool is None:
                 self._pool = VideoDecodePool(self.config.video_decode_processes)
-            clip, indices, frames = await self._pool.decode(video.encoded, sample, limits)
+            decoded = await self._pool.decode(video.encoded, sample, limits)
+            clip, indices, frames = decoded.facts, decoded.indices, decoded.frames
         else:
             clip, indices, frames = await loop.run_in_executor(executor, _sampled_frames, video, sample, limits)
         pixel_values, grid, used = await loop.run_in_executor(executor, front.video_front.process, frames, indices,

@@ -20,9 +20,11 @@ from ..attention import AUTO, select_backend
 from ..device import host_to_device
 from ..errors import InvalidInput
 from ..ops import OpsSelection, OpTarget, no_ops, select_ops
-from ..preprocess import nvjpeg
+from ..preprocess import nvjpeg, video_decode
 from ..preprocess.batch import stage_batch
 from ..preprocess.staged import DecodedImage, RawPatches, StagedInput, resolve_mode
+from ..preprocess.video_decode import ClipFacts, VideoLimits
+from ..preprocess.video_sampling import VideoSampling
 
 # Re-exported: the families and the engine import them from here.
 from .spec import Grid, ModelSpec, validate_batch, validate_grid  # noqa: F401
@@ -261,6 +263,31 @@ class VisionModel:
         item = self.decode(image_bytes, max_image_pixels)
         pixels = self.stage([item], torch.device("cpu"), torch.float32)
         return pixels.numpy(), item.grid  # host: staged on the CPU, never on the model's device
+
+    def preprocess_video(self, video: bytes | Sequence[bytes], *, frames_fps: float | None = None,
+                         **sampling) -> tuple[np.ndarray, Grid, list[int]]:
+        """A clip -> (pixel values [t*h*w, patch_dim] float32, (t, h, w), the source frame indices
+        used), exactly as the family's video processor returns ``pixel_values_videos`` and
+        ``video_grid_thw``, with the frames its reference samples. ``video``: a container's bytes,
+        or its frames as encoded images (``frames_fps``: their rate, if known). ``sampling``: the
+        fields of ``VideoSampling`` (reference="transformers" or "vllm", fps, num_frames, ...).
+        Decodes in this process, without the server's decoder processes or size limits."""
+        front = self.video_front()
+        if front is None:
+            raise InvalidInput(f"{self.spec.model_type} takes no video")
+        wanted = VideoSampling(**sampling)
+        limits = VideoLimits(max_bytes=1 << 40, max_frames=1 << 31, max_seconds=float("inf"),
+                             max_frame_pixels=1 << 40, max_decode_seconds=float("inf"))
+        if isinstance(video, (bytes, bytearray, memoryview)):
+            clip = video_decode.probe(bytes(video), limits)
+            indices = [int(i) for i in front.sample(clip, wanted)]
+            frames = video_decode.decode_frames(bytes(video), indices, limits)
+        else:
+            clip = ClipFacts(len(video), frames_fps, len(video) / frames_fps if frames_fps else None)
+            indices = [int(i) for i in front.sample(clip, wanted)]
+            frames = video_decode.decode_frame_list([video[i] for i in indices], limits)
+        pixel_values, grid, used = front.process(frames, indices, wanted)
+        return np.ascontiguousarray(pixel_values, dtype=np.float32), tuple(grid), [int(i) for i in used]
 
     def validate(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]) -> list[Grid]:
         return validate_batch(pixel_values, grids, self.spec)

@@ -62,7 +62,7 @@ class VideoLimits:
     max_frames: int  # --max-video-frames: frames in the clip, and frames asked for
     max_seconds: float  # --max-video-seconds
     max_frame_pixels: int  # --max-image-pixels: width * height of one frame
-    max_decode_seconds: float  # --max-decode-seconds: the whole clip's probe and decode
+    max_decode_seconds: float  # --max-video-decode-seconds: the whole clip's probe and decode
 
 
 def _deadline(limits: VideoLimits) -> float:
@@ -73,7 +73,7 @@ def _check_time(deadline: float, limits: VideoLimits) -> None:
     if time.monotonic() > deadline:
         raise ResourceExhausted(
             f"decoding the clip took more than {limits.max_decode_seconds:g} s, over the limit of "
-            f"--max-decode-seconds {limits.max_decode_seconds:g}")
+            f"--max-video-decode-seconds {limits.max_decode_seconds:g}")
 
 
 def _check_bytes(size: int, limits: VideoLimits) -> None:

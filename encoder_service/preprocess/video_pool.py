@@ -4,7 +4,7 @@ FFmpeg's demuxers and decoders are a large body of C reached by caller-supplied 
 probed and decoded (``video_decode.probe_and_decode``) by one of N long-lived child processes
 (started with spawn: no copy of the server's threads, locks or CUDA state). A call waits for the
 child's answer at most ``limits.max_decode_seconds`` plus ``grace_s``: the child stops itself at
-``--max-decode-seconds`` between frames, and the parent's bound catches what the child cannot (a
+``--max-video-decode-seconds`` between frames, and the parent's bound catches what the child cannot (a
 hang inside one FFmpeg call). A child that crashes (a segfault, an abort) or outlives the bound is
 killed and replaced; that call fails with a clear error and the calls on the other children go on.
 
@@ -153,7 +153,7 @@ class VideoDecodePool:
                 log.warning("video decode process killed: no answer within %.1f s", bound)
                 raise ResourceExhausted(
                     f"decoding the clip took more than {bound:g} s and was stopped, over the limit of "
-                    f"--max-decode-seconds {limits.max_decode_seconds:g}")
+                    f"--max-video-decode-seconds {limits.max_decode_seconds:g}")
             try:
                 status, payload = child.conn.recv()
             except (EOFError, OSError):

@@ -4,12 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class ClipFacts:
-    total_frames: int
-    fps: float | None
-    duration_s: float | None
+from .video_decode import ClipFacts  # noqa: F401
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,156 @@
+"""Clips through a real server process: a container or its frames in, one embedding out, equal to the
+model's own video path (``m.preprocess_video`` then ``m.encode``), the frames used said in the
+response, cached by content and sampling; every bad clip a clear error, the server serving on."""
+
+from __future__ import annotations
+
+import io
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from encoder_client import EncoderClient, EncoderClientError, HashRef, Video, content_hash
+from PIL import Image
+
+from encoder_service.benchmarks.reliability.video_inputs import frame_pattern, make_clip, video_corpus
+from encoder_service.models import load_vision_model
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def clip() -> bytes:
+    return make_clip("mp4", "libx264", frames=12, width=64, height=48, fps=10)
+
+
+@pytest.fixture(scope="module")
+def server(start_encoder_server):
+    return start_encoder_server("--max-video-bytes", str(1 << 20), "--max-video-seconds", "30")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_vision_model("tiny-qwen2.5-vl", device="cpu", dtype=torch.float32)
+
+
+def png(i: int) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(frame_pattern(i, 64, 48)).save(out, "PNG")
+    return out.getvalue()
+
+
+def expected(model, video, **sampling) -> tuple[np.ndarray, list[int]]:
+    pixels, grid, used = model.preprocess_video(video, **sampling)
+    (want,) = model.encode(pixels, [grid])
+    return want.numpy(), used
+
+
+def close(got: np.ndarray, want: np.ndarray) -> None:
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+def test_a_clip_is_encoded_as_the_models_video_path_does_and_says_its_frames(server, model, clip):
+    with EncoderClient(server.target, timeout_s=60) as client:
+        (got,) = client.encode([Video(clip, num_frames=4)])
+    want, used = expected(model, clip, num_frames=4)
+    close(got.embedding, want)
+    assert list(got.frame_indices) == used and len(used) == 4
+    assert got.frame_timestamps_s == pytest.approx([i / 10 for i in used])
+    assert got.grid_thw[0] == 2  # 4 frames, 2 per temporal patch
+
+
+def test_a_clip_given_as_frames_equals_its_frames_decoded(server, model):
+    frames = [png(i) for i in range(8)]
+    with EncoderClient(server.target, timeout_s=60) as client:
+        (got,) = client.encode([Video(frames=frames, frames_fps=4, num_frames=4)])
+    want, used = expected(model, frames, frames_fps=4, num_frames=4)
+    close(got.embedding, want)
+    assert list(got.frame_indices) == used
+
+
+def test_the_same_clip_sampled_alike_is_one_entry_and_sampled_otherwise_another(server, clip):
+    with EncoderClient(server.target, timeout_s=60) as client:
+        namespace = client.model_info().cache_namespace
+        first, second = client.encode([Video(clip, num_frames=4), Video(clip, num_frames=6)])
+        (again,) = client.encode([Video(clip, num_frames=4)])
+        (by_hash,) = client.encode([HashRef(first.content_hash)])
+        vllm_hash = content_hash(Video(clip, num_frames=4, reference="vllm"), namespace)
+        cached = client.lookup([first.content_hash, second.content_hash, vllm_hash])
+    assert first.content_hash != second.content_hash and len(second.frame_indices) == 6
+    assert first.content_hash == content_hash(Video(clip, num_frames=4), namespace)
+    assert again.cache_hit and again.content_hash == first.content_hash
+    assert np.array_equal(again.embedding, first.embedding)
+    assert again.frame_indices == first.frame_indices  # a hit says its frames too
+    assert by_hash.cache_hit and by_hash.frame_indices == first.frame_indices
+    assert cached == [True, True, False]
+
+
+def test_model_info_says_what_video_the_server_takes(server):
+    with EncoderClient(server.target, timeout_s=60) as client:
+        info = client.model_info()
+    assert info.video.startswith("pyav") and "transformers" in info.video and "vllm" in info.video
+    assert (info.max_video_bytes, info.max_video_seconds) == (1 << 20, 30.0)
+
+
+CLEAR_ERRORS = {  # a corpus clip -> (status, words its message must hold)
+    "mov_mjpeg_unsupported": (grpc.StatusCode.INVALID_ARGUMENT, "codec"),
+    "mkv_no_frames": (grpc.StatusCode.INVALID_ARGUMENT, "frame"),
+    "webm_vp8_size_bomb": (grpc.StatusCode.RESOURCE_EXHAUSTED, "--max-image-pixels"),
+    "mp4_header_only": (grpc.StatusCode.INVALID_ARGUMENT, ""),
+    "random_bytes": (grpc.StatusCode.INVALID_ARGUMENT, ""),
+    "png_not_a_video": (grpc.StatusCode.INVALID_ARGUMENT, ""),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CLEAR_ERRORS))
+def test_a_bad_clip_is_a_clear_error_and_the_server_serves_on(server, clip, name):
+    code, words = CLEAR_ERRORS[name]
+    with EncoderClient(server.target, timeout_s=60) as client:
+        with pytest.raises(EncoderClientError) as err:
+            client.encode([Video(video_corpus()[name])])
+        assert err.value.code == code, err.value.details
+        assert "image 0" in err.value.details and words in err.value.details
+        (ok,) = client.encode([Video(clip, num_frames=2)])
+    assert ok.num_tokens > 0
+
+
+def test_every_broken_clip_of_the_corpus_fails_alone(server, clip):
+    with EncoderClient(server.target, timeout_s=60) as client:
+        for name, data in video_corpus().items():
+            try:
+                client.encode([Video(data, num_frames=2)])
+            except EncoderClientError as exc:
+                assert exc.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), (name, exc)
+        (ok,) = client.encode([Video(clip, num_frames=2)])
+    assert ok.num_tokens > 0
+
+
+def test_limits_name_their_flag(server, clip):
+    long_clip = make_clip("mp4", "mpeg4", frames=40, fps=1)  # 40 s, over --max-video-seconds 30
+    with EncoderClient(server.target, timeout_s=60) as client:
+        cases = [(Video(long_clip, num_frames=2), grpc.StatusCode.RESOURCE_EXHAUSTED, "--max-video-seconds"),
+                 (Video(b"\x00" * (2 << 20)), grpc.StatusCode.RESOURCE_EXHAUSTED, "--max-video-bytes"),
+                 (Video(clip, num_frames=1000), grpc.StatusCode.INVALID_ARGUMENT, "num_frames")]
+        for video, code, words in cases:
+            with pytest.raises(EncoderClientError) as err:
+                client.encode([video])
+            assert err.value.code == code and words in err.value.details, err.value.details
+        (ok,) = client.encode([Video(clip, num_frames=2)])
+    assert ok.num_tokens > 0
+
+
+def test_bad_sampling_settings_are_refused_before_any_decode(server, clip):
+    from encoder_client.protocol import encoder_pb2
+
+    with EncoderClient(server.target, timeout_s=60) as client:
+        for video, words in (
+            (encoder_pb2.Video(encoded=clip, sampling=encoder_pb2.VideoSampling(reference="opencv")), "reference"),
+            (encoder_pb2.Video(encoded=clip, sampling=encoder_pb2.VideoSampling(fps=2, num_frames=4)), "exclusive"),
+            (encoder_pb2.Video(encoded=clip, frames=[png(0)]), "exactly one"),
+            (encoder_pb2.Video(), "exactly one"),
+        ):
+            with pytest.raises(EncoderClientError) as err:
+                client.encode([encoder_pb2.Image(video=video)])
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in err.value.details
