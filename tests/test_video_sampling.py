@@ -139,6 +139,8 @@ def test_sampling_equals_the_reference(references, index):
         assert qwen2.second_per_grid_t(clip, got) == pytest.approx(expected["second_per_grid_t"], rel=1e-12)
     if "timestamps" in expected:
         assert qwen3.frame_timestamps(clip, got) == pytest.approx(expected["timestamps"], rel=1e-12)
+    if "chunk_timestamps" in expected:
+        assert kimi.chunk_timestamps(clip, got) == pytest.approx(expected["chunk_timestamps"], rel=1e-12)
     t = expected["grid"][0][0] if case["family"] != "kimi_k25" else None
     if t is not None:  # the grid's frames: the sampled count padded to the temporal patch size
         assert t == math.ceil(len(got) / 2)

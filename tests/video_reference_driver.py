@@ -64,6 +64,10 @@ def run_sampling(case: dict) -> dict:
         fps_used = 24 if meta.fps is None else meta.fps
         result["timestamps"] = Qwen3VLProcessor._calculate_timestamps(None, list(result["indices"]), fps_used,
                                                                        proc.temporal_patch_size)
+    if family == "kimi_k25":
+        # Kimi_K25Processor.replace_video_token: each chunk's first frame's time (fps 24 where unknown).
+        meta.fps = 24 if meta.fps is None else meta.fps
+        result["chunk_timestamps"] = [float(t) for t in meta.timestamps[::proc.temporal_patch_size]]
     return result
 
 
