@@ -261,10 +261,12 @@ SHARED_CONTRACT = ("encoder_service.errors", "encoder_service.device", "encoder_
                    "encoder_service.attention", "encoder_service.ops", "encoder_service.models.family",
                    "encoder_service.models.base", "encoder_service.models.spec", "encoder_service.models.layers",
                    "encoder_service.models.loader", "encoder_service.models.cuda_graphs")
-# Another family's modules a family builds on: Qwen3-VL is fed by Qwen2-VL's image processor.
+# Another family's modules a family builds on: Qwen3-VL is fed by Qwen2-VL's image processor, and its
+# video processor shares Qwen2-VL's video patch layout.
 BUILDS_ON = {
     "encoder_service.models.qwen3_vl": ("encoder_service.models.qwen2_5_vl.preprocess",
-                                        "encoder_service.models.qwen2_5_vl.processor"),
+                                        "encoder_service.models.qwen2_5_vl.processor",
+                                        "encoder_service.models.qwen2_5_vl.video"),
 }
 
 
@@ -296,6 +298,8 @@ def test_the_qwen3_vl_package_imports_the_contract_and_qwen2_vl_processing_only(
         "encoder_service.models.family", "encoder_service.models.base", "encoder_service.models.layers",
         "encoder_service.models.loader",
         "encoder_service.models.qwen2_5_vl.preprocess", "encoder_service.models.qwen2_5_vl.processor",
+        "encoder_service.models.qwen2_5_vl.video", "encoder_service.preprocess.video_sampling",
+        "encoder_service.preprocess.settings", "encoder_service.preprocess.decode",
     }
     assert "encoder_service.models.qwen3_vl" in FAMILY_PACKAGES
 

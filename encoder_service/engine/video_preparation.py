@@ -19,8 +19,9 @@ from ..config import ServiceConfig
 from ..errors import InvalidInput, ResourceExhausted
 from ..models.base import ModelFront
 from ..preprocess.staged import RawPatches
-from ..preprocess.video_decode import ClipFacts, VideoLimits, decode_frame_list
+from ..preprocess.video_decode import VideoLimits, decode_frame_list
 from ..preprocess.video_pool import VideoDecodePool
+from ..preprocess.video_sampling import ClipFacts
 from .types import ClipFrames, VideoInput
 
 

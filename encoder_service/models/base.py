@@ -23,8 +23,8 @@ from ..ops import OpsSelection, OpTarget, no_ops, select_ops
 from ..preprocess import nvjpeg, video_decode
 from ..preprocess.batch import stage_batch
 from ..preprocess.staged import DecodedImage, RawPatches, StagedInput, resolve_mode
-from ..preprocess.video_decode import ClipFacts, VideoLimits
-from ..preprocess.video_sampling import VideoSampling
+from ..preprocess.video_decode import VideoLimits
+from ..preprocess.video_sampling import ClipFacts, VideoSampling
 
 # Re-exported: the families and the engine import them from here.
 from .spec import Grid, ModelSpec, validate_batch, validate_grid  # noqa: F401

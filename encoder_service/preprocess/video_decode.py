@@ -36,6 +36,7 @@ import numpy as np
 
 from encoder_service.errors import EncoderError, InvalidInput, ResourceExhausted
 from encoder_service.preprocess.decode import decode_budget, decode_image
+from encoder_service.preprocess.video_sampling import ClipFacts
 
 # The codecs a clip may use (FFmpeg's canonical names; AV1 decodes with libdav1d). H.264, H.265, VP9
 # and AV1 are what the service promises; VP8 and MPEG-4 Part 2 are the older codecs of WebM and MP4.
@@ -45,15 +46,6 @@ _ISO_BOXES = (b"ftyp", b"moov", b"mdat", b"free", b"skip", b"wide", b"pnot")
 _EBML_MAGIC = b"\x1a\x45\xdf\xa3"
 # FFmpeg's message for a frame over the codec's max_pixels option (libavutil/imgutils.c).
 _MAX_PIXELS_LOG = "exceeds specified max pixel count"
-
-
-@dataclass(frozen=True)
-class ClipFacts:
-    """What the container says about a clip's video stream, what frame sampling needs."""
-
-    total_frames: int  # frames in the stream: the header's count, or counted where it says 0 (Matroska/WebM)
-    fps: float | None  # the stream's average frame rate; None when unknown
-    duration_s: float | None  # total_frames / fps as read_video_pyav computes it; the header's duration without fps
 
 
 @dataclass(frozen=True)

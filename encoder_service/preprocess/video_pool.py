@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from encoder_service.errors import EncoderError, InvalidInput, ResourceExhausted
-from encoder_service.preprocess.video_decode import ClipFacts, VideoLimits, probe_and_decode
+from encoder_service.preprocess.video_decode import VideoLimits, probe_and_decode
+from encoder_service.preprocess.video_sampling import ClipFacts
 
 log = logging.getLogger(__name__)
 

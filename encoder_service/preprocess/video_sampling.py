@@ -1,18 +1,126 @@
-"""PLACEHOLDER (replaced by the sampling branch): the shared video sampling types."""
+"""Video frame sampling: what every family's sampler shares (each family's own rules live in its package,
+``models/<family>/video.py``).
+
+Two small value types cross the layers: ``ClipFacts``, what the container decoder learned of a clip, and
+``VideoSampling``, what the caller asked for, including the reference to be equal to (``transformers``,
+the default for direct callers, or ``vllm``, what vLLM does end to end: its video loader, then its call of
+the HF processor). Both are part of the content hash (``VideoSampling.fingerprint``). The index helpers
+below reproduce the two index formulas the references use, in the references' own arithmetic: a float32
+``torch.arange`` stepping ``total / n`` (which can emit an index one past the end), and a rounded
+``numpy.linspace`` over ``[0, total - 1]`` (which repeats frames when ``n > total``).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import asdict, dataclass
 
-from .video_decode import ClipFacts  # noqa: F401
+import numpy as np
+import torch
+
+from ..errors import InvalidInput
+
+REFERENCES = ("transformers", "vllm")
+
+
+@dataclass(frozen=True)
+class ClipFacts:
+    """What the decoder learned of the clip."""
+
+    total_frames: int  # frames in the stream (counted when the container header says 0)
+    fps: float | None  # the source's average fps; None/0 when unknown
+    duration_s: float | None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.total_frames, bool) or not isinstance(self.total_frames, int) or self.total_frames < 1:
+            raise InvalidInput(f"video has no decodable frames (total_frames={self.total_frames!r})")
+
+    @property
+    def known_fps(self) -> float | None:
+        """The source fps, or None where the container does not know it (None, 0, negative, NaN, inf)."""
+        fps = self.fps
+        if fps is None or not math.isfinite(fps) or fps <= 0:
+            return None
+        return float(fps)
 
 
 @dataclass(frozen=True)
 class VideoSampling:
-    reference: str = "transformers"
+    """What the caller asked (None = the family reference's default)."""
+
+    reference: str = "transformers"  # "transformers" or "vllm"
     fps: float | None = None
     num_frames: int | None = None
     min_frames: int | None = None
     max_frames: int | None = None
+    # per-frame (Qwen2.5-VL) or per-video (Qwen3-VL) pixel bounds, as the family's video processor means them
     min_pixels: int | None = None
     max_pixels: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.reference not in REFERENCES:
+            raise InvalidInput(f"video sampling reference {self.reference!r} is not one of {', '.join(REFERENCES)}")
+        fps = self.fps
+        if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not math.isfinite(fps)
+                                or fps <= 0):
+            raise InvalidInput(f"video sampling fps must be a positive number, got {fps!r}")
+        for name in ("num_frames", "min_frames", "max_frames", "min_pixels", "max_pixels"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise InvalidInput(f"video sampling {name} must be a positive int, got {value!r}")
+        for low, high in (("min_frames", "max_frames"), ("min_pixels", "max_pixels")):
+            lo, hi = getattr(self, low), getattr(self, high)
+            if lo is not None and hi is not None and lo > hi:
+                raise InvalidInput(f"video sampling {low} {lo} > {high} {hi}")
+
+    def fingerprint(self) -> dict[str, object]:
+        """Every field, JSON-ready: part of the content hash (the same clip sampled differently is another
+        entry). fps as a float so that 2 and 2.0 hash alike."""
+        fields = asdict(self)
+        if fields["fps"] is not None:
+            fields["fps"] = float(fields["fps"])
+        return fields
+
+
+def arange_indices(total: int, count: int) -> list[int]:
+    """``torch.arange(0, total, total / count).int()``: float32 steps of ``total / count`` from 0, truncated.
+
+    Written with torch, not numpy: the references compute it in float32 and numpy's float64 differs by a
+    frame on some inputs; the float32 step can also emit one more index than ``count``, the last equal to
+    ``total``. ``count`` must be positive (the caller names the failing setting).
+    """
+    return torch.arange(0, total, total / count).int().tolist()
+
+
+def linspace_indices(total: int, count: int) -> list[int]:
+    """``np.linspace(0, total - 1, count).round().astype(int)``: ``count`` indices spread over the clip,
+    rounded half to even; with ``count > total`` some frames repeat."""
+    return np.linspace(0, total - 1, count).round().astype(int).tolist()
+
+
+def pad_to_multiple(indices: list[int], multiple: int) -> list[int]:
+    """``indices`` with its last entry repeated up to a multiple of ``multiple`` (how the references pad an
+    odd frame count to the temporal patch size)."""
+    return indices + [indices[-1]] * (-len(indices) % multiple)
+
+
+def check_indices(indices: list[int], clip: ClipFacts, what: str) -> list[int]:
+    """``indices`` when all lie in the clip; an ``InvalidInput`` naming ``what`` (the reference and the
+    request) where one does not, which is where the reference itself raises IndexError."""
+    if not indices:
+        raise InvalidInput(f"{what}: samples no frame of a {clip.total_frames}-frame clip")
+    bad = [i for i in indices if not 0 <= i < clip.total_frames]
+    if bad:
+        raise InvalidInput(f"{what}: the reference picks frame {bad[0]} of a {clip.total_frames}-frame clip "
+                           "(it fails there with IndexError); ask for another fps or num_frames")
+    return indices
+
+
+def describe(sampling: VideoSampling, clip: ClipFacts) -> str:
+    """The request and the clip in words, for error messages."""
+    asked = [f"{name}={value}" for name, value in (("fps", sampling.fps), ("num_frames", sampling.num_frames),
+                                                    ("min_frames", sampling.min_frames),
+                                                    ("max_frames", sampling.max_frames)) if value is not None]
+    fps = f"{clip.known_fps:g} fps" if clip.known_fps else "unknown fps"
+    return (f"video sampling ({sampling.reference} reference, {', '.join(asked) or 'defaults'}; "
+            f"clip of {clip.total_frames} frames at {fps})")

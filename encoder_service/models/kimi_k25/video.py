@@ -1,0 +1,178 @@
+"""Kimi-K2.5 video: frame sampling, the chunks of ``temporal_patch_size`` frames the merger pools
+(``spec.merge_temporal``), their timestamps, and frames -> patches equal to transformers'
+``Kimi_K25VideoProcessor``.
+
+Sampling (``sample_frame_indices``), by reference:
+- ``transformers``: ``Kimi_K25VideoProcessor`` samples with ``BaseVideoProcessor.sample_frames``
+  (``default_sample_indices_fn``): by fps (default the processor's, 2) ``max(1, int(total / fps_src *
+  fps))`` frames, by count that many; more than the clip's frames is an error (so is fps above the
+  source's where it asks for more frames than there are); indices ``arange(n) * total // n``. Asking for a
+  count means fps=None in the call (with the class default fps=2 filled in, transformers rejects the pair).
+  It has no min/max frame settings: asking for them is an ``InvalidInput``.
+- ``vllm``: vLLM 0.33.0 has no Kimi-K2.5 video path of its own: its chat front end splits a video with
+  ``split_video_chunks`` where the multimodal processor has one, and ``KimiK25MultiModalProcessor``
+  (vllm/model_executor/models/kimi_k25.py) no longer does; earlier vLLM releases delegated it to the
+  checkpoint's remote code (``KimiK25VisionProcessor.split_video_chunks``, kimi_k25_vision_processing.py).
+  This reference is a transcription of that remote code, not run here (it needs the ``mecord`` decoder):
+  ``sample_fps = min(fps, fps_src)``, ``max(round(total * sample_fps / fps_src), 1)`` frames over
+  ``linspace(0, total - 1, n)`` rounded. It reads no frame count or bounds: asking for them is an
+  ``InvalidInput``. Its pixels (Pillow resize in the remote processor) are not reproduced: processing here
+  is transformers' only.
+
+Processing (``preprocess_video``): frames cut into chunks of ``temporal_patch_size`` (4; the last may be
+shorter and is not padded), each chunk's frames resized with ``navit_resize`` (the video processor's patch
+budget, ``max_patches`` 4096, not the image processor's 16384) by PyTorch's uint8 bicubic antialiased
+kernel (torchvision's CPU path), zero-padded bottom/right to a multiple of ``merge_size * patch_size``,
+normalized through the torchvision value table and patchified in raster order, each patch (C, P, P). One
+grid per chunk: ``(frames in the chunk, h, w)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ...errors import InvalidInput
+from ...preprocess import settings
+from ...preprocess.staged import apply_table, host_tensor, resize_uint8, torchvision_value_table
+from ...preprocess.video_sampling import ClipFacts, VideoSampling, check_indices, describe, linspace_indices
+from .preprocess import navit_resize
+
+ASSUMED_FPS = 24.0  # transformers' fps for the chunk timestamps of a clip whose fps is unknown
+
+
+@dataclasses.dataclass(frozen=True)
+class KimiK25VideoConfig:
+    """``Kimi_K25VideoProcessor``'s settings; defaults are its class defaults."""
+
+    max_patches: int = 4096
+    max_side_patches: int = 512  # size.max_height == size.max_width, counted in patches
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 4  # frames per chunk
+    image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    rescale_factor: float = 1 / 255
+    do_resize: bool = True
+    do_rescale: bool = True
+    do_normalize: bool = True
+    fps: float = 2.0
+
+    def __post_init__(self) -> None:
+        settings.check_positive_ints(self, ("max_patches", "max_side_patches", "patch_size", "merge_size",
+                                            "temporal_patch_size"))
+        if not self.fps > 0:
+            raise InvalidInput(f"video processor config: fps must be positive, got {self.fps!r}")
+        settings.check_normalization(self)
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any]) -> KimiK25VideoConfig:
+        """From transformers' video processor keys (``size.max_height``, ``max_patches``, ...)."""
+        kwargs: dict[str, Any] = {}
+        size = config.get("size")
+        if size is not None:
+            if not isinstance(size, Mapping) or size.get("max_height") != size.get("max_width"):
+                raise InvalidInput(f"video processor config: size must have equal max_height and max_width, "
+                                   f"got {size!r}")
+            kwargs["max_side_patches"] = int(size["max_height"])
+        for field in ("max_patches", "patch_size", "merge_size", "temporal_patch_size", "fps"):
+            if config.get(field) is not None:
+                kwargs[field] = config[field]
+        kwargs |= settings.flag_and_normalization_kwargs(config, ("do_resize", "do_rescale", "do_normalize"))
+        return cls(**kwargs)
+
+    def fingerprint(self) -> dict[str, Any]:
+        return settings.fingerprint(self)
+
+
+def sample_frame_indices(clip: ClipFacts, sampling: VideoSampling,
+                         config: KimiK25VideoConfig | None = None) -> list[int]:
+    """The clip's frame indices the reference ``sampling.reference`` feeds Kimi-K2.5, in order; an
+    ``InvalidInput`` naming the setting where that reference fails or has no such setting."""
+    cfg = config or KimiK25VideoConfig()
+    what = describe(sampling, clip)
+    total, source_fps = clip.total_frames, clip.known_fps
+    unsupported = ["min_frames", "max_frames"] + (["num_frames"] if sampling.reference == "vllm" else [])
+    asked = [name for name in unsupported if getattr(sampling, name) is not None]
+    if asked:
+        raise InvalidInput(f"{what}: Kimi-K2.5's {sampling.reference} reference has no {', '.join(asked)} setting")
+    if sampling.reference == "vllm":
+        if source_fps is None:
+            raise InvalidInput(f"{what}: sampling by fps needs the clip's fps, which the container does not give")
+        sample_fps = min(sampling.fps if sampling.fps is not None else cfg.fps, source_fps)
+        return check_indices(linspace_indices(total, max(round(total * sample_fps / source_fps), 1)), clip, what)
+    if sampling.fps is not None and sampling.num_frames is not None:
+        raise InvalidInput(f"{what}: fps and num_frames are mutually exclusive in transformers' "
+                           "Kimi_K25VideoProcessor; give one")
+    count = sampling.num_frames
+    if count is None:
+        if source_fps is None:
+            raise InvalidInput(f"{what}: sampling by fps needs the clip's fps, which the container does not give; "
+                               "ask for num_frames")
+        count = max(1, int(total / source_fps * (sampling.fps if sampling.fps is not None else cfg.fps)))
+    if count > total:
+        raise InvalidInput(f"{what}: asks for {count} frames, more than the clip's {total} (the reference "
+                           "refuses); lower fps or num_frames")
+    return check_indices((np.arange(count, dtype=int) * total // count).tolist(), clip, what)
+
+
+def chunk_timestamps(clip: ClipFacts, indices: list[int], config: KimiK25VideoConfig | None = None) -> list[float]:
+    """Each chunk's time in seconds, as transformers' ``Kimi_K25Processor`` prints it before the chunk:
+    its first frame's index over the source fps (24 where unknown)."""
+    tp = (config or KimiK25VideoConfig()).temporal_patch_size
+    fps = clip.known_fps or ASSUMED_FPS
+    return [indices[i] / fps for i in range(0, len(indices), tp)]
+
+
+def timestamp_text(seconds: float) -> str:
+    """``HH:MM:SS.mmm`` as ``Kimi_K25Processor`` writes a chunk's time into the prompt."""
+    return time.strftime("%H:%M:%S", time.gmtime(seconds)) + f".{int(seconds % 1 * 1000):03d}"
+
+
+def video_geometry(height: int, width: int, cfg: KimiK25VideoConfig
+                   ) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+    """A frame of ``height`` x ``width`` -> (its resized size, its padded size, (h, w) in patches)."""
+    pad_h, pad_w = height, width
+    if cfg.do_resize:
+        (height, width), (pad_h, pad_w) = navit_resize(height, width, cfg.patch_size, cfg.merge_size,
+                                                       cfg.max_patches, cfg.max_side_patches)
+    p = cfg.patch_size
+    if pad_h % p or pad_w % p:
+        raise InvalidInput(f"video frames of {pad_w}x{pad_h} pixels are not a multiple of the patch size {p} "
+                           "(do_resize is off)")
+    return (height, width), (pad_h, pad_w), (pad_h // p, pad_w // p)
+
+
+def chunk_grids(num_frames: int, height: int, width: int, config: KimiK25VideoConfig | None = None
+                ) -> list[tuple[int, int, int]]:
+    """One (frames, h, w) grid per chunk of ``temporal_patch_size`` frames (the last may be shorter)."""
+    cfg = config or KimiK25VideoConfig()
+    _, _, (gh, gw) = video_geometry(height, width, cfg)
+    tp = cfg.temporal_patch_size
+    return [(min(tp, num_frames - start), gh, gw) for start in range(0, num_frames, tp)]
+
+
+def preprocess_video(frames: np.ndarray, config: KimiK25VideoConfig | None = None
+                     ) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    """Sampled uint8 frames [T, H, W, 3] -> (float32 [sum of t*h*w, 3*P*P], one grid per chunk):
+    transformers' ``pixel_values_videos`` (flattened per patch) and ``video_grid_thw``."""
+    cfg = config or KimiK25VideoConfig()
+    if frames.ndim != 4 or frames.shape[-1] != settings.NUM_CHANNELS or frames.dtype != np.uint8 or not len(frames):
+        raise InvalidInput(f"video frames must be uint8 [T, H, W, 3], got {frames.dtype} {list(frames.shape)}")
+    resize_to, (pad_h, pad_w), (gh, gw) = video_geometry(frames.shape[1], frames.shape[2], cfg)
+    table = torchvision_value_table(cfg.image_mean, cfg.image_std, cfg.rescale_factor, cfg.do_rescale,
+                                    cfg.do_normalize)
+    p = cfg.patch_size
+    patches = []
+    for frame in host_tensor(frames).permute(0, 3, 1, 2):
+        chw = resize_uint8(frame.contiguous(), resize_to) if cfg.do_resize else frame
+        chw = F.pad(chw, (0, pad_w - chw.shape[2], 0, pad_h - chw.shape[1]))
+        values = apply_table(chw, table)
+        patches.append(values.reshape(3, gh, p, gw, p).permute(1, 3, 0, 2, 4).reshape(gh * gw, 3 * p * p))
+    return torch.cat(patches).numpy(), chunk_grids(*frames.shape[:3], cfg)

@@ -1,0 +1,260 @@
+"""Qwen2-VL / Qwen2.5-VL video: frame sampling equal to the named reference, and frames -> patches equal
+to transformers' ``Qwen2VLVideoProcessor`` (the video processor ``Qwen2_5_VLProcessor`` loads; Qwen2.5-VL
+has none of its own). Qwen3-VL's video (models/qwen3_vl/video.py) reuses the patch layout here.
+
+Sampling (``sample_frame_indices``), by reference:
+- ``transformers``: ``Qwen2VLVideoProcessor.sample_frames`` with ``do_sample_frames=True``. A frame count
+  is rounded to a multiple of ``temporal_patch_size`` (Python's half-to-even ``round``: 1 -> 0, which the
+  reference divides by, 3 -> 4, 5 -> 4); by fps, ``total / fps_src * fps`` is clamped to
+  ``[min_frames, max_frames]`` and the clip, then floored to that multiple; the indices are the float32
+  ``torch.arange(0, total, total / n)``, which can end one past the clip (41 frames at 8 fps, fps=3:
+  index 41; the reference raises IndexError, here ``InvalidInput``). With neither fps nor num_frames
+  this module samples at ``DEFAULT_FPS`` (2, qwen-vl-utils' and vLLM's default): transformers' own
+  default is not to sample at all (every frame), which no service should do to a long clip.
+- ``vllm``: vLLM 0.33.0's ``Qwen2VLVideoBackend`` (what its ``Qwen2VLVideoProcessor`` maps to), then the
+  HF processor, which does not sample again (``do_sample_frames`` stays False for Qwen2.5-VL). The loader
+  ignores a requested frame count, caps fps at 30, uses its own ``temporal_patch_size`` default 2 and
+  ``max_frames`` <= 768, rejects an unknown source fps, and clamps the index past the end.
+
+Processing (``preprocess_video``): transformers has no PIL video processor, so there is one path: the
+torchvision one. Each frame is resized with ``F.interpolate(uint8, bicubic, antialias=True)``, PyTorch's
+uint8 kernel on the CPU (what ``tvF.resize`` runs there, as the image ``torch`` mode does:
+preprocess/staged.py), rescaled and normalized through the torchvision value table, padded to a multiple
+of ``temporal_patch_size`` by repeating the last frame, and patchified as the processor does.
+``cap_pixels_per_frame`` is pinned False, what transformers 5.24 does when it is unset (with a warning)
+and what vLLM 0.33.0 gets: the per-frame pixel bounds alone apply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...errors import InvalidInput
+from ...preprocess import settings
+from ...preprocess.staged import apply_table, host_tensor, resize_uint8, torchvision_value_table
+from ...preprocess.video_sampling import (
+    ClipFacts,
+    VideoSampling,
+    arange_indices,
+    check_indices,
+    describe,
+)
+from .preprocess import _CLIP_MEAN, _CLIP_STD, smart_resize
+
+DEFAULT_FPS = 2.0  # with neither fps nor num_frames (see above)
+ASSUMED_FPS = 24.0  # what the references assume for a clip of unknown fps (VideoMetadata.sampled_fps)
+# vLLM 0.33.0's Qwen2VLVideoBackend: its fps cap, max_frames cap, and its defaults (load_bytes' fps=2,
+# the sampling kwargs' temporal_patch_size=2, min_frames=4).
+VLLM_MAX_FPS = 30
+VLLM_MAX_FRAMES = 768
+VLLM_DEFAULT_FPS = 2.0
+VLLM_TEMPORAL_PATCH_SIZE = 2
+VLLM_MIN_FRAMES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen2VLVideoConfig:
+    """``Qwen2VLVideoProcessor``'s settings; defaults are its class defaults. ``min_pixels`` /
+    ``max_pixels`` bound each frame (``size.shortest_edge`` / ``size.longest_edge``)."""
+
+    min_pixels: int = 128 * 28 * 28
+    max_pixels: int = 28 * 28 * 768
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    image_mean: tuple[float, ...] = _CLIP_MEAN
+    image_std: tuple[float, ...] = _CLIP_STD
+    rescale_factor: float = 1 / 255
+    do_resize: bool = True
+    do_rescale: bool = True
+    do_normalize: bool = True
+    min_frames: int = 4
+    max_frames: int = 768
+    cap_pixels_per_frame: bool = False  # pinned: see the module docstring
+    max_video_tokens: int = 128000
+
+    def __post_init__(self) -> None:
+        settings.check_positive_ints(self, ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size",
+                                            "merge_size", "min_frames", "max_frames", "max_video_tokens"))
+        if self.min_pixels > self.max_pixels:
+            raise InvalidInput(f"video processor config: min_pixels {self.min_pixels} > max_pixels {self.max_pixels}")
+        settings.check_normalization(self)
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any]) -> Qwen2VLVideoConfig:
+        """As ``Qwen2VLVideoProcessor(**config)`` reads it (``video_preprocessor_config.json``, or
+        ``preprocessor_config.json`` where a checkpoint has no video file, as transformers falls back):
+        ``size.shortest_edge`` / ``longest_edge``, overridden by top-level ``min_pixels`` / ``max_pixels``."""
+        kwargs: dict[str, Any] = {}
+        size = config.get("size") or {}
+        if not isinstance(size, Mapping):
+            raise InvalidInput(f"video processor config: size must be a mapping, got {size!r}")
+        for key, field in (("shortest_edge", "min_pixels"), ("longest_edge", "max_pixels")):
+            if size.get(key) is not None:
+                kwargs[field] = size[key]
+            if config.get(field) is not None:
+                kwargs[field] = config[field]
+        for field in ("patch_size", "temporal_patch_size", "merge_size", "min_frames", "max_frames",
+                      "max_video_tokens"):
+            if config.get(field) is not None:
+                kwargs[field] = config[field]
+        if config.get("cap_pixels_per_frame") is not None:
+            kwargs["cap_pixels_per_frame"] = bool(config["cap_pixels_per_frame"])
+        kwargs |= settings.flag_and_normalization_kwargs(config, ("do_resize", "do_rescale", "do_normalize"))
+        return cls(**kwargs)
+
+    def for_request(self, sampling: VideoSampling) -> Qwen2VLVideoConfig:
+        """With the request's per-frame pixel bounds (a call's ``size``), where it gives them."""
+        bounds = {k: v for k, v in (("min_pixels", sampling.min_pixels), ("max_pixels", sampling.max_pixels))
+                  if v is not None}
+        return dataclasses.replace(self, **bounds) if bounds else self
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @property
+    def patch_dim(self) -> int:
+        return settings.NUM_CHANNELS * self.temporal_patch_size * self.patch_size * self.patch_size
+
+    def fingerprint(self) -> dict[str, Any]:
+        return settings.fingerprint(self)
+
+
+def sample_frame_indices(clip: ClipFacts, sampling: VideoSampling,
+                         config: Qwen2VLVideoConfig | None = None) -> list[int]:
+    """The clip's frame indices the reference ``sampling.reference`` feeds Qwen2.5-VL, in order (they may
+    repeat); an ``InvalidInput`` naming the setting where that reference fails."""
+    cfg = config or Qwen2VLVideoConfig()
+    what = describe(sampling, clip)
+    if sampling.reference == "vllm":
+        return _vllm_indices(clip, sampling, what)
+    return _transformers_indices(clip, sampling, cfg, what)
+
+
+def _transformers_indices(clip: ClipFacts, sampling: VideoSampling, cfg: Qwen2VLVideoConfig, what: str) -> list[int]:
+    if sampling.fps is not None and sampling.num_frames is not None:
+        raise InvalidInput(f"{what}: fps and num_frames are mutually exclusive in transformers' "
+                           "Qwen2VLVideoProcessor; give one")
+    total, tp = clip.total_frames, cfg.temporal_patch_size
+    if sampling.num_frames is not None:
+        count = round(sampling.num_frames / tp) * tp
+        if count == 0:
+            raise InvalidInput(f"{what}: num_frames={sampling.num_frames} rounds to 0 at temporal_patch_size {tp} "
+                               "(the reference divides by zero); ask for at least "
+                               f"{tp // 2 + 1 if tp > 1 else 1} frames")
+    else:
+        fps = sampling.fps if sampling.fps is not None else DEFAULT_FPS
+        min_frames = sampling.min_frames if sampling.min_frames is not None else cfg.min_frames
+        max_frames = sampling.max_frames if sampling.max_frames is not None else cfg.max_frames
+        count = _fps_count(clip, fps, tp, min_frames, max_frames, what)
+    if count > total:
+        raise InvalidInput(f"{what}: num_frames {count} exceeds the clip's {total} frames")
+    return check_indices(arange_indices(total, count), clip, what)
+
+
+def _fps_count(clip: ClipFacts, fps: float, tp: int, min_frames: int, max_frames: int, what: str) -> int:
+    """The frame count of fps sampling, as both references compute it (a multiple of ``tp``)."""
+    source_fps = clip.known_fps
+    if source_fps is None:
+        raise InvalidInput(f"{what}: sampling by fps needs the clip's fps, which the container does not give "
+                           "(the reference cannot sample it)")
+    total = clip.total_frames
+    max_frames = math.floor(min(max_frames, total) / tp) * tp
+    count = total / source_fps * fps
+    count = min(max(count, min_frames), max_frames, total)
+    count = math.floor(count / tp) * tp
+    if count == 0:
+        raise InvalidInput(f"{what}: the clip has fewer frames than temporal_patch_size {tp} or max_frames is "
+                           f"under it, so fps sampling picks 0 frames (the reference divides by zero)")
+    return count
+
+
+def _vllm_indices(clip: ClipFacts, sampling: VideoSampling, what: str) -> list[int]:
+    # Qwen2VLVideoBackend.compute_frames_index_to_sample: num_frames is not read.
+    fps = min(sampling.fps if sampling.fps is not None else VLLM_DEFAULT_FPS, VLLM_MAX_FPS)
+    min_frames = sampling.min_frames if sampling.min_frames is not None else VLLM_MIN_FRAMES
+    max_frames = min(sampling.max_frames if sampling.max_frames is not None else VLLM_MAX_FRAMES, VLLM_MAX_FRAMES)
+    count = _fps_count(clip, fps, VLLM_TEMPORAL_PATCH_SIZE, min_frames, max_frames, what)
+    return [min(i, clip.total_frames - 1) for i in arange_indices(clip.total_frames, count)]
+
+
+def frame_timestamps(clip: ClipFacts, indices: list[int]) -> list[float]:
+    """Each sampled frame's time in seconds (index / source fps; 24 fps where unknown, as the references
+    assume)."""
+    fps = clip.known_fps or ASSUMED_FPS
+    return [i / fps for i in indices]
+
+
+def second_per_grid_t(clip: ClipFacts, indices: list[int], config: Qwen2VLVideoConfig | None = None) -> float:
+    """``second_per_grid_ts`` of ``Qwen2_5_VLProcessor`` for this sampling: ``temporal_patch_size`` over the
+    sampled fps (``len(indices) / total * fps``; 24 where the clip's fps is unknown)."""
+    tp = (config or Qwen2VLVideoConfig()).temporal_patch_size
+    fps = clip.known_fps
+    sampled_fps = ASSUMED_FPS if fps is None else len(indices) / clip.total_frames * fps
+    return tp / sampled_fps
+
+
+def video_geometry(num_frames: int, height: int, width: int, cfg: Qwen2VLVideoConfig
+                   ) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """``num_frames`` frames of ``height`` x ``width`` -> (each frame's resized size, the grid in patches)."""
+    if num_frames < 1:
+        raise InvalidInput("video has no frames to process")
+    if cfg.do_resize:
+        max_pixels = cfg.max_pixels
+        if cfg.cap_pixels_per_frame:
+            total_pixels = int(cfg.max_video_tokens * cfg.factor * cfg.factor * 0.9)
+            max_pixels = max(min(max_pixels, total_pixels * cfg.temporal_patch_size // num_frames),
+                             int(cfg.min_pixels * 1.05))
+        height, width = smart_resize(height, width, cfg.factor, cfg.min_pixels, max_pixels)
+    return (height, width), _grid(num_frames, height, width, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size)
+
+
+def _grid(num_frames: int, height: int, width: int, patch: int, merge: int, tp: int) -> tuple[int, int, int]:
+    if height % (patch * merge) or width % (patch * merge):
+        raise InvalidInput(f"video frames of {width}x{height} are not a multiple of {patch * merge} pixels per side "
+                           "(do_resize is off)")
+    return (num_frames + -num_frames % tp) // tp, height // patch, width // patch
+
+
+def frames_to_values(frames: np.ndarray, size: tuple[int, int], table: torch.Tensor) -> torch.Tensor:
+    """uint8 [T, H, W, 3] -> float32 [T, 3, h, w]: each frame resized (PyTorch's uint8 bicubic antialiased
+    kernel, as torchvision on the CPU) to ``size``, then through the per-channel value table."""
+    if frames.ndim != 4 or frames.shape[-1] != settings.NUM_CHANNELS or frames.dtype != np.uint8:
+        raise InvalidInput(f"video frames must be uint8 [T, H, W, 3], got {frames.dtype} {list(frames.shape)}")
+    video = host_tensor(frames).permute(0, 3, 1, 2)
+    return torch.stack([apply_table(resize_uint8(frame.contiguous(), size), table) for frame in video])
+
+
+def patchify_video(x: torch.Tensor, patch: int, merge: int, tp: int) -> torch.Tensor:
+    """[T, C, H, W] -> [t*h*w, C*tp*P*P] in ``Qwen2VLVideoProcessor.patchify``'s order, the frame count
+    first padded to a multiple of ``tp`` with copies of the last frame. Rows: temporal patch, then merge
+    window (row-major), then the window's patches row-major; columns: channel, frame, patch row, column."""
+    if pad := -x.shape[0] % tp:
+        x = torch.cat((x, x[-1:].expand(pad, -1, -1, -1)))
+    frames, channels, height, width = x.shape
+    gt, gh, gw = frames // tp, height // patch, width // patch
+    windows = x.reshape(gt, tp, channels, gh // merge, merge, patch, gw // merge, merge, patch)
+    return windows.permute(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(gt * gh * gw, channels * tp * patch * patch)
+
+
+def value_table(cfg: Qwen2VLVideoConfig) -> torch.Tensor:
+    """float32 [3, 256]: rescale and normalize of each byte as the torchvision-backed processor computes it."""
+    return torchvision_value_table(cfg.image_mean, cfg.image_std, cfg.rescale_factor, cfg.do_rescale,
+                                   cfg.do_normalize)
+
+
+def preprocess_video(frames: np.ndarray, config: Qwen2VLVideoConfig | None = None
+                     ) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """Sampled uint8 frames [T, H, W, 3] -> (float32 [t*h*w, patch_dim], (t, h, w)): transformers'
+    ``pixel_values_videos`` and ``video_grid_thw`` for them (``Qwen2VLVideoProcessor`` on the CPU)."""
+    cfg = config or Qwen2VLVideoConfig()
+    size, grid = video_geometry(frames.shape[0], frames.shape[1], frames.shape[2], cfg)
+    values = frames_to_values(frames, size, value_table(cfg))
+    return patchify_video(values, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size).numpy(), grid

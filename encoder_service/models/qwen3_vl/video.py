@@ -1,0 +1,232 @@
+"""Qwen3-VL / Qwen3.5 video: frame sampling equal to the named reference, the ``<t seconds>`` timestamps,
+and frames -> patches equal to transformers' ``Qwen3VLVideoProcessor`` (the patch layout is Qwen2-VL's:
+models/qwen2_5_vl/video.py).
+
+Sampling (``sample_frame_indices``), by reference:
+- ``transformers``: ``Qwen3VLVideoProcessor.sample_frames``. By fps (default the processor's, 2):
+  ``int(total / fps_src * fps)`` (24 fps assumed where the clip's is unknown), clamped to the processor's
+  ``[min_frames, max_frames]`` and the clip, not rounded to even; by count: that many frames, even above
+  the clip's length (frames then repeat). The indices are ``linspace(0, total - 1, n)`` rounded. Asking
+  for a count means fps=None in the call (as vLLM passes it): with the class default fps=2 filled in,
+  transformers rejects num_frames as conflicting. ``min_frames`` / ``max_frames`` here are the
+  processor's settings (transformers reads them from the processor, not from the call).
+- ``vllm``: vLLM 0.33.0's ``Qwen3VLVideoBackend`` (fps capped at 30, a requested count ignored, unknown
+  source fps taken as 24, ``max_frames`` <= 768), then its HF-processor call: where the loader kept every
+  frame of the clip, vLLM marks the video ``do_sample_frames`` and the processor samples again at its
+  own fps (a 30-frame 10 fps clip at fps=30: the loader keeps 30, the processor 6).
+Both fail, and so does this module (``InvalidInput``), for a sampling of fewer frames than
+``temporal_patch_size``: the processor's ``smart_resize`` rejects it.
+
+Processing (``preprocess_video``): the torchvision path, as for Qwen2-VL, with Qwen3-VL's
+``smart_resize``, whose pixel bounds are per video (frames x height x width, the frame count rounded to
+``temporal_patch_size``). ``cap_pixels_per_frame`` is pinned False: what transformers 5.24 does when it is
+unset (it warns that the default will become True; the published ``video_preprocessor_config.json`` does
+not set it) and what vLLM 0.33.0 gets; True (qwen-vl-utils' per-frame cap) is computed as transformers
+does when a config asks for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ...errors import InvalidInput
+from ...preprocess import settings
+from ...preprocess.decode import MAX_ASPECT_RATIO
+from ...preprocess.video_sampling import (
+    ClipFacts,
+    VideoSampling,
+    check_indices,
+    describe,
+    linspace_indices,
+    pad_to_multiple,
+)
+from ..qwen2_5_vl.video import frames_to_values, patchify_video, value_table
+
+ASSUMED_FPS = 24.0  # the references' fps for a clip whose container does not give one
+# vLLM 0.33.0's Qwen3VLVideoBackend: its caps and defaults (load_bytes' fps=2, the sampling kwargs'
+# min_frames=4).
+VLLM_MAX_FPS = 30
+VLLM_MAX_FRAMES = 768
+VLLM_DEFAULT_FPS = 2.0
+VLLM_MIN_FRAMES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3VLVideoConfig:
+    """``Qwen3VLVideoProcessor``'s settings; defaults are its class defaults. ``min_pixels`` /
+    ``max_pixels`` (``size.shortest_edge`` / ``longest_edge``) bound the whole video's pixels."""
+
+    min_pixels: int = 128 * 32 * 32
+    max_pixels: int = 32 * 32 * 768
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    rescale_factor: float = 1 / 255
+    do_resize: bool = True
+    do_rescale: bool = True
+    do_normalize: bool = True
+    fps: float = 2.0
+    min_frames: int = 4
+    max_frames: int = 768
+    cap_pixels_per_frame: bool = False  # pinned: see the module docstring
+    max_video_tokens: int = 768
+
+    def __post_init__(self) -> None:
+        settings.check_positive_ints(self, ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size",
+                                            "merge_size", "min_frames", "max_frames", "max_video_tokens"))
+        if self.min_pixels > self.max_pixels:
+            raise InvalidInput(f"video processor config: min_pixels {self.min_pixels} > max_pixels {self.max_pixels}")
+        if not self.fps > 0:
+            raise InvalidInput(f"video processor config: fps must be positive, got {self.fps!r}")
+        settings.check_normalization(self)
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any]) -> Qwen3VLVideoConfig:
+        """From ``video_preprocessor_config.json`` (transformers' keys; ``size`` holds the pixel bounds)."""
+        kwargs: dict[str, Any] = {}
+        size = config.get("size") or {}
+        if not isinstance(size, Mapping):
+            raise InvalidInput(f"video processor config: size must be a mapping, got {size!r}")
+        for key, field in (("shortest_edge", "min_pixels"), ("longest_edge", "max_pixels")):
+            if size.get(key) is not None:
+                kwargs[field] = size[key]
+        for field in ("patch_size", "temporal_patch_size", "merge_size", "min_frames", "max_frames",
+                      "max_video_tokens", "fps"):
+            if config.get(field) is not None:
+                kwargs[field] = config[field]
+        if config.get("cap_pixels_per_frame") is not None:
+            kwargs["cap_pixels_per_frame"] = bool(config["cap_pixels_per_frame"])
+        kwargs |= settings.flag_and_normalization_kwargs(config, ("do_resize", "do_rescale", "do_normalize"))
+        return cls(**kwargs)
+
+    def for_request(self, sampling: VideoSampling) -> Qwen3VLVideoConfig:
+        """With the request's pixel bounds, and its min/max frames as the processor's settings."""
+        changes = {k: v for k, v in (("min_pixels", sampling.min_pixels), ("max_pixels", sampling.max_pixels),
+                                     ("min_frames", sampling.min_frames), ("max_frames", sampling.max_frames))
+                   if v is not None}
+        return dataclasses.replace(self, **changes) if changes else self
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @property
+    def patch_dim(self) -> int:
+        return settings.NUM_CHANNELS * self.temporal_patch_size * self.patch_size * self.patch_size
+
+    def fingerprint(self) -> dict[str, Any]:
+        return settings.fingerprint(self)
+
+
+def sample_frame_indices(clip: ClipFacts, sampling: VideoSampling,
+                         config: Qwen3VLVideoConfig | None = None) -> list[int]:
+    """The clip's frame indices the reference ``sampling.reference`` feeds Qwen3-VL, in order (they may
+    repeat); an ``InvalidInput`` naming the setting where that reference fails."""
+    cfg = config or Qwen3VLVideoConfig()
+    what = describe(sampling, clip)
+    source_fps = clip.known_fps or ASSUMED_FPS
+    if sampling.reference == "vllm":
+        # Qwen3VLVideoBackend.compute_frames_index_to_sample (num_frames is not read) ...
+        fps = min(sampling.fps if sampling.fps is not None else VLLM_DEFAULT_FPS, VLLM_MAX_FPS)
+        min_frames = sampling.min_frames if sampling.min_frames is not None else VLLM_MIN_FRAMES
+        max_frames = min(sampling.max_frames if sampling.max_frames is not None else VLLM_MAX_FRAMES,
+                         VLLM_MAX_FRAMES)
+        indices = _by_fps(clip.total_frames, source_fps, fps, min_frames, max_frames)
+        if len(indices) == clip.total_frames:
+            # ... and where it kept every frame, the HF processor samples again (do_sample_frames) at its
+            # own fps and frame bounds, from the loaded frames: indices into the clip alike.
+            indices = _by_fps(clip.total_frames, source_fps, cfg.fps, cfg.min_frames, cfg.max_frames)
+    else:
+        if sampling.fps is not None and sampling.num_frames is not None:
+            raise InvalidInput(f"{what}: fps and num_frames are mutually exclusive in transformers' "
+                               "Qwen3VLVideoProcessor; give one")
+        cfg = cfg.for_request(sampling)
+        if sampling.num_frames is not None:
+            indices = linspace_indices(clip.total_frames, sampling.num_frames)
+        else:
+            fps = sampling.fps if sampling.fps is not None else cfg.fps
+            indices = _by_fps(clip.total_frames, source_fps, fps, cfg.min_frames, cfg.max_frames)
+    if len(indices) < cfg.temporal_patch_size:
+        raise InvalidInput(f"{what}: samples {len(indices)} frame(s), fewer than temporal_patch_size "
+                           f"{cfg.temporal_patch_size}, which the reference's Qwen3VLVideoProcessor rejects")
+    return check_indices(indices, clip, what)
+
+
+def _by_fps(total: int, source_fps: float, fps: float, min_frames: int, max_frames: int) -> list[int]:
+    count = int(total / source_fps * fps)
+    return linspace_indices(total, min(max(count, min_frames), max_frames, total))
+
+
+def frame_timestamps(clip: ClipFacts, indices: list[int], config: Qwen3VLVideoConfig | None = None) -> list[float]:
+    """The seconds of each temporal patch, as the ``<t seconds>`` markers say them (``Qwen3VLProcessor`` and
+    vLLM alike): the indices padded to ``temporal_patch_size`` with the last, each over the source fps (24
+    where unknown), the mean of each patch's first and last."""
+    tp = (config or Qwen3VLVideoConfig()).temporal_patch_size
+    fps = clip.known_fps or ASSUMED_FPS
+    times = [i / fps for i in pad_to_multiple(list(indices), tp)]
+    return [(times[i] + times[i + tp - 1]) / 2 for i in range(0, len(times), tp)]
+
+
+def smart_resize(num_frames: int, height: int, width: int, cfg: Qwen3VLVideoConfig, max_pixels: int
+                 ) -> tuple[int, int]:
+    """Qwen3-VL's video ``smart_resize``: sides multiples of ``factor``, the video's pixels (frames rounded
+    to ``temporal_patch_size``) within [min_pixels, max_pixels]; float expressions in the reference's order."""
+    tp, factor = cfg.temporal_patch_size, cfg.factor
+    if num_frames < tp:
+        raise InvalidInput(f"video of {num_frames} frame(s) has fewer than temporal_patch_size {tp}")
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise InvalidInput(f"video aspect ratio {max(height, width) / min(height, width):.1f} is over the limit "
+                           f"of {MAX_ASPECT_RATIO}")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(num_frames / tp) * tp
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((num_frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < cfg.min_pixels:
+        beta = math.sqrt(cfg.min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def video_geometry(num_frames: int, height: int, width: int, cfg: Qwen3VLVideoConfig
+                   ) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """``num_frames`` frames of ``height`` x ``width`` -> (each frame's resized size, the grid in patches)."""
+    if num_frames < 1:
+        raise InvalidInput("video has no frames to process")
+    if cfg.do_resize:
+        max_pixels = cfg.max_pixels
+        if cfg.cap_pixels_per_frame:
+            frame_cap = cfg.max_video_tokens * cfg.factor * cfg.factor
+            per_frame = max(min(frame_cap, cfg.max_pixels // num_frames), int(cfg.min_pixels * 1.05))
+            max_pixels = per_frame * num_frames
+        height, width = smart_resize(num_frames, height, width, cfg, max_pixels)
+    if height % cfg.factor or width % cfg.factor:
+        raise InvalidInput(f"video frames of {width}x{height} are not a multiple of {cfg.factor} pixels per side "
+                           "(do_resize is off)")
+    tp = cfg.temporal_patch_size
+    return (height, width), ((num_frames + -num_frames % tp) // tp, height // cfg.patch_size, width // cfg.patch_size)
+
+
+def preprocess_video(frames: np.ndarray, config: Qwen3VLVideoConfig | None = None
+                     ) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """Sampled uint8 frames [T, H, W, 3] -> (float32 [t*h*w, patch_dim], (t, h, w)): transformers'
+    ``pixel_values_videos`` and ``video_grid_thw`` for them (``Qwen3VLVideoProcessor`` on the CPU)."""
+    cfg = config or Qwen3VLVideoConfig()
+    if frames.ndim != 4:
+        raise InvalidInput(f"video frames must be uint8 [T, H, W, 3], got {frames.dtype} {list(frames.shape)}")
+    size, grid = video_geometry(frames.shape[0], frames.shape[1], frames.shape[2], cfg)
+    values = frames_to_values(frames, size, value_table(cfg))
+    return patchify_video(values, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size).numpy(), grid

@@ -1,0 +1,215 @@
+"""Video frame sampling equals the named reference on a table of clip lengths, source fps and requests.
+
+transformers: its real video processors (Qwen2VLVideoProcessor, Qwen3VLVideoProcessor,
+Kimi_K25VideoProcessor), called whole on zero frames of the clip's length, in one subprocess for the
+table (tests/video_references.py: they import torchvision). vLLM 0.33.0: its loaders' classmethods
+(``Qwen2VLVideoBackend`` / ``Qwen3VLVideoBackend.compute_frames_index_to_sample``) here, then the HF
+processor called on the frames they kept as vLLM calls it (the metadata's ``do_sample_frames``), in the
+subprocess. Kimi-K2.5's ``vllm`` reference is a transcription of the checkpoint's remote code (vLLM 0.33.0
+has no Kimi video path; models/kimi_k25/video.py says why), checked against the transcription below.
+Where a reference fails (IndexError, ZeroDivisionError, ValueError), ours is an ``InvalidInput``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from video_references import run_references
+
+from encoder_service.errors import InvalidInput
+from encoder_service.models.kimi_k25 import video as kimi
+from encoder_service.models.qwen2_5_vl import video as qwen2
+from encoder_service.models.qwen3_vl import video as qwen3
+from encoder_service.preprocess.video_sampling import ClipFacts, VideoSampling
+
+FAMILIES = {"qwen2_5_vl": qwen2, "qwen3_vl": qwen3, "kimi_k25": kimi}
+
+# (clip frames, source fps or None, request): every edge of issue 33 and the ordinary cases around them.
+CLIPS = [
+    (48, 24.0, {}), (48, 24.0, {"num_frames": 7}),               # vLLM's Qwen loaders ignore a frame count
+    (41, 8.0, {"fps": 3}),                                        # transformers' Qwen2-VL: index 41 (IndexError)
+    (30, 10.0, {"fps": 30}),                                      # vLLM's Qwen3-VL resamples at 2 fps
+    (300, 60.0, {"fps": 50}),                                     # vLLM caps fps at 30
+    (48, 24.0, {"num_frames": 1}), (48, 24.0, {"num_frames": 3}),  # Qwen2-VL rounds to even: 0 (1/0), 4
+    (48, 24.0, {"num_frames": 5}), (48, 24.0, {"num_frames": 60}),  # 5 -> 4 (half to even); above the clip
+    (20, 10.0, {"num_frames": 30}),                               # Qwen3-VL repeats frames
+    (35, 10.0, {}), (35, 10.0, {"fps": 1}),                       # odd counts (Qwen3-VL does not round)
+    (1, 30.0, {}), (2, 30.0, {}), (4, 30.0, {}), (6, 30.0, {}),    # a 1-frame clip; a clip all kept
+    (48, 24.0, {"fps": 2, "num_frames": 8}),                      # both: transformers refuses
+    (48, None, {}), (48, None, {"num_frames": 8}), (48, 0.0, {"fps": 1}),  # unknown source fps
+    (200, 30.0, {"min_frames": 8, "max_frames": 10}), (200, 30.0, {"fps": 0.1, "min_frames": 6}),
+    (1800, 30.0, {}), (300, 29.97, {}), (301, 29.97, {"fps": 1.5}), (451, 25.0, {"fps": 4}),
+    (10, 25.0, {"fps": 0.5}), (7, 7.0, {"fps": 2.5}),
+]
+
+
+def _sampling(request: dict, reference: str) -> VideoSampling:
+    return VideoSampling(reference=reference, **request)
+
+
+def _transformers_call(family: str, request: dict) -> tuple[dict, dict]:
+    """(processor init kwargs, call kwargs) that ask transformers what ``request`` asks this module."""
+    init: dict = {}
+    call: dict = {"do_sample_frames": True}
+    if family == "qwen2_5_vl":
+        call |= {k: request[k] for k in ("fps", "num_frames", "min_frames", "max_frames") if k in request}
+        if "fps" not in request and "num_frames" not in request:
+            call["fps"] = qwen2.DEFAULT_FPS
+    else:
+        # A count is asked with fps=None (the class default fps=2 would conflict); the Qwen3-VL frame
+        # bounds are the processor's settings.
+        call |= {k: request[k] for k in ("fps", "num_frames") if k in request}
+        if "num_frames" in request and "fps" not in request:
+            call["fps"] = None
+        init = {k: request[k] for k in ("min_frames", "max_frames") if k in request}
+    return init, call
+
+
+def _vllm_loaded(family: str, total: int, fps: float | None, request: dict) -> list[int] | str:
+    """The frame indices vLLM 0.33.0's loader keeps (or the name of the error it raises)."""
+    from vllm.multimodal.video import Qwen2VLVideoBackend, Qwen3VLVideoBackend
+    from vllm.multimodal.video_decoders import VideoSourceMetadata, VideoTargetMetadata
+
+    backend = Qwen2VLVideoBackend if family == "qwen2_5_vl" else Qwen3VLVideoBackend
+    source = backend._prepare_source(VideoSourceMetadata(total, fps or 0.0, total / fps if fps else 0.0))
+    # VideoMediaIO's num_frames default is 32; a request's fps alone, else the loader's default fps (2).
+    target = VideoTargetMetadata(num_frames=request.get("num_frames", 32), fps=request.get("fps", 2),
+                                 max_duration=300)
+    kwargs = {k: request[k] for k in ("min_frames", "max_frames") if k in request}
+    try:
+        return [int(i) for i in backend.compute_frames_index_to_sample(source, target, **kwargs)]
+    except (ValueError, ZeroDivisionError) as error:
+        return type(error).__name__
+
+
+def _cases() -> list[dict]:
+    """The table as the driver's sampling cases, each with what it stands for."""
+    cases = []
+    for family in FAMILIES:
+        for total, fps, request in CLIPS:
+            init, call = _transformers_call(family, request)
+            if family == "kimi_k25" and ("min_frames" in request or "max_frames" in request):
+                continue  # no such setting in the reference (test_kimi_refuses_what_its_references_lack)
+            # ClipFacts' 0 fps means unknown, as None does: transformers is told None (its "unknown").
+            cases.append({"family": family, "reference": "transformers", "total": total, "fps": fps or None,
+                          "clip_fps": fps, "request": request, "init": init, "call": call})
+            if family == "kimi_k25":
+                continue
+            loaded = _vllm_loaded(family, total, fps, request)
+            case = {"family": family, "reference": "vllm", "total": total, "fps": fps, "clip_fps": fps,
+                    "request": request, "loaded": loaded}
+            if not isinstance(loaded, str):
+                # vLLM hands the processor the kept frames with the prepared source's fps; Qwen3-VL's
+                # processor samples again where the loader kept every frame, Qwen2-VL's never does.
+                case["fps"] = fps if family == "qwen2_5_vl" else (fps or 24.0)
+                case["call"] = {"do_sample_frames": len(loaded) == total} if family == "qwen3_vl" else {}
+            cases.append(case)
+    return cases
+
+
+CASES = _cases()
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> list[dict]:
+    runnable = [c for c in CASES if not isinstance(c.get("loaded"), str)]
+    results, _ = run_references({"sampling": runnable}, tmp_path_factory.mktemp("video-sampling"))
+    answers = iter(results["sampling"])
+    return [{"error": c["loaded"]} if isinstance(c.get("loaded"), str) else next(answers) for c in CASES]
+
+
+@pytest.mark.parametrize("index", range(len(CASES)),
+                         ids=[f"{c['family']}-{c['reference']}-{c['total']}@{c['fps']}-"
+                              + ("_".join(f"{k}={v}" for k, v in c["request"].items()) or "default")
+                              for c in CASES])
+def test_sampling_equals_the_reference(references, index):
+    case, expected = CASES[index], references[index]
+    module = FAMILIES[case["family"]]
+    clip = ClipFacts(case["total"], case["clip_fps"], None)
+    sampling = _sampling(case["request"], case["reference"])
+    if "error" in expected:
+        with pytest.raises(InvalidInput):
+            module.sample_frame_indices(clip, sampling)
+        return
+    got = module.sample_frame_indices(clip, sampling)
+    assert got == expected["indices"]
+    if "second_per_grid_t" in expected:
+        assert qwen2.second_per_grid_t(clip, got) == pytest.approx(expected["second_per_grid_t"], rel=1e-12)
+    if "timestamps" in expected:
+        assert qwen3.frame_timestamps(clip, got) == pytest.approx(expected["timestamps"], rel=1e-12)
+    if "chunk_timestamps" in expected:
+        assert kimi.chunk_timestamps(clip, got) == pytest.approx(expected["chunk_timestamps"], rel=1e-12)
+    t = expected["grid"][0][0] if case["family"] != "kimi_k25" else None
+    if t is not None:  # the grid's frames: the sampled count padded to the temporal patch size
+        assert t == math.ceil(len(got) / 2)
+
+
+def test_the_table_holds_the_measured_differences(references):
+    # Issue 33's measurements, read off the table: the references differ where it says they do.
+    def answer(family, reference, total, request):
+        i = next(i for i, c in enumerate(CASES) if (c["family"], c["reference"], c["total"], c["request"])
+                 == (family, reference, total, request))
+        return references[i].get("indices", references[i].get("error"))
+
+    assert answer("qwen2_5_vl", "transformers", 48, {"num_frames": 7}) == list(range(0, 48, 6))
+    assert answer("qwen2_5_vl", "vllm", 48, {"num_frames": 7}) == [0, 12, 24, 36]
+    assert answer("qwen3_vl", "transformers", 30, {"fps": 30}) == list(range(30))
+    assert len(answer("qwen3_vl", "vllm", 30, {"fps": 30})) == 6
+    assert answer("qwen2_5_vl", "transformers", 41, {"fps": 3}) == "IndexError"
+    assert answer("qwen2_5_vl", "vllm", 41, {"fps": 3})[-1] == 40
+    repeated = answer("qwen3_vl", "transformers", 20, {"num_frames": 30})
+    assert len(repeated) == 30 and len(set(repeated)) == 20  # a count above the clip's repeats frames
+    assert len(answer("qwen3_vl", "transformers", 35, {})) == 7  # odd, not rounded to even
+    assert len(answer("qwen2_5_vl", "transformers", 48, {"num_frames": 3})) == 4
+    assert answer("qwen2_5_vl", "transformers", 48, {"num_frames": 1}) == "ZeroDivisionError"
+    assert len(answer("qwen2_5_vl", "vllm", 300, {"fps": 50})) == 150  # fps capped at 30
+
+
+def test_kimi_vllm_reference_is_the_remote_code_transcribed():
+    # KimiK25VisionProcessor.split_video_chunks (the checkpoint's kimi_k25_vision_processing.py), its
+    # sampling lines transcribed; it cannot run here (its decoder is mecord's VideoReader).
+    def remote(num_frames: int, fps: float, sample_fps_cfg: float) -> list[int]:
+        sample_fps = min(sample_fps_cfg, fps)
+        sampled_nframes = max(round(num_frames * sample_fps / fps), 1)
+        return np.linspace(0, num_frames - 1, sampled_nframes).round().astype(int).tolist()
+
+    for total, fps, request in CLIPS:
+        if not fps or set(request) - {"fps"}:
+            continue
+        got = kimi.sample_frame_indices(ClipFacts(total, fps, None), VideoSampling("vllm", **request))
+        assert got == remote(total, fps, request.get("fps", 2.0)), (total, fps, request)
+
+
+def test_kimi_refuses_what_its_references_lack():
+    clip = ClipFacts(200, 30.0, None)
+    for sampling in (VideoSampling(min_frames=4), VideoSampling("vllm", max_frames=9),
+                     VideoSampling("vllm", num_frames=8), VideoSampling("vllm")):
+        if sampling == VideoSampling("vllm"):
+            with pytest.raises(InvalidInput, match="fps"):
+                kimi.sample_frame_indices(ClipFacts(200, None, None), sampling)
+            continue
+        with pytest.raises(InvalidInput, match="frames setting"):
+            kimi.sample_frame_indices(clip, sampling)
+
+
+def test_kimi_chunk_timestamps():
+    clip = ClipFacts(48, 24.0, 2.0)
+    indices = kimi.sample_frame_indices(clip, VideoSampling(fps=4))
+    assert indices == [0, 6, 12, 18, 24, 30, 36, 42]
+    assert kimi.chunk_timestamps(clip, indices) == [0.0, 1.0]
+    assert kimi.timestamp_text(61.25) == "00:01:01.250"
+
+
+def test_bad_requests_and_clips_are_invalid_input():
+    for kwargs in ({"reference": "sglang"}, {"fps": 0}, {"fps": -1.0}, {"fps": float("nan")}, {"num_frames": 0},
+                   {"max_frames": 0}, {"min_frames": 9, "max_frames": 8}, {"min_pixels": 10, "max_pixels": 5},
+                   {"num_frames": 2.5}, {"fps": True}):
+        with pytest.raises(InvalidInput):
+            VideoSampling(**kwargs)
+    with pytest.raises(InvalidInput, match="no decodable frames"):
+        ClipFacts(0, 30.0, 0.0)  # a header that says 0 frames must be counted by the decoder first
+    assert ClipFacts(10, 0.0, None).known_fps is None
+    assert VideoSampling(fps=2).fingerprint() == VideoSampling(fps=2.0).fingerprint()
+    assert VideoSampling(fps=2).fingerprint() != VideoSampling("vllm", fps=2).fingerprint()
