@@ -277,7 +277,7 @@ class VisionModel:
             raise InvalidInput(f"{self.spec.model_type} takes no video")
         wanted = VideoSampling(**sampling)
         limits = VideoLimits(max_bytes=1 << 40, max_frames=1 << 31, max_seconds=float("inf"),
-                             max_frame_pixels=1 << 40, max_decode_seconds=float("inf"))
+                             max_frame_pixels=(1 << 31) - 1, max_decode_seconds=float("inf"))  # FFmpeg: an int
         if isinstance(video, (bytes, bytearray, memoryview)):
             clip = video_decode.probe(bytes(video), limits)
             indices = [int(i) for i in front.sample(clip, wanted)]

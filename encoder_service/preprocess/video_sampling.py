@@ -124,3 +124,10 @@ def describe(sampling: VideoSampling, clip: ClipFacts) -> str:
     fps = f"{clip.known_fps:g} fps" if clip.known_fps else "unknown fps"
     return (f"video sampling ({sampling.reference} reference, {', '.join(asked) or 'defaults'}; "
             f"clip of {clip.total_frames} frames at {fps})")
+
+
+def source_seconds(clip: ClipFacts, indices: list[int]) -> list[float]:
+    """Each frame's time in the source, in seconds (index / fps); empty where the clip's fps is unknown
+    (what a response says: a reference's assumed fps is not the source's)."""
+    fps = clip.known_fps
+    return [i / fps for i in indices] if fps else []

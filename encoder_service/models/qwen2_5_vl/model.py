@@ -241,8 +241,12 @@ class Qwen2_5_VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
                  preprocess_config: dict | None, device: torch.device, dtype: torch.dtype,
                  attn_backend: str, ops: str = AUTO) -> None:
         from .preprocess import Qwen2VLPreprocessConfig
+        from .video import Qwen2VLVideoConfig
 
         self.preprocess_config = Qwen2VLPreprocessConfig.from_dict(preprocess_config or {})
+        # Qwen2.5-VL checkpoints publish no video processor config: transformers' Qwen2VLVideoProcessor
+        # then reads preprocessor_config.json, so its pixel bounds bound each frame.
+        self.video_config = Qwen2VLVideoConfig.from_dict(preprocess_config or {})
         super().__init__(cfg, module, device=device, dtype=dtype, attn_backend=attn_backend, ops=ops)
         module.ops = self.ops
         # Whole forwards as CUDA graphs, per batch composition (models/cuda_graphs.py), where the
@@ -255,6 +259,11 @@ class Qwen2_5_VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
             spatial_merge_size=cfg.spatial_merge_size, in_channels=cfg.in_channels,
             fingerprint={"vision_config": cfg.to_dict(), "preprocess": self.preprocess_config.fingerprint()},
         )
+
+    def video_front(self):
+        from .video import video_front
+
+        return video_front(self.video_config)
 
     def _ops_target(self) -> OpTarget:
         cfg = self.cfg

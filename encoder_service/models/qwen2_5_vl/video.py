@@ -28,6 +28,7 @@ and what vLLM 0.33.0 gets: the per-frame pixel bounds alone apply.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -44,7 +45,10 @@ from ...preprocess.video_sampling import (
     arange_indices,
     check_indices,
     describe,
+    pad_to_multiple,
+    source_seconds,
 )
+from ..base import VideoFront
 from .preprocess import _CLIP_MEAN, _CLIP_STD, smart_resize
 
 DEFAULT_FPS = 2.0  # with neither fps nor num_frames (see above)
@@ -258,3 +262,18 @@ def preprocess_video(frames: np.ndarray, config: Qwen2VLVideoConfig | None = Non
     size, grid = video_geometry(frames.shape[0], frames.shape[1], frames.shape[2], cfg)
     values = frames_to_values(frames, size, value_table(cfg))
     return patchify_video(values, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size).numpy(), grid
+
+
+def video_front(config: Qwen2VLVideoConfig) -> VideoFront:
+    """This family's video path bound to ``config`` (the engine's ``ModelFront.video_front``)."""
+    return VideoFront(sample=functools.partial(sample_frame_indices, config=config),
+                      process=functools.partial(process_clip, config=config), timestamps=source_seconds)
+
+
+def process_clip(frames: np.ndarray, indices: list[int], sampling: VideoSampling, *, config: Qwen2VLVideoConfig
+                 ) -> tuple[np.ndarray, tuple[int, int, int], list[int]]:
+    """Sampled frames -> (pixel values, grid, the indices used: padded to the temporal patch size with
+    the last, as ``preprocess_video`` pads the frames), with the request's pixel bounds."""
+    cfg = config.for_request(sampling)
+    pixels, grid = preprocess_video(frames, cfg)
+    return pixels, grid, pad_to_multiple(list(indices), cfg.temporal_patch_size)

@@ -30,6 +30,12 @@ class Qwen3VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
         self.preprocess_config = Qwen2VLPreprocessConfig.from_dict(
             _published_preprocessor() if preprocess_config is None else preprocess_config)
         self._check_preprocess_matches(cfg, model_id)
+        from .video import Qwen3VLVideoConfig
+
+        # The published video_preprocessor_config.json equals Qwen3VLVideoProcessor's class defaults;
+        # the patch geometry is the tower's.
+        self.video_config = Qwen3VLVideoConfig(patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
+                                               merge_size=cfg.spatial_merge_size)
         super().__init__(cfg, module, device=device, dtype=dtype, attn_backend=attn_backend, ops=ops)
         self.spec = ModelSpec(
             model_id=model_id, model_type=cfg.model_type, hidden_size=cfg.out_hidden_size,
@@ -38,6 +44,11 @@ class Qwen3VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
             feature_levels=cfg.feature_levels,
             fingerprint={"vision_config": cfg.to_dict(), "preprocess": self.preprocess_config.fingerprint()},
         )
+
+    def video_front(self):
+        from .video import video_front
+
+        return video_front(self.video_config)
 
     def _check_preprocess_matches(self, cfg: Qwen3VLVisionConfig, model_id: str) -> None:
         """The processor's patches must be the tower's: otherwise every request would fail later."""
