@@ -154,3 +154,15 @@ def test_bad_sampling_settings_are_refused_before_any_decode(server, clip):
             with pytest.raises(EncoderClientError) as err:
                 client.encode([encoder_pb2.Image(video=video)])
             assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in err.value.details
+
+
+def test_a_family_without_a_served_video_path_says_so(start_encoder_server, clip):
+    # Kimi-K2.5 splits a clip into chunks of its own (models/kimi_k25/video.py): not served yet.
+    server = start_encoder_server("--model", "tiny-kimi-k2.5")
+    with EncoderClient(server.target, timeout_s=60) as client:
+        assert client.model_info().video == ""
+        with pytest.raises(EncoderClientError) as err:
+            client.encode([Video(clip, num_frames=4)])
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "kimi_k25 takes no video" in err.value.details
+    server.stop()

@@ -184,9 +184,44 @@ sink_targets = st.one_of(
     st.builds(lambda a, port: f"127.0.0.{a}:{port}", st.integers(0, 999), st.integers(0, 99999)))
 
 
+_VIDEO_CORPUS: dict[str, bytes] = {}
+
+
+def video_corpus() -> dict[str, bytes]:
+    """The broken and awkward clips of video_inputs.py, made once (encoding them takes a second)."""
+    if not _VIDEO_CORPUS:
+        from .video_inputs import video_corpus as make
+
+        _VIDEO_CORPUS.update(make())
+    return _VIDEO_CORPUS
+
+
+@st.composite
+def videos(draw) -> pb.Video:
+    """A clip from the video corpus (or random bytes, or frames from the image corpus) with any sampling."""
+    sampling = pb.VideoSampling(
+        reference=draw(st.sampled_from(["", "transformers", "vllm", "opencv"])),
+        fps=draw(st.sampled_from([0.0, 0.5, 2.0, 30.0, 1e9, float("nan"), -1.0])),
+        num_frames=draw(st.sampled_from([0, 0, 1, 2, 3, 4, 1000, UINT32_MAX])),
+        min_frames=draw(st.sampled_from([0, 0, 1, 8])), max_frames=draw(st.sampled_from([0, 0, 2, 768])),
+        max_pixels=draw(st.sampled_from([0, 0, 1, 28 * 28 * 4, 2**40])))
+    how = draw(st.sampled_from(["corpus", "corpus", "frames", "random"]))
+    if how == "frames":
+        frames = draw(st.lists(st.sampled_from(sorted(CORPUS)), min_size=0, max_size=4))
+        return pb.Video(frames=[CORPUS[f] for f in frames], sampling=sampling,
+                        frames_fps=draw(st.sampled_from([0.0, 1.0, 30.0, float("inf")])))
+    if how == "random":
+        return pb.Video(encoded=draw(st.binary(max_size=2048)), sampling=sampling)
+    clips = video_corpus()
+    return pb.Video(encoded=clips[draw(st.sampled_from(sorted(clips)))], sampling=sampling)
+
+
 @st.composite
 def images(draw) -> pb.Image:
-    kind = draw(st.sampled_from(["encoded", "encoded", "patches", "patches", "content_hash", "none", "random"]))
+    kind = draw(st.sampled_from(["encoded", "encoded", "patches", "patches", "content_hash", "none", "random",
+                                 "video"]))
+    if kind == "video":
+        return pb.Image(video=draw(videos()))
     if kind == "encoded":
         return pb.Image(encoded=draw(mutated_image()))
     if kind == "random":
