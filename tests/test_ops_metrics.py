@@ -80,7 +80,7 @@ def test_every_request_code_and_image_source_exists_before_it_happens(families):
     codes = {(s.labels["method"], s.labels["code"]) for s in families["encoder_service_requests"].samples}
     assert {("Encode", "INTERNAL"), ("Lookup", "OK"), ("GetModelInfo", "UNAVAILABLE")} <= codes
     sources = {s.labels["source"] for s in families["encoder_service_images"].samples}
-    assert sources == {"encoded", "patches", "content_hash"}
+    assert sources == {"encoded", "patches", "content_hash", "video"}
 
 
 def test_readme_table_lists_every_service_metric(families):
