@@ -30,7 +30,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import torch
 from client_servers import png
-from encoder_client import EncoderClient, HashRef
+from encoder_client import EncoderClient, HashRef, Video
 from encoder_client.integrations.stager import ConnectorSettings
 from vllm.config import ECTransferConfig, VllmConfig
 from vllm.distributed.ec_transfer import ec_transfer_state
@@ -61,11 +61,11 @@ def vllm_config(target: str, **extra) -> VllmConfig:
     return VllmConfig(ec_transfer_config=ECTransferConfig(**config))
 
 
-def request(request_id: str, items: list[tuple[str, int]], prompt_len: int = 64) -> Request:
-    """A vLLM Request whose image items are (identifier = uuid, placeholder tokens)."""
+def request(request_id: str, items: list[tuple[str, int]], prompt_len: int = 64, modality: str = "image") -> Request:
+    """A vLLM Request whose ``modality`` items are (identifier = uuid, placeholder tokens)."""
     features, offset = [], 2
     for identifier, rows in items:
-        features.append(MultiModalFeatureSpec(data=None, modality="image", identifier=identifier,
+        features.append(MultiModalFeatureSpec(data=None, modality=modality, identifier=identifier,
                                               mm_position=PlaceholderRange(offset=offset, length=rows)))
         offset += rows + 1
     return Request(request_id, [7] * max(prompt_len, offset + 1), SamplingParams(max_tokens=2), None,
@@ -403,3 +403,28 @@ def test_the_staging_and_the_stager_import_neither_torch_nor_vllm():
             "print(','.join(bad)); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, f"imported: {proc.stdout.strip()} {proc.stderr}"
+
+
+def test_a_video_item_is_served_by_its_uuid_when_the_connector_takes_video(encoder, connectors):
+    # The uuid of a video item is the encoder's content hash of the clip sampled as vLLM samples it
+    # (reference "vllm", the same fps / num_frames as vLLM's video settings): README, "Using it with vLLM".
+    from encoder_service.benchmarks.reliability.video_inputs import make_clip
+
+    _server, client = encoder
+    (clip,) = client.encode([Video(make_clip("mp4", "libx264", frames=12, fps=10), fps=2, reference="vllm")])
+    assert clip.frame_indices  # a clip: its frames are said
+    image_only = connectors()
+    req = request("video-item", [(clip.content_hash, clip.num_tokens)], modality="video")
+    assert image_only.ensure_cache_available(req, 0)  # not its modality: left to vLLM, nothing fetched
+    assert image_only.stager.staged_files() == []
+
+    connector = connectors(modalities=["image", "video"])
+    wait_until_available(connector, req)
+    encoder_cache: dict[str, torch.Tensor] = {}
+    output = worker_step(connector, req, encoder_cache)
+    assert output.ec_connector_worker_meta.loaded == [clip.content_hash]
+    tensor = encoder_cache[clip.content_hash]
+    assert tuple(tensor.shape) == (clip.num_tokens, clip.hidden_size)
+    (want,) = client.encode([HashRef(clip.content_hash)], output_dtype="float32")
+    np.testing.assert_array_equal(tensor.float().numpy(), want.embedding)
+    connector.update_state_after_free(req, 0)
