@@ -39,11 +39,16 @@ ROWS: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]], str]]]] =
             (f"sum by (source) ({rate('encoder_service_images_total')})", "received: {{source}}"),
             (f"sum({rate('encoder_service_images_encoded_total')})", "encoded (forward)"),
             (f"sum({rate('encoder_service_cache_hits_total')})", "cache hits"),
-        ], "Images received by input kind, encoded by a forward pass, and served from the cache."),
+            (f"sum({rate('encoder_service_video_frames_decoded_total')})", "video frames decoded"),
+        ], "Images (and clips: source video) received by input kind, encoded by a forward pass, served from the "
+           "cache; and the frames of clips decoded."),
         ("Tokens / s", "ops", "timeseries", [
             (f"sum({rate('encoder_service_tokens_encoded_total')})", "embedding tokens"),
+            (f"sum by (modality) ({rate('encoder_service_modality_tokens_encoded_total')})",
+             "embedding tokens: {{modality}}"),
             (f"sum({rate('encoder_service_patches_encoded_total')})", "patches (ViT input)"),
-        ], "Embedding tokens produced (LLM input tokens) and the patches that went into the ViT."),
+        ], "Embedding tokens produced (LLM input tokens), by modality (images, clips), and the patches that "
+           "went into the ViT."),
         ("Requests / s by method and code", "reqps", "timeseries", [
             (f"sum by (method, code) ({rate('encoder_service_requests_total')}) > 0", "{{method}} {{code}}"),
             (f"sum({rate('encoder_service_requests_total')})", "all"),
@@ -62,6 +67,8 @@ ROWS: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]], str]]]] =
          "An image's wait between admission and its forward pass."),
         ("Preprocessing", "s", "timeseries", quantiles("encoder_service_preprocess_seconds"),
          "Decode + resize + patchify of one encoded image."),
+        ("Video decode", "s", "timeseries", quantiles("encoder_service_video_decode_seconds"),
+         "One clip's decode (in a decoder process), frame sampling and processing."),
         ("Forward pass", "s", "timeseries", quantiles("encoder_service_forward_seconds"),
          "One batch through the vision tower, including the copy to the CPU."),
         ("Preprocessing on the device", "s", "timeseries", quantiles("encoder_service_device_preprocess_seconds"),
