@@ -2,7 +2,8 @@
 video processor (``pixel_values_videos``, ``video_grid_thw``; torchvision-backed, in a subprocess:
 tests/video_references.py) then transformers' vision tower, against our processing (the family's
 ``video.py``) then our tower. float32 on the CPU, relative error <= 1e-5 per level, for Qwen2.5-VL and
-Qwen3-VL (main embedding and each deepstack level). Kimi-K2.5's clips are not served yet."""
+every Qwen3-VL / Qwen3.5 model type (main embedding and each deepstack level). Kimi-K2.5's clips are not
+served yet."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import json
 
 import pytest
 import torch
-from qwen3_vl_tiny import OUT_HIDDEN, ours, reference, reference_levels, rel_err
+from qwen3_vl_tiny import MODEL_TYPES, OUT_HIDDEN, ours, reference, reference_levels, rel_err
 from safetensors.torch import load_file
 from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
@@ -46,15 +47,17 @@ def qwen2(tmp_path_factory):
     return model, ref
 
 
-@pytest.fixture(scope="module")
-def qwen3():
-    return ours("qwen3_vl"), reference("qwen3_vl")
+@pytest.fixture(scope="module", params=MODEL_TYPES)
+def qwen3(request):
+    return ours(request.param), reference(request.param)
 
 
 @pytest.fixture(scope="module")
-def hf_pixels(tmp_path_factory, qwen2, qwen3):
-    cases = [{"family": family, "init": _processor_init(family, model.video_config), "shape": shape, "seed": i}
-             for family, model in (("qwen2_5_vl", qwen2[0]), ("qwen3_vl", qwen3[0]))
+def hf_pixels(tmp_path_factory, qwen2):
+    # Every Qwen3-VL / Qwen3.5 type has the same video processor (and the same tiny patch geometry).
+    qwen3_config = ours("qwen3_vl").video_config
+    cases = [{"family": family, "init": _processor_init(family, config), "shape": shape, "seed": i}
+             for family, config in (("qwen2_5_vl", qwen2[0].video_config), ("qwen3_vl", qwen3_config))
              for i, shape in enumerate(CLIPS)]
     results, arrays = run_references({"processing": cases}, tmp_path_factory.mktemp("video-parity"))
     return {(c["family"], c["seed"]): (torch.from_numpy(arrays[f"pixels_{n}"]), results["processing"][n]["grid"])
