@@ -20,10 +20,12 @@ import grpc
 import pytest
 from aiohttp import web
 from client_servers import png
-from encoder_client import EncoderClient
+from encoder_client import EncoderClient, Video, content_hash
 from encoder_client.cli import _security, build_parser
 from encoder_client.integrations.proxy import EpdProxy, ProxySettings, settings_from_args
 from encoder_client.testing import Failure, FakeVisionEncoder, serve_fake
+
+from encoder_service.benchmarks.reliability.video_inputs import make_clip
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 NON_STREAMING_ANSWER = (b'{"id":"chatcmpl-1",  "object": "chat.completion",\n'
@@ -69,6 +71,7 @@ class FakeVllm:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/img/{name}", self.image)
+        app.router.add_get("/vid/{name}", self.video)
         self.images: dict[str, bytes] = {}
         self.served = Served(app)
         self.url = f"http://127.0.0.1:{self.served.port}"
@@ -103,6 +106,9 @@ class FakeVllm:
 
     async def image(self, request: web.Request) -> web.Response:
         return web.Response(body=self.images[request.match_info["name"]], content_type="image/png")
+
+    async def video(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.images[request.match_info["name"]], content_type="video/mp4")
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +148,22 @@ def chat(*images: str, text: str = "what is this?", **extra) -> dict:
             **extra}
 
 
+def video_data_url(clip: bytes) -> str:
+    return "data:video/mp4;base64," + base64.b64encode(clip).decode()
+
+
+def chat_parts(*parts: dict, text: str = "what happens?") -> dict:
+    return {"model": "qwen", "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]}
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def video_part(url: str) -> dict:
+    return {"type": "video_url", "video_url": {"url": url}}
+
+
 def post(port: int, body: dict | bytes, path: str = "/v1/chat/completions") -> tuple[int, bytes, dict]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     payload = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -163,6 +185,10 @@ def get(port: int, path: str) -> tuple[int, bytes]:
 
 def forwarded_images(request: dict) -> list[dict]:
     return [p for m in request["body"]["messages"] for p in m["content"] if p.get("type") == "image_url"]
+
+
+def forwarded_videos(request: dict) -> list[dict]:
+    return [p for m in request["body"]["messages"] for p in m["content"] if p.get("type") == "video_url"]
 
 
 def test_each_image_reaches_vllm_with_the_encoders_content_hash_as_its_uuid(proxy, vllm, encoder_server):
@@ -283,6 +309,87 @@ def test_an_image_from_an_allowed_host_is_forwarded_as_the_bytes_encoded(start_p
     assert part["image_url"] == {"url": data_url(image)}  # vLLM never fetches the URL a second time
     with EncoderClient(encoder_server.target) as client:
         assert part["uuid"] == client.encode([image])[0].content_hash
+
+
+# --- video_url parts --------------------------------------------------------------------------------
+
+
+def vllm_clip_hash(client: EncoderClient, clip: bytes, fps: float = 2.0) -> str:
+    """The uuid vLLM must get for a clip: its content hash sampled as vLLM samples it (fps 2 by default)."""
+    return content_hash(Video(clip, reference="vllm", fps=fps), client.cache_namespace())
+
+
+def test_a_clip_reaches_vllm_with_its_content_hash_sampled_as_vllm_samples_it(proxy, vllm, encoder_server):
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.renderers.chat_utils.chat_message import parse_chat_message_content_mm_part
+
+    clip = make_clip("mp4", "libx264", frames=12, fps=10)
+    status, answer, _ = post(proxy, chat_parts(video_part(video_data_url(clip))))
+    assert status == 200, answer
+    (part,) = forwarded_videos(vllm.received[-1])
+    with EncoderClient(encoder_server.target) as client:
+        assert part["uuid"] == vllm_clip_hash(client, clip)
+        assert client.lookup([part["uuid"]]) == [True]  # the proxy had the encoder encode and cache it
+    # The clip stays beside its uuid (vLLM counts the prompt's placeholders from it), and vLLM's own
+    # request model and chat parser read both.
+    assert part == {"type": "video_url", "video_url": {"url": video_data_url(clip)}, "uuid": part["uuid"]}
+    request = ChatCompletionRequest.model_validate(vllm.received[-1]["body"])
+    assert parse_chat_message_content_mm_part(request.messages[0]["content"][0]) == ("video_url", video_data_url(clip))
+
+
+def test_an_image_and_a_clip_of_one_request_are_both_rewritten(proxy, vllm, encoder_server):
+    image, clip = png(720), make_clip("mp4", "libx264", frames=8, fps=4)
+    status, answer, _ = post(proxy, chat_parts(image_part(data_url(image)), video_part(video_data_url(clip))))
+    assert status == 200, answer
+    content = vllm.received[-1]["body"]["messages"][0]["content"]
+    assert [p["type"] for p in content] == ["image_url", "video_url", "text"]
+    with EncoderClient(encoder_server.target) as client:
+        (encoded,) = client.encode([image])
+        assert content[0] == {"type": "image_url", "image_url": {"url": data_url(image)}, "uuid": encoded.content_hash}
+        assert content[1] == {"type": "video_url", "video_url": {"url": video_data_url(clip)},
+                              "uuid": vllm_clip_hash(client, clip)}
+        assert client.lookup([content[1]["uuid"]]) == [True]
+
+
+def test_a_broken_clip_is_a_400_naming_its_part_and_vllm_is_not_called(proxy, vllm):
+    broken = make_clip("mp4", "libx264")[:300]  # the container cut off in its first box
+    before = len(vllm.received)
+    status, answer, _ = post(proxy, chat_parts(image_part(data_url(png(721))), video_part(video_data_url(broken))))
+    message = json.loads(answer)["error"]["message"]
+    assert status == 400, answer
+    assert "the encoder refused an image or clip of this request" in message
+    assert "images[1] = messages[0].content[1]" in message
+    assert len(vllm.received) == before
+    assert post(proxy, chat_parts(video_part("data:video/mp4;base64,@@")))[0] == 400  # bad base64, as for images
+
+
+def test_the_clips_fps_is_the_proxys_video_fps(start_proxy, vllm, encoder_server):
+    clip = make_clip("mp4", "libx264", frames=12, fps=10)
+    port = start_proxy(video_fps=1.0)
+    assert post(port, chat_parts(video_part(video_data_url(clip))))[0] == 200
+    (part,) = forwarded_videos(vllm.received[-1])
+    with EncoderClient(encoder_server.target) as client:
+        assert part["uuid"] == vllm_clip_hash(client, clip, fps=1.0) != vllm_clip_hash(client, clip)
+
+
+def test_a_clip_from_an_allowed_host_is_forwarded_as_the_bytes_encoded(start_proxy, vllm, encoder_server):
+    vllm.images["clip.mp4"] = clip = make_clip("mp4", "libx264", frames=6, fps=3)
+    port = start_proxy(allowed_hosts=["127.0.0.*"])
+    assert post(port, chat_parts(video_part(f"{vllm.url}/vid/clip.mp4")))[0] == 200
+    (part,) = forwarded_videos(vllm.received[-1])
+    assert part["video_url"] == {"url": video_data_url(clip)}
+    with EncoderClient(encoder_server.target) as client:
+        assert part["uuid"] == vllm_clip_hash(client, clip)
+    status, answer, _ = post(start_proxy(), chat_parts(video_part(f"{vllm.url}/vid/clip.mp4")))
+    assert status == 400 and "video URL host '127.0.0.1' not allowed" in json.loads(answer)["error"]["message"]
+
+
+def test_a_clip_over_the_size_limit_is_a_413(start_proxy, vllm):
+    port = start_proxy(max_video_bytes=1000)
+    before = len(vllm.received)
+    status, answer, _ = post(port, chat_parts(video_part(video_data_url(make_clip(frames=30)))))
+    assert status == 413 and "clip larger than --max-video-bytes (1000 bytes)" in json.loads(answer)["error"]["message"]
+    assert len(vllm.received) == before
 
 
 def _dead_port() -> int:

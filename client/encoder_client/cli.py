@@ -176,8 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_proxy(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("proxy", help="OpenAI-compatible HTTP proxy before vLLM: has the encoder encode each image, "
-                                     "gives vLLM its content hash as the part's uuid (needs the 'proxy' extra)")
+    p = sub.add_parser("proxy", help="OpenAI-compatible HTTP proxy before vLLM: has the encoder encode each image "
+                                     "and clip, gives vLLM its content hash as the part's uuid "
+                                     "(needs the 'proxy' extra)")
     p.add_argument("--encoder", required=True,
                    help="HOST:PORT of the encoder service; several comma-separated, or dns:///NAME:PORT "
                         "(images are then routed by content hash)")
@@ -185,7 +186,7 @@ def _add_proxy(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port to listen on (default 8000)")
     p.add_argument("--allowed-hosts", default="",
-                   help="comma-separated hosts whose http(s) image URLs the proxy may fetch (cdn.example.com, "
+                   help="comma-separated hosts whose http(s) image and clip URLs the proxy may fetch (cdn.example.com, "
                         "*.example.com, 10.0.0.*, or * for any); default none: only data: URLs")
     p.add_argument("--mm-kwargs", choices=["refuse", "strip"], default="refuse",
                    help="requests carrying mm_processor_kwargs or media_io_kwargs break the uuid contract: refuse "
@@ -194,6 +195,13 @@ def _add_proxy(sub: argparse._SubParsersAction) -> None:
                    help="cache (default): the encoder encodes and caches each image and returns its header "
                         "only; full: it streams each embedding back, which the proxy drops")
     p.add_argument("--max-image-bytes", type=int, default=32 << 20, help="largest image, bytes (default 32 MiB)")
+    p.add_argument("--max-video-bytes", type=int, default=64 << 20,
+                   help="largest clip of a video_url part, bytes (default 64 MiB, the encoder's own default)")
+    p.add_argument("--video-fps", type=float, default=2.0,
+                   help="fps at which each video_url clip is sampled for the encoder (Video(reference='vllm')); "
+                        "MUST equal the fps vLLM samples clips at (vllm serve --media-io-kwargs "
+                        "'{\"video\": {\"fps\": ...}}'; default 2.0, vLLM's default): the part's uuid is the "
+                        "content hash of the clip sampled so, and vLLM counts placeholders for its own frames")
     p.add_argument("--max-request-bytes", type=int, default=128 << 20,
                    help="largest request body, bytes (default 128 MiB)")
     p.add_argument("--timeout", type=float, default=60.0, help="deadline of each encoder call, seconds (default 60)")

@@ -1,8 +1,9 @@
 """``encoder-client proxy``: an OpenAI-compatible HTTP front to put before vLLM (EPD).
 
-For each image of a ``/v1/chat/completions`` request it has the encoder service encode the image
-(hash-first: pixels go only to an encoder that does not cache it already), rewrites the image part
-with ``"uuid": <content hash>`` and forwards the request to vLLM, whose
+For each image (``image_url`` part) and clip (``video_url`` part) of a ``/v1/chat/completions``
+request it has the encoder service encode it (hash-first: pixels go only to an encoder that does not
+cache it already; a clip as ``Video(data, reference="vllm", fps=--video-fps)``, sampled as vLLM
+samples it), rewrites the part with ``"uuid": <content hash>`` and forwards the request to vLLM, whose
 ``EncoderServiceECConnector`` (``encoder_client.integrations.vllm``) then takes the embedding from
 the encoder by that key instead of running its own vision tower. vLLM's answer (SSE or JSON) and
 status code come back unchanged; every other path (``/v1/models``, ``/health``, ...) is passed
@@ -33,16 +34,17 @@ from encoder_client.errors import EncoderClientError
 from encoder_client.integrations.proxy_rewrite import (
     CONTENT_HASH_RE,
     HostAllowList,
-    ImagePart,
+    MediaPart,
     ProxyRequestError,
     apply_mm_kwargs_policy,
     bad_request,
     decode_data_url,
-    image_parts,
+    media_parts,
     rewrite_part,
     to_data_url,
 )
 from encoder_client.routing import RoutingEncoderClient
+from encoder_client.types import ImageInput, Video
 
 log = logging.getLogger("encoder_client.proxy")
 
@@ -58,6 +60,10 @@ class ProxySettings:
     allowed_hosts: list[str] = field(default_factory=list)
     mm_kwargs: str = "refuse"               # or "strip"
     max_image_bytes: int = 32 << 20
+    max_video_bytes: int = 64 << 20         # the encoder's own --max-video-bytes default
+    # The fps vLLM samples clips at (its --media-io-kwargs '{"video": {"fps": ...}}'; default 2):
+    # a clip's uuid is its content hash sampled so, which must be what vLLM counts placeholders for.
+    video_fps: float = 2.0
     max_request_bytes: int = 128 << 20
     encoder_timeout_s: float = 60.0
     # "cache": the encoder encodes and caches each miss and returns its header only (Encode
@@ -96,8 +102,8 @@ class EncoderBridge:
             out.extend(client._client(target).lookup([h]))
         return out
 
-    def ensure_encoded(self, images: Sequence[bytes]) -> list[str]:
-        """Each image's content hash, once the encoder caches its embedding."""
+    def ensure_encoded(self, images: Sequence[ImageInput]) -> list[str]:
+        """Each image's (or clip's: a ``Video``) content hash, once the encoder caches its embedding."""
         namespace = self.client.cache_namespace()
         hashes = [content_hash(image, namespace) for image in images]
         unique = {h: image for h, image in zip(hashes, images, strict=True)}
@@ -123,8 +129,11 @@ def _error(err: ProxyRequestError) -> web.Response:
     return web.json_response(err.body(), status=err.status, headers=err.headers)
 
 
-def _encoder_error(err: EncoderClientError, parts: Sequence[ImagePart]) -> ProxyRequestError:
+def _encoder_error(err: EncoderClientError, parts: Sequence[MediaPart]) -> ProxyRequestError:
+    # images[k]: the k-th item of the Encode request (clips travel there too), as the encoder names it.
     names = ", ".join(f"images[{k}] = {p.where}" for k, p in enumerate(parts))
+    nouns = {p.noun for p in parts}
+    an_item = "an image" if nouns == {"image"} else "a clip" if nouns == {"clip"} else "an image or clip"
     if err.retry_may_pass:  # down, too slow, or a full queue: the same request may pass later
         headers = {}
         if err.retry_pushback_ms is not None and err.retry_pushback_ms >= 0:
@@ -132,15 +141,17 @@ def _encoder_error(err: EncoderClientError, parts: Sequence[ImagePart]) -> Proxy
         return ProxyRequestError(503, f"encoder service unavailable ({err.code.name}: {err.details})",
                                  headers=headers)
     if err.code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # an image over the encoder's limits: final
-        return ProxyRequestError(413, f"the encoder refused an image of this request as over its limits "
+        return ProxyRequestError(413, f"the encoder refused {an_item} of this request as over its limits "
                                       f"({err.details}); {names}")
     if err.code == grpc.StatusCode.INVALID_ARGUMENT:
-        return bad_request(f"the encoder refused an image of this request ({err.details}); {names}")
+        return bad_request(f"the encoder refused {an_item} of this request ({err.details}); {names}")
     return ProxyRequestError(502, f"encoder service failed ({err.code.name}: {err.details})")
 
 
 class EpdProxy:
     def __init__(self, settings: ProxySettings) -> None:
+        if not settings.video_fps > 0:
+            raise ValueError(f"--video-fps must be > 0, got {settings.video_fps!r}")
         self.settings = settings
         self.vllm = settings.vllm.rstrip("/")
         self.allowed = HostAllowList(settings.allowed_hosts)
@@ -194,25 +205,31 @@ class EpdProxy:
         stripped = apply_mm_kwargs_policy(body, self.settings.mm_kwargs)
         if stripped:
             log.info("stripped %s from a request (--mm-kwargs strip)", ", ".join(stripped))
-        parts = image_parts(body)
+        parts = media_parts(body)
         await self._check_references([p for p in parts if p.uuid is not None])
         parts = [p for p in parts if p.uuid is None]
         if not parts:
             return body
-        media = await asyncio.gather(*(self._image(p) for p in parts))
+        media = await asyncio.gather(*(self._media(p) for p in parts))
+        # A clip is sampled as vLLM samples it (its loader, at vLLM's fps): its content hash, the
+        # uuid, then names the embedding of the very frames vLLM counts placeholders for.
+        items: list[ImageInput] = [
+            Video(raw, reference="vllm", fps=self.settings.video_fps) if p.is_video else raw
+            for p, (_, raw) in zip(parts, media, strict=True)]
         try:
-            hashes = await asyncio.to_thread(self.bridge.ensure_encoded, [raw for _, raw in media])
+            hashes = await asyncio.to_thread(self.bridge.ensure_encoded, items)
         except EncoderClientError as err:
             raise _encoder_error(err, parts) from None
         except (ValueError, TypeError) as err:  # the client refused an image before sending it
             raise bad_request(f"an image of this request cannot be sent to the encoder ({err})") from None
         for part, (url, _), uuid in zip(parts, media, hashes, strict=True):
             # The pixels stay: vLLM 0.33.0 takes a uuid alone only as a hit of its own processor
-            # cache (it needs the image for the prompt's placeholder count), never on a first sight.
+            # cache (it needs the image, or the clip, for the prompt's placeholder count), never on
+            # a first sight.
             rewrite_part(part, uuid, url)
         return body
 
-    async def _check_references(self, refs: Sequence[ImagePart]) -> None:
+    async def _check_references(self, refs: Sequence[MediaPart]) -> None:
         """Parts that name their image by uuid alone go to vLLM as they are, once the encoder is
         seen to cache each uuid: otherwise vLLM's connector would fail the request with an HTTP
         500 whose reason is only in vLLM's log; here it is a 400 naming the part, before vLLM."""
@@ -220,7 +237,8 @@ class EpdProxy:
             return
         for ref in refs:
             if not CONTENT_HASH_RE.match(ref.uuid or ""):
-                raise bad_request(f"{ref.where}: an image part without an image must carry the encoder's content "
+                what = "a video_url part without a clip" if ref.is_video else "an image part without an image"
+                raise bad_request(f"{ref.where}: {what} must carry the encoder's content "
                                   f"hash of it as its uuid (64 hex digits), got {ref.uuid[:80]!r}", ref.where)
         try:
             cached = await asyncio.to_thread(self.bridge.cached, [r.uuid for r in refs])
@@ -229,41 +247,49 @@ class EpdProxy:
         missing = [r for r, hit in zip(refs, cached, strict=True) if not hit]
         if missing:
             raise bad_request(
-                "; ".join(f"{r.where}: the encoder does not cache the image of uuid {r.uuid} (never encoded, or "
-                          "evicted)" for r in missing) + ": send the image itself (a data: URL) in that part",
-                missing[0].where)
+                "; ".join(f"{r.where}: the encoder does not cache the {r.noun} of uuid {r.uuid} (never encoded, or "
+                          "evicted)" for r in missing)
+                + f": send the {missing[0].noun} itself (a data: URL) in that part", missing[0].where)
 
-    async def _image(self, part: ImagePart) -> tuple[str, bytes]:
-        """(the data URL to forward, the image's bytes)."""
+    def _limit(self, part: MediaPart) -> tuple[int, str]:
+        """The part's byte limit and the flag that sets it."""
+        if part.is_video:
+            return self.settings.max_video_bytes, "--max-video-bytes"
+        return self.settings.max_image_bytes, "--max-image-bytes"
+
+    async def _media(self, part: MediaPart) -> tuple[str, bytes]:
+        """(the data URL to forward, the image's or clip's bytes)."""
         if part.url.startswith("data:"):
-            _, raw = decode_data_url(part.url, part.where, self.settings.max_image_bytes)
+            limit, flag = self._limit(part)
+            _, raw = decode_data_url(part.url, part.where, limit, part.noun, flag)
             return part.url, raw
         scheme, host = (urlsplit(part.url).scheme.lower(), urlsplit(part.url).hostname or "")
+        label = "video" if part.is_video else "image"
         if scheme not in ("http", "https"):
-            raise bad_request(f"{part.where}: image URL scheme {scheme or '(none)'!r} not supported: "
+            raise bad_request(f"{part.where}: {label} URL scheme {scheme or '(none)'!r} not supported: "
                               f"send a data: URL (or http(s) from an allowed host)", part.where)
         if not self.allowed.allows(host):
             hint = (f"allowed: {', '.join(self.allowed.patterns)}" if self.allowed
                     else "the proxy fetches no URL unless started with --allowed-hosts")
-            raise bad_request(f"{part.where}: image URL host {host!r} not allowed ({hint}); "
-                              f"send the image as a data: URL", part.where)
+            raise bad_request(f"{part.where}: {label} URL host {host!r} not allowed ({hint}); "
+                              f"send the {part.noun} as a data: URL", part.where)
         return await self._fetch(part, host)
 
-    async def _fetch(self, part: ImagePart, host: str) -> tuple[str, bytes]:
+    async def _fetch(self, part: MediaPart, host: str) -> tuple[str, bytes]:
         assert self.fetcher is not None
-        limit = self.settings.max_image_bytes
+        limit, flag = self._limit(part)
         try:
             async with self.fetcher.get(part.url, allow_redirects=False) as resp:
                 if resp.status != 200:
-                    raise bad_request(f"{part.where}: fetching the image from {host} answered HTTP {resp.status}",
-                                      part.where)
+                    raise bad_request(f"{part.where}: fetching the {part.noun} from {host} answered HTTP "
+                                      f"{resp.status}", part.where)
                 raw = await resp.content.read(limit + 1)
                 mime = resp.content_type or "application/octet-stream"
         except (aiohttp.ClientError, asyncio.TimeoutError) as err:
-            raise bad_request(f"{part.where}: fetching the image from {host} failed "
+            raise bad_request(f"{part.where}: fetching the {part.noun} from {host} failed "
                               f"({type(err).__name__}: {err})", part.where) from None
         if len(raw) > limit:
-            raise ProxyRequestError(413, f"{part.where}: image larger than --max-image-bytes ({limit} bytes)")
+            raise ProxyRequestError(413, f"{part.where}: {part.noun} larger than {flag} ({limit} bytes)")
         # vLLM gets the very bytes that were hashed and encoded, not a second fetch of the URL.
         return to_data_url(mime, raw), raw
 
@@ -296,6 +322,7 @@ def settings_from_args(args: argparse.Namespace, security: dict[str, Any]) -> Pr
         encoder=[t.strip() for t in args.encoder.split(",") if t.strip()], vllm=args.vllm,
         allowed_hosts=[h for h in (args.allowed_hosts or "").split(",") if h.strip()], mm_kwargs=args.mm_kwargs,
         max_image_bytes=args.max_image_bytes, max_request_bytes=args.max_request_bytes,
+        max_video_bytes=getattr(args, "max_video_bytes", 64 << 20), video_fps=getattr(args, "video_fps", 2.0),
         encoder_timeout_s=args.timeout, fetch_timeout_s=args.fetch_timeout, security=security,
         encode_mode=getattr(args, "encode_mode", "cache"))
 

@@ -1,11 +1,12 @@
 """What the EPD proxy does to a ``/v1/chat/completions`` body, free of aiohttp and of any I/O.
 
-The proxy (``encoder_client.integrations.proxy``) finds every image part, gets its bytes (a
-``data:`` URL here; an http(s) URL is fetched by the proxy, from allowed hosts only), has the
-encoder encode it and rewrites the part with ``"uuid": <content hash>``: vLLM 0.33.0's chat parser
-(``vllm/renderers/chat_utils/chat_message.py``, ``parse_chat_message_content_mm_part``) reads the
-``uuid`` key beside ``image_url`` and, with no ``mm_processor_kwargs`` / ``media_io_kwargs`` in
-the request, uses it verbatim as the item's ``mm_hash``: the key our vLLM connector fetches by.
+The proxy (``encoder_client.integrations.proxy``) finds every image part (``image_url``) and
+every clip part (``video_url``), gets its bytes (a ``data:`` URL here; an http(s) URL is fetched by
+the proxy, from allowed hosts only), has the encoder encode it and rewrites the part with
+``"uuid": <content hash>``: vLLM 0.33.0's chat parser (``vllm/renderers/chat_utils/chat_message.py``,
+``parse_chat_message_content_mm_part``) reads the ``uuid`` key beside ``image_url`` or
+``video_url`` and, with no ``mm_processor_kwargs`` / ``media_io_kwargs`` in the request, uses it
+verbatim as the item's ``mm_hash``: the key our vLLM connector fetches by.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ CONTENT_HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 # Request keys that make vLLM hash the uuid with them, so the key no longer names our embedding.
 CONTRACT_BREAKING_KEYS = ("mm_processor_kwargs", "media_io_kwargs")
 MM_KWARGS_POLICIES = ("refuse", "strip")
+# The content part types the proxy rewrites: images, and clips (sent to the encoder as
+# ``Video(data, reference="vllm", fps=--video-fps)``).
+MEDIA_KINDS = ("image_url", "video_url")
 
 
 class ProxyRequestError(Exception):
@@ -42,38 +46,59 @@ class ProxyRequestError(Exception):
 
 
 @dataclass
-class ImagePart:
-    """One image content part of the request: where it is, and its URL as sent."""
+class MediaPart:
+    """One image (``image_url``) or clip (``video_url``) content part of the request: where it
+    is, and its URL as sent."""
 
     where: str  # "messages[1].content[0]", for error messages
     part: dict[str, Any]
     url: str  # "" for a part that names its image by uuid alone
     uuid: str | None = None  # the client's own uuid of a part without an image
+    kind: str = "image_url"  # or "video_url"
+
+    @property
+    def is_video(self) -> bool:
+        return self.kind == "video_url"
+
+    @property
+    def noun(self) -> str:
+        """What the part holds, for messages: "image" or "clip"."""
+        return "clip" if self.is_video else "image"
 
 
 def bad_request(message: str, param: str | None = None) -> ProxyRequestError:
     return ProxyRequestError(400, message, param)
 
 
-def _part_url(part: dict[str, Any], where: str) -> str:
-    image_url = part.get("image_url")
-    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+def _part_url(part: dict[str, Any], where: str, kind: str) -> str:
+    media_url = part.get(kind)
+    url = media_url.get("url") if isinstance(media_url, dict) else media_url
     if not isinstance(url, str) or not url:
-        raise bad_request(f"{where}: image_url has no url (the proxy needs the image itself to encode it)", where)
+        noun = "clip" if kind == "video_url" else "image"
+        raise bad_request(f"{where}: {kind} has no url (the proxy needs the {noun} itself to encode it)", where)
     return url
 
 
-def _has_no_image(part: dict[str, Any]) -> bool:
-    image_url = part.get("image_url")
-    return image_url is None or (isinstance(image_url, dict) and image_url.get("url") is None)
+def _has_no_media(part: dict[str, Any], kind: str) -> bool:
+    media_url = part.get(kind)
+    return media_url is None or (isinstance(media_url, dict) and media_url.get("url") is None)
 
 
-def image_parts(body: dict[str, Any]) -> list[ImagePart]:
-    """Every ``image_url`` part of every message, in order."""
+def _part_kind(part: dict[str, Any]) -> str | None:
+    kind = part.get("type")
+    if kind in MEDIA_KINDS:
+        return kind
+    if kind is None:  # vLLM's parser takes a part without a type by its URL key
+        return next((k for k in MEDIA_KINDS if k in part), None)
+    return None
+
+
+def media_parts(body: dict[str, Any]) -> list[MediaPart]:
+    """Every ``image_url`` and ``video_url`` part of every message, in order."""
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise bad_request("'messages' must be a list", "messages")
-    found: list[ImagePart] = []
+    found: list[MediaPart] = []
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, list):
@@ -81,13 +106,14 @@ def image_parts(body: dict[str, Any]) -> list[ImagePart]:
         for j, part in enumerate(content):
             if not isinstance(part, dict):
                 continue
-            kind = part.get("type")
-            if kind == "image_url" or (kind is None and "image_url" in part):
+            kind = _part_kind(part)
+            if kind is not None:
                 where = f"messages[{i}].content[{j}]"
-                if _has_no_image(part) and isinstance(part.get("uuid"), str) and part["uuid"]:
-                    found.append(ImagePart(where, part, "", part["uuid"]))  # by reference: checked with the encoder
+                if _has_no_media(part, kind) and isinstance(part.get("uuid"), str) and part["uuid"]:
+                    # by reference: checked with the encoder
+                    found.append(MediaPart(where, part, "", part["uuid"], kind))
                 else:
-                    found.append(ImagePart(where, part, _part_url(part, where)))
+                    found.append(MediaPart(where, part, _part_url(part, where, kind), kind=kind))
     return found
 
 
@@ -107,8 +133,10 @@ def apply_mm_kwargs_policy(body: dict[str, Any], policy: str) -> list[str]:
         f"--mm-kwargs strip to have them removed", present[0])
 
 
-def decode_data_url(url: str, where: str, max_bytes: int) -> tuple[str, bytes]:
-    """``data:<mime>;base64,<data>`` -> (mime, bytes); a 400 naming the part for anything else."""
+def decode_data_url(url: str, where: str, max_bytes: int, noun: str = "image",
+                    limit_flag: str = "--max-image-bytes") -> tuple[str, bytes]:
+    """``data:<mime>;base64,<data>`` -> (mime, bytes); a 400 naming the part for anything else, a
+    413 for more than ``max_bytes`` (``limit_flag``; ``noun`` says what the part holds)."""
     header, sep, data = url.partition(",")
     if not sep or not header.startswith("data:"):
         raise bad_request(f"{where}: not a data URL (expected data:<mime>;base64,<data>)", where)
@@ -117,7 +145,7 @@ def decode_data_url(url: str, where: str, max_bytes: int) -> tuple[str, bytes]:
     if "base64" not in params[1:]:
         raise bad_request(f"{where}: data URL is not base64 (expected data:<mime>;base64,<data>)", where)
     if len(data) > (max_bytes * 4) // 3 + 4:
-        raise ProxyRequestError(413, f"{where}: image larger than --max-image-bytes ({max_bytes} bytes)", where)
+        raise ProxyRequestError(413, f"{where}: {noun} larger than {limit_flag} ({max_bytes} bytes)", where)
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as err:
@@ -131,19 +159,20 @@ def to_data_url(mime: str, raw: bytes) -> str:
     return f"data:{mime};base64,{base64.b64encode(raw).decode('ascii')}"
 
 
-def rewrite_part(image: ImagePart, uuid: str, data_url: str | None) -> None:
-    """The part as vLLM gets it: ``{"type": "image_url", "image_url": {"url": ...}, "uuid": ...}``.
+def rewrite_part(media: MediaPart, uuid: str, data_url: str | None) -> None:
+    """The part as vLLM gets it: ``{"type": "image_url", "image_url": {"url": ...}, "uuid": ...}``
+    (``video_url`` for a clip).
 
     ``data_url`` None sends the uuid alone (``"image_url": null``): vLLM 0.33.0 accepts that only
     when its own processor cache already holds the uuid (else it answers 400 "Cache miss ... but
     data is not provided"), which is why the proxy forwards the pixels by default.
     """
-    image.part.clear()
-    image.part.update({"type": "image_url", "image_url": {"url": data_url} if data_url else None, "uuid": uuid})
+    media.part.clear()
+    media.part.update({"type": media.kind, media.kind: {"url": data_url} if data_url else None, "uuid": uuid})
 
 
 class HostAllowList:
-    """Hosts whose http(s) image URLs the proxy may fetch: ``cdn.example.com``, ``*.example.com``
+    """Hosts whose http(s) image and clip URLs the proxy may fetch: ``cdn.example.com``, ``*.example.com``
     (``*`` is one whole label, never crossing a dot), ``10.0.0.*`` (IP patterns match only IP
     addresses, octet by octet) or ``*`` (any host). Empty: no URL is ever fetched."""
 
