@@ -18,8 +18,8 @@ request is JSON ``{"request_id", "input_ids", "image_grid_thw", "max_new_tokens"
 whose response is an ``.npz``: ``prefill_logits`` [seq, vocab] of the prompt, ``step_logits``
 [max_new_tokens, vocab] (the logits each greedy token was picked from) and ``tokens``.
 
-Copy ``splice_image_embeddings``, ``deepstack_inputs`` and ``mrope_position_ids``: they are what a
-real server needs.
+Copy ``as_tensor``, ``splice_image_embeddings``, ``deepstack_inputs`` and ``mrope_position_ids``: they are
+what a real server needs.
 """
 
 from __future__ import annotations
@@ -41,13 +41,22 @@ log = logging.getLogger("epd_decode_server")
 GENERATE_METHOD = "/epd.example.Decode/Generate"
 
 
+def as_tensor(array: np.ndarray) -> torch.Tensor:
+    """A received embedding as a torch tensor, without a copy. bf16 arrives as ``ml_dtypes.bfloat16``
+    (the receiver's default ``bf16_as``), which torch.from_numpy does not know: its bits go through
+    uint16 and are viewed back as torch.bfloat16."""
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(array).view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(np.asarray(array))
+
+
 def splice_image_embeddings(model, input_ids: torch.Tensor, images: Sequence[EncodedImage]) -> torch.Tensor:
     """inputs_embeds [1, seq, hidden] of input_ids [1, seq], the image placeholder tokens replaced by
     the images' embeddings in order (image i's num_tokens placeholders get image i's rows)."""
     embed = model.get_input_embeddings()
     inputs_embeds = embed(input_ids)
     positions = (input_ids[0] == model.config.image_token_id).nonzero().flatten()
-    rows = torch.cat([torch.from_numpy(np.asarray(im.embedding)) for im in images]).to(inputs_embeds.dtype)
+    rows = torch.cat([as_tensor(im.embedding) for im in images]).to(inputs_embeds.dtype)
     if rows.shape[0] != positions.numel():
         raise ValueError(f"the prompt has {positions.numel()} image placeholders, the images "
                          f"{rows.shape[0]} tokens ({[im.num_tokens for im in images]})")
@@ -65,7 +74,7 @@ def deepstack_inputs(model, input_ids: torch.Tensor, images: Sequence[EncodedIma
         return None
     mask = input_ids == model.config.image_token_id
     dtype = model.get_input_embeddings().weight.dtype
-    per_level = [torch.cat([torch.from_numpy(np.asarray(im.deepstack[k])) for im in images]).to(dtype)
+    per_level = [torch.cat([as_tensor(im.deepstack[k]) for im in images]).to(dtype)
                  for k in range(levels)]
     return mask, per_level
 

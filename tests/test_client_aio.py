@@ -13,6 +13,7 @@ from pathlib import Path
 
 import client_servers
 import grpc
+import ml_dtypes
 import numpy as np
 import pytest
 from client_servers import Server
@@ -45,17 +46,23 @@ def test_async_encode_reassembles_in_request_order_and_decodes_bf16(target: str,
     async def run():
         async with AsyncEncoderClient(target, timeout_s=30) as client:
             return (await client.encode(images, output_dtype="bfloat16", max_chunk_bytes=16),
-                    await client.encode(images, output_dtype="float32"))
+                    await client.encode(images, output_dtype="float32"),
+                    await client.encode(images, output_dtype="bfloat16", bf16_as="float32"))
 
-    results, f32 = asyncio.run(run())
+    results, f32, widened = asyncio.run(run())
     assert [r.index for r in results] == [0, 1, 2]
-    for r, want, image in zip(results, f32, images, strict=True):
+    for r, want, image, wide in zip(results, f32, images, widened, strict=True):
         # The fake's values; for the real server, the same server's float32 answer (itself checked).
         srv.assert_embedding(want, path.read_bytes() if isinstance(image, Path) else image)
         reference = fake_embedding(r.content_hash) if srv.is_fake else want.embedding
         bits = float32_to_bf16_bits(reference)
-        np.testing.assert_array_equal(r.embedding, (bits.astype(np.uint32) << 16).view(np.float32))
-        assert r.dtype == "bfloat16" and r.embedding.dtype == np.float32
+        # The default bf16_as: ml_dtypes.bfloat16, the bits as received; .astype widens them exactly.
+        np.testing.assert_array_equal(r.embedding.view(np.uint16), bits)
+        np.testing.assert_array_equal(r.embedding.astype(np.float32), (bits.astype(np.uint32) << 16).view(np.float32))
+        assert r.dtype == "bfloat16" and r.embedding.dtype == ml_dtypes.bfloat16
+        # bf16_as="float32": the client widens them, to the same values.
+        assert wide.dtype == "bfloat16" and wide.embedding.dtype == np.float32
+        np.testing.assert_array_equal(wide.embedding, r.embedding.astype(np.float32))
         assert r.content_hash == want.content_hash
 
 

@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 from encoder_client.cli import main
 from encoder_client.protocol import hashing
-from encoder_client.testing import FAKE_NAMESPACE, Failure, FakeVisionEncoder, fake_embedding, serve_fake
+from encoder_client.testing import (
+    FAKE_NAMESPACE,
+    Failure,
+    FakeVisionEncoder,
+    fake_embedding,
+    float32_to_bf16_bits,
+    serve_fake,
+)
 
 
 @pytest.fixture
@@ -48,6 +55,24 @@ def test_encode_prints_a_row_per_image_and_writes_npz(
         assert sorted(npz.files) == ["hashes", "image_0", "image_1"]
         assert list(npz["hashes"]) == hashes
         np.testing.assert_array_equal(npz["image_1"], fake_embedding(hashes[1]))
+
+
+def test_encode_out_writes_bf16_as_exact_float32_or_as_bits_and_reads_back_with_plain_numpy(
+    target: str, files: list[Path], tmp_path: Path
+) -> None:
+    # The client returns ml_dtypes.bfloat16 by default; .npy has no bfloat16 (it would read back as
+    # 2-byte voids), so --out widens it to float32, exactly; --bf16-as uint16 writes the bits.
+    want = float32_to_bf16_bits(fake_embedding(hashing.hash_encoded(FAKE_NAMESPACE, files[0].read_bytes())))
+    for bf16_as, dtype, expect in ((None, np.float32, (want.astype(np.uint32) << 16).view(np.float32)),
+                                   ("float32", np.float32, (want.astype(np.uint32) << 16).view(np.float32)),
+                                   ("uint16", np.uint16, want)):
+        out = tmp_path / f"bf16-{bf16_as}.npz"
+        flags = [] if bf16_as is None else ["--bf16-as", bf16_as]
+        assert main(["encode", "--target", target, str(files[0]), "--dtype", "bfloat16", *flags,
+                     "--out", str(out)]) == 0
+        with np.load(out) as npz:
+            assert npz["image_0"].dtype == dtype
+            np.testing.assert_array_equal(npz["image_0"], expect)
 
 
 def test_encode_repeat_shows_cache_hits_after_the_first_run(

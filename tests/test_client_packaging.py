@@ -19,8 +19,9 @@ def test_importing_the_client_does_not_import_torch() -> None:
     assert proc.returncode == 0, f"importing encoder_client imported: {proc.stdout.strip()} {proc.stderr}"
 
 
-def test_the_distribution_depends_only_on_grpc_protobuf_numpy() -> None:
-    # grpcio-health-checking is grpc's own generated grpc.health.v1 code: grpcio and protobuf only.
+def test_the_distribution_depends_only_on_grpc_protobuf_numpy_ml_dtypes() -> None:
+    # grpcio-health-checking is grpc's own generated grpc.health.v1 code: grpcio and protobuf only;
+    # ml_dtypes is numpy's bfloat16 (numpy only), the dtype bf16 embeddings are returned in.
     requires = metadata.requires("encoder-client") or []
     names = {re.split(r"[\s<>=!~;\[]", r, maxsplit=1)[0].lower() for r in requires if "extra ==" not in r}
-    assert names == {"grpcio", "grpcio-health-checking", "protobuf", "numpy"}
+    assert names == {"grpcio", "grpcio-health-checking", "protobuf", "numpy", "ml_dtypes"}

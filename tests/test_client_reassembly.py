@@ -1,4 +1,4 @@
-"""Stream reassembly, bf16 widening and the hand-built health codec, without a server."""
+"""Stream reassembly, bf16 as bfloat16 / widened / raw bits, and the hand-built health codec, without a server."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import random
 import struct
 
 import grpc
+import ml_dtypes
 import numpy as np
 import pytest
 from encoder_client import EncoderClientError, bf16_bits_to_float32
@@ -166,7 +167,7 @@ def test_a_multi_chunk_image_with_three_levels_splits_into_main_and_two_deepstac
     assert x.nbytes == 3 * 7 * HIDDEN * 4
 
 
-def test_bf16_levels_widen_to_float32_like_the_main_embedding() -> None:
+def test_bf16_levels_come_back_like_the_main_embedding_in_each_bf16_as() -> None:
     rng = np.random.default_rng(4)
     levels = [rng.standard_normal((5, HIDDEN)).astype(np.float32) for _ in range(2)]
     bits = [float32_to_bf16_bits(level) for level in levels]
@@ -174,12 +175,42 @@ def test_bf16_levels_widen_to_float32_like_the_main_embedding() -> None:
     chunk = encoder_pb2.EmbeddingChunk(
         image_index=0, num_tokens=5, hidden_size=HIDDEN, feature_levels=2, dtype=encoder_pb2.DTYPE_BFLOAT16,
         data=rows.astype("<u2").tobytes(), last=True)
-    for bf16_as, expect in (("float32", [bf16_bits_to_float32(b) for b in bits]), ("uint16", bits)):
+    for bf16_as, expect in (("float32", [bf16_bits_to_float32(b) for b in bits]), ("uint16", bits),
+                            ("bfloat16", [b.view(ml_dtypes.bfloat16) for b in bits])):
         r = Reassembler(1, bf16_as=bf16_as, started_s=0.0)
         r.add(chunk)
         (x,) = r.results()
-        np.testing.assert_array_equal(x.embedding, expect[0])
-        np.testing.assert_array_equal(x.deepstack[0], expect[1])
+        for got, want in zip((x.embedding, *x.deepstack), expect, strict=True):
+            assert got.dtype == want.dtype
+            np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))  # bit for bit
+
+
+def test_bf16_as_bfloat16_is_a_view_of_the_received_rows_equal_to_the_float32_path() -> None:
+    # Several chunks out of order, two levels: the reassembled buffer is the one copy; the bfloat16
+    # levels the caller gets are views of it (no float32 widening, no copy), equal to the float32
+    # path after .astype(np.float32).
+    rng = np.random.default_rng(7)
+    levels = [rng.standard_normal((9, HIDDEN)).astype(np.float32) for _ in range(2)]
+    bits = np.concatenate([float32_to_bf16_bits(level) for level in levels], axis=1)
+    chunks = [encoder_pb2.EmbeddingChunk(
+        image_index=0, num_tokens=9, hidden_size=HIDDEN, feature_levels=2, dtype=encoder_pb2.DTYPE_BFLOAT16,
+        token_offset=off, data=bits[off:off + 4].astype("<u2").tobytes(), last=off + 4 >= 9)
+        for off in range(0, 9, 4)]
+    got, received = {}, {}
+    for bf16_as in ("bfloat16", "float32"):
+        r = Reassembler(1, bf16_as=bf16_as, started_s=0.0)
+        for chunk in (chunks[1], chunks[0], chunks[2]):
+            r.add(chunk)
+        (got[bf16_as],) = r.results()
+        received[bf16_as] = r._partials[0].rows  # the reassembly buffer: [levels, tokens, hidden], wire uint16
+    x, wide = got["bfloat16"], got["float32"]
+    assert x.dtype == "bfloat16" and x.embedding.dtype == ml_dtypes.bfloat16 and wide.embedding.dtype == np.float32
+    assert x.nbytes == 2 * 9 * HIDDEN * 2 and wide.nbytes == 2 * x.nbytes
+    for array, wide_level in zip((x.embedding, *x.deepstack), (wide.embedding, *wide.deepstack), strict=True):
+        assert array.shape == (9, HIDDEN) and array.flags.c_contiguous and not array.flags.owndata
+        assert np.shares_memory(array, received["bfloat16"])  # a view of the buffer, not a copy
+        assert not np.shares_memory(wide_level, received["float32"])  # float32: a widened copy
+        np.testing.assert_array_equal(array.astype(np.float32), wide_level)
 
 
 def test_chunks_that_disagree_on_feature_levels_are_a_clear_error() -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import client_servers
 import grpc
+import ml_dtypes
 import numpy as np
 import pytest
 from client_servers import Server, namespace, png
@@ -64,7 +65,9 @@ def test_max_chunk_bytes_is_sent(fake: FakeVisionEncoder, client: EncoderClient)
     assert fake.requests[-1].max_chunk_bytes == 40
 
 
-def test_bf16_comes_back_as_exact_float32_or_raw_bits(client: EncoderClient, srv: Server) -> None:
+def test_bf16_comes_back_as_bfloat16_by_default_or_exact_float32_or_raw_bits(
+    client: EncoderClient, srv: Server
+) -> None:
     data = srv.image("img")
     (f32,) = client.encode([data], output_dtype="float32")
     (r,) = client.encode([data], output_dtype="bfloat16", max_chunk_bytes=16)
@@ -74,12 +77,20 @@ def test_bf16_comes_back_as_exact_float32_or_raw_bits(client: EncoderClient, srv
     bits = float32_to_bf16_bits(reference)
     # numpy reference: put the 16 bits in the high half of a float32.
     widened = (bits.astype(np.uint32) << 16).view(np.float32)
-    assert r.dtype == "bfloat16" and r.embedding.dtype == np.float32
-    np.testing.assert_array_equal(r.embedding, widened)
-    np.testing.assert_allclose(r.embedding, reference, rtol=2**-8)
+    # The default: ml_dtypes.bfloat16, the received bits as they are (not widened to float32).
+    assert r.dtype == "bfloat16" and r.embedding.dtype == ml_dtypes.bfloat16 and r.embedding.itemsize == 2
+    np.testing.assert_array_equal(r.embedding.view(np.uint16), bits)
+    np.testing.assert_array_equal(r.embedding.astype(np.float32), widened)
+    np.testing.assert_allclose(r.embedding.astype(np.float32), reference, rtol=2**-8)
+    (wide,) = client.encode([data], output_dtype="bfloat16", max_chunk_bytes=16, bf16_as="float32")
+    assert wide.dtype == "bfloat16" and wide.embedding.dtype == np.float32
+    np.testing.assert_array_equal(wide.embedding, widened)
+    np.testing.assert_allclose(wide.embedding, reference, rtol=2**-8)
     (raw,) = client.encode([data], output_dtype="bfloat16", bf16_as="uint16")
     assert raw.embedding.dtype == np.uint16
     np.testing.assert_array_equal(raw.embedding, bits)
+    with pytest.raises(ValueError, match="bf16_as must be one of bfloat16, float32, uint16"):
+        client.encode([data], bf16_as="float16")
 
 
 def test_float16_and_model_dtype(client: EncoderClient, srv: Server) -> None:

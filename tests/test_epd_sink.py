@@ -10,6 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import ml_dtypes
 import numpy as np
 import pytest
 from encoder_client import EncoderClient, EncoderClientError
@@ -267,6 +268,24 @@ def test_receiver_resolves_each_image_and_the_request_and_restarts_a_retried_pus
     np.testing.assert_array_equal(images[0].embedding, a)
     np.testing.assert_array_equal(images[1].embedding, b)
     assert s.receiver.buffered_bytes == 0
+
+
+def test_receiver_returns_bf16_as_bfloat16_by_default_float32_or_bits_when_asked(sink):
+    values = np.arange(16, dtype=np.float32).reshape(4, 4) / 8  # exact in bf16
+    bits = values.view(np.uint32) >> 16
+    bf16 = encoder_pb2.EmbeddingChunk(
+        request_id="r", image_index=0, num_images=1, content_hash="h0", grid_thw=[1, 4, 4], num_tokens=4,
+        hidden_size=4, dtype=encoder_pb2.DTYPE_BFLOAT16, data=bits.astype("<u2").tobytes(), last=True)
+    for bf16_as, dtype, held, want in ((None, ml_dtypes.bfloat16, 32, values), ("float32", np.float32, 64, values),
+                                       ("uint16", np.uint16, 32, bits)):
+        s = sink(**({} if bf16_as is None else {"bf16_as": bf16_as}))
+        push(s.target, [bf16])
+        assert s.receiver.buffered_bytes == held  # what the receiver holds: 2 bytes a value unless widened
+        (image,) = s.wait("r")
+        assert image.dtype == "bfloat16" and image.embedding.dtype == dtype
+        np.testing.assert_array_equal(image.embedding.astype(want.dtype), want)
+    with pytest.raises(ValueError, match="bf16_as"):
+        receiver(bf16_as="float16")()
 
 
 def test_receiver_drops_abandoned_requests_and_frees_their_bytes(sink):

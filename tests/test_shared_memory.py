@@ -8,6 +8,7 @@ import io
 import os
 
 import grpc
+import ml_dtypes
 import numpy as np
 import pytest
 from encoder_client import AsyncEncoderClient, EncoderClient, EncoderClientError
@@ -56,6 +57,13 @@ def test_embeddings_through_shared_memory_equal_the_streamed_ones(encoder_server
                 assert g.content_hash == w.content_hash and g.grid_thw == w.grid_thw
                 np.testing.assert_array_equal(g.embedding, w.embedding)
         assert got[0].cache_hit
+        # The default bf16_as: ml_dtypes.bfloat16, the same bits, and the client's own memory, not a view
+        # of the region (which the next call reuses).
+        default = shared.encode(images, output_dtype="bfloat16")
+        shared.encode([png(9), png(10)], output_dtype="bfloat16")  # the same region, other bytes
+        for d, w in zip(default, want):
+            assert d.embedding.dtype == ml_dtypes.bfloat16
+            np.testing.assert_array_equal(d.embedding.view(np.uint16), w.embedding)
 
 
 def test_the_region_chunk_says_where_and_carries_no_data(encoder_server):

@@ -3,7 +3,8 @@
 A row on the wire holds ``feature_levels`` levels side by side (the main embedding, then e.g.
 Qwen3-VL's deepstack levels), each ``hidden_size`` wide. Rows are placed level-major into one
 [levels, num_tokens, hidden_size] buffer as they arrive (the one copy out of the message), so each
-level the caller gets is a contiguous view of it.
+level the caller gets is a contiguous view of it. A bf16 image is returned as a view of that buffer
+too (``bf16_as="bfloat16"``, the default, or "uint16"), or widened to float32 when asked.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from encoder_client.dtypes import bf16_rows_as
 from encoder_client.errors import EncoderClientError
 from encoder_client.protocol import encoder_pb2
-from encoder_client.protocol.dtypes import bf16_bits_to_float32, dtype_name, wire_numpy_dtype
+from encoder_client.protocol.dtypes import dtype_name, wire_numpy_dtype
 from encoder_client.shared_memory import OutputRegion, RegionPool, aligned
 from encoder_client.types import EncodedImage
 
@@ -147,11 +149,10 @@ class Reassembler:
         return rows
 
     def _finish(self, index: int, part: _Partial, last: encoder_pb2.EmbeddingChunk) -> EncodedImage:
-        rows = part.rows
-        if part.first.dtype == encoder_pb2.DTYPE_BFLOAT16 and self._bf16_as == "float32":
-            rows = bf16_bits_to_float32(rows)
         # Native byte order for the caller (a no-op view on little-endian hosts).
-        rows = rows.astype(rows.dtype.newbyteorder("="), copy=False)
+        rows = part.rows.astype(part.rows.dtype.newbyteorder("="), copy=False)
+        if part.first.dtype == encoder_pb2.DTYPE_BFLOAT16:
+            rows = bf16_rows_as(rows, self._bf16_as)  # a view of the buffer, unless float32 is asked
         timing = None
         if last.HasField("timing"):
             t = last.timing

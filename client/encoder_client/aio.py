@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2
 from encoder_client._reassembly import check_lookup_response, reassembling
 from encoder_client._request import build_request, check_images_sequence
 from encoder_client._rpc import ClientBase, address_to_sink, check_bf16_as, health_status_name, lookup_request
+from encoder_client.dtypes import DEFAULT_BF16_AS
 from encoder_client.errors import EncoderClientError
 from encoder_client.hash_first import HashFirstPlan, is_eviction_race
 from encoder_client.protocol import ModelInfo, encoder_pb2
@@ -50,7 +51,7 @@ class AsyncEncoderClient(ClientBase):
         output_dtype: str | None = None,
         max_chunk_bytes: int | None = None,
         timeout_s: float | None = None,
-        bf16_as: str = "float32",
+        bf16_as: str = DEFAULT_BF16_AS,
         request_id: str | None = None,
         hash_first: bool = False,
     ) -> list[EncodedImage]:

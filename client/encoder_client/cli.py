@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from encoder_client.client import EncoderClient
+from encoder_client.dtypes import BF16_AS, BFLOAT16, DEFAULT_BF16_AS
 from encoder_client.errors import EncoderClientError
 from encoder_client.protocol import OUTPUT_DTYPES
 from encoder_client.routing import RoutingEncoderClient
@@ -65,8 +66,9 @@ def _encode(args: argparse.Namespace, client: EncoderClient | RoutingEncoderClie
             rows.append([str(run + 1), *row] if args.repeat > 1 else row)
     print(_table(rows, header))
     if args.out is not None:
-        arrays = {f"image_{r.index}": r.embedding for r in results}
-        arrays.update({f"image_{r.index}_deepstack_{k}": level for r in results for k, level in enumerate(r.deepstack)})
+        arrays = {f"image_{r.index}": _savable(r.embedding) for r in results}
+        arrays.update({f"image_{r.index}_deepstack_{k}": _savable(level)
+                       for r in results for k, level in enumerate(r.deepstack)})
         # Fixed-width unicode, not object arrays, so np.load works without allow_pickle.
         arrays.update({f"image_{r.index}_frame_indices": np.array(r.frame_indices, dtype=np.int64)
                        for r in results if r.frame_indices})
@@ -74,6 +76,12 @@ def _encode(args: argparse.Namespace, client: EncoderClient | RoutingEncoderClie
         np.savez(args.out, **arrays)
         print(f"wrote {args.out}")
     return 0
+
+
+def _savable(array: np.ndarray) -> np.ndarray:
+    """What --out writes: bf16 (ml_dtypes.bfloat16) widened to float32, exactly, because .npy has no
+    bfloat16 (it would read back as 2-byte voids); every other dtype as it is."""
+    return array.astype(np.float32) if array.dtype == BFLOAT16 else array
 
 
 def _frames(indices: tuple[int, ...]) -> str:
@@ -153,8 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="clips: whose frame sampling to equal (default transformers; vllm for an encoder feeding vLLM)")
     p.add_argument("--dtype", choices=["model", *OUTPUT_DTYPES], default="model",
                    help="output dtype (default: the model's)")
-    p.add_argument("--bf16-as", choices=["float32", "uint16"], default="float32",
-                   help="how bf16 embeddings are returned/saved (default float32, exact)")
+    p.add_argument("--bf16-as", choices=list(BF16_AS), default=DEFAULT_BF16_AS,
+                   help="how bf16 embeddings are returned (default bfloat16: as they came); --out saves "
+                        "bfloat16 and float32 as float32 (exact), uint16 as the raw bit patterns")
     p.add_argument("--repeat", type=int, default=1,
                    help="send the same request N times (cache hits after the first)")
     p.add_argument("--out", type=Path, help="write an .npz: image_0, image_1, ... and hashes (and "

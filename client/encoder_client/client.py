@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2
 from encoder_client._reassembly import Reassembler, check_lookup_response, reassembling
 from encoder_client._request import build_request
 from encoder_client._rpc import ClientBase, address_to_sink, check_bf16_as, health_status_name, lookup_request
+from encoder_client.dtypes import DEFAULT_BF16_AS
 from encoder_client.errors import EncoderClientError
 from encoder_client.hash_first import HashFirstPlan, is_eviction_race
 from encoder_client.protocol import ModelInfo, encoder_pb2
@@ -58,14 +59,16 @@ class EncoderClient(ClientBase):
         output_dtype: str | None = None,
         max_chunk_bytes: int | None = None,
         timeout_s: float | None = None,
-        bf16_as: str = "float32",
+        bf16_as: str = DEFAULT_BF16_AS,
         request_id: str | None = None,
         hash_first: bool = False,
     ) -> list[EncodedImage]:
         """Encode images; one EncodedImage per image, in request order.
 
-        ``output_dtype`` None means the model's dtype. bf16 embeddings come back as float32
-        (exact) or, with ``bf16_as="uint16"``, as their raw bit patterns. ``timeout_s`` None means
+        ``output_dtype`` None means the model's dtype. bf16 embeddings come back as they came, without
+        a copy: arrays of dtype ``ml_dtypes.bfloat16`` (``bf16_as="bfloat16"``, the default;
+        ``.astype(np.float32)`` widens them exactly); ``bf16_as="float32"`` widens them here (a copy of
+        twice the bytes) and ``"uint16"`` gives their raw bit patterns. ``timeout_s`` None means
         the client's default. ``hash_first``: hash locally, ask Lookup, send pixels only for the
         images the server does not cache (see ``encoder_client.hash_first``).
         """

@@ -31,6 +31,7 @@ import grpc
 
 from encoder_client._request import check_images_sequence, content_hash, image_to_proto
 from encoder_client.client import EncoderClient
+from encoder_client.dtypes import DEFAULT_BF16_AS
 from encoder_client.errors import EncoderClientError
 from encoder_client.protocol import ModelInfo
 from encoder_client.types import EncodedImage, ImageInput
@@ -210,7 +211,7 @@ class RoutingEncoderClient:
 
     def encode(self, images: Sequence[ImageInput], *, output_dtype: str | None = None,
                max_chunk_bytes: int | None = None, timeout_s: float | None = None,
-               bf16_as: str = "float32", cache_only: bool = False) -> list[EncodedImage]:
+               bf16_as: str = DEFAULT_BF16_AS, cache_only: bool = False) -> list[EncodedImage]:
         """Embeddings of images in request order, each computed where its hash routes.
         ``cache_only``: have each encoder encode and cache its images and return their headers
         only (``encoder_client.cache_only``: a PushedImage per image, no rows)."""

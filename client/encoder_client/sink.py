@@ -13,7 +13,9 @@ then lands here, and the decode server awaits it::
 
 Each image is an ``EncodedImage``: ``embedding`` [num_tokens, hidden_size] and, for a model with
 extra feature levels (Qwen3-VL), ``deepstack``: one [num_tokens, hidden_size] array per extra level,
-in order, ready for the LLM's deepstack injection (empty for other models).
+in order, ready for the LLM's deepstack injection (empty for other models). A bf16 embedding is an
+``ml_dtypes.bfloat16`` array, the pushed bytes as they are (``bf16_as``, as for the client); torch takes
+it without a copy as ``torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)``.
 
 TLS: the receiver is a servicer, so it speaks whatever the server's port speaks: bind it with
 ``server.add_secure_port(addr, grpc.ssl_server_credentials(...))`` (``root_certificates`` and
@@ -47,6 +49,7 @@ import grpc.aio
 import numpy as np
 
 from encoder_client._reassembly import Reassembler
+from encoder_client.dtypes import BF16_AS, DEFAULT_BF16_AS
 from encoder_client.errors import EncoderClientError
 from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
 from encoder_client.protocol.chunks import parse_chunk
@@ -157,12 +160,18 @@ class _Abort(Exception):
 
 
 class EmbeddingSinkReceiver(encoder_pb2_grpc.EmbeddingSinkServicer):
-    """The EmbeddingSink servicer (grpc.aio). Create and use it on the server's event loop."""
+    """The EmbeddingSink servicer (grpc.aio). Create and use it on the server's event loop.
+
+    ``bf16_as`` as for ``EncoderClient.encode``: bf16 images are held and returned as
+    ``ml_dtypes.bfloat16`` arrays by default (2 bytes a value, no conversion), as float32 with
+    ``"float32"`` (4 bytes a value, counted so against ``max_buffered_bytes``) or as ``"uint16"`` bits."""
 
     def __init__(self, *, max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
-                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, bf16_as: str = "float32") -> None:
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, bf16_as: str = DEFAULT_BF16_AS) -> None:
         if max_buffered_bytes <= 0 or request_timeout_s <= 0:
             raise ValueError("max_buffered_bytes and request_timeout_s must be > 0")
+        if bf16_as not in BF16_AS:
+            raise ValueError(f"bf16_as must be one of {', '.join(BF16_AS)}, got {bf16_as!r}")
         self.max_buffered_bytes = max_buffered_bytes
         self.request_timeout_s = request_timeout_s
         self.bf16_as = bf16_as

@@ -84,8 +84,10 @@ class EncodedImage:
     """One image's embedding, reassembled from its chunks.
 
     ``dtype`` is the wire dtype the server produced ("float32", "float16" or "bfloat16");
-    ``embedding.dtype`` is the numpy dtype returned: the same, except bf16, which comes back as
-    float32 (exact widening) or, with ``bf16_as="uint16"``, as raw bit patterns. ``timing`` is the
+    ``embedding.dtype`` is the numpy dtype returned: the same, bf16 included, which comes back as
+    ``ml_dtypes.bfloat16`` (a view of the received bytes, no conversion; ``.astype(np.float32)``
+    widens it exactly), or as float32 with ``bf16_as="float32"`` (widened by the client, exactly) or
+    as raw bit patterns with ``bf16_as="uint16"``. ``timing`` is the
     server's account (``queue_ms``, ``preprocess_ms``, ``forward_ms``) when it sent one;
     ``latency_ms`` is what the client observed, from the start of the request (first attempt)
     until this image's last chunk.

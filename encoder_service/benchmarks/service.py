@@ -7,9 +7,10 @@
 Reports, in one run on one machine:
 - the forward-only figure of the same model (8 x 1008x1008, pixels already on the device, two
   batches in flight as the server keeps them), in its own process before the server starts;
-- new images (every request a JPEG never seen before, one image per request, bf16 out) at each
-  ``--concurrency`` level: images/s, latency p50/p99, and the server's own stage timings per image
-  (queue, preprocess, forward) as it reports them in each response;
+- new images (every request a JPEG never seen before, one image per request, bf16 out, received as a
+  plain client receives it: ml_dtypes.bfloat16, no float32 widening) at each ``--concurrency``
+  level: images/s, latency p50/p99, and the server's own stage timings per image (queue,
+  preprocess, forward) as it reports them in each response;
 - cache hits of the same embedding: latency p50/p99 from one client, and throughput from 32;
 - the ratio of new-image throughput to the forward-only figure.
 

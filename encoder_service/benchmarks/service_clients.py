@@ -75,7 +75,7 @@ def _client_proc(target: str, threads: int, images: list[bytes], duration_s: flo
             if img is None:
                 return
             t0 = time.perf_counter()
-            r = client.encode([img], output_dtype="bfloat16", timeout_s=120, bf16_as="uint16")[0]
+            r = client.encode([img], output_dtype="bfloat16", timeout_s=120)[0]
             rec = {"latency_ms": (time.perf_counter() - t0) * 1000, "end": time.time(), "hit": r.cache_hit}
             rec.update(r.timing or {})
             with lock:
@@ -195,7 +195,7 @@ def cache_hits(target: str, args, transport: str = "stream") -> dict:
         lat = []
         for _ in range(args.hit_iters):
             t0 = time.perf_counter()
-            r = client.encode([img], output_dtype="bfloat16", timeout_s=60, bf16_as="uint16")[0]
+            r = client.encode([img], output_dtype="bfloat16", timeout_s=60)[0]
             lat.append((time.perf_counter() - t0) * 1000)
             assert r.cache_hit
     embedding_bytes = r.nbytes  # every feature level (Qwen3-VL: main + deepstack)

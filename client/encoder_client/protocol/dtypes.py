@@ -1,9 +1,10 @@
 """The one table of wire dtypes: name, ``encoder.v1.DType`` enum value, numpy dtype, item size.
 
 Client and server both read it; the server derives its torch dtypes from the names
-(``encoder_service.dtypes``), so no other table of dtypes exists. numpy has no bfloat16, so bf16
-travels (and may be returned) as its raw 2-byte pattern, held in a ``uint16`` array; widening it to
-float32 is exact (bf16 is the high half of a float32).
+(``encoder_service.dtypes``), so no other table of dtypes exists. numpy itself has no bfloat16, so
+bf16 travels as its raw 2-byte pattern, held here in a ``uint16`` array; widening it to float32 is
+exact (bf16 is the high half of a float32). The client hands it to the caller as ``ml_dtypes.bfloat16``
+by default, a view of those bytes (``encoder_client.dtypes``: ``bf16_as``).
 """
 
 from __future__ import annotations
