@@ -44,6 +44,38 @@ def test_the_service_benchmark_runs_end_to_end_through_the_cli(tmp_path):
     assert report["cache_hits"][1]["embedding_bytes"] == report["cache_hits"][0]["embedding_bytes"] > 0
 
 
+def test_the_video_benchmark_measures_clips_and_images_of_their_token_size_through_one_server(tmp_path):
+    # `encoder-service bench --service --video`: MP4 clips, then images as large as one temporal slice
+    # of them, through one real server process from client processes; tokens/s of both and their ratio.
+    import json
+    import subprocess
+    import sys
+
+    from pytest import approx
+
+    out = tmp_path / "video.json"
+    subprocess.run([sys.executable, "-m", "encoder_service", "bench", "--service", "--video",
+                    "--model", "tiny-qwen2.5-vl", "--device", "cpu", "--dtype", "float32", "--clip-seconds", "2",
+                    "--frame-sizes", "64x48", "--source-fps", "10", "--clips", "2", "--distinct-clips", "2",
+                    "--images-per-level", "6", "--concurrency", "1", "--seconds", "2", "--client-procs", "1",
+                    "--client-start-s", "2", "--out", str(out)],
+                   check=True, capture_output=True, timeout=240)
+    report = json.loads(out.read_text())
+    [group] = report["video"]["groups"]
+    assert group["frames"] == 4 and group["grid_thw"][0] == 2  # 2 s at 2 fps: 4 frames, 2 temporal patches
+    [clips] = report["video_runs"]
+    assert clips["clips"] == 2 and clips["cache_hits"] == 0  # every clip new work
+    assert clips["clips_per_s"] > 0 and clips["latency_p99_ms"] >= clips["latency_p50_ms"] > 0
+    assert clips["tokens_per_s"] == approx(clips["clips_per_s"] * group["tokens"])
+    assert clips["frames_per_s"] == approx(clips["clips_per_s"] * 4)
+    assert clips["server_cpu_ms_per_frame"] > 0  # the server and its decoder processes, from /proc
+    [images] = report["image_runs"]
+    assert images["images"] > 0 and images["cache_hits"] == 0 and images["server_cpu_ms_per_image"] > 0
+    # An image is one temporal slice of the clip: the same tokens per slice.
+    assert images["tokens_per_s"] / images["images_per_s"] == approx(group["tokens"] / group["grid_thw"][0])
+    assert clips["ratio_to_image_tokens"] == report["video_to_image_tokens_ratio"] > 0
+
+
 def test_the_qwen3_vl_benchmark_counts_the_towers_gemm_flops_exactly():
     # torch's FLOP counter sees every matmul of the tiny tower's forward (patch embedding, blocks,
     # merger and deepstack mergers) but not the CPU attention kernel: compare the rest.

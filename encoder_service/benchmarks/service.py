@@ -14,6 +14,8 @@ Reports, in one run on one machine:
 - cache hits of the same embedding: latency p50/p99 from one client, and throughput from 32;
 - the ratio of new-image throughput to the forward-only figure.
 
+With ``--video``, clips and then images of the same token size through one server instead (video.py).
+
 Clients run in ``--client-procs`` processes (each with threads), so the client side is not the
 bottleneck of a Python GIL. ``--server-cwd`` runs the server from another checkout (a baseline) with
 the same client and images.
@@ -33,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import video
 from .report import forward_totals, forward_under_load, summary
 from .service_clients import CLIENT_SHARED_MEMORY, SHM, cache_hits, drive, make_images
 
@@ -172,9 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--attn-backend", default="auto")
-    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--concurrency", default=None, help="comma-separated client counts (1,8,32; --video: 1,16)")
     p.add_argument("--seconds", type=float, default=15.0, help="measured time per concurrency level")
-    p.add_argument("--images-per-level", type=int, default=1200, help="distinct JPEGs generated per level")
+    p.add_argument("--images-per-level", type=int, default=None,
+                   help="distinct JPEGs generated per level (1200; --video: at most this many, 100000)")
     p.add_argument("--client-procs", type=int, default=8)
     p.add_argument("--hit-iters", type=int, default=50)
     p.add_argument("--forward-iters", type=int, default=10)
@@ -199,7 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-timeout-s", type=float, default=600)
     p.add_argument("--label", default="")
     p.add_argument("--out", type=Path, default=None)
+    video.add_arguments(p)
     args = p.parse_args(argv)
+    if args.concurrency is None:
+        args.concurrency = "1,16" if args.video else "1,8,32"
+    if args.images_per_level is None:
+        args.images_per_level = 100000 if args.video else 1200
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
     if not transports or set(transports) - set(CLIENT_SHARED_MEMORY):
         p.error(f"--transports: some of {', '.join(CLIENT_SHARED_MEMORY)}, got {args.transports!r}")
@@ -226,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         out_dir = (args.out.parent if args.out else Path.cwd()) / f"{args.model}-depth{args.depth}"
         args.model = str(write_shallow_checkpoint(args.model, args.depth, out_dir))
         result["model"] = f"{result['model']} with {args.depth} block(s) ({args.model})"
+    if args.video:
+        return video.run_video(args, result, levels, transports, start_server, stop_process)
     t0 = time.perf_counter()
     images = make_images(args.images_per_level * len(runs), first_seed=1000, procs=min(16, os.cpu_count() or 2))
     result["jpeg_bytes_mean"] = float(np.mean([len(i) for i in images[:50]]))

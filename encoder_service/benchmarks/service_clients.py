@@ -21,9 +21,17 @@ def photo_jpeg(seed: int, size: int = 1008, quality: int = 90) -> bytes:
     seed a different image (so a different content hash)."""
     from PIL import Image
 
+    buffer = io.BytesIO()
+    Image.fromarray(photo_pixels(seed, size, size)).save(buffer, "JPEG", quality=quality)
+    return buffer.getvalue()
+
+
+def photo_pixels(seed: int, width: int, height: int) -> np.ndarray:
+    """photo_jpeg's pixels (uint8, height x width x 3): also the video benchmark's frames."""
     rng = np.random.default_rng(seed)
-    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) / size
-    img = np.zeros((size, size, 3), np.float32)
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
+    yy, xx = yy / height, xx / width
+    img = np.zeros((height, width, 3), np.float32)
     for c in range(3):
         a, b, ph = rng.uniform(1, 6, 3)
         img[..., c] = 128 + 80 * np.sin(a * 6.28 * xx + ph) * np.cos(b * 6.28 * yy + c)
@@ -32,9 +40,7 @@ def photo_jpeg(seed: int, size: int = 1008, quality: int = 90) -> bytes:
         mask = np.exp(-((xx - cx) ** 2 + (yy - cy) ** 2) / (0.02 + 0.05 * r))
         img += mask[..., None] * rng.uniform(-90, 90, 3)
     img += rng.normal(0, 6, img.shape)
-    buffer = io.BytesIO()
-    Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buffer, "JPEG", quality=quality)
-    return buffer.getvalue()
+    return np.clip(img, 0, 255).astype(np.uint8)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -76,7 +82,8 @@ def _client_proc(target: str, threads: int, images: list[bytes], duration_s: flo
                 return
             t0 = time.perf_counter()
             r = client.encode([img], output_dtype="bfloat16", timeout_s=120)[0]
-            rec = {"latency_ms": (time.perf_counter() - t0) * 1000, "end": time.time(), "hit": r.cache_hit}
+            rec = {"latency_ms": (time.perf_counter() - t0) * 1000, "end": time.time(), "hit": r.cache_hit,
+                   "tokens": r.num_tokens, "frames": len(r.frame_indices)}  # frames: a clip's sampled ones
             rec.update(r.timing or {})
             with lock:
                 records.append(rec)
@@ -172,7 +179,10 @@ def drive(target: str, concurrency: int, images: list[bytes], args, warmup: int,
     lat = [r["latency_ms"] for r in records]
     out = {"concurrency": concurrency, "transport": transport, "images": len(records), "seconds": span,
            "images_per_s": len(records) / span, "latency_p50_ms": _pct(lat, 50),
-           "latency_p99_ms": _pct(lat, 99), "cache_hits": sum(r["hit"] for r in records)}
+           "latency_p99_ms": _pct(lat, 99), "cache_hits": sum(r["hit"] for r in records),
+           "tokens_per_s": sum(r["tokens"] for r in records) / span}
+    if any(r["frames"] for r in records):
+        out["frames_per_s"] = sum(r["frames"] for r in records) / span
     for key in ("queue_ms", "preprocess_ms", "forward_ms"):
         vals = [r[key] for r in records if key in r]
         out[f"server_{key}_p50"] = _pct(vals, 50)
