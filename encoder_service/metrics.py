@@ -270,6 +270,13 @@ class ServiceMetrics:
         """One image of a request, by its kind (IMAGE_SOURCES), for the served model."""
         self.images.labels(source=source, model=self._model).inc()
 
+    def record_encoded(self, device: str, patches: int, tokens: int, modality: str) -> None:
+        """One image (or clip) out of a forward: its patches in, its embedding tokens out."""
+        self.images_encoded.labels(device=device).inc()
+        self.patches_encoded.inc(patches)
+        self.tokens_encoded.inc(tokens)
+        self.modality_tokens_encoded.labels(modality=modality).inc(tokens)
+
     def record_forward(self, device: str, forward_s: float, images: int, patches: int,
                        preprocess_s: float | None = None) -> None:
         """One batch came back from ``device`` (successful or not: its time and size were spent)."""

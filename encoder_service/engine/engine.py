@@ -35,7 +35,7 @@ from .batch_queue import BatchQueue, WorkItem
 from .cache import CacheEntry, EmbeddingCache
 from .devices_pool import InProcessDevice, WorkerProcesses
 from .facts import PixelLimits, model_info
-from .jobs import Job, Wait, retag
+from .jobs import Job, Wait, await_prepared, completed
 from .keys import content_keys
 from .preparation import EXPENSIVE, PreparePools
 from .types import Grid, ImageInput, ImageResult, Timing
@@ -241,47 +241,23 @@ class Engine:
 
         released_hits = 0
         try:
-            await self._await_prepared(waits)
+            await await_prepared(waits)
             for wait in waits:
                 self._enqueue(wait.job)
             for image, entry in hits:
                 yield self._result(image.index, entry, entry.embedding, cache_hit=True)
                 self.cache.release(entry.key)  # streamed: unpin now, not at the end of the request
                 released_hits += 1
-            async for result in self._completed(waits):
-                yield result
+            async for wait, embedding in completed(waits):
+                job = wait.job
+                entry = self.cache.peek(job.key) if job.stored else None
+                yield self._result(wait.image.index, entry, embedding, cache_hit=False, job=job)
+                wait.leave(self._leave)  # streamed: unpin now, not at the end of the request
         finally:
             for _, entry in hits[released_hits:]:
                 self.cache.release(entry.key)
             for wait in waits:
                 wait.leave(self._leave)
-
-    async def _await_prepared(self, waits: list[Wait]) -> None:
-        futures = {w.job.prepared for w in waits}
-        if futures:
-            # asyncio.wait, not gather: a cancelled request must not cancel futures others share.
-            await asyncio.wait(futures)
-        for wait in sorted(waits, key=lambda w: w.image.index):
-            exc = wait.job.prepared.exception()
-            if exc is not None:
-                raise retag(exc, wait.image.index) from None
-
-    async def _completed(self, waits: list[Wait]) -> AsyncIterator[ImageResult]:
-        by_future: dict[asyncio.Future, list[Wait]] = {}
-        for wait in waits:
-            by_future.setdefault(wait.job.done, []).append(wait)
-        pending = set(by_future)
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for fut in sorted(done, key=lambda f: by_future[f][0].image.index):
-                for wait in by_future[fut]:
-                    exc = fut.exception()
-                    if exc is not None:
-                        raise retag(exc, wait.image.index)
-                    job = wait.job
-                    entry = self.cache.peek(job.key) if job.stored else None
-                    yield self._result(wait.image.index, entry, fut.result(), cache_hit=False, job=job)
-                    wait.leave(self._leave)  # streamed: unpin now, not at the end of the request
 
     def _result(self, index: int, entry: CacheEntry | None, embedding: torch.Tensor, *, cache_hit: bool,
                 job: Job | None = None) -> ImageResult:
@@ -411,11 +387,8 @@ class Engine:
                 continue
             embedding: torch.Tensor = next(embeddings)
             patches = item.num_patches
-            m.images_encoded.labels(device=device).inc()
-            m.patches_encoded.inc(patches)
-            m.tokens_encoded.inc(int(embedding.shape[0]))  # a shape: no device sync
-            m.modality_tokens_encoded.labels(modality="video" if job.clip is not None else "image").inc(
-                int(embedding.shape[0]))
+            m.record_encoded(device, patches, int(embedding.shape[0]),  # a shape: no device sync
+                             "video" if job.clip is not None else "image")
             job.state = "done"
             # Pin once per request still waiting: each unpins after streaming it.
             job.stored = self.config.cache_bytes > 0 and self.cache.put(job.key, embedding, job.grid,

@@ -4,7 +4,7 @@ and of one request's image slot waiting for it. Lives on the event loop."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from ..errors import EncoderError
@@ -47,6 +47,36 @@ class Wait:
         if not self.left:
             self.left = True
             release(self.job)
+
+
+async def await_prepared(waits: list[Wait]) -> None:
+    """Until every image of a request is prepared; the first failure (in image order) raised, tagged
+    with this request's image index."""
+    futures = {w.job.prepared for w in waits}
+    if futures:
+        # asyncio.wait, not gather: a cancelled request must not cancel futures others share.
+        await asyncio.wait(futures)
+    for wait in sorted(waits, key=lambda w: w.image.index):
+        exc = wait.job.prepared.exception()
+        if exc is not None:
+            raise retag(exc, wait.image.index) from None
+
+
+async def completed(waits: list[Wait]) -> AsyncIterator[tuple[Wait, object]]:
+    """(wait, embedding) as each job's forward completes (in image order among those done at once);
+    a failure raised, tagged with this request's image index."""
+    by_future: dict[asyncio.Future, list[Wait]] = {}
+    for wait in waits:
+        by_future.setdefault(wait.job.done, []).append(wait)
+    pending = set(by_future)
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for fut in sorted(done, key=lambda f: by_future[f][0].image.index):
+            for wait in by_future[fut]:
+                exc = fut.exception()
+                if exc is not None:
+                    raise retag(exc, wait.image.index)
+                yield wait, fut.result()
 
 
 def retag(exc: BaseException, index: int) -> BaseException:
