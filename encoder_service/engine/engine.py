@@ -14,6 +14,7 @@ and frees its admission slot. The engine serves while some device worker is up a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -141,6 +142,7 @@ class Engine:
         the size above which an image decodes in the expensive pool (the derived default)."""
         self.pixel_limits = PixelLimits.derive(self.config.max_image_pixels, self.front)
         self.max_image_pixels = self.pixel_limits.in_force
+        self._described: ModelInfo | None = None  # the front or the limits changed: describe again
 
     def pixel_limit_rule(self) -> str:
         """The pixel limit in force and where it comes from, for the start-up log."""
@@ -150,13 +152,14 @@ class Engine:
     def describe(self, **edge_facts) -> ModelInfo:
         """The served model's facts, as GetModelInfo answers them and the start-up log states them.
 
-        Every field of ``ModelInfo`` is taken by its own name from, in order: ``edge_facts`` (what
-        only the API knows, e.g. ``shared_memory``), the engine's facts (device, cache namespace,
-        limits in force), the model's ``ModelFront`` and its ``ModelSpec``; a field none of them
-        has keeps its default, or is an error when it has none. So one name per fact, from the
-        model to the wire: a new reported fact is a field of the front (or spec) and of ModelInfo
-        and the proto, and no mapping in between."""
-        return model_info(edge_facts, self.engine_facts(), self.front, self.front.spec)
+        Every field of ``ModelInfo`` is taken by its own name (``facts.model_info``) from
+        ``edge_facts`` (what only the API knows, e.g. ``shared_memory``), the engine's facts, the
+        model's ``ModelFront`` and its ``ModelSpec``: a new reported fact is a field there and in
+        ModelInfo and the proto. Read once (requests ask it for the dtype and the patch width),
+        again only after the model or the limits change."""
+        if self._described is None:
+            self._described = model_info(self.engine_facts(), self.front, self.front.spec)
+        return dataclasses.replace(self._described, **edge_facts) if edge_facts else self._described
 
     def engine_facts(self) -> dict[str, object]:
         """The reported facts the engine adds to the model's: where it runs, the limits in force."""

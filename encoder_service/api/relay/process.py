@@ -130,20 +130,16 @@ class Relay(grpc.GenericRpcHandler):
 
     # --- any method ----------------------------------------------------------------------------------
     async def _pass_on(self, method: str, requests, context: grpc.aio.ServicerContext) -> None:
-        call = self._channel.stream_stream(method)(
-            requests, metadata=upstream_metadata(context.invocation_metadata(), context.peer()),
-            timeout=context.time_remaining())
-        try:
-            failure = await _relay_call(call, context, _write_each(call, context))
-            if failure is not None:
-                await _abort_like(context, failure)
-        finally:
-            call.cancel()  # a no-op once it ended; after the abort (see _relay_call)
+        await self._relayed(self._channel.stream_stream(method), requests, context)
 
     async def _pass_on_one(self, method: str, raw: bytes, context: grpc.aio.ServicerContext) -> None:
-        call = self._channel.unary_stream(method)(
-            raw, metadata=upstream_metadata(context.invocation_metadata(), context.peer()),
-            timeout=context.time_remaining())
+        await self._relayed(self._channel.unary_stream(method), raw, context)
+
+    async def _relayed(self, multi_callable, request, context: grpc.aio.ServicerContext) -> None:
+        """One call to the server (a request, or a stream of them) with the caller's metadata and
+        deadline, its answer relayed as it comes."""
+        call = multi_callable(request, metadata=upstream_metadata(context.invocation_metadata(), context.peer()),
+                              timeout=context.time_remaining())
         try:
             failure = await _relay_call(call, context, _write_each(call, context))
             if failure is not None:

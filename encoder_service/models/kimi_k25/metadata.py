@@ -61,7 +61,7 @@ def bicubic_resample_matrix(out_size: int, in_size: int) -> np.ndarray:
     """
     eye = torch.eye(in_size, dtype=torch.float64).view(1, 1, in_size, in_size)
     weights = F.interpolate(eye, size=(out_size, in_size), mode="bicubic", align_corners=False)[0, 0]
-    result = weights.numpy().astype(np.float32)
+    result = weights.numpy().astype(np.float32)  # host: CPU preprocessing, a CPU tensor
     result.flags.writeable = False
     return result
 

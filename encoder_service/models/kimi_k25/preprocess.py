@@ -143,7 +143,7 @@ def resize_bicubic_antialias(image: np.ndarray, height: int, width: int) -> np.n
     if image.shape[:2] == (height, width):
         return image
     chw = resize_uint8(host_tensor(image).permute(2, 0, 1), (height, width))
-    return chw.permute(1, 2, 0).numpy()
+    return chw.permute(1, 2, 0).numpy()  # host: CPU preprocessing, a CPU tensor
 
 
 def value_table(cfg: KimiK25PreprocessConfig) -> torch.Tensor:
@@ -163,16 +163,17 @@ def decode_kimi_k25_image(image: Image.Image, cfg: KimiK25PreprocessConfig, mode
     return DecodedImage(np.ascontiguousarray(pixels), resize_to, pad_to, grid)
 
 
-def geometry(height: int, width: int, cfg: KimiK25PreprocessConfig
+def geometry(height: int, width: int, cfg: KimiK25PreprocessConfig, what: str = "image"
              ) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int, int]]:
-    """An image of ``height`` x ``width`` pixels -> (its resized size, its padded size, its grid)."""
+    """An image (``what``: a video frame, with the video settings) of ``height`` x ``width`` pixels ->
+    (its resized size, its padded size, its grid)."""
     pad_h, pad_w = height, width
     if cfg.do_resize:
         (height, width), (pad_h, pad_w) = navit_resize(height, width, cfg.patch_size, cfg.merge_size,
                                                        cfg.max_patches, cfg.max_side_patches)
     p = cfg.patch_size
     if pad_h % p or pad_w % p:
-        raise InvalidInput(f"image of {pad_w}x{pad_h} pixels is not a multiple of the patch size {p} "
+        raise InvalidInput(f"{what} of {pad_w}x{pad_h} pixels is not a multiple of the patch size {p} "
                            "(do_resize is off)")
     return (height, width), (pad_h, pad_w), (1, pad_h // p, pad_w // p)
 
@@ -196,4 +197,4 @@ def preprocess_kimi_k25(data: bytes, cfg: KimiK25PreprocessConfig, max_image_pix
     on the CPU."""
     item = decode_kimi_k25(data, cfg, mode, max_image_pixels)
     chw = image_tensor(host_tensor(item.pixels).view(-1), item, mode)
-    return patchify(apply_table(chw, value_table(cfg)), cfg).numpy(), item.grid
+    return patchify(apply_table(chw, value_table(cfg)), cfg).numpy(), item.grid  # host: CPU preprocessing, a CPU tensor

@@ -42,7 +42,7 @@ from ...errors import InvalidInput
 from ...preprocess import settings
 from ...preprocess.staged import apply_table, host_tensor, resize_uint8, torchvision_value_table
 from ...preprocess.video_sampling import ClipFacts, VideoSampling, check_indices, describe, linspace_indices
-from .preprocess import navit_resize
+from .preprocess import geometry
 
 ASSUMED_FPS = 24.0  # transformers' fps for the chunk timestamps of a clip whose fps is unknown
 
@@ -119,7 +119,7 @@ def sample_frame_indices(clip: ClipFacts, sampling: VideoSampling,
     if count > total:
         raise InvalidInput(f"{what}: asks for {count} frames, more than the clip's {total} (the reference "
                            "refuses); lower fps or num_frames")
-    return check_indices((np.arange(count, dtype=int) * total // count).tolist(), clip, what)
+    return check_indices((np.arange(count, dtype=int) * total // count).tolist(), clip, what)  # host: numpy indices
 
 
 def chunk_timestamps(clip: ClipFacts, indices: list[int], config: KimiK25VideoConfig | None = None) -> list[float]:
@@ -137,16 +137,10 @@ def timestamp_text(seconds: float) -> str:
 
 def video_geometry(height: int, width: int, cfg: KimiK25VideoConfig
                    ) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
-    """A frame of ``height`` x ``width`` -> (its resized size, its padded size, (h, w) in patches)."""
-    pad_h, pad_w = height, width
-    if cfg.do_resize:
-        (height, width), (pad_h, pad_w) = navit_resize(height, width, cfg.patch_size, cfg.merge_size,
-                                                       cfg.max_patches, cfg.max_side_patches)
-    p = cfg.patch_size
-    if pad_h % p or pad_w % p:
-        raise InvalidInput(f"video frames of {pad_w}x{pad_h} pixels are not a multiple of the patch size {p} "
-                           "(do_resize is off)")
-    return (height, width), (pad_h, pad_w), (pad_h // p, pad_w // p)
+    """A frame of ``height`` x ``width`` -> (its resized size, its padded size, (h, w) in patches): the
+    image geometry with the video processor's settings."""
+    resize_to, pad_to, (_, gh, gw) = geometry(height, width, cfg, what="video frame")
+    return resize_to, pad_to, (gh, gw)
 
 
 def chunk_grids(num_frames: int, height: int, width: int, config: KimiK25VideoConfig | None = None
@@ -175,4 +169,4 @@ def preprocess_video(frames: np.ndarray, config: KimiK25VideoConfig | None = Non
         chw = F.pad(chw, (0, pad_w - chw.shape[2], 0, pad_h - chw.shape[1]))
         values = apply_table(chw, table)
         patches.append(values.reshape(3, gh, p, gw, p).permute(1, 3, 0, 2, 4).reshape(gh * gw, 3 * p * p))
-    return torch.cat(patches).numpy(), chunk_grids(*frames.shape[:3], cfg)
+    return torch.cat(patches).numpy(), chunk_grids(*frames.shape[:3], cfg)  # host: CPU preprocessing, a CPU tensor

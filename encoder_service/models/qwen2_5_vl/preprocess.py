@@ -34,8 +34,27 @@ _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
+class PatchLayout:
+    """What the Qwen2-VL processors' settings dataclasses (image and video, Qwen3-VL's video too)
+    derive from their ``patch_size``, ``temporal_patch_size`` and ``merge_size`` fields, and their
+    fingerprint. A mixin without fields of its own."""
+
+    @property
+    def factor(self) -> int:
+        """Side of one merged token in pixels: resized sides are multiples of it."""
+        return self.patch_size * self.merge_size
+
+    @property
+    def patch_dim(self) -> int:
+        return settings.NUM_CHANNELS * self.temporal_patch_size * self.patch_size * self.patch_size
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Every field, JSON-ready; part of the cache key (any change changes the patches)."""
+        return settings.fingerprint(self)
+
+
 @dataclasses.dataclass(frozen=True)
-class Qwen2VLPreprocessConfig:
+class Qwen2VLPreprocessConfig(PatchLayout):
     """Preprocessing settings, read from a checkpoint's ``preprocessor_config.json``.
 
     Defaults are transformers' ``Qwen2VLImageProcessor`` class defaults, so a config file that
@@ -104,18 +123,6 @@ class Qwen2VLPreprocessConfig:
         kwargs |= settings.flag_and_normalization_kwargs(config, flags)
         return cls(**kwargs)
 
-    @property
-    def factor(self) -> int:
-        """Side of one merged token in pixels: resized sides are multiples of it."""
-        return self.patch_size * self.merge_size
-
-    @property
-    def patch_dim(self) -> int:
-        return settings.NUM_CHANNELS * self.temporal_patch_size * self.patch_size * self.patch_size
-
-    def fingerprint(self) -> dict[str, Any]:
-        """Every field, JSON-ready; part of the cache key (any change changes the patches)."""
-        return settings.fingerprint(self)
 
 
 # The preprocessor_config.json of transformers' Qwen2VLImageProcessor defaults (OpenAI CLIP mean/std):
@@ -252,4 +259,4 @@ def preprocess_qwen2_vl(
     item = decode_qwen2_vl(data, cfg, mode, max_image_pixels)
     chw = image_tensor(host_tensor(item.pixels).view(-1), item, mode)
     patches = patchify(apply_table(chw, value_table(cfg, mode)), cfg)
-    return patches.numpy(), item.grid
+    return patches.numpy(), item.grid  # host: CPU preprocessing, a CPU tensor

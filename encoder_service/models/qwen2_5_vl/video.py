@@ -49,7 +49,7 @@ from ...preprocess.video_sampling import (
     source_seconds,
 )
 from ..base import VideoFront
-from .preprocess import _CLIP_MEAN, _CLIP_STD, smart_resize
+from .preprocess import _CLIP_MEAN, _CLIP_STD, PatchLayout, smart_resize
 
 DEFAULT_FPS = 2.0  # with neither fps nor num_frames (see above)
 ASSUMED_FPS = 24.0  # what the references assume for a clip of unknown fps (VideoMetadata.sampled_fps)
@@ -63,7 +63,7 @@ VLLM_MIN_FRAMES = 4
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen2VLVideoConfig:
+class Qwen2VLVideoConfig(PatchLayout):
     """``Qwen2VLVideoProcessor``'s settings; defaults are its class defaults. ``min_pixels`` /
     ``max_pixels`` bound each frame (``size.shortest_edge`` / ``size.longest_edge``)."""
 
@@ -95,23 +95,8 @@ class Qwen2VLVideoConfig:
         """As ``Qwen2VLVideoProcessor(**config)`` reads it (``video_preprocessor_config.json``, or
         ``preprocessor_config.json`` where a checkpoint has no video file, as transformers falls back):
         ``size.shortest_edge`` / ``longest_edge``, overridden by top-level ``min_pixels`` / ``max_pixels``."""
-        kwargs: dict[str, Any] = {}
-        size = config.get("size") or {}
-        if not isinstance(size, Mapping):
-            raise InvalidInput(f"video processor config: size must be a mapping, got {size!r}")
-        for key, field in (("shortest_edge", "min_pixels"), ("longest_edge", "max_pixels")):
-            if size.get(key) is not None:
-                kwargs[field] = size[key]
-            if config.get(field) is not None:
-                kwargs[field] = config[field]
-        for field in ("patch_size", "temporal_patch_size", "merge_size", "min_frames", "max_frames",
-                      "max_video_tokens"):
-            if config.get(field) is not None:
-                kwargs[field] = config[field]
-        if config.get("cap_pixels_per_frame") is not None:
-            kwargs["cap_pixels_per_frame"] = bool(config["cap_pixels_per_frame"])
-        kwargs |= settings.flag_and_normalization_kwargs(config, ("do_resize", "do_rescale", "do_normalize"))
-        return cls(**kwargs)
+        return cls(**video_config_kwargs(config, ("min_frames", "max_frames", "max_video_tokens"),
+                                         top_level_pixels=True))
 
     def for_request(self, sampling: VideoSampling) -> Qwen2VLVideoConfig:
         """With the request's per-frame pixel bounds (a call's ``size``), where it gives them."""
@@ -119,16 +104,29 @@ class Qwen2VLVideoConfig:
                   if v is not None}
         return dataclasses.replace(self, **bounds) if bounds else self
 
-    @property
-    def factor(self) -> int:
-        return self.patch_size * self.merge_size
 
-    @property
-    def patch_dim(self) -> int:
-        return settings.NUM_CHANNELS * self.temporal_patch_size * self.patch_size * self.patch_size
 
-    def fingerprint(self) -> dict[str, Any]:
-        return settings.fingerprint(self)
+def video_config_kwargs(config: Mapping[str, Any], fields: tuple[str, ...], *, top_level_pixels: bool
+                        ) -> dict[str, Any]:
+    """A Qwen video processor config's keys as its settings' fields: ``size.shortest_edge`` /
+    ``longest_edge`` as ``min_pixels`` / ``max_pixels`` (overridden by top-level keys where the
+    processor reads those: ``top_level_pixels``), the patch layout and ``fields`` as given,
+    ``cap_pixels_per_frame``, and the flags and normalisation."""
+    kwargs: dict[str, Any] = {}
+    size = config.get("size") or {}
+    if not isinstance(size, Mapping):
+        raise InvalidInput(f"video processor config: size must be a mapping, got {size!r}")
+    for key, field in (("shortest_edge", "min_pixels"), ("longest_edge", "max_pixels")):
+        if size.get(key) is not None:
+            kwargs[field] = size[key]
+        if top_level_pixels and config.get(field) is not None:
+            kwargs[field] = config[field]
+    for field in ("patch_size", "temporal_patch_size", "merge_size", *fields):
+        if config.get(field) is not None:
+            kwargs[field] = config[field]
+    if config.get("cap_pixels_per_frame") is not None:
+        kwargs["cap_pixels_per_frame"] = bool(config["cap_pixels_per_frame"])
+    return kwargs | settings.flag_and_normalization_kwargs(config, ("do_resize", "do_rescale", "do_normalize"))
 
 
 def sample_frame_indices(clip: ClipFacts, sampling: VideoSampling,
@@ -261,7 +259,8 @@ def preprocess_video(frames: np.ndarray, config: Qwen2VLVideoConfig | None = Non
     cfg = config or Qwen2VLVideoConfig()
     size, grid = video_geometry(frames.shape[0], frames.shape[1], frames.shape[2], cfg)
     values = frames_to_values(frames, size, value_table(cfg))
-    return patchify_video(values, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size).numpy(), grid
+    patches = patchify_video(values, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size)
+    return patches.numpy(), grid  # host: CPU preprocessing, a CPU tensor
 
 
 def video_front(config: Qwen2VLVideoConfig) -> VideoFront:

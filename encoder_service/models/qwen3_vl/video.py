@@ -48,7 +48,8 @@ from ...preprocess.video_sampling import (
     source_seconds,
 )
 from ..base import VideoFront
-from ..qwen2_5_vl.video import frames_to_values, patchify_video, value_table
+from ..qwen2_5_vl.preprocess import PatchLayout
+from ..qwen2_5_vl.video import frames_to_values, patchify_video, value_table, video_config_kwargs
 
 ASSUMED_FPS = 24.0  # the references' fps for a clip whose container does not give one
 # vLLM 0.33.0's Qwen3VLVideoBackend: its caps and defaults (load_bytes' fps=2, the sampling kwargs'
@@ -60,7 +61,7 @@ VLLM_MIN_FRAMES = 4
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3VLVideoConfig:
+class Qwen3VLVideoConfig(PatchLayout):
     """``Qwen3VLVideoProcessor``'s settings; defaults are its class defaults. ``min_pixels`` /
     ``max_pixels`` (``size.shortest_edge`` / ``longest_edge``) bound the whole video's pixels."""
 
@@ -93,21 +94,8 @@ class Qwen3VLVideoConfig:
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> Qwen3VLVideoConfig:
         """From ``video_preprocessor_config.json`` (transformers' keys; ``size`` holds the pixel bounds)."""
-        kwargs: dict[str, Any] = {}
-        size = config.get("size") or {}
-        if not isinstance(size, Mapping):
-            raise InvalidInput(f"video processor config: size must be a mapping, got {size!r}")
-        for key, field in (("shortest_edge", "min_pixels"), ("longest_edge", "max_pixels")):
-            if size.get(key) is not None:
-                kwargs[field] = size[key]
-        for field in ("patch_size", "temporal_patch_size", "merge_size", "min_frames", "max_frames",
-                      "max_video_tokens", "fps"):
-            if config.get(field) is not None:
-                kwargs[field] = config[field]
-        if config.get("cap_pixels_per_frame") is not None:
-            kwargs["cap_pixels_per_frame"] = bool(config["cap_pixels_per_frame"])
-        kwargs |= settings.flag_and_normalization_kwargs(config, ("do_resize", "do_rescale", "do_normalize"))
-        return cls(**kwargs)
+        return cls(**video_config_kwargs(config, ("min_frames", "max_frames", "max_video_tokens", "fps"),
+                                         top_level_pixels=False))
 
     def for_request(self, sampling: VideoSampling) -> Qwen3VLVideoConfig:
         """With the request's pixel bounds, and its min/max frames as the processor's settings."""
@@ -115,18 +103,6 @@ class Qwen3VLVideoConfig:
                                      ("min_frames", sampling.min_frames), ("max_frames", sampling.max_frames))
                    if v is not None}
         return dataclasses.replace(self, **changes) if changes else self
-
-    @property
-    def factor(self) -> int:
-        return self.patch_size * self.merge_size
-
-    @property
-    def patch_dim(self) -> int:
-        return settings.NUM_CHANNELS * self.temporal_patch_size * self.patch_size * self.patch_size
-
-    def fingerprint(self) -> dict[str, Any]:
-        return settings.fingerprint(self)
-
 
 def sample_frame_indices(clip: ClipFacts, sampling: VideoSampling,
                          config: Qwen3VLVideoConfig | None = None) -> list[int]:
@@ -232,7 +208,8 @@ def preprocess_video(frames: np.ndarray, config: Qwen3VLVideoConfig | None = Non
         raise InvalidInput(f"video frames must be uint8 [T, H, W, 3], got {frames.dtype} {list(frames.shape)}")
     size, grid = video_geometry(frames.shape[0], frames.shape[1], frames.shape[2], cfg)
     values = frames_to_values(frames, size, value_table(cfg))
-    return patchify_video(values, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size).numpy(), grid
+    patches = patchify_video(values, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size)
+    return patches.numpy(), grid  # host: CPU preprocessing, a CPU tensor
 
 
 def video_front(config: Qwen3VLVideoConfig) -> VideoFront:
