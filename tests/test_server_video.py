@@ -61,6 +61,23 @@ def test_a_clip_is_encoded_as_the_models_video_path_does_and_says_its_frames(ser
     assert got.grid_thw[0] == 2  # 4 frames, 2 per temporal patch
 
 
+def test_a_device_worker_process_encodes_clips_and_images_in_one_batch(start_encoder_server, model, clip):
+    # The clip's uint8 frames cross to the device worker in the shared input buffer beside an image's.
+    server = start_encoder_server("--devices", "cpu", "--max-video-bytes", str(1 << 20), "--batch-wait-ms", "50")
+    with EncoderClient(server.target, timeout_s=60) as client:
+        got_clip, got_image = client.encode([Video(clip, num_frames=4), png(3)])
+    want, used = expected(model, clip, num_frames=4)
+    close(got_clip.embedding, want)
+    assert list(got_clip.frame_indices) == used
+    (want_image,) = model.encode(*_image_patches(model, png(3)))
+    close(got_image.embedding, want_image.numpy())
+
+
+def _image_patches(model, data: bytes):
+    pixels, grid = model.preprocess(data)
+    return pixels, [grid]
+
+
 def test_a_clip_given_as_frames_equals_its_frames_decoded(server, model):
     frames = [png(i) for i in range(8)]
     with EncoderClient(server.target, timeout_s=60) as client:

@@ -32,14 +32,16 @@ def copy_bytes(dst, src) -> None:
 
 
 def describe(offset: int, payload) -> tuple:
-    """One input (decoded image, a JPEG file to decode on the device, or client patches) at
+    """One input (decoded image, a clip's frames, a JPEG file to decode on the device, or client patches) at
     ``offset`` of the input buffer, as a tuple."""
     from ..preprocess.nvjpeg import JpegImage
-    from ..preprocess.staged import DecodedImage
+    from ..preprocess.staged import DecodedClip, DecodedImage
 
     if isinstance(payload, DecodedImage):
         return ("image", offset, payload.nbytes, payload.pixels.shape, payload.resize_to, payload.pad_to,
                 payload.grid)
+    if isinstance(payload, DecodedClip):
+        return ("clip", offset, payload.nbytes, payload.frames.shape, payload.resize_to, payload.grid)
     if isinstance(payload, JpegImage):
         return ("jpeg", offset, payload.nbytes, payload.orientation, payload.size, payload.resize_to,
                 payload.pad_to, payload.grid)
@@ -49,11 +51,14 @@ def describe(offset: int, payload) -> tuple:
 def rebuild(buffer: SharedBuffer, described: tuple):
     """The worker's side of ``describe``: the input as a view of the shared buffer (no copy)."""
     from ..preprocess.nvjpeg import JpegImage
-    from ..preprocess.staged import DecodedImage, RawPatches
+    from ..preprocess.staged import DecodedClip, DecodedImage, RawPatches
 
     if described[0] == "image":
         _, offset, nbytes, shape, resize_to, pad_to, grid = described
         return DecodedImage(buffer.view(offset, nbytes).reshape(shape), tuple(resize_to), tuple(pad_to), tuple(grid))
+    if described[0] == "clip":
+        _, offset, nbytes, shape, resize_to, grid = described
+        return DecodedClip(buffer.view(offset, nbytes).reshape(shape), tuple(resize_to), tuple(grid))
     if described[0] == "jpeg":
         # The file's bytes stay in the shared buffer (a writable view: the device decoder reads it
         # in place, see nvjpeg.decode_on_device); the slot is not written again before the batch

@@ -1,6 +1,8 @@
 """A clip's CPU half: decode (a container in a decoder process of its own; frames as images), sample
-the frames the model's reference would, and process them into the tower's patches exactly as the
-model's video processor does. The result is queued like a client's patches and batched with images.
+the frames the model's reference would, and hand them over as the model's video processor would see
+them: uint8 frames (``DecodedClip``) the device resizes (torch mode), normalizes and patchifies as it
+does images, or, for a family without that split, the processor's float32 patches. The result is
+queued like an image and batched with images.
 
 The decoder is a large attack surface, so containers decode in ``VideoDecodePool``'s processes with
 a wall-clock bound: a crash or a hang costs its own clip only. Sizes are checked before any decode:
@@ -18,7 +20,7 @@ import numpy as np
 from ..config import ServiceConfig
 from ..errors import InvalidInput, ResourceExhausted
 from ..models.base import ModelFront
-from ..preprocess.staged import RawPatches
+from ..preprocess.staged import RawPatches, StagedInput
 from ..preprocess.video_decode import VideoLimits, decode_frame_list
 from ..preprocess.video_pool import VideoDecodePool
 from ..preprocess.video_sampling import ClipFacts
@@ -46,7 +48,7 @@ class VideoPreparer:
                            max_decode_seconds=c.max_video_decode_seconds)
 
     async def prepare(self, front: ModelFront, video: VideoInput, max_frame_pixels: int,
-                      executor: Executor) -> tuple[RawPatches, ClipFrames]:
+                      executor: Executor) -> tuple[StagedInput, ClipFrames]:
         if front.video_front is None:
             raise InvalidInput(f"{front.spec.model_type} takes no video on this server")
         if self.config.max_video_bytes == 0:
@@ -64,15 +66,24 @@ class VideoPreparer:
             clip, indices, frames = decoded.facts, decoded.indices, decoded.frames
         else:
             clip, indices, frames = await loop.run_in_executor(executor, _sampled_frames, video, sample, limits)
-        pixel_values, grid, used = await loop.run_in_executor(executor, front.video_front.process, frames, indices,
-                                                              video.sampling)
+        payload, used = await loop.run_in_executor(executor, _staged, front, frames, indices, video.sampling)
         timestamps = front.video_front.timestamps(clip, used)
-        patches = RawPatches(np.ascontiguousarray(pixel_values, dtype=np.float32).tobytes(), "float32", grid)
-        return patches, ClipFrames(tuple(int(i) for i in used), tuple(float(t) for t in timestamps))
+        return payload, ClipFrames(tuple(int(i) for i in used), tuple(float(t) for t in timestamps))
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
+
+
+def _staged(front: ModelFront, frames: np.ndarray, indices: list[int], sampling) -> tuple[StagedInput, list[int]]:
+    """The sampled frames as the device takes them: uint8 frames where the family stages clips (resized
+    on the device in torch mode), else its processor's float32 values as patches."""
+    video_front = front.video_front
+    if video_front.stage is not None:
+        clip, used = video_front.stage(frames, indices, sampling, front.preprocess)
+        return clip, list(used)
+    pixel_values, grid, used = video_front.process(frames, indices, sampling)
+    return RawPatches(np.ascontiguousarray(pixel_values, dtype=np.float32).tobytes(), "float32", grid), list(used)
 
 
 def _sampled_frames(video: VideoInput, sample, limits: VideoLimits) -> tuple[ClipFacts, list[int], np.ndarray]:

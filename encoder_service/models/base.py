@@ -22,7 +22,7 @@ from ..errors import InvalidInput
 from ..ops import OpsSelection, OpTarget, no_ops, select_ops
 from ..preprocess import nvjpeg, video_decode
 from ..preprocess.batch import stage_batch
-from ..preprocess.staged import DecodedImage, RawPatches, StagedInput, resolve_mode
+from ..preprocess.staged import DecodedClip, DecodedImage, RawPatches, StagedInput, resolve_mode
 from ..preprocess.video_decode import VideoLimits
 from ..preprocess.video_sampling import ClipFacts, VideoSampling
 
@@ -57,12 +57,17 @@ class VideoFront:
     float32 [t*h*w, patch_dim], grid (t, h, w), the indices used: padding repeats the last frame),
     exactly as the family's video processor computes ``pixel_values_videos`` / ``video_grid_thw``.
     ``timestamps(clip, indices)``: each used frame's time in seconds (empty when the fps is unknown).
+    ``stage(frames, indices, sampling, mode)``, where the family has it: what ``process`` computes, split
+    as images are (``DecodedClip``: uint8 frames for the device, which resizes in torch mode and
+    normalizes and patchifies in every mode, giving ``process``'s values in pil mode), with the indices
+    used; the engine prefers it. Without it, ``process``'s float32 values travel as patches.
     """
 
     sample: Callable[..., Sequence[int]]
     process: Callable[..., tuple[np.ndarray, Grid, Sequence[int]]]
     timestamps: Callable[..., Sequence[float]]
     references: tuple[str, ...] = ("transformers", "vllm")
+    stage: Callable[..., tuple[DecodedClip, Sequence[int]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -114,7 +119,7 @@ class VisionModel:
     preprocess_mode: str = "pil"
     # pillow: images decode on the CPU; nvjpeg: JPEGs decode on the GPU (preprocess/nvjpeg.py).
     decode_backend: str = "pillow"
-    _tables: dict[tuple[torch.device, torch.dtype], torch.Tensor] | None = None  # value tables by device
+    _tables: dict[tuple[torch.device, torch.dtype, str], torch.Tensor] | None = None  # value tables by device
 
     def __init__(self, cfg, module: torch.nn.Module, *, device: torch.device, dtype: torch.dtype,
                  attn_backend: str, ops: str = AUTO) -> None:
@@ -219,13 +224,24 @@ class VisionModel:
         """[C, H, W] normalized image -> [num_patches, patch_dim] in the model's patch order."""
         raise NotImplementedError
 
-    def _table(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    def _clip_value_table(self) -> torch.Tensor | None:
+        """float32 [3, 256] on the CPU for a clip's frames (the video processor's rescale + normalize);
+        None: the family takes no clips as frames (``DecodedClip``)."""
+        return None
+
+    def _patchify_clip(self, frames: torch.Tensor) -> torch.Tensor:
+        """[T, C, H, W] normalized frames -> [num_patches, patch_dim] in the model's video patch order
+        (temporal padding included)."""
+        raise NotImplementedError
+
+    def _table(self, device: torch.device, dtype: torch.dtype, kind: str = "image") -> torch.Tensor:
         if self._tables is None:
             self._tables = {}
-        key = (device, dtype)
-        if key not in self._tables:  # once per device and dtype, at warm-up: not in a forward's path
-            self._tables[key] = self._value_table().to(dtype).to(device)
-        return self._tables[key]
+        if (device, dtype, kind) not in self._tables:  # once per device and dtype, at warm-up: not in a forward
+            self._tables[(device, dtype, "image")] = self._value_table().to(dtype).to(device)
+            if (clip := self._clip_value_table()) is not None:
+                self._tables[(device, dtype, "clip")] = clip.to(dtype).to(device)
+        return self._tables[(device, dtype, kind)]
 
     def stage(self, inputs: Sequence[StagedInput], device: torch.device | None = None,
               dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -236,7 +252,8 @@ class VisionModel:
         device = self.device if device is None else device
         dtype = self.dtype if dtype is None else dtype
         return stage_batch(inputs, device, dtype, mode=self.preprocess_mode, patch_dim=self.spec.patch_dim,
-                           table=lambda: self._table(device, dtype), patchify=self._patchify)
+                           table=lambda: self._table(device, dtype), patchify=self._patchify,
+                           clip_table=lambda: self._table(device, dtype, "clip"), patchify_clip=self._patchify_clip)
 
     def warmup_inputs(self) -> list[list[StagedInput]]:
         """Batches for the start-up forwards, through the same path as requests: two token counts
@@ -286,7 +303,11 @@ class VisionModel:
             clip = ClipFacts(len(video), frames_fps, len(video) / frames_fps if frames_fps else None)
             indices = [int(i) for i in front.sample(clip, wanted)]
             frames = video_decode.decode_frame_list([video[i] for i in indices], limits)
-        pixel_values, grid, used = front.process(frames, indices, wanted)
+        if front.stage is not None:  # the service's path: the CPU half, then the device half on the CPU
+            clip, used = front.stage(frames, indices, wanted, self.preprocess_mode)
+            pixel_values, grid = self.stage([clip], torch.device("cpu"), torch.float32).numpy(), clip.grid
+        else:
+            pixel_values, grid, used = front.process(frames, indices, wanted)
         return np.ascontiguousarray(pixel_values, dtype=np.float32), tuple(grid), [int(i) for i in used]
 
     def validate(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]) -> list[Grid]:

@@ -90,7 +90,31 @@ class RawPatches(BytesPayload):
     grid: Grid
 
 
-StagedInput = DecodedImage | RawPatches
+@dataclass(frozen=True, eq=False)
+class DecodedClip:
+    """A clip's sampled frames as the CPU hands them to the device: uint8 [T, H, W, 3] RGB, one row
+    per frame the model sees (before the temporal padding).
+
+    The device resizes every frame to ``resize_to`` (torch mode; in pil mode the CPU already did,
+    with the reference's own CPU kernel), maps each byte through the model's video value table,
+    repeats the last frame up to a multiple of the temporal patch size and patchifies into ``grid``
+    (the model's ``_patchify_clip``). Shipping uint8 frames instead of float32 patches moves a
+    quarter of the bytes, and the resize runs where the model does.
+    """
+
+    frames: np.ndarray
+    resize_to: tuple[int, int]
+    grid: Grid
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.frames.nbytes)
+
+    def host_bytes(self) -> np.ndarray:
+        return self.frames.reshape(-1)
+
+
+StagedInput = DecodedImage | RawPatches | DecodedClip
 
 
 def check_patch_bytes(data: bytes, dtype: str, grid: Grid, patch_dim: int) -> RawPatches:
@@ -125,18 +149,22 @@ def torchvision_value_table(mean: tuple[float, ...], std: tuple[float, ...], res
 
 
 def resize_uint8(chw: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """uint8 [C, H, W] -> uint8 [C, h, w], bicubic with antialias, as torchvision's ``resize`` does.
+    """uint8 [C, H, W] (or [N, C, H, W]) -> uint8 [C, h, w] ([N, C, h, w]), bicubic with antialias, as
+    torchvision's ``resize`` does.
 
     On the CPU PyTorch has a native uint8 kernel (what torchvision uses there); on other devices
     torchvision computes in float32, then clamps and rounds back to uint8, and so do we.
     """
     if tuple(chw.shape[-2:]) == tuple(size):
         return chw
-    x = chw.unsqueeze(0)
+    batched = chw.dim() == 4  # [N, C, H, W]: frames of one clip, each resized alone by the same kernel
+    x = chw if batched else chw.unsqueeze(0)
     if chw.device.type == "cpu":
-        return F.interpolate(x, size=list(size), mode="bicubic", antialias=True, align_corners=False)[0]
-    out = F.interpolate(x.float(), size=list(size), mode="bicubic", antialias=True, align_corners=False)
-    return out.clamp_(0, 255).round_().to(torch.uint8)[0]
+        out = F.interpolate(x, size=list(size), mode="bicubic", antialias=True, align_corners=False)
+    else:
+        out = F.interpolate(x.float(), size=list(size), mode="bicubic", antialias=True, align_corners=False)
+        out = out.clamp_(0, 255).round_().to(torch.uint8)
+    return out if batched else out[0]
 
 
 def host_tensor(array: np.ndarray) -> torch.Tensor:
@@ -196,9 +224,27 @@ def fit_image(chw: torch.Tensor, item, mode: str) -> torch.Tensor:
     return chw
 
 
+# Frames resized per call on the device: a bound on the float32 temporaries of a long clip's resize.
+_RESIZE_FRAMES = 16
+
+
+def clip_frames(raw: torch.Tensor, item: DecodedClip, mode: str) -> torch.Tensor:
+    """A clip's frame bytes on the device -> uint8 [T, 3, h, w], resized to ``item.resize_to`` (torch
+    mode: on the device, frames batched through the same kernel ``resize_uint8`` runs per image)."""
+    frames, height, width, channels = item.frames.shape
+    video = raw.view(frames, height, width, channels).permute(0, 3, 1, 2)
+    if (height, width) == tuple(item.resize_to):
+        return video
+    if mode != "torch":
+        raise InvalidInput(f"pil mode: clip frames are {width}x{height} but should have been resized on the CPU "
+                           f"to {item.resize_to[1]}x{item.resize_to[0]}")
+    return torch.cat([resize_uint8(part.contiguous(), item.resize_to) for part in video.split(_RESIZE_FRAMES)])
+
+
 def apply_table(chw: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """uint8 [C, H, W] -> float [C, H, W] through the per-channel value table (table's dtype)."""
-    channels = chw.shape[0]
+    """uint8 [C, H, W] (or [T, C, H, W]) -> float, same shape, through the per-channel value table
+    (table's dtype)."""
+    channels = chw.shape[-3]
     # Row offset of each channel in the flattened table; long indices never sync (a uint8 index
     # would be taken as a boolean mask).
     offsets = (torch.arange(channels, device=chw.device) * 256).view(channels, 1, 1)

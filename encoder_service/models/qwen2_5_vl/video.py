@@ -38,7 +38,7 @@ import torch
 
 from ...errors import InvalidInput
 from ...preprocess import settings
-from ...preprocess.staged import apply_table, host_tensor, resize_uint8, torchvision_value_table
+from ...preprocess.staged import DecodedClip, apply_table, host_tensor, resize_uint8, torchvision_value_table
 from ...preprocess.video_sampling import (
     ClipFacts,
     VideoSampling,
@@ -266,7 +266,25 @@ def preprocess_video(frames: np.ndarray, config: Qwen2VLVideoConfig | None = Non
 def video_front(config: Qwen2VLVideoConfig) -> VideoFront:
     """This family's video path bound to ``config`` (the engine's ``ModelFront.video_front``)."""
     return VideoFront(sample=functools.partial(sample_frame_indices, config=config),
-                      process=functools.partial(process_clip, config=config), timestamps=source_seconds)
+                      process=functools.partial(process_clip, config=config), timestamps=source_seconds,
+                      stage=functools.partial(stage_clip, config=config, geometry=video_geometry))
+
+
+def stage_clip(frames: np.ndarray, indices: list[int], sampling: VideoSampling, mode: str, *, config, geometry
+               ) -> tuple[DecodedClip, list[int]]:
+    """Sampled frames -> (the clip's CPU half for the device, the indices used), with the request's pixel
+    bounds: the frames as uint8 with their target size and grid, resized here only in pil mode (with the
+    reference's CPU kernel: bit-exact with ``preprocess_video``); the device does the rest (the model's
+    ``_patchify_clip``). ``geometry`` is the family's ``video_geometry``."""
+    cfg = config.for_request(sampling)
+    if frames.ndim != 4 or frames.shape[-1] != settings.NUM_CHANNELS or frames.dtype != np.uint8:
+        raise InvalidInput(f"video frames must be uint8 [T, H, W, 3], got {frames.dtype} {list(frames.shape)}")
+    size, grid = geometry(frames.shape[0], frames.shape[1], frames.shape[2], cfg)
+    if mode != "torch" and tuple(frames.shape[1:3]) != tuple(size):
+        resized = resize_uint8(host_tensor(frames).permute(0, 3, 1, 2), size)  # host: pil mode resizes on the CPU
+        frames = resized.permute(0, 2, 3, 1).numpy()
+    return DecodedClip(np.ascontiguousarray(frames), tuple(size), grid), pad_to_multiple(list(indices),
+                                                                                       cfg.temporal_patch_size)
 
 
 def process_clip(frames: np.ndarray, indices: list[int], sampling: VideoSampling, *, config: Qwen2VLVideoConfig

@@ -49,7 +49,7 @@ from ...preprocess.video_sampling import (
 )
 from ..base import VideoFront
 from ..qwen2_5_vl.preprocess import PatchLayout
-from ..qwen2_5_vl.video import frames_to_values, patchify_video, value_table, video_config_kwargs
+from ..qwen2_5_vl.video import frames_to_values, patchify_video, stage_clip, value_table, video_config_kwargs
 
 ASSUMED_FPS = 24.0  # the references' fps for a clip whose container does not give one
 # vLLM 0.33.0's Qwen3VLVideoBackend: its caps and defaults (load_bytes' fps=2, the sampling kwargs'
@@ -215,7 +215,8 @@ def preprocess_video(frames: np.ndarray, config: Qwen3VLVideoConfig | None = Non
 def video_front(config: Qwen3VLVideoConfig) -> VideoFront:
     """This family's video path bound to ``config`` (the engine's ``ModelFront.video_front``)."""
     return VideoFront(sample=functools.partial(sample_frame_indices, config=config),
-                      process=functools.partial(process_clip, config=config), timestamps=source_seconds)
+                      process=functools.partial(process_clip, config=config), timestamps=source_seconds,
+                      stage=functools.partial(stage_clip, config=config, geometry=video_geometry))
 
 
 def process_clip(frames: np.ndarray, indices: list[int], sampling: VideoSampling, *, config: Qwen3VLVideoConfig

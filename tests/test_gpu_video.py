@@ -1,0 +1,108 @@
+"""GPU checks of the video path (pytest -m gpu on the GPU machine, which has torchvision): in the ``torch``
+mode a clip's frames resized, normalized and patchified on CUDA equal transformers' torchvision-backed
+video processors run on CUDA (``device="cuda"``); the forward of a batch holding a clip stays free of
+host syncs; a clip through a real CUDA server equals the model's own video path.
+
+Tolerance held: exact, as for images (tests/test_gpu_preprocess.py). transformers resizes the frames with
+``tvF.resize`` on CUDA, which computes ``F.interpolate(bicubic, antialias=True)`` in float32 and rounds
+back to uint8, the op ours runs on the same device, then rescales and normalizes in float32 in the order
+the value table reproduces per byte; the patch order is a permutation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from encoder_service.models import load_vision_model
+from encoder_service.preprocess.staged import DecodedClip, RawPatches
+from encoder_service.preprocess.video_sampling import VideoSampling
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.allow_skip_on_cpu("needs a CUDA GPU, and torchvision for transformers' processors")]
+
+# Frames [T, H, W]: shrunk, grown, odd T (padded with the last frame), 720p.
+CLIPS = [(4, 448, 448), (5, 61, 97), (3, 333, 500), (8, 720, 1280)]
+
+
+def _frames(seed: int, t: int, h: int, w: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:h, 0:w]
+    base = np.stack([xx * 255 / w, yy * 255 / h, (xx * yy) % 255], axis=-1)[None]
+    base = base + 9 * np.arange(t)[:, None, None, None]  # frames that differ
+    return np.clip(base + rng.normal(0, 20, (t, h, w, 3)), 0, 255).astype(np.uint8)
+
+
+def _processor(model):
+    pytest.importorskip("torchvision")
+    cfg = model.video_config
+    init = {k: getattr(cfg, k) for k in ("patch_size", "temporal_patch_size", "merge_size")}
+    init |= {"image_mean": list(cfg.image_mean), "image_std": list(cfg.image_std),
+             "size": {"shortest_edge": cfg.min_pixels, "longest_edge": cfg.max_pixels}}
+    if model.spec.model_type == "qwen2_5_vl":
+        from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor as cls
+    else:
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor as cls
+    return cls(**init)
+
+
+@pytest.mark.parametrize("shape", CLIPS, ids=["x".join(map(str, s)) for s in CLIPS])
+@pytest.mark.parametrize("preset", ["tiny-qwen2.5-vl", "tiny-qwen3-vl"])
+def test_torch_mode_clip_equals_transformers_video_processor_on_cuda(preset, shape):
+    model = load_vision_model(preset, device="cuda", preprocess="torch")
+    if preset == "tiny-qwen2.5-vl":  # pixel bounds that make the 720p frames shrink and the small ones grow
+        model.video_config = dataclasses.replace(model.video_config, min_pixels=56 * 56, max_pixels=28 * 28 * 300)
+    frames = _frames(shape[0], *shape)
+    out = _processor(model)(frames, do_sample_frames=False, return_tensors="pt", device="cuda")
+    ref, ref_grid = out["pixel_values_videos"], out["video_grid_thw"][0].tolist()
+    front = model.video_front()
+    clip, used = front.stage(frames, list(range(shape[0])), VideoSampling(), "torch")
+    assert isinstance(clip, DecodedClip) and clip.frames.shape == frames.shape  # resized on the device
+    ours = model.stage([clip], dtype=torch.float32)
+    assert list(clip.grid) == ref_grid
+    assert len(used) % model.video_config.temporal_patch_size == 0
+    diff = (ours - ref.to(ours.device)).abs().max().item()
+    print(f"{preset} clip {shape}: torch mode on CUDA vs transformers on CUDA, max abs diff {diff}")
+    assert diff == 0.0
+
+
+@pytest.mark.parametrize("mode", ["torch", "pil"])
+def test_forward_of_a_batch_with_a_clip_has_no_host_sync(mode):
+    model = load_vision_model("tiny-qwen2.5-vl", device="cuda", dtype=torch.bfloat16, preprocess=mode)
+    front = model.video_front()
+    clip, _ = front.stage(_frames(1, 6, 200, 300), list(range(6)), VideoSampling(), mode)
+    g = clip.grid
+    raw = np.random.default_rng(0).standard_normal((g[0] * g[1] * g[2], model.patch_dim)).astype(np.float16)
+    inputs = [clip, RawPatches(raw.tobytes(), "float16", g)]
+    model.encode_inputs_async(inputs).wait()  # warm: first calls compile and plan
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pending = model.encode_inputs_async(inputs)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    out = pending.wait()
+    assert [e.shape[0] for e in out] == [model.num_tokens(i.grid) for i in inputs]
+
+
+def test_a_clip_through_a_cuda_server_equals_the_models_video_path(start_encoder_server):
+    from encoder_client import EncoderClient, Video
+
+    from encoder_service.benchmarks.reliability.video_inputs import make_clip
+
+    data = make_clip("mp4", "libx264", frames=24, width=320, height=240, fps=12)
+    server = start_encoder_server("--device", "cuda", "--dtype", "float32", "--max-video-bytes", str(1 << 22))
+    with EncoderClient(server.target) as client:
+        assert client.model_info().preprocess == "torch"
+        (got,) = client.encode([Video(data, fps=2.0)], output_dtype="float32")
+    model = load_vision_model("tiny-qwen2.5-vl", device="cuda", dtype=torch.float32, preprocess="torch")
+    pixels, grid, used = model.preprocess_video(data, fps=2.0)  # both halves on the CPU
+    (want,) = model.encode(pixels, [grid])
+    assert list(got.frame_indices) == used and list(got.grid_thw) == list(grid)
+    want = want.float().cpu().numpy()
+    rel = float(np.linalg.norm(np.asarray(got.embedding) - want) / np.linalg.norm(want))
+    print(f"clip through the CUDA server vs the CPU video path, float32: rel err {rel:.2e}")
+    assert rel < 1e-3  # the resize on CUDA in float32 may round a pixel differently from the CPU's uint8 kernel
