@@ -124,10 +124,13 @@ class ServiceConfig:
         "wall-clock budget of one clip's decode in its decoder process; past it the process is "
         "killed and replaced and the clip refused (RESOURCE_EXHAUSTED)",
         above=0)
-    video_decode_processes: int = option(2,
-        "processes decoding video containers: a decoder that crashes or hangs loses only its own "
-        "clip; the process is replaced",
-        at_least=1)
+    # -1 = by device
+    video_decode_processes: int = option(-1,
+        "processes decoding video containers, started with the first clip: a decoder that crashes "
+        "or hangs loses only its own clip; the process is replaced. -1: 2 on the CPU, on a GPU half "
+        "the host's cores, from 2 to 16 per GPU (decoding a clip costs more CPU than encoding it "
+        "costs the GPU).",
+        at_least=1, note="or -1: by device")
     max_chunk_bytes: int = option(4 * MiB,
         "default (and upper bound) of the embedding bytes in one streamed chunk; "
         f"a request may ask for less, down to {MIN_CHUNK_BYTES}.",
@@ -365,13 +368,14 @@ def _device_defaults(device: str, workers: int = 1) -> dict[str, int]:
     """A GPU encodes ~70 1008x1008 images/s: decoding them needs several threads (more with more
     GPUs), and 1 GiB would hold only ~110 of their embeddings. The CPU keeps small numbers."""
     if device == "cpu":
-        return {"cache_bytes": 1 * GiB, "preprocess_threads": 2}
+        return {"cache_bytes": 1 * GiB, "preprocess_threads": 2, "video_decode_processes": 2}
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         ram = 64 * GiB
     return {"cache_bytes": int(min(16 * GiB, ram // 4)),
-            "preprocess_threads": max(2, min(8 * workers, (os.cpu_count() or 2) - 2))}
+            "preprocess_threads": max(2, min(8 * workers, (os.cpu_count() or 2) - 2)),
+            "video_decode_processes": max(2, min(16 * workers, (os.cpu_count() or 2) // 2))}
 
 
 def device_entries(devices: str) -> list[str]:
