@@ -15,6 +15,8 @@ from PIL import Image
 
 from encoder_service.benchmarks.reliability.video_inputs import frame_pattern, make_clip, video_corpus
 from encoder_service.models import load_vision_model
+from encoder_service.models.kimi_k25 import video as kimi_video
+from encoder_service.preprocess.video_sampling import ClipFacts
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -173,13 +175,27 @@ def test_bad_sampling_settings_are_refused_before_any_decode(server, clip):
             assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in err.value.details
 
 
-def test_a_family_without_a_served_video_path_says_so(start_encoder_server, clip):
-    # Kimi-K2.5 splits a clip into chunks of its own (models/kimi_k25/video.py): not served yet.
-    server = start_encoder_server("--model", "tiny-kimi-k2.5")
+@pytest.mark.parametrize("flags", [(), ("--devices", "cpu,cpu")], ids=["in-process", "workers"])
+def test_a_kimi_clip_is_one_item_of_its_chunks_and_is_cached(start_encoder_server, clip, flags):
+    # Kimi-K2.5 cuts a clip into chunks of 4 frames, the last shorter (models/kimi_k25/video.py): served as
+    # one item of grid (T, h, w), its rows the chunks' in order (ModelSpec.frames_per_chunk).
+    server = start_encoder_server("--model", "tiny-kimi-k2.5", *flags)
     with EncoderClient(server.target, timeout_s=60) as client:
-        assert client.model_info().video == ""
-        with pytest.raises(EncoderClientError) as err:
-            client.encode([Video(clip, num_frames=4)])
-        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-        assert "kimi_k25 takes no video" in err.value.details
+        info = client.model_info()
+        (got,) = client.encode([Video(clip, num_frames=6)])
+        (again,) = client.encode([Video(clip, num_frames=6)])
     server.stop()
+    assert info.video.startswith("pyav") and "transformers" in info.video and "vllm" in info.video
+    model = load_vision_model("tiny-kimi-k2.5", device="cpu", dtype=torch.float32)
+    pixels, grid, used = model.preprocess_video(clip, num_frames=6)
+    assert tuple(got.grid_thw) == grid and grid[0] == 6  # 6 frames: chunks of 4 and 2, nothing padded
+    assert list(got.frame_indices) == used == [0, 2, 4, 6, 8, 10]
+    assert got.frame_timestamps_s == pytest.approx([i / 10 for i in used])
+    # What Kimi_K25Processor writes before each chunk: its first frame's time.
+    clip_facts = ClipFacts(12, 10.0, 1.2)
+    assert got.frame_timestamps_s[::4] == pytest.approx(kimi_video.chunk_timestamps(clip_facts, used))
+    assert got.num_tokens == 2 * grid[1] * grid[2] // 4 == model.num_tokens(grid)
+    (want,) = model.encode(pixels, [grid])
+    close(got.embedding, want.numpy())
+    assert again.cache_hit and again.content_hash == got.content_hash
+    assert np.array_equal(again.embedding, got.embedding) and again.frame_indices == got.frame_indices

@@ -27,9 +27,13 @@ class ModelSpec:
     # Feature levels per embedding row: the main embedding, then any extra levels the LLM injects
     # elsewhere (Qwen3-VL's deepstack), each ``hidden_size`` wide and concatenated along the row.
     feature_levels: int = 1
-    # Whether the merger folds a clip's frames into one set of tokens (Kimi-K2.5 averages them), so
-    # that tokens do not grow with t.
+    # Whether the merger folds a group of frames into one set of tokens (Kimi-K2.5 averages them).
     frames_merged: bool = False
+    # With frames_merged, the frames of one group (Kimi-K2.5: its video processor's temporal_patch_size,
+    # at most the tower's pos_emb_time): a grid of more frames is a clip, its frames consecutive groups
+    # of this many (the last possibly shorter), each merged on its own, their tokens in order. A grid of
+    # at most this many frames is one group. 0: any grid is one group.
+    frames_per_chunk: int = 0
     # Fingerprint inputs for cache_namespace: anything that changes the embedding of the same bytes.
     fingerprint: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -42,9 +46,17 @@ class ModelSpec:
         return self.spatial_merge_size * self.spatial_merge_size
 
     def num_tokens(self, grid: Sequence[int]) -> int:
-        """Embedding rows of one image of ``grid`` [t, h, w] (in patches)."""
+        """Embedding rows of one image (or clip) of ``grid`` [t, h, w] (in patches): ``t`` sets of
+        ``h*w/merge_unit`` rows, or with ``frames_merged`` one set per group of frames
+        (``ceil(t / frames_per_chunk)``, one where that is 0)."""
         t, h, w = (int(v) for v in grid)
-        return (1 if self.frames_merged else t) * h * w // self.merge_unit
+        return self.temporal_groups(t) * h * w // self.merge_unit
+
+    def temporal_groups(self, t: int) -> int:
+        """How many sets of merged tokens ``t`` frames give."""
+        if not self.frames_merged:
+            return t
+        return -(-t // self.frames_per_chunk) if self.frames_per_chunk else 1
 
     @property
     def row_width(self) -> int:

@@ -43,6 +43,20 @@ def build_raster_metadata(grids: Sequence[Sequence[int]], spatial: SpatialConfig
     )
 
 
+def clip_chunks(grid: Sequence[int], frames_per_chunk: int) -> list[Grid]:
+    """A grid of ``t`` frames -> its chunks of ``frames_per_chunk`` frames in order, the last possibly
+    shorter (never padded), as ``Kimi_K25VideoProcessor`` cuts a clip: ``(frames in the chunk, h, w)``
+    each. A grid of at most ``frames_per_chunk`` frames is one chunk: itself."""
+    t, h, w = (int(v) for v in grid)
+    return [(min(frames_per_chunk, t - start), h, w) for start in range(0, t, frames_per_chunk)]
+
+
+def expand_clips(grids: Sequence[Sequence[int]], frames_per_chunk: int) -> tuple[list[Grid], list[int]]:
+    """A batch's grids -> (every item's chunk grids, in order; how many chunks each item has)."""
+    chunks = [clip_chunks(g, frames_per_chunk) for g in grids]
+    return [c for item in chunks for c in item], [len(item) for item in chunks]
+
+
 def raster_position_ids(grids: Sequence[Grid]) -> np.ndarray:
     """int64 [total_patches, 2]: (h, w) of every patch, raster order, repeated for each frame."""
     return np.concatenate([np.tile(frame_position_ids(h, w, 1), (t, 1)) for t, h, w in grids])

@@ -9,8 +9,16 @@ Parameter names and the q/k row order are those of the original Kimi-K2.5 checkp
 so it loads as is; ``kimi_k25_loading`` converts transformers' split, rotate-half layout to it.
 
 Patches stay in raster order inside each frame (as the image processor emits them) until the
-merger; attention spans all frames of a clip (one sequence per image). Everything shaped by the
+merger; attention spans all frames of a chunk (one sequence per chunk). Everything shaped by the
 grids (position ids, resize matrices, merge gather, ``cu_seqlens``) comes from host metadata.
+
+Clips (``ModelSpec.frames_per_chunk``, the video processor's ``temporal_patch_size``, 4): a grid of
+more frames than that is a clip, its frames consecutive chunks of that many (the last possibly
+shorter), exactly as ``Kimi_K25VideoProcessor`` cuts one. ``encode_packed`` expands it into those chunk
+grids before building the metadata (the patches are already in that order: a clip's frames' patches,
+which are its chunks' patches) and returns each item's chunks' embeddings concatenated in order, each
+chunk encoded as transformers encodes one chunk grid. A grid of at most that many frames is one chunk,
+as before; the same rule holds for patches a client sends.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from ...errors import InvalidInput
 from ...metadata import SpatialConfig
 from ..base import Decoder, Grid, ModelSpec, VisionModel, validate_batch
 from ..layers import activation, patch_conv_as_linear
-from .metadata import RasterBatchMetadata, bicubic_resample_matrix, build_raster_metadata
+from .metadata import RasterBatchMetadata, bicubic_resample_matrix, build_raster_metadata, expand_clips
 
 MODEL_TYPE = "kimi_k25"
 # Rope2DPosEmbRepeated(head_dim, 512, 512) in the original MoonViT-3d: its frequency table stops at
@@ -322,17 +330,34 @@ class KimiK25VisionModel(VisionModel):
                  preprocess_config: dict | None, device: torch.device, dtype: torch.dtype,
                  attn_backend: str, ops: str = "auto") -> None:
         from .preprocess import KimiK25PreprocessConfig
+        from .video import video_config_for
 
         self.preprocess_config = KimiK25PreprocessConfig.from_dict(preprocess_config or {})
+        self.video_config = video_config_for(preprocess_config, self.preprocess_config)
+        chunk = self.video_config.temporal_patch_size
+        if chunk > cfg.pos_emb_time:
+            raise InvalidInput(f"kimi_k25: the video processor's chunks of {chunk} frames (temporal_patch_size) "
+                               f"exceed the {cfg.pos_emb_time} frames of the tower's temporal position embedding "
+                               "(pos_emb_time)")
         super().__init__(cfg, module, device=device, dtype=dtype, attn_backend=attn_backend, ops=ops)
         self.kernel = cfg.merge_kernel_size[0]
         self.spatial = SpatialConfig(self.kernel, cfg.patch_size)
+        fingerprint = {"vision_config": cfg.to_dict(), "preprocess": self.preprocess_config.fingerprint()}
+        if self.video_config != video_config_for(None, self.preprocess_config):
+            # Video settings of the checkpoint's own (media_proc_cfg); the defaults keep the namespace.
+            fingerprint["video"] = self.video_config.fingerprint()
         self.spec = ModelSpec(
             model_id=model_id, model_type=MODEL_TYPE, hidden_size=cfg.text_hidden_size,
             patch_size=cfg.patch_size, temporal_patch_size=1, spatial_merge_size=self.kernel,
-            in_channels=cfg.in_channels, frames_merged=True,  # the merger averages a clip's frames
-            fingerprint={"vision_config": cfg.to_dict(), "preprocess": self.preprocess_config.fingerprint()},
+            in_channels=cfg.in_channels,
+            frames_merged=True, frames_per_chunk=chunk,  # the merger averages each chunk's frames
+            fingerprint=fingerprint,
         )
+
+    def video_front(self):
+        from .video import video_front
+
+        return video_front(self.video_config)
 
     def decoder(self) -> Decoder:
         from .preprocess import decode_kimi_k25, geometry
@@ -350,12 +375,9 @@ class KimiK25VisionModel(VisionModel):
         return patchify(image, self.preprocess_config)
 
     def validate(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]) -> list[Grid]:
+        # Any t: a grid of more than spec.frames_per_chunk (<= pos_emb_time) frames is a clip of chunks.
         checked = validate_batch(pixel_values, grids, self.spec)
         for i, (t, h, w) in enumerate(checked):
-            if t > self.cfg.pos_emb_time:
-                raise InvalidInput(f"grid [{t}, {h}, {w}] has {t} frames; the temporal position embedding of "
-                                   f"this model covers at most {self.cfg.pos_emb_time} (pos_emb_time)",
-                                   image_index=i)
             if h > ROPE_MAX_SIDE or w > ROPE_MAX_SIDE:
                 raise InvalidInput(f"grid [{t}, {h}, {w}] has a side over {ROPE_MAX_SIDE} patches, the most "
                                    "the 2-D rotary embedding covers", image_index=i)
@@ -367,6 +389,11 @@ class KimiK25VisionModel(VisionModel):
         # transformers' processor returns [patches, C, P, P]; the wire format is [patches, C*P*P].
         if pixel_values.ndim == 4:
             pixel_values = pixel_values.reshape(pixel_values.shape[0], -1)
-        meta = build_raster_metadata(self.validate(pixel_values, grids), self.spatial)
+        chunks, counts = expand_clips(self.validate(pixel_values, grids), self.spec.frames_per_chunk)
+        meta = build_raster_metadata(chunks, self.spatial)
         x = self._pixels_to_device(pixel_values)
-        return self.module(x.to(self.dtype), meta, self.backend), meta.tokens_per_image
+        per_chunk, tokens, start = meta.tokens_per_image, [], 0
+        for n in counts:  # each item's rows: its chunks' rows, in order
+            tokens.append(sum(per_chunk[start:start + n]))
+            start += n
+        return self.module(x.to(self.dtype), meta, self.backend), tuple(tokens)

@@ -1,6 +1,6 @@
 """Kimi-K2.5 video: frame sampling, the chunks of ``temporal_patch_size`` frames the merger pools
-(``spec.merge_temporal``), their timestamps, and frames -> patches equal to transformers'
-``Kimi_K25VideoProcessor``.
+(``spec.frames_per_chunk``), their timestamps, and frames -> patches equal to transformers'
+``Kimi_K25VideoProcessor``; ``video_front`` serves them as one clip grid (below).
 
 Sampling (``sample_frame_indices``), by reference:
 - ``transformers``: ``Kimi_K25VideoProcessor`` samples with ``BaseVideoProcessor.sample_frames``
@@ -25,11 +25,30 @@ budget, ``max_patches`` 4096, not the image processor's 16384) by PyTorch's uint
 kernel (torchvision's CPU path), zero-padded bottom/right to a multiple of ``merge_size * patch_size``,
 normalized through the torchvision value table and patchified in raster order, each patch (C, P, P). One
 grid per chunk: ``(frames in the chunk, h, w)``.
+
+Served (``video_front``, the service-wide convention of ``ModelSpec.frames_per_chunk``): a clip of ``T``
+sampled frames is ONE item of grid ``(T, h, w)``, its patches the frames' patches in order (which are the
+chunks' patches in order: ``pixel_values_videos`` unchanged), no frame padded. The model cuts that grid
+into the chunk grids above (``metadata.clip_chunks``), encodes each chunk as transformers encodes one
+chunk grid, and returns the chunks' embeddings concatenated in order: ``ceil(T / temporal_patch_size) * h
+* w / merge_unit`` rows, chunk ``c`` at rows ``c * h*w/merge_unit`` onward. The response carries every
+used frame's source index (``frame_indices``) and, where the container states its fps, time
+(``frame_timestamps_s``). An LLM server gets what ``Kimi_K25Processor`` puts in the prompt from those:
+chunk ``c``'s grid is ``(min(tp, T - c*tp), h, w)`` (``tp``: 4, ``temporal_patch_size``) with ``h*w /
+merge_unit`` placeholders, and its timestamp is its first frame's, ``frame_timestamps_s[c*tp]``
+(``chunk_timestamps``; where the fps is unknown the response has no times and transformers takes
+``frame_indices[c*tp] / 24``).
+
+Settings (``video_config_for``): transformers' class defaults, with the image processor's patch layout
+and normalisation; a checkpoint whose ``preprocessor_config.json`` holds the original remote-code
+``media_proc_cfg`` gives ``temporal_merge_kernel_size`` (the chunk length), ``in_patch_limit_each_frame``
+(the per-frame patch budget) and ``sample_fps`` (the default fps).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -41,8 +60,17 @@ import torch.nn.functional as F
 from ...errors import InvalidInput
 from ...preprocess import settings
 from ...preprocess.staged import apply_table, host_tensor, resize_uint8, torchvision_value_table
-from ...preprocess.video_sampling import ClipFacts, VideoSampling, check_indices, describe, linspace_indices
-from .preprocess import geometry
+from ...preprocess.video_sampling import (
+    ClipFacts,
+    VideoSampling,
+    check_indices,
+    describe,
+    linspace_indices,
+    source_seconds,
+)
+from ..base import VideoFront
+from .metadata import clip_chunks
+from .preprocess import KimiK25PreprocessConfig, geometry
 
 ASSUMED_FPS = 24.0  # transformers' fps for the chunk timestamps of a clip whose fps is unknown
 
@@ -91,6 +119,27 @@ class KimiK25VideoConfig:
         return settings.fingerprint(self)
 
 
+# The original remote code's media_proc_cfg keys for video -> the fields they set here.
+_MEDIA_PROC_VIDEO_KEYS = (("temporal_merge_kernel_size", "temporal_patch_size"),
+                          ("in_patch_limit_each_frame", "max_patches"), ("sample_fps", "fps"))
+
+
+def video_config_for(preprocessor_config: Mapping[str, Any] | None, image: KimiK25PreprocessConfig
+                     ) -> KimiK25VideoConfig:
+    """A checkpoint's video settings: ``Kimi_K25VideoProcessor``'s class defaults with the image
+    processor's patch layout, side limit and normalisation (``image``), and the video keys of the original
+    remote-code ``media_proc_cfg`` where the checkpoint's ``preprocessor_config.json`` has one
+    (``temporal_merge_kernel_size``, ``in_patch_limit_each_frame``, ``sample_fps``)."""
+    media = (preprocessor_config or {}).get("media_proc_cfg") or {}
+    kwargs: dict[str, Any] = {name: getattr(image, name) for name in (
+        "max_side_patches", "patch_size", "merge_size", "image_mean", "image_std", "rescale_factor",
+        "do_resize", "do_rescale", "do_normalize")}
+    for key, field in _MEDIA_PROC_VIDEO_KEYS:
+        if media.get(key) is not None:
+            kwargs[field] = float(media[key]) if field == "fps" else int(media[key])
+    return KimiK25VideoConfig(**kwargs)
+
+
 def sample_frame_indices(clip: ClipFacts, sampling: VideoSampling,
                          config: KimiK25VideoConfig | None = None) -> list[int]:
     """The clip's frame indices the reference ``sampling.reference`` feeds Kimi-K2.5, in order; an
@@ -98,7 +147,8 @@ def sample_frame_indices(clip: ClipFacts, sampling: VideoSampling,
     cfg = config or KimiK25VideoConfig()
     what = describe(sampling, clip)
     total, source_fps = clip.total_frames, clip.known_fps
-    unsupported = ["min_frames", "max_frames"] + (["num_frames"] if sampling.reference == "vllm" else [])
+    unsupported = ["min_frames", "max_frames", "min_pixels", "max_pixels"] + (
+        ["num_frames"] if sampling.reference == "vllm" else [])
     asked = [name for name in unsupported if getattr(sampling, name) is not None]
     if asked:
         raise InvalidInput(f"{what}: Kimi-K2.5's {sampling.reference} reference has no {', '.join(asked)} setting")
@@ -148,8 +198,7 @@ def chunk_grids(num_frames: int, height: int, width: int, config: KimiK25VideoCo
     """One (frames, h, w) grid per chunk of ``temporal_patch_size`` frames (the last may be shorter)."""
     cfg = config or KimiK25VideoConfig()
     _, _, (gh, gw) = video_geometry(height, width, cfg)
-    tp = cfg.temporal_patch_size
-    return [(min(tp, num_frames - start), gh, gw) for start in range(0, num_frames, tp)]
+    return clip_chunks((num_frames, gh, gw), cfg.temporal_patch_size)
 
 
 def preprocess_video(frames: np.ndarray, config: KimiK25VideoConfig | None = None
@@ -170,3 +219,22 @@ def preprocess_video(frames: np.ndarray, config: KimiK25VideoConfig | None = Non
         values = apply_table(chw, table)
         patches.append(values.reshape(3, gh, p, gw, p).permute(1, 3, 0, 2, 4).reshape(gh * gw, 3 * p * p))
     return torch.cat(patches).numpy(), chunk_grids(*frames.shape[:3], cfg)  # host: CPU preprocessing, a CPU tensor
+
+
+def video_front(config: KimiK25VideoConfig) -> VideoFront:
+    """This family's video path bound to ``config`` (the engine's ``ModelFront.video_front``): the
+    sampling above, ``process_clip``, and each used frame's source time (``source_seconds``: a chunk's
+    timestamp is its first frame's, see the module docstring)."""
+    return VideoFront(sample=functools.partial(sample_frame_indices, config=config),
+                      process=functools.partial(process_clip, config=config), timestamps=source_seconds)
+
+
+def process_clip(frames: np.ndarray, indices: list[int], sampling: VideoSampling, *, config: KimiK25VideoConfig
+                 ) -> tuple[np.ndarray, tuple[int, int, int], list[int]]:
+    """Sampled frames -> (pixel values: ``pixel_values_videos`` of the whole clip, ONE grid ``(T, h, w)``
+    for it, the indices as given: nothing padded). The grid stands for ``chunk_grids``' chunk grids
+    (``ModelSpec.frames_per_chunk``); ``sampling`` has nothing more for processing (its pixel bounds,
+    which this processor lacks, are refused when sampling)."""
+    pixels, grids = preprocess_video(frames, config)
+    _, gh, gw = grids[0]
+    return pixels, (int(frames.shape[0]), gh, gw), [int(i) for i in indices]
