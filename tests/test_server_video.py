@@ -146,6 +146,17 @@ def test_every_broken_clip_of_the_corpus_fails_alone(server, clip):
     assert ok.num_tokens > 0
 
 
+def test_a_clip_over_one_forward_is_refused_naming_the_flag(start_encoder_server, clip):
+    server = start_encoder_server("--max-batch-tokens", "64", "--max-video-bytes", str(1 << 20))
+    with EncoderClient(server.target, timeout_s=60) as client:
+        with pytest.raises(EncoderClientError) as err:
+            client.encode([Video(clip, num_frames=12)])
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "clip has" in err.value.details and "--max-batch-tokens 64" in err.value.details, err.value.details
+        (ok,) = client.encode([Video(clip, num_frames=2)])  # 16 patches fit
+    assert ok.num_tokens > 0
+
+
 def test_limits_name_their_flag(server, clip):
     long_clip = make_clip("mp4", "mpeg4", frames=40, fps=1)  # 40 s, over --max-video-seconds 30
     with EncoderClient(server.target, timeout_s=60) as client:

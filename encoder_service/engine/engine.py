@@ -183,12 +183,13 @@ class Engine:
         self._check_size(checked)
         return checked
 
-    def _check_size(self, grid: Grid) -> None:
+    def _check_size(self, grid: Grid, what: str = "image") -> None:
         n = self.front.num_patches(grid)
         if n > self.config.max_batch_tokens:
+            advice = "send a smaller image" if what == "image" else "sample fewer or smaller frames"
             raise ResourceExhausted(
-                f"image has {n} patches (grid {list(grid)}), more than --max-batch-tokens "
-                f"{self.config.max_batch_tokens} allows in one forward pass; send a smaller image")
+                f"{what} has {n} patches (grid {list(grid)}), more than --max-batch-tokens "
+                f"{self.config.max_batch_tokens} allows in one forward pass; {advice}")
 
     def lookup(self, content_hashes: Sequence[str]) -> list[bool]:
         return [h in self.cache for h in content_hashes]
@@ -283,7 +284,7 @@ class Engine:
             if image.kind == "video":
                 payload, job.clip = await self._videos.prepare(self.front, image.video, self.max_image_pixels,
                                                                self._pools.executor)
-                self._check_size(payload.grid)
+                self._check_size(payload.grid, "clip")
             else:
                 payload = await self._pools.prepared(self._prepare_sync, image, self.pixel_limits.ordinary)
         except Exception as exc:
