@@ -212,6 +212,14 @@ class ServiceConfig:
         "upsampling), so it has a cache_namespace of its own. PNG, WebP, GIF and progressive, "
         "grayscale or CMYK JPEGs still decode with Pillow.",
         choices=("pillow", "nvjpeg"))
+    # pyav, nvdec (preprocess/video_nvdec.py)
+    video_decode: str = option("pyav",
+        "pyav: clips decode on the CPU with FFmpeg (PyAV), the frames transformers' read_video_pyav "
+        "gives; nvdec: the sampled frames decode on the GPU's video decoder (NVIDIA's PyNvVideoCodec; "
+        "needs a CUDA --device or GPU --devices), still in the decoder processes, after PyAV has "
+        "checked and counted the clip. Its RGB is within a level or two of FFmpeg's conversion, so it "
+        "has a cache_namespace of its own; each decoder process holds a CUDA context.",
+        choices=("pyav", "nvdec"))
     # on: Encode may name an EncodeRequest.output_region (api/shared_memory.py)
     shared_memory: str = option("on",
         "on: a caller on this host may have its embeddings written into a shared-memory region "

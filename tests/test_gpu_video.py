@@ -106,3 +106,48 @@ def test_a_clip_through_a_cuda_server_equals_the_models_video_path(start_encoder
     rel = float(np.linalg.norm(np.asarray(got.embedding) - want) / np.linalg.norm(want))
     print(f"clip through the CUDA server vs the CPU video path, float32: rel err {rel:.2e}")
     assert rel < 1e-3  # the resize on CUDA in float32 may round a pixel differently from the CPU's uint8 kernel
+
+
+@pytest.mark.parametrize(("width", "height"), [(448, 448), (1280, 720)])
+def test_nvdec_frames_are_ffmpegs_within_a_level(width, height):
+    from encoder_service.benchmarks.video import photo_clip
+    from encoder_service.preprocess import video_decode, video_nvdec
+
+    if not video_nvdec.available():
+        pytest.skip("needs PyNvVideoCodec")
+    clip = photo_clip(5, 4, width, height, 30)
+    limits = video_decode.VideoLimits(1 << 30, 100_000, 1000, 1 << 30, 60)
+    def indices(facts):
+        return [int(i) for i in np.linspace(0, facts.total_frames - 1, 9).round()] + [0]  # unordered, repeated
+    _, want_indices, want = video_decode.probe_and_decode(clip, indices, limits)
+    _, got_indices, got = video_decode.probe_and_decode(clip, indices, limits, nvdec_gpu=0)
+    assert got_indices == want_indices and got.shape == want.shape and got.dtype == np.uint8
+    diff = np.abs(got.astype(int) - want.astype(int))
+    print(f"nvdec vs PyAV {width}x{height}: max {diff.max()}, mean {diff.mean():.3f} levels")
+    assert diff.max() <= 2 and diff.mean() < 0.5
+
+
+def test_a_clip_through_an_nvdec_server_is_near_the_cpu_decode(start_encoder_server):
+    from encoder_client import EncoderClient, Video
+
+    from encoder_service.benchmarks.video import photo_clip
+    from encoder_service.preprocess import video_nvdec
+
+    if not video_nvdec.available():
+        pytest.skip("needs PyNvVideoCodec")
+    data = photo_clip(6, 3, 320, 240, 24)
+    runs = {}
+    for decode in ("pyav", "nvdec"):
+        server = start_encoder_server("--device", "cuda", "--dtype", "float32", "--video-decode", decode)
+        with EncoderClient(server.target) as client:
+            info = client.model_info()
+            assert info.video.startswith(decode)
+            runs[decode] = (client.encode([Video(data, fps=2.0)], output_dtype="float32")[0], info.cache_namespace)
+        server.stop()
+    (cpu, cpu_ns), (gpu, gpu_ns) = runs["pyav"], runs["nvdec"]
+    assert cpu_ns != gpu_ns  # other pixels, another namespace
+    assert list(gpu.frame_indices) == list(cpu.frame_indices) and list(gpu.grid_thw) == list(cpu.grid_thw)
+    want = np.asarray(cpu.embedding)
+    rel = float(np.linalg.norm(np.asarray(gpu.embedding) - want) / np.linalg.norm(want))
+    print(f"clip embedding, nvdec vs PyAV decode (float32, tiny model): rel err {rel:.2e}")
+    assert rel < 1e-2

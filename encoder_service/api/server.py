@@ -229,7 +229,7 @@ def _log_model(config: ServiceConfig, engine: Engine, warmup_s: float) -> None:
              "on this host, else streamed; warm-up forward %.0f ms",
              d.model_id, d.model_type, d.device, d.dtype, d.attention_backend, d.ops, hidden, d.patch_dim,
              d.preprocess, config.preprocess_threads, d.decode,
-             f"{config.video_decode_processes} decoder processes" if d.video else "none",
+             f"{config.video_decode_processes} {config.video_decode} decoder processes" if d.video else "none",
              _gib(config.cache_bytes), config.max_batch_tokens,
              config.batch_wait_ms, config.max_queue_images, engine.pixel_limit_rule(), config.shared_memory,
              warmup_s * 1000)

@@ -51,6 +51,15 @@ def parse_devices(spec: str) -> list[WorkerDevice]:
     return [WorkerDevice.parse(e, i) for i, e in enumerate(entries)]
 
 
+def gpu_indices(devices: str, device: str) -> tuple[int, ...]:
+    """The GPUs this node serves, as this process counts them (``--devices``, else ``--device``)."""
+    if devices.strip() == "all":
+        return tuple(range(len(parse_devices(devices))))
+    if devices.strip():
+        return tuple(int(e.removeprefix("cuda:")) for e in device_entries(devices) if e != "cpu")
+    return (int(device.partition(":")[2] or 0),) if device.startswith("cuda") else ()
+
+
 def _nth_visible(visible: str, index: int) -> str:
     entries = [e.strip() for e in visible.split(",") if e.strip()]
     if index >= len(entries):

@@ -20,6 +20,7 @@ def load_model(config: ServiceConfig, device: str | None = None) -> ServedModel:
                               attn_backend=config.attn_backend, preprocess=config.preprocess,
                               ops=config.ops)
     model.set_decode(config.decode)
+    model.set_video_decode(config.video_decode)
     if model.decode_backend != "pillow":
         log.info("images: JPEGs decode on %s with %s, other formats with Pillow (cache namespace %s)",
                  model.device, model.decode_backend, model.cache_namespace)

@@ -24,6 +24,7 @@ from ..preprocess.staged import RawPatches, StagedInput
 from ..preprocess.video_decode import VideoLimits, decode_frame_list
 from ..preprocess.video_pool import VideoDecodePool
 from ..preprocess.video_sampling import ClipFacts
+from .devices import gpu_indices
 from .types import ClipFrames, VideoInput
 
 
@@ -36,7 +37,8 @@ class VideoPreparer:
         """What ModelInfo says of video: the decoder and the references offered, and the limits."""
         c = self.config
         takes = front is not None and front.video_front is not None and c.max_video_bytes > 0
-        described = f"pyav; frames; sampling {','.join(front.video_front.references)}" if takes else ""
+        decoder = c.video_decode
+        described = f"{decoder}; frames; sampling {','.join(front.video_front.references)}" if takes else ""
         return {"video": described, "max_video_frames": c.max_video_frames if takes else 0,
                 "max_video_seconds": c.max_video_seconds if takes else 0.0,
                 "max_video_bytes": c.max_video_bytes if takes else 0}
@@ -61,7 +63,9 @@ class VideoPreparer:
         loop = asyncio.get_running_loop()
         if video.encoded:
             if self._pool is None:
-                self._pool = VideoDecodePool(self.config.video_decode_processes)
+                nvdec = self.config.video_decode == "nvdec"
+                gpus = gpu_indices(self.config.devices, self.config.device) if nvdec else ()
+                self._pool = VideoDecodePool(self.config.video_decode_processes, nvdec_gpus=gpus)
             decoded = await self._pool.decode(video.encoded, sample, limits)
             clip, indices, frames = decoded.facts, decoded.indices, decoded.frames
         else:

@@ -119,6 +119,8 @@ class VisionModel:
     preprocess_mode: str = "pil"
     # pillow: images decode on the CPU; nvjpeg: JPEGs decode on the GPU (preprocess/nvjpeg.py).
     decode_backend: str = "pillow"
+    # pyav: clips decode with FFmpeg on the CPU; nvdec: on a GPU's video decoder (preprocess/video_nvdec.py).
+    video_decode: str = "pyav"
     _tables: dict[tuple[torch.device, torch.dtype, str], torch.Tensor] | None = None  # value tables by device
 
     def __init__(self, cfg, module: torch.nn.Module, *, device: torch.device, dtype: torch.dtype,
@@ -164,6 +166,8 @@ class VisionModel:
         }
         if self.decode_backend != "pillow":  # other pixels; Pillow's namespace stays what it was
             payload["decode"] = self.decode_backend
+        if self.video_decode != "pyav":  # other frames; PyAV's namespace stays what it was
+            payload["video_decode"] = self.video_decode
         digest = hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
         return f"{self.spec.model_type}:{digest[:24]}"
 
@@ -186,6 +190,20 @@ class VisionModel:
                                    f"after the decode); this model preprocesses in {self.preprocess_mode} mode")
             nvjpeg.check_available(self.device)
         self.decode_backend = name
+
+    def set_video_decode(self, name: str) -> None:
+        """``pyav`` (the default) or ``nvdec``: clips' frames decode on a CUDA device's video decoder
+        (preprocess/video_nvdec.py), which must be this model's kind of device."""
+        if name not in ("pyav", "nvdec"):
+            raise InvalidInput(f"unknown video decode {name!r}; valid: pyav, nvdec")
+        if name == "nvdec":
+            from ..preprocess import video_nvdec
+
+            if self.device.type != "cuda":
+                raise InvalidInput(f"video decode nvdec needs a CUDA device; this model runs on {self.device}")
+            if not video_nvdec.available():
+                raise InvalidInput("video decode nvdec needs NVIDIA's PyNvVideoCodec (pip install PyNvVideoCodec)")
+        self.video_decode = name
 
     def decode(self, image_bytes: bytes, max_image_pixels: int | None = None) -> DecodedImage:
         """The CPU half of preprocessing: bytes -> uint8 pixels, target size and grid (a JPEG's

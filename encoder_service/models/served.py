@@ -58,3 +58,6 @@ class ServedModel(Protocol):
 
     def set_decode(self, name: str) -> None:
         """``pillow`` or ``nvjpeg`` (JPEGs decode on the device); raises where it cannot run."""
+
+    def set_video_decode(self, name: str) -> None:
+        """``pyav`` or ``nvdec`` (clips' frames decode on a GPU); raises where it cannot run."""

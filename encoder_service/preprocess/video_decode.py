@@ -194,6 +194,8 @@ class _Clip:
             raise InvalidInput(f"unsupported video codec {codec!r} (supported: {', '.join(sorted(SUPPORTED_CODECS))})")
         width, height = stream.codec_context.width, stream.codec_context.height
         _check_frame_size(width, height, limits, "header claims")
+        self.size = (height, width)
+        self.color = (int(stream.codec_context.colorspace), int(stream.codec_context.color_range))
         if stream.frames:
             _check_frames(stream.frames, limits, "header claims")
         self.fps = _fps(stream)
@@ -225,12 +227,15 @@ class _Clip:
         self.container.close()
 
 
-def _probe(data: bytes, limits: VideoLimits, deadline: float) -> ClipFacts:
+def _probe(data: bytes, limits: VideoLimits, deadline: float, header: dict | None = None) -> ClipFacts:
+    """``header``, where given, receives the stream's frame size (H, W) and its color tags (for NVDEC)."""
     with _Clip(data, limits, deadline) as clip:
         total = clip.stream.frames or clip.count_frames()
         if total == 0:
             raise InvalidInput("not a decodable video: the video stream has no frames")
         duration = total / clip.fps if clip.fps else (_header_seconds(clip.container, clip.stream) or None)
+        if header is not None:
+            header.update(size=clip.size, color=clip.color)
         return ClipFacts(total_frames=int(total), fps=clip.fps, duration_s=duration)
 
 
@@ -295,12 +300,26 @@ def decode_frames(data: bytes, indices: Sequence[int], limits: VideoLimits) -> n
     return _decode(data, indices, limits, _deadline(limits))
 
 
-def probe_and_decode(data: bytes, indices_fn, limits: VideoLimits) -> tuple[ClipFacts, list[int], np.ndarray]:
-    """``probe``, ``indices_fn(facts)``, then ``decode_frames`` of those indices, under one time budget."""
+def probe_and_decode(data: bytes, indices_fn, limits: VideoLimits, nvdec_gpu: int | None = None
+                     ) -> tuple[ClipFacts, list[int], np.ndarray]:
+    """``probe``, ``indices_fn(facts)``, then ``decode_frames`` of those indices, under one time budget.
+    ``nvdec_gpu``: decode the frames with NVDEC on that GPU instead (video_nvdec.py; the probe, the
+    sampling and the checks stay these)."""
     deadline = _deadline(limits)
-    facts = _probe(data, limits, deadline)
+    header: dict = {}
+    facts = _probe(data, limits, deadline, header)
     indices = [int(i) for i in indices_fn(facts)]
-    return facts, indices, _decode(data, indices, limits, deadline)
+    if nvdec_gpu is None:
+        return facts, indices, _decode(data, indices, limits, deadline)
+    from . import video_nvdec
+
+    wanted = _check_indices(indices, limits)
+    if max(wanted) >= facts.total_frames:
+        raise InvalidInput(f"video has {facts.total_frames} frames; frame index {max(wanted)} is past the end")
+    height, width = header["size"]
+    frames = video_nvdec.decode_frames(data, wanted, height, width, video_nvdec.color_matrix(*header["color"]),
+                                       nvdec_gpu, deadline, limits.max_decode_seconds)
+    return facts, indices, frames
 
 
 def decode_frame_list(frames: Sequence[bytes], limits: VideoLimits) -> np.ndarray:

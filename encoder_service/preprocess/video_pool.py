@@ -45,8 +45,9 @@ class DecodedClip:
     frames: np.ndarray  # uint8 [len(indices), H, W, 3] RGB
 
 
-def _child_main(conn) -> None:
-    """A child's loop: (data, indices_fn, limits) in, ("ok", DecodedClip) or (error name, message) out."""
+def _child_main(conn, nvdec_gpu: int | None = None) -> None:
+    """A child's loop: (data, indices_fn, limits) in, ("ok", DecodedClip) or (error name, message) out.
+    ``nvdec_gpu``: the frames decode with NVDEC on that GPU (video_nvdec.py)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group; the parent decides
     conn.send(("ready", None))
     while True:
@@ -58,7 +59,7 @@ def _child_main(conn) -> None:
             return
         data, indices_fn, limits = job
         try:
-            answer = ("ok", DecodedClip(*probe_and_decode(data, indices_fn, limits)))
+            answer = ("ok", DecodedClip(*probe_and_decode(data, indices_fn, limits, nvdec_gpu)))
         except EncoderError as e:
             answer = (type(e).__name__, e.message)
         except Exception as e:  # a bug, reported to the caller; the child goes on
@@ -68,9 +69,11 @@ def _child_main(conn) -> None:
 
 
 class _Child:
-    def __init__(self, ctx) -> None:
+    def __init__(self, ctx, nvdec_gpu: int | None = None) -> None:
+        self.nvdec_gpu = nvdec_gpu
         self.conn, child_end = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=_child_main, args=(child_end,), daemon=True, name="video-decode")
+        self.process = ctx.Process(target=_child_main, args=(child_end, nvdec_gpu), daemon=True,
+                                   name="video-decode")
         self.process.start()
         child_end.close()
         self.ready = False
@@ -102,9 +105,11 @@ class VideoDecodePool:
     ``grace_s``: how long past ``limits.max_decode_seconds`` a child may take before it is killed
     (the child's own time check answers first with a clear message; this is the backstop).
     ``start_timeout_s``: how long a new child may take to start (imports), not counted in a call's bound.
+    ``nvdec_gpus``: the children decode frames with NVDEC (``--video-decode nvdec``), spread over these GPUs.
     """
 
-    def __init__(self, processes: int = 2, *, grace_s: float = 2.0, start_timeout_s: float = 60.0) -> None:
+    def __init__(self, processes: int = 2, *, grace_s: float = 2.0, start_timeout_s: float = 60.0,
+                 nvdec_gpus: tuple[int, ...] = ()) -> None:
         if processes < 1:
             raise ValueError("a video decode pool needs at least one process")
         self._ctx = multiprocessing.get_context("spawn")
@@ -113,14 +118,14 @@ class VideoDecodePool:
         self._closed = False
         self._idle: queue.SimpleQueue[_Child] = queue.SimpleQueue()
         self._children: set[_Child] = set()
-        for _ in range(processes):
-            self._idle.put(self._start_child())
+        for n in range(processes):  # with NVDEC, the children spread over the GPUs
+            self._idle.put(self._start_child(nvdec_gpus[n % len(nvdec_gpus)] if nvdec_gpus else None))
         # One thread per child: a running call holds one child, so a thread never waits for one.
         self._threads = ThreadPoolExecutor(processes, thread_name_prefix="video-decode")
         self.replaced = 0  # children killed and replaced (crash or hang), for tests and metrics
 
-    def _start_child(self) -> _Child:
-        child = _Child(self._ctx)
+    def _start_child(self, nvdec_gpu: int | None = None) -> _Child:
+        child = _Child(self._ctx, nvdec_gpu)
         with self._lock:
             self._children.add(child)
         return child
@@ -139,18 +144,18 @@ class VideoDecodePool:
                 child.wait_ready(self.start_timeout_s)
             except (EOFError, OSError):
                 code = self._replace(child)
-                child = self._start_child()
+                child = self._start_child(child.nvdec_gpu)
                 raise EncoderError(f"the video decode process died starting (exit code {code})") from None
             try:
                 child.conn.send((data, indices_fn, limits))  # pickled whole before a byte is written
             except OSError:  # the idle child had died (killed from outside)
                 code = self._replace(child)
-                child = self._start_child()
+                child = self._start_child(child.nvdec_gpu)
                 raise EncoderError(f"the video decode process was gone (exit code {code}); replaced") from None
             bound = limits.max_decode_seconds + self.grace_s
             if not child.conn.poll(bound):
                 self._replace(child)
-                child = self._start_child()
+                child = self._start_child(child.nvdec_gpu)
                 log.warning("video decode process killed: no answer within %.1f s", bound)
                 raise ResourceExhausted(
                     f"decoding the clip took more than {bound:g} s and was stopped, over the limit of "
@@ -159,7 +164,7 @@ class VideoDecodePool:
                 status, payload = child.conn.recv()
             except (EOFError, OSError):
                 code = self._replace(child)
-                child = self._start_child()
+                child = self._start_child(child.nvdec_gpu)
                 log.warning("video decode process crashed (exit code %s); replaced", code)
                 raise InvalidInput(
                     f"the video decoder crashed on this clip (decode process exit code {code}); "
