@@ -27,7 +27,6 @@ from encoder_service.preprocess.video_decode import (
     decode_frame_list,
     decode_frames,
     probe,
-    probe_and_decode,
 )
 from encoder_service.preprocess.video_pool import DecodedClip, VideoDecodePool
 
@@ -310,16 +309,3 @@ def test_pool_fuzz_never_breaks(pool):
         assert isinstance(result, (DecodedClip, InvalidInput, ResourceExhausted)), repr(result)
         assert not isinstance(result, EncoderError) or result.code in ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED")
     assert run(pool.decode(clip(), vi.first_frame, LIMITS)).frames.shape == (1, 48, 64, 3)
-
-
-@pytest.mark.parametrize("codec", ["libx264", "libx265", "libvpx-vp9"])
-def test_decoder_threads_give_the_same_frames(codec):
-    # The decoder processes use FFmpeg's frame threads (the host's cores shared among them): the frames
-    # must be the single-threaded decode's, bit for bit (x264's B-frames included).
-    container = "webm" if codec == "libvpx-vp9" else "mp4"
-    clip = vi.make_clip(container, codec, frames=30, width=96, height=64, fps=10)
-    indices = [0, 3, 7, 7, 12, 29]
-    single = decode_frames(clip, indices, LIMITS)
-    np.testing.assert_array_equal(decode_frames(clip, indices, LIMITS, threads=4), single)
-    _, _, pooled = probe_and_decode(clip, lambda facts: indices, LIMITS, threads=3)
-    np.testing.assert_array_equal(pooled, single)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 from concurrent.futures import Executor
 
 import numpy as np
@@ -66,10 +65,7 @@ class VideoPreparer:
             if self._pool is None:
                 nvdec = self.config.video_decode == "nvdec"
                 gpus = gpu_indices(self.config.devices, self.config.device) if nvdec else ()
-                processes = self.config.video_decode_processes
-                # The host's cores shared among the decoders: an HD clip's decode is the CPU half's cost.
-                threads = max(1, (os.cpu_count() or 1) // processes)
-                self._pool = VideoDecodePool(processes, nvdec_gpus=gpus, threads=threads)
+                self._pool = VideoDecodePool(self.config.video_decode_processes, nvdec_gpus=gpus)
             decoded = await self._pool.decode(video.encoded, sample, limits)
             clip, indices, frames = decoded.facts, decoded.indices, decoded.frames
         else:

@@ -256,8 +256,7 @@ def _check_indices(indices: Sequence[int], limits: VideoLimits) -> list[int]:
     return wanted
 
 
-def _decode(data: bytes, indices: Sequence[int], limits: VideoLimits, deadline: float, threads: int = 1
-            ) -> np.ndarray:
+def _decode(data: bytes, indices: Sequence[int], limits: VideoLimits, deadline: float) -> np.ndarray:
     wanted = _check_indices(indices, limits)
     rows: dict[int, list[int]] = {}
     for row, index in enumerate(wanted):
@@ -267,9 +266,6 @@ def _decode(data: bytes, indices: Sequence[int], limits: VideoLimits, deadline: 
     decoded = 0
     with _Clip(data, limits, deadline) as clip, _parse_errors(limits):
         clip.container.seek(0)  # as read_video_pyav does
-        if threads > 1:  # FFmpeg's frame and slice threads: the same frames, sooner
-            clip.stream.thread_type = "AUTO"
-            clip.stream.codec_context.thread_count = threads
         for i, frame in enumerate(clip.container.decode(video=0)):
             decoded = i + 1
             _check_time(deadline, limits)
@@ -296,26 +292,25 @@ def _decode(data: bytes, indices: Sequence[int], limits: VideoLimits, deadline: 
     return out
 
 
-def decode_frames(data: bytes, indices: Sequence[int], limits: VideoLimits, threads: int = 1) -> np.ndarray:
+def decode_frames(data: bytes, indices: Sequence[int], limits: VideoLimits) -> np.ndarray:
     """The frames at ``indices`` (counted from 0 in presentation order, as read_video_pyav counts),
     uint8 ``[len(indices), H, W, 3]`` RGB, one row per entry of ``indices`` in its order.
     InvalidInput for bad bytes, an index past the last decodable frame, frames of different sizes;
     ResourceExhausted over a limit."""
-    return _decode(data, indices, limits, _deadline(limits), threads)
+    return _decode(data, indices, limits, _deadline(limits))
 
 
-def probe_and_decode(data: bytes, indices_fn, limits: VideoLimits, nvdec_gpu: int | None = None,
-                     threads: int = 1) -> tuple[ClipFacts, list[int], np.ndarray]:
+def probe_and_decode(data: bytes, indices_fn, limits: VideoLimits, nvdec_gpu: int | None = None
+                     ) -> tuple[ClipFacts, list[int], np.ndarray]:
     """``probe``, ``indices_fn(facts)``, then ``decode_frames`` of those indices, under one time budget.
-    ``threads``: FFmpeg's decoding threads for this clip (the frames do not change). ``nvdec_gpu``:
-    decode the frames with NVDEC on that GPU instead (video_nvdec.py; the probe, the sampling and the
-    checks stay these)."""
+    ``nvdec_gpu``: decode the frames with NVDEC on that GPU instead (video_nvdec.py; the probe, the
+    sampling and the checks stay these)."""
     deadline = _deadline(limits)
     header: dict = {}
     facts = _probe(data, limits, deadline, header)
     indices = [int(i) for i in indices_fn(facts)]
     if nvdec_gpu is None:
-        return facts, indices, _decode(data, indices, limits, deadline, threads)
+        return facts, indices, _decode(data, indices, limits, deadline)
     from . import video_nvdec
 
     wanted = _check_indices(indices, limits)

@@ -45,9 +45,9 @@ class DecodedClip:
     frames: np.ndarray  # uint8 [len(indices), H, W, 3] RGB
 
 
-def _child_main(conn, nvdec_gpu: int | None = None, threads: int = 1) -> None:
+def _child_main(conn, nvdec_gpu: int | None = None) -> None:
     """A child's loop: (data, indices_fn, limits) in, ("ok", DecodedClip) or (error name, message) out.
-    ``nvdec_gpu``: the frames decode with NVDEC on that GPU (video_nvdec.py); ``threads``: FFmpeg's."""
+    ``nvdec_gpu``: the frames decode with NVDEC on that GPU (video_nvdec.py)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group; the parent decides
     conn.send(("ready", None))
     while True:
@@ -59,7 +59,7 @@ def _child_main(conn, nvdec_gpu: int | None = None, threads: int = 1) -> None:
             return
         data, indices_fn, limits = job
         try:
-            answer = ("ok", DecodedClip(*probe_and_decode(data, indices_fn, limits, nvdec_gpu, threads)))
+            answer = ("ok", DecodedClip(*probe_and_decode(data, indices_fn, limits, nvdec_gpu)))
         except EncoderError as e:
             answer = (type(e).__name__, e.message)
         except Exception as e:  # a bug, reported to the caller; the child goes on
@@ -69,10 +69,10 @@ def _child_main(conn, nvdec_gpu: int | None = None, threads: int = 1) -> None:
 
 
 class _Child:
-    def __init__(self, ctx, nvdec_gpu: int | None = None, threads: int = 1) -> None:
+    def __init__(self, ctx, nvdec_gpu: int | None = None) -> None:
         self.nvdec_gpu = nvdec_gpu
         self.conn, child_end = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=_child_main, args=(child_end, nvdec_gpu, threads), daemon=True,
+        self.process = ctx.Process(target=_child_main, args=(child_end, nvdec_gpu), daemon=True,
                                    name="video-decode")
         self.process.start()
         child_end.close()
@@ -106,15 +106,13 @@ class VideoDecodePool:
     (the child's own time check answers first with a clear message; this is the backstop).
     ``start_timeout_s``: how long a new child may take to start (imports), not counted in a call's bound.
     ``nvdec_gpus``: the children decode frames with NVDEC (``--video-decode nvdec``), spread over these GPUs.
-    ``threads``: FFmpeg's decoding threads in each child (frame and slice threads; the frames are the same).
     """
 
     def __init__(self, processes: int = 2, *, grace_s: float = 2.0, start_timeout_s: float = 60.0,
-                 nvdec_gpus: tuple[int, ...] = (), threads: int = 1) -> None:
+                 nvdec_gpus: tuple[int, ...] = ()) -> None:
         if processes < 1:
             raise ValueError("a video decode pool needs at least one process")
         self._ctx = multiprocessing.get_context("spawn")
-        self.threads = threads
         self.grace_s, self.start_timeout_s = grace_s, start_timeout_s
         self._lock = threading.Lock()
         self._closed = False
@@ -127,7 +125,7 @@ class VideoDecodePool:
         self.replaced = 0  # children killed and replaced (crash or hang), for tests and metrics
 
     def _start_child(self, nvdec_gpu: int | None = None) -> _Child:
-        child = _Child(self._ctx, nvdec_gpu, self.threads)
+        child = _Child(self._ctx, nvdec_gpu)
         with self._lock:
             self._children.add(child)
         return child
