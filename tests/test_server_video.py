@@ -146,15 +146,41 @@ def test_every_broken_clip_of_the_corpus_fails_alone(server, clip):
     assert ok.num_tokens > 0
 
 
-def test_a_clip_over_one_forward_is_refused_naming_the_flag(start_encoder_server, clip):
-    server = start_encoder_server("--max-batch-tokens", "64", "--max-video-bytes", str(1 << 20))
+@pytest.mark.parametrize("flags", [(), ("--devices", "cpu")], ids=["in-process", "worker"])
+def test_a_clip_larger_than_one_forward_is_encoded_in_parts_equal_to_one_forward(start_encoder_server, model,
+                                                                                 clip, flags):
+    # 12 frames: grid (6, 4, 4), 96 patches, over --max-batch-tokens 64: cut into parts of whole temporal
+    # patches (4 + 2), which attend only within themselves, so the rows equal one forward's.
+    server = start_encoder_server("--max-batch-tokens", "64", "--max-video-bytes", str(1 << 20), *flags)
+    with EncoderClient(server.target, timeout_s=60) as client:
+        (got,) = client.encode([Video(clip, num_frames=12)])
+        (again,) = client.encode([Video(clip, num_frames=12)])
+    want, used = expected(model, clip, num_frames=12)
+    assert tuple(got.grid_thw) == (6, 4, 4) and list(got.frame_indices) == used
+    close(got.embedding, want)
+    assert again.cache_hit and np.array_equal(again.embedding, got.embedding)
+
+
+def test_a_kimi_clip_larger_than_one_forward_is_cut_at_its_chunks(start_encoder_server, clip):
+    # 10 frames of 4 x 6 patches: chunks of 4, 4 and 2 frames (96, 96 and 48 patches) under a budget of 100.
+    server = start_encoder_server("--model", "tiny-kimi-k2.5", "--max-batch-tokens", "100")
+    with EncoderClient(server.target, timeout_s=60) as client:
+        (got,) = client.encode([Video(clip, num_frames=10)])
+    model = load_vision_model("tiny-kimi-k2.5", device="cpu", dtype=torch.float32)
+    pixels, grid, _ = model.preprocess_video(clip, num_frames=10)
+    assert tuple(got.grid_thw) == grid == (10, 4, 6)
+    (want,) = model.encode(pixels, [grid])
+    close(got.embedding, want.numpy())
+
+
+def test_a_clip_whose_one_step_is_over_one_forward_is_refused_naming_the_flag(start_encoder_server, clip):
+    server = start_encoder_server("--max-batch-tokens", "12", "--max-video-bytes", str(1 << 20))
     with EncoderClient(server.target, timeout_s=60) as client:
         with pytest.raises(EncoderClientError) as err:
-            client.encode([Video(clip, num_frames=12)])
+            client.encode([Video(clip, num_frames=4)])  # each temporal patch 16 patches
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "clip has" in err.value.details and "--max-batch-tokens 64" in err.value.details, err.value.details
-        (ok,) = client.encode([Video(clip, num_frames=2)])  # 16 patches fit
-    assert ok.num_tokens > 0
+        assert "clip has" in err.value.details and "--max-batch-tokens 12" in err.value.details, err.value.details
+        assert client.health() == "SERVING"
 
 
 def test_limits_name_their_flag(server, clip):

@@ -22,6 +22,7 @@ class WorkItem:
     grid: Grid
     job: Any  # the engine's bookkeeping object; opaque here
     enqueued_at: float = field(default_factory=time.perf_counter)
+    part: int = 0  # a clip split over forwards: which part of its job this is (engine/engine.py)
 
     @property
     def num_patches(self) -> int:

@@ -30,7 +30,7 @@ from ..metrics import ServiceMetrics
 from ..models.base import validate_grid
 from ..models.served import ServedModel
 from ..preprocess import decode
-from ..preprocess.staged import StagedInput, check_patch_bytes
+from ..preprocess.staged import StagedInput, check_patch_bytes, clip_part
 from .admission import Admission
 from .batch_queue import BatchQueue, WorkItem
 from .cache import CacheEntry, EmbeddingCache
@@ -185,6 +185,15 @@ class Engine:
 
     def _check_size(self, grid: Grid, what: str = "image") -> None:
         n = self.front.num_patches(grid)
+        if what == "clip" and (unit := self.front.spec.split_unit):
+            # A clip is cut over forwards where the model allows (_work_items): one part must fit.
+            t, h, w = grid
+            if (part := min(unit, t) * h * w) <= self.config.max_batch_tokens:
+                return
+            raise ResourceExhausted(
+                f"clip has {n} patches (grid {list(grid)}); even its smallest part ({min(unit, t)} of its {t} "
+                f"time steps, {part} patches) is more than --max-batch-tokens {self.config.max_batch_tokens} "
+                "allows in one forward pass; sample smaller frames")
         if n > self.config.max_batch_tokens:
             advice = "send a smaller image" if what == "image" else "sample fewer or smaller frames"
             raise ResourceExhausted(
@@ -325,10 +334,25 @@ class Engine:
             return  # already queued by another request, or further along
         if self._closed:
             raise Unavailable("server is draining")
-        job.item = WorkItem(job.payload, job.grid, job)
-        job.payload = None  # the item holds it now; freed as soon as the forward is done
+        job.items = self._work_items(job)
+        job.payload = None  # the items hold it now; freed as soon as the forwards are done
         job.state = "queued"
-        self._queue.put(job.item)
+        for item in job.items:
+            self._queue.put(item)
+
+    def _work_items(self, job: Job) -> list[WorkItem]:
+        """The job's forward work: one item, or a clip larger than one forward cut into parts of whole
+        ``spec.split_unit`` steps (exact: those steps encode independently), each as large as fits."""
+        budget = self.config.max_batch_tokens
+        if job.clip is None or self.front.num_patches(job.grid) <= budget:
+            return [WorkItem(job.payload, job.grid, job)]
+        spec = self.front.spec
+        t, h, w = job.grid
+        steps = budget // (h * w * spec.split_unit) * spec.split_unit  # _check_size: at least one unit
+        patch_bytes = spec.patch_dim * 4  # a family without frames on the device stages float32 patches
+        return [WorkItem(clip_part(job.payload, start, min(start + steps, t), spec.temporal_patch_size, patch_bytes),
+                         (min(start + steps, t) - start, h, w), job, part=n)
+                for n, start in enumerate(range(0, t, steps))]
 
     def _leave(self, job: Job) -> None:
         """One waiting image slot is done with the job (streamed it, failed or was cancelled)."""
@@ -340,10 +364,13 @@ class Engine:
         if job.refs > 0 or job.state in ("running", "failed", "abandoned"):
             return
         # Nobody waits any more and no forward has taken it: drop it and free its slot.
-        if job.state == "queued" and not self._queue.remove(job.item):
-            return  # the worker took it a moment ago; its result will still be cached
+        if job.state == "queued":
+            if len(job.items) > 1:
+                return  # a clip split over forwards, once queued, is finished (and cached)
+            if not self._queue.remove(job.items[0]):
+                return  # the worker took it a moment ago; its result will still be cached
         job.state = "abandoned"
-        job.item = job.payload = None
+        job.items, job.payload = [], None
         self.metrics.images_abandoned.inc()
         self._drop(job)
 
@@ -380,19 +407,27 @@ class Engine:
         embeddings = iter(outcome.embeddings or ())
         for i, item in enumerate(outcome.items):
             job: Job = item.job
-            job.item = None
+            error = outcome.item_errors.get(i) or outcome.error
+            embedding: torch.Tensor | None = next(embeddings) if error is None else None
+            if job.state == "failed":  # another part of this clip failed
+                continue
+            job.timing.forward_ms = forward_ms
+            if error is None:
+                m.record_encoded(device, item.num_patches, int(embedding.shape[0]),  # a shape: no device sync
+                                 "video" if job.clip is not None else "image")
+                if len(job.items) > 1:
+                    job.parts.append((item.part, embedding))
+                    if len(job.parts) < len(job.items):
+                        continue  # the clip's other parts are still to come
+                    embedding = torch.cat([e for _, e in sorted(job.parts, key=lambda p: p[0])])
+                    job.parts = []
+            job.items = []
             if self._inflight.get(job.key) is job:
                 del self._inflight[job.key]
-            job.timing.forward_ms = forward_ms
-            error = outcome.item_errors.get(i) or outcome.error
             if error is not None:
                 job.state = "failed"
                 job.done.set_exception(error)
                 continue
-            embedding: torch.Tensor = next(embeddings)
-            patches = item.num_patches
-            m.record_encoded(device, patches, int(embedding.shape[0]),  # a shape: no device sync
-                             "video" if job.clip is not None else "image")
             job.state = "done"
             # Pin once per request still waiting: each unpins after streaming it.
             job.stored = self.config.cache_bytes > 0 and self.cache.put(job.key, embedding, job.grid,

@@ -22,7 +22,8 @@ class Job:
     state: str = "preparing"  # preparing -> prepared -> queued -> running -> done | failed | abandoned
     payload: StagedInput | None = None  # what the device worker turns into patches
     grid: Grid | None = None
-    item: WorkItem | None = None
+    items: list[WorkItem] = field(default_factory=list)  # queued: one, or a clip's parts in order
+    parts: list = field(default_factory=list)  # a split clip: each part's embedding, once computed
     holds_slot: bool = True  # an admission slot, until it enters a forward or is dropped
     stored: bool = False  # whether the cache took it (then each remaining ref holds a pin)
     timing: Timing = field(default_factory=Timing)

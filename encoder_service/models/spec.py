@@ -45,6 +45,17 @@ class ModelSpec:
     def merge_unit(self) -> int:
         return self.spatial_merge_size * self.spatial_merge_size
 
+    @property
+    def split_unit(self) -> int:
+        """Grid ``t`` steps of a clip that encode independently of the rest of it, so a clip too large
+        for one forward may be cut into parts of whole steps, encoded in separate forwards and their
+        rows concatenated: 1 where no frame attends across time slices (Qwen: attention sequences and
+        positions are per temporal patch), ``frames_per_chunk`` where frames are merged per chunk
+        (Kimi-K2.5: a chunk attends within itself); 0 (never) where a grid is one merged group."""
+        if self.frames_merged:
+            return self.frames_per_chunk
+        return 1
+
     def num_tokens(self, grid: Sequence[int]) -> int:
         """Embedding rows of one image (or clip) of ``grid`` [t, h, w] (in patches): ``t`` sets of
         ``h*w/merge_unit`` rows, or with ``frames_merged`` one set per group of frames

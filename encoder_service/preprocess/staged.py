@@ -117,6 +117,21 @@ class DecodedClip:
 StagedInput = DecodedImage | RawPatches | DecodedClip
 
 
+def clip_part(payload: StagedInput, start: int, stop: int, frames_per_step: int, patch_bytes: int) -> StagedInput:
+    """Grid steps ``[start, stop)`` of a clip's payload, as a payload of their own (no copy): a
+    ``DecodedClip``'s frames (``frames_per_step`` to a step; the last part keeps the frames the temporal
+    padding repeats) or a ``RawPatches``' rows (``h * w`` patches of ``patch_bytes`` to a step)."""
+    _, h, w = payload.grid
+    grid = (stop - start, h, w)
+    if isinstance(payload, DecodedClip):
+        frames = payload.frames[start * frames_per_step:stop * frames_per_step]
+        return DecodedClip(frames, payload.resize_to, grid)
+    if isinstance(payload, RawPatches):
+        step = h * w * patch_bytes
+        return RawPatches(memoryview(payload.data)[start * step:stop * step], payload.dtype, grid)
+    raise TypeError(f"a {type(payload).__name__} is not a clip's payload")
+
+
 def check_patch_bytes(data: bytes, dtype: str, grid: Grid, patch_dim: int) -> RawPatches:
     """A client's patch bytes checked against their grid (cheap: lengths only, no conversion)."""
     if dtype not in BY_NAME:
