@@ -1,7 +1,8 @@
 """GPU checks of the video path (pytest -m gpu on the GPU machine, which has torchvision): in the ``torch``
-mode a clip's frames resized, normalized and patchified on CUDA equal transformers' torchvision-backed
-video processors run on CUDA (``device="cuda"``); the forward of a batch holding a clip stays free of
-host syncs; a clip through a real CUDA server equals the model's own video path.
+mode a clip's frames resized (padded), normalized and patchified on CUDA equal transformers'
+torchvision-backed video processors run on CUDA (``device="cuda"``), Qwen's and Kimi-K2.5's; the forward
+of a batch holding a clip stays free of host syncs; a clip through a real CUDA server equals the model's
+own video path; NVDEC's frames against PyAV's.
 
 Tolerance held: exact, as for images (tests/test_gpu_preprocess.py). transformers resizes the frames with
 ``tvF.resize`` on CUDA, which computes ``F.interpolate(bicubic, antialias=True)`` in float32 and rounds
@@ -66,6 +67,26 @@ def test_torch_mode_clip_equals_transformers_video_processor_on_cuda(preset, sha
     assert len(used) % model.video_config.temporal_patch_size == 0
     diff = (ours - ref.to(ours.device)).abs().max().item()
     print(f"{preset} clip {shape}: torch mode on CUDA vs transformers on CUDA, max abs diff {diff}")
+    assert diff == 0.0
+
+
+@pytest.mark.parametrize("shape", CLIPS, ids=["x".join(map(str, s)) for s in CLIPS])
+def test_kimi_torch_mode_clip_equals_transformers_video_processor_on_cuda(shape):
+    pytest.importorskip("torchvision")
+    from transformers.models.kimi_k25.video_processing_kimi_k25 import Kimi_K25VideoProcessor
+
+    from encoder_service.models.kimi_k25.video import KimiK25VideoConfig
+
+    model = load_vision_model("tiny-kimi-k2.5", device="cuda", preprocess="torch")
+    model.video_config = KimiK25VideoConfig()  # the processor's class defaults, as the reference below
+    frames = _frames(shape[0] + 1, *shape)
+    out = Kimi_K25VideoProcessor()(frames, do_sample_frames=False, return_tensors="pt", device="cuda")
+    clip, _ = model.video_front().stage(frames, list(range(shape[0])), VideoSampling(), "torch")
+    ours = model.stage([clip], dtype=torch.float32)
+    ref = out["pixel_values_videos"].reshape(ours.shape).to(ours.device)
+    assert sum(g[0] for g in out["video_grid_thw"].tolist()) == clip.grid[0] == shape[0]
+    diff = (ours - ref).abs().max().item()
+    print(f"kimi clip {shape}: torch mode on CUDA vs transformers on CUDA, max abs diff {diff}")
     assert diff == 0.0
 
 

@@ -105,7 +105,8 @@ def test_bad_frames_are_invalid_input():
 # The service's split of the same work (VideoFront.stage: uint8 frames on the CPU, then the model's device
 # half) against the processor's values (VideoFront.process), in both preprocess modes: pil resizes on the
 # CPU before staging, torch on the device (here the CPU, whose uint8 kernel is the reference's).
-STAGED = [("tiny-qwen2.5-vl", (3, 60, 90)), ("tiny-qwen2.5-vl", (4, 56, 56)), ("tiny-qwen3-vl", (5, 100, 140))]
+STAGED = [("tiny-qwen2.5-vl", (3, 60, 90)), ("tiny-qwen2.5-vl", (4, 56, 56)), ("tiny-qwen3-vl", (5, 100, 140)),
+          ("tiny-kimi-k2.5", (6, 100, 150)), ("tiny-kimi-k2.5", (5, 56, 84))]  # Kimi: resized, then padded
 
 
 @pytest.mark.parametrize("mode", ["pil", "torch"])

@@ -41,7 +41,7 @@ def describe(offset: int, payload) -> tuple:
         return ("image", offset, payload.nbytes, payload.pixels.shape, payload.resize_to, payload.pad_to,
                 payload.grid)
     if isinstance(payload, DecodedClip):
-        return ("clip", offset, payload.nbytes, payload.frames.shape, payload.resize_to, payload.grid)
+        return ("clip", offset, payload.nbytes, payload.frames.shape, payload.resize_to, payload.grid, payload.pad_to)
     if isinstance(payload, JpegImage):
         return ("jpeg", offset, payload.nbytes, payload.orientation, payload.size, payload.resize_to,
                 payload.pad_to, payload.grid)
@@ -57,8 +57,9 @@ def rebuild(buffer: SharedBuffer, described: tuple):
         _, offset, nbytes, shape, resize_to, pad_to, grid = described
         return DecodedImage(buffer.view(offset, nbytes).reshape(shape), tuple(resize_to), tuple(pad_to), tuple(grid))
     if described[0] == "clip":
-        _, offset, nbytes, shape, resize_to, grid = described
-        return DecodedClip(buffer.view(offset, nbytes).reshape(shape), tuple(resize_to), tuple(grid))
+        _, offset, nbytes, shape, resize_to, grid, pad_to = described
+        return DecodedClip(buffer.view(offset, nbytes).reshape(shape), tuple(resize_to), tuple(grid),
+                           None if pad_to is None else tuple(pad_to))
     if described[0] == "jpeg":
         # The file's bytes stay in the shared buffer (a writable view: the device decoder reads it
         # in place, see nvjpeg.decode_on_device); the slot is not written again before the batch

@@ -105,6 +105,7 @@ class DecodedClip:
     frames: np.ndarray
     resize_to: tuple[int, int]
     grid: Grid
+    pad_to: tuple[int, int] | None = None  # zero-padded bottom/right to this after the resize (Kimi-K2.5)
 
     @property
     def nbytes(self) -> int:
@@ -125,7 +126,7 @@ def clip_part(payload: StagedInput, start: int, stop: int, frames_per_step: int,
     grid = (stop - start, h, w)
     if isinstance(payload, DecodedClip):
         frames = payload.frames[start * frames_per_step:stop * frames_per_step]
-        return DecodedClip(frames, payload.resize_to, grid)
+        return DecodedClip(frames, payload.resize_to, grid, payload.pad_to)
     if isinstance(payload, RawPatches):
         step = h * w * patch_bytes
         return RawPatches(memoryview(payload.data)[start * step:stop * step], payload.dtype, grid)
@@ -245,15 +246,18 @@ _RESIZE_FRAMES = 16
 
 def clip_frames(raw: torch.Tensor, item: DecodedClip, mode: str) -> torch.Tensor:
     """A clip's frame bytes on the device -> uint8 [T, 3, h, w], resized to ``item.resize_to`` (torch
-    mode: on the device, frames batched through the same kernel ``resize_uint8`` runs per image)."""
+    mode: on the device, frames batched through the same kernel ``resize_uint8`` runs per image) and
+    zero-padded to ``item.pad_to`` where it has one."""
     frames, height, width, channels = item.frames.shape
     video = raw.view(frames, height, width, channels).permute(0, 3, 1, 2)
-    if (height, width) == tuple(item.resize_to):
-        return video
-    if mode != "torch":
-        raise InvalidInput(f"pil mode: clip frames are {width}x{height} but should have been resized on the CPU "
-                           f"to {item.resize_to[1]}x{item.resize_to[0]}")
-    return torch.cat([resize_uint8(part.contiguous(), item.resize_to) for part in video.split(_RESIZE_FRAMES)])
+    if (height, width) != tuple(item.resize_to):
+        if mode != "torch":
+            raise InvalidInput(f"pil mode: clip frames are {width}x{height} but should have been resized on the "
+                               f"CPU to {item.resize_to[1]}x{item.resize_to[0]}")
+        video = torch.cat([resize_uint8(part.contiguous(), item.resize_to) for part in video.split(_RESIZE_FRAMES)])
+    if item.pad_to is not None and tuple(video.shape[-2:]) != tuple(item.pad_to):
+        video = F.pad(video, (0, item.pad_to[1] - video.shape[-1], 0, item.pad_to[0] - video.shape[-2]))
+    return video
 
 
 def apply_table(chw: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

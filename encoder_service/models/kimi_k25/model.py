@@ -354,6 +354,16 @@ class KimiK25VisionModel(VisionModel):
             fingerprint=fingerprint,
         )
 
+    def _clip_value_table(self) -> torch.Tensor:
+        from .video import value_table
+
+        return value_table(self.video_config)
+
+    def _patchify_clip(self, frames: torch.Tensor) -> torch.Tensor:
+        from .video import patchify_clip
+
+        return patchify_clip(frames, self.video_config)
+
     def video_front(self):
         from .video import video_front
 

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 
 from ...errors import InvalidInput
 from ...preprocess import settings
-from ...preprocess.staged import apply_table, host_tensor, resize_uint8, torchvision_value_table
+from ...preprocess.staged import DecodedClip, apply_table, host_tensor, resize_uint8, torchvision_value_table
 from ...preprocess.video_sampling import (
     ClipFacts,
     VideoSampling,
@@ -201,6 +201,12 @@ def chunk_grids(num_frames: int, height: int, width: int, config: KimiK25VideoCo
     return clip_chunks((num_frames, gh, gw), cfg.temporal_patch_size)
 
 
+def value_table(cfg: KimiK25VideoConfig) -> torch.Tensor:
+    """float32 [3, 256]: rescale and normalize of each byte as the torchvision-backed processor computes it."""
+    return torchvision_value_table(cfg.image_mean, cfg.image_std, cfg.rescale_factor, cfg.do_rescale,
+                                   cfg.do_normalize)
+
+
 def preprocess_video(frames: np.ndarray, config: KimiK25VideoConfig | None = None
                      ) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
     """Sampled uint8 frames [T, H, W, 3] -> (float32 [sum of t*h*w, 3*P*P], one grid per chunk):
@@ -209,8 +215,7 @@ def preprocess_video(frames: np.ndarray, config: KimiK25VideoConfig | None = Non
     if frames.ndim != 4 or frames.shape[-1] != settings.NUM_CHANNELS or frames.dtype != np.uint8 or not len(frames):
         raise InvalidInput(f"video frames must be uint8 [T, H, W, 3], got {frames.dtype} {list(frames.shape)}")
     resize_to, (pad_h, pad_w), (gh, gw) = video_geometry(frames.shape[1], frames.shape[2], cfg)
-    table = torchvision_value_table(cfg.image_mean, cfg.image_std, cfg.rescale_factor, cfg.do_rescale,
-                                    cfg.do_normalize)
+    table = value_table(cfg)
     p = cfg.patch_size
     patches = []
     for frame in host_tensor(frames).permute(0, 3, 1, 2):
@@ -226,7 +231,36 @@ def video_front(config: KimiK25VideoConfig) -> VideoFront:
     sampling above, ``process_clip``, and each used frame's source time (``source_seconds``: a chunk's
     timestamp is its first frame's, see the module docstring)."""
     return VideoFront(sample=functools.partial(sample_frame_indices, config=config),
-                      process=functools.partial(process_clip, config=config), timestamps=source_seconds)
+                      process=functools.partial(process_clip, config=config), timestamps=source_seconds,
+                      stage=functools.partial(stage_clip, config=config))
+
+
+def stage_clip(frames: np.ndarray, indices: list[int], sampling: VideoSampling, mode: str, *,
+               config: KimiK25VideoConfig) -> tuple[DecodedClip, list[int]]:
+    """Sampled frames -> (the clip's CPU half for the device, the indices as given): the frames as uint8
+    with their size after the resize, the padded size and ONE grid ``(T, h, w)`` as ``process_clip``
+    gives; resized here only in pil mode (the reference's CPU kernel: bit for bit ``preprocess_video``),
+    padded, normalized and patchified on the device (the model's ``_patchify_clip``)."""
+    if frames.ndim != 4 or frames.shape[-1] != settings.NUM_CHANNELS or frames.dtype != np.uint8 or not len(frames):
+        raise InvalidInput(f"video frames must be uint8 [T, H, W, 3], got {frames.dtype} {list(frames.shape)}")
+    resize_to, pad_to, (gh, gw) = video_geometry(frames.shape[1], frames.shape[2], config)
+    if not config.do_resize:
+        resize_to = tuple(frames.shape[1:3])
+    if mode != "torch" and tuple(frames.shape[1:3]) != tuple(resize_to):
+        resized = resize_uint8(host_tensor(frames).permute(0, 3, 1, 2), resize_to)  # host: pil mode resizes here
+        frames = resized.permute(0, 2, 3, 1).numpy()
+    clip = DecodedClip(np.ascontiguousarray(frames), tuple(resize_to), (int(frames.shape[0]), gh, gw), tuple(pad_to))
+    return clip, [int(i) for i in indices]
+
+
+def patchify_clip(frames: torch.Tensor, config: KimiK25VideoConfig) -> torch.Tensor:
+    """[T, C, H, W] normalized, padded frames -> [T*gh*gw, C*P*P]: each frame's patches in raster order,
+    frame after frame (``pixel_values_videos`` flattened per patch)."""
+    count, channels, height, width = frames.shape
+    p = config.patch_size
+    gh, gw = height // p, width // p
+    patches = frames.reshape(count, channels, gh, p, gw, p).permute(0, 2, 4, 1, 3, 5)
+    return patches.reshape(count * gh * gw, channels * p * p)
 
 
 def process_clip(frames: np.ndarray, indices: list[int], sampling: VideoSampling, *, config: KimiK25VideoConfig
