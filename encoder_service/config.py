@@ -83,7 +83,8 @@ class ServiceConfig:
         at_least=0, note="or -1: by device")
     max_batch_tokens: int = option(16384,
         "most patches in one forward pass; concurrent requests are batched up to "
-        "it. One image with more patches than this is rejected (RESOURCE_EXHAUSTED).",
+        "it. One image with more patches than this is rejected (RESOURCE_EXHAUSTED); a larger clip "
+        "is cut into parts of whole time steps, one forward each (see --max-video-patches).",
         at_least=1)
     max_queue_images: int = option(256,
         "most images admitted and waiting for a forward pass; a request that "
@@ -114,7 +115,19 @@ class ServiceConfig:
     max_video_frames: int = option(18000,
         "most frames a clip's stream may hold (what decoding may have to walk through, 10 minutes "
         "at 30 fps by default), read from the container and enforced while decoding; the frames the "
-        "model samples are bounded by its own max_frames and by --max-batch-tokens.",
+        "model samples are bounded by its own max_frames, --max-video-patches and "
+        "--max-video-decoded-bytes.",
+        at_least=1)
+    # -1 = 16 x max_batch_tokens
+    max_video_patches: int = option(-1,
+        "most patches one clip may have (all its parts together; RESOURCE_EXHAUSTED above): what a "
+        "clip may cost the GPU and the host its embedding. -1: 16 x --max-batch-tokens (262144 by "
+        "default: a 60 s 1280x720 clip at 2 fps for Qwen2.5-VL is 287,040).",
+        at_least=1, note="or -1: 16 x --max-batch-tokens")
+    max_video_decoded_bytes: int = option(1 << 30,
+        "most bytes a clip's sampled frames may take decoded (frames x width x height x 3, from the "
+        "container's header before any frame is decoded): what the host holds and the device "
+        "receives for one clip, since the frames travel at their source size.",
         at_least=1)
     max_video_seconds: float = option(600.0,
         "longest clip accepted, in seconds of its stream (as the container states, enforced on the "
@@ -323,6 +336,8 @@ class ServiceConfig:
         for name, value in _device_defaults(self.device, self.worker_count).items():
             if getattr(self, name) == -1:
                 object.__setattr__(self, name, value)
+        if self.max_video_patches == -1:
+            object.__setattr__(self, "max_video_patches", 16 * self.max_batch_tokens)
 
     @property
     def worker_count(self) -> int:

@@ -183,6 +183,23 @@ def test_a_clip_whose_one_step_is_over_one_forward_is_refused_naming_the_flag(st
         assert client.health() == "SERVING"
 
 
+def test_clip_size_limits_name_their_flags(start_encoder_server, clip):
+    # 12 frames of 64x48: 12 * 64 * 48 * 3 = 110592 bytes decoded; grid (6, 4, 4), 96 patches.
+    server = start_encoder_server("--max-video-bytes", str(1 << 20), "--max-video-patches", "64",
+                                  "--max-video-decoded-bytes", "100000")
+    with EncoderClient(server.target, timeout_s=60) as client:
+        for video, words in ((Video(clip, num_frames=12), "--max-video-decoded-bytes 100000"),
+                             (Video(frames=[png(i) for i in range(12)], frames_fps=10, num_frames=12),
+                              "--max-video-decoded-bytes"),
+                             (Video(clip, num_frames=10), "--max-video-patches 64")):
+            with pytest.raises(EncoderClientError) as err:
+                client.encode([video])
+            assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and words in err.value.details, \
+                err.value.details
+        (ok,) = client.encode([Video(clip, num_frames=8)])  # 64 patches, 73728 bytes
+    assert ok.num_tokens > 0
+
+
 def test_limits_name_their_flag(server, clip):
     long_clip = make_clip("mp4", "mpeg4", frames=40, fps=1)  # 40 s, over --max-video-seconds 30
     with EncoderClient(server.target, timeout_s=60) as client:

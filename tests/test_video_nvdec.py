@@ -47,6 +47,8 @@ def test_the_streams_tags_choose_the_matrix_as_swscale_does():
     assert video_nvdec.color_matrix(1, 1) == (709, False)  # BT.709, limited range
     assert video_nvdec.color_matrix(2, 0) == (601, False)  # unspecified: BT.601
     assert video_nvdec.color_matrix(6, 2) == (601, True)  # SMPTE 170M, full range
+    with pytest.raises(InvalidInput, match="AVColorSpace 9"):  # BT.2020: refused, not converted otherwise
+        video_nvdec.color_matrix(9, 1)
 
 
 def test_nvdec_without_a_cuda_device_is_refused_naming_what_it_needs():

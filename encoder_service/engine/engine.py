@@ -180,12 +180,16 @@ class Engine:
     def check_grid(self, grid: Sequence[int]) -> Grid:
         """A patches grid checked against the model's rules and the batch limit (before queueing)."""
         checked = validate_grid(grid, self.front.spec)
-        self._check_size(checked)
+        self._check_size(checked, "clip" if checked[0] > 1 else "image")
         return checked
 
     def _check_size(self, grid: Grid, what: str = "image") -> None:
         n = self.front.num_patches(grid)
-        if what == "clip" and (unit := self.front.spec.split_unit):
+        if what == "clip" and n > self.config.max_video_patches:
+            raise ResourceExhausted(
+                f"clip has {n} patches (grid {list(grid)}), more than --max-video-patches "
+                f"{self.config.max_video_patches} allows; sample fewer or smaller frames")
+        if what == "clip" and (unit := self.front.spec.split_unit) and grid[0] > 1:
             # A clip is cut over forwards where the model allows (_work_items): one part must fit.
             t, h, w = grid
             if (part := min(unit, t) * h * w) <= self.config.max_batch_tokens:
@@ -344,13 +348,12 @@ class Engine:
         """The job's forward work: one item, or a clip larger than one forward cut into parts of whole
         ``spec.split_unit`` steps (exact: those steps encode independently), each as large as fits."""
         budget = self.config.max_batch_tokens
-        if job.clip is None or self.front.num_patches(job.grid) <= budget:
+        if self.front.num_patches(job.grid) <= budget:
             return [WorkItem(job.payload, job.grid, job)]
         spec = self.front.spec
         t, h, w = job.grid
         steps = budget // (h * w * spec.split_unit) * spec.split_unit  # _check_size: at least one unit
-        patch_bytes = spec.patch_dim * 4  # a family without frames on the device stages float32 patches
-        return [WorkItem(clip_part(job.payload, start, min(start + steps, t), spec.temporal_patch_size, patch_bytes),
+        return [WorkItem(clip_part(job.payload, start, min(start + steps, t), spec.temporal_patch_size, spec.patch_dim),
                          (min(start + steps, t) - start, h, w), job, part=n)
                 for n, start in enumerate(range(0, t, steps))]
 
@@ -361,18 +364,25 @@ class Engine:
             if job.stored:
                 self.cache.release(job.key)
             return
-        if job.refs > 0 or job.state in ("running", "failed", "abandoned"):
+        if job.refs > 0 or job.state in ("failed", "abandoned"):
             return
+        split = len(job.items) > 1
+        if job.state == "running" and not split:
+            return  # its forward is under way; the result will still be cached
         # Nobody waits any more and no forward has taken it: drop it and free its slot.
-        if job.state == "queued":
-            if len(job.items) > 1:
-                return  # a clip split over forwards, once queued, is finished (and cached)
-            if not self._queue.remove(job.items[0]):
-                return  # the worker took it a moment ago; its result will still be cached
+        if job.state == "queued" and not split and not self._queue.remove(job.items[0]):
+            return  # the worker took it a moment ago; its result will still be cached
+        if split:  # a clip over several forwards: the parts not yet taken are dropped, those taken ignored
+            self._withdraw_parts(job)
         job.state = "abandoned"
         job.items, job.payload = [], None
         self.metrics.images_abandoned.inc()
         self._drop(job)
+
+    def _withdraw_parts(self, job: Job) -> None:
+        for item in job.items:
+            self._queue.remove(item)  # False for a part a worker has taken: its result is ignored
+        job.parts = []
 
     def _drop(self, job: Job) -> None:
         if self._inflight.get(job.key) is job:
@@ -409,7 +419,7 @@ class Engine:
             job: Job = item.job
             error = outcome.item_errors.get(i) or outcome.error
             embedding: torch.Tensor | None = next(embeddings) if error is None else None
-            if job.state == "failed":  # another part of this clip failed
+            if job.state in ("failed", "abandoned"):  # another part of this clip failed, or nobody waits
                 continue
             job.timing.forward_ms = forward_ms
             if error is None:
@@ -421,6 +431,8 @@ class Engine:
                         continue  # the clip's other parts are still to come
                     embedding = torch.cat([e for _, e in sorted(job.parts, key=lambda p: p[0])])
                     job.parts = []
+            if error is not None and len(job.items) > 1:
+                self._withdraw_parts(job)  # one part failed: the clip has failed, its other parts need not run
             job.items = []
             if self._inflight.get(job.key) is job:
                 del self._inflight[job.key]

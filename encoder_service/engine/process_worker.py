@@ -37,6 +37,7 @@ from encoder_client.protocol.dtypes import BY_NAME
 
 from ..config import ServiceConfig
 from ..errors import Unavailable
+from ..spawning import SPAWN_LOCK
 from .batch_queue import BatchQueue, WorkItem
 from .devices import WorkerDevice
 from .handoff import ALIGN, IN_FLIGHT, SLOTS, copy_bytes, copy_out, describe
@@ -49,7 +50,6 @@ log = logging.getLogger(__name__)
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 STOP_TIMEOUT_S = 10.0
 LIVENESS_CHECK_S = 0.25  # an idle worker's death is noticed within this
-_SPAWN_LOCK = threading.Lock()  # CUDA_VISIBLE_DEVICES is set in our environment around each spawn
 
 
 class WorkerDied(Exception):
@@ -147,7 +147,7 @@ class WorkerProcess:
         proc = ctx.Process(target=child_main, name=f"encoder-worker-{self.device.label}",
                            args=(child, self.config, self.device.device, self.device.label, self._threads, self._setup),
                            daemon=True)
-        with _SPAWN_LOCK:
+        with SPAWN_LOCK:  # CUDA_VISIBLE_DEVICES is set in our environment around the spawn
             saved = os.environ.get("CUDA_VISIBLE_DEVICES")
             if self.device.visible is not None:
                 os.environ["CUDA_VISIBLE_DEVICES"] = self.device.visible

@@ -47,7 +47,7 @@ class VideoPreparer:
         c = self.config
         return VideoLimits(max_bytes=c.max_video_bytes, max_frames=c.max_video_frames,
                            max_seconds=c.max_video_seconds, max_frame_pixels=max_frame_pixels,
-                           max_decode_seconds=c.max_video_decode_seconds)
+                           max_decode_seconds=c.max_video_decode_seconds, max_decoded_bytes=c.max_video_decoded_bytes)
 
     async def prepare(self, front: ModelFront, video: VideoInput, max_frame_pixels: int,
                       executor: Executor) -> tuple[StagedInput, ClipFrames]:

@@ -118,17 +118,17 @@ class DecodedClip:
 StagedInput = DecodedImage | RawPatches | DecodedClip
 
 
-def clip_part(payload: StagedInput, start: int, stop: int, frames_per_step: int, patch_bytes: int) -> StagedInput:
+def clip_part(payload: StagedInput, start: int, stop: int, frames_per_step: int, patch_dim: int) -> StagedInput:
     """Grid steps ``[start, stop)`` of a clip's payload, as a payload of their own (no copy): a
     ``DecodedClip``'s frames (``frames_per_step`` to a step; the last part keeps the frames the temporal
-    padding repeats) or a ``RawPatches``' rows (``h * w`` patches of ``patch_bytes`` to a step)."""
+    padding repeats) or a ``RawPatches``' rows (``h * w`` patches of ``patch_dim`` values to a step)."""
     _, h, w = payload.grid
     grid = (stop - start, h, w)
     if isinstance(payload, DecodedClip):
         frames = payload.frames[start * frames_per_step:stop * frames_per_step]
         return DecodedClip(frames, payload.resize_to, grid, payload.pad_to)
     if isinstance(payload, RawPatches):
-        step = h * w * patch_bytes
+        step = h * w * patch_dim * BY_NAME[payload.dtype].itemsize
         return RawPatches(memoryview(payload.data)[start * step:stop * step], payload.dtype, grid)
     raise TypeError(f"a {type(payload).__name__} is not a clip's payload")
 
@@ -240,8 +240,9 @@ def fit_image(chw: torch.Tensor, item, mode: str) -> torch.Tensor:
     return chw
 
 
-# Frames resized per call on the device: a bound on the float32 temporaries of a long clip's resize.
-_RESIZE_FRAMES = 16
+# Bytes of float32 temporaries one resize call of a clip's frames may take on the device (the frames
+# are resized in groups of as many as fit).
+_RESIZE_BYTES = 256 << 20
 
 
 def clip_frames(raw: torch.Tensor, item: DecodedClip, mode: str) -> torch.Tensor:
@@ -254,7 +255,9 @@ def clip_frames(raw: torch.Tensor, item: DecodedClip, mode: str) -> torch.Tensor
         if mode != "torch":
             raise InvalidInput(f"pil mode: clip frames are {width}x{height} but should have been resized on the "
                                f"CPU to {item.resize_to[1]}x{item.resize_to[0]}")
-        video = torch.cat([resize_uint8(part.contiguous(), item.resize_to) for part in video.split(_RESIZE_FRAMES)])
+        per_frame = 3 * 4 * max(height * width, item.resize_to[0] * item.resize_to[1])
+        group = max(1, _RESIZE_BYTES // per_frame)
+        video = torch.cat([resize_uint8(part.contiguous(), item.resize_to) for part in video.split(group)])
     if item.pad_to is not None and tuple(video.shape[-2:]) != tuple(item.pad_to):
         video = F.pad(video, (0, item.pad_to[1] - video.shape[-1], 0, item.pad_to[0] - video.shape[-2]))
     return video

@@ -55,6 +55,15 @@ class VideoLimits:
     max_seconds: float  # --max-video-seconds
     max_frame_pixels: int  # --max-image-pixels: width * height of one frame
     max_decode_seconds: float  # --max-video-decode-seconds: the whole clip's probe and decode
+    max_decoded_bytes: int = 1 << 62  # --max-video-decoded-bytes: the sampled frames, decoded
+
+
+def check_decoded_bytes(frames: int, height: int, width: int, limits: VideoLimits) -> None:
+    """The sampled frames' bytes once decoded, before they are: RESOURCE_EXHAUSTED over the limit."""
+    if (size := frames * height * width * 3) > limits.max_decoded_bytes:
+        raise ResourceExhausted(
+            f"the clip's {frames} sampled frames of {width}x{height} take {size} bytes decoded, over the limit of "
+            f"--max-video-decoded-bytes {limits.max_decoded_bytes}")
 
 
 def _deadline(limits: VideoLimits) -> float:
@@ -276,6 +285,7 @@ def _decode(data: bytes, indices: Sequence[int], limits: VideoLimits, deadline: 
             if i in rows:
                 pixels = frame.to_ndarray(format="rgb24")
                 if out is None:
+                    check_decoded_bytes(len(wanted), pixels.shape[0], pixels.shape[1], limits)
                     out = np.empty((len(wanted), *pixels.shape), np.uint8)
                 elif pixels.shape != out.shape[1:]:
                     raise InvalidInput(
@@ -309,6 +319,7 @@ def probe_and_decode(data: bytes, indices_fn, limits: VideoLimits, nvdec_gpu: in
     header: dict = {}
     facts = _probe(data, limits, deadline, header)
     indices = [int(i) for i in indices_fn(facts)]
+    check_decoded_bytes(len(indices), *header["size"], limits)
     if nvdec_gpu is None:
         return facts, indices, _decode(data, indices, limits, deadline)
     from . import video_nvdec
@@ -317,8 +328,9 @@ def probe_and_decode(data: bytes, indices_fn, limits: VideoLimits, nvdec_gpu: in
     if max(wanted) >= facts.total_frames:
         raise InvalidInput(f"video has {facts.total_frames} frames; frame index {max(wanted)} is past the end")
     height, width = header["size"]
-    frames = video_nvdec.decode_frames(data, wanted, height, width, video_nvdec.color_matrix(*header["color"]),
-                                       nvdec_gpu, deadline, limits.max_decode_seconds)
+    frames = video_nvdec.decode_frames(data, wanted, facts.total_frames, height, width,
+                                       video_nvdec.color_matrix(*header["color"]), nvdec_gpu, deadline,
+                                       limits.max_decode_seconds)
     return facts, indices, frames
 
 
@@ -346,6 +358,7 @@ def decode_frame_list(frames: Sequence[bytes], limits: VideoLimits) -> np.ndarra
         except InvalidInput as e:
             raise InvalidInput(f"video frame {i}: {e.message}") from None
         if out is None:
+            check_decoded_bytes(len(frames), pixels.shape[0], pixels.shape[1], limits)
             out = np.empty((len(frames), *pixels.shape), np.uint8)
         elif pixels.shape != out.shape[1:]:
             raise InvalidInput(

@@ -30,10 +30,14 @@ import numpy as np
 
 from ..errors import EncoderError, InvalidInput, ResourceExhausted
 
-# Where FFmpeg's tags name the matrix (AVColorSpace): BT.709; the rest (unspecified included) BT.601,
-# as swscale's default.
-_BT709 = {1}
+# The stream's matrix tag (AVColorSpace) -> the matrix swscale converts with, for the tags converted
+# here: BT.709; BT.601 for BT.470BG, SMPTE 170M and an untagged stream (swscale's default). Other
+# matrices (BT.2020, SMPTE 240M, FCC, ...) are refused rather than converted differently.
+_MATRICES = {1: 709, 2: 601, 5: 601, 6: 601}
 _KR_KB = {601: (0.299, 0.114), 709: (0.2126, 0.0722)}
+# Sampled frames converted and copied to the host at a time: bounds the GPU memory a clip's decode
+# takes in a decoder process (NV12 surfaces, RGB and float32 temporaries), which shares the GPU.
+_GROUP = 8
 # Added before flooring, per channel (R, G, B): lands within one level of swscale's x86 fixed point on
 # 8-bit limited-range input (measured: tests/test_video_nvdec.py).
 _BIAS = (-0.5, -1.0, -0.5)
@@ -48,8 +52,13 @@ def available() -> bool:
 
 
 def color_matrix(colorspace: int | None, color_range: int | None) -> tuple[int, bool]:
-    """(601 or 709, full range?) from a stream's AVColorSpace and AVColorRange codes, as swscale reads them."""
-    return (709 if colorspace in _BT709 else 601), color_range == 2  # AVCOL_RANGE_JPEG
+    """(601 or 709, full range?) from a stream's AVColorSpace and AVColorRange codes, as swscale reads them;
+    InvalidInput for a matrix not converted here."""
+    matrix = _MATRICES.get(2 if colorspace is None else int(colorspace))
+    if matrix is None:
+        raise InvalidInput(f"nvdec: the stream's color matrix (AVColorSpace {colorspace}) is not converted here; "
+                           "serve this clip with --video-decode pyav")
+    return matrix, color_range == 2  # AVCOL_RANGE_JPEG
 
 
 def nv12_to_rgb(y, uv, matrix: int = 601, full_range: bool = False):
@@ -82,37 +91,48 @@ def _planes(frame, height: int, width: int):
     if plane.dim() == 3:
         plane = plane[..., 0]
     rows, cols = (height + 1) // 2, (width + 1) // 2
-    if plane.shape[0] < height + rows or plane.shape[1] < 2 * cols:
-        raise InvalidInput(f"nvdec returned a {list(plane.shape)} NV12 surface for {width}x{height} frames")
+    # The surface of a frame of the header's size (odd sides rounded up to whole chroma samples); any
+    # other (a stream that changes size midway) is refused, as the CPU path refuses frames of other sizes.
+    if plane.shape[0] not in (height + rows, 2 * rows + rows) or plane.shape[1] not in (width, 2 * cols):
+        raise InvalidInput(f"nvdec returned a {list(plane.shape)} NV12 surface for the header's {width}x{height} "
+                           "frames (a stream whose frame size changes?)")
     return plane[:height, :width], plane[height:height + rows, :2 * cols].reshape(rows, cols, 2)
 
 
-def decode_frames(data: bytes, indices: Sequence[int], height: int, width: int, color: tuple[int, bool],
-                  gpu: int, deadline: float, max_decode_seconds: float) -> np.ndarray:
+def decode_frames(data: bytes, indices: Sequence[int], total_frames: int, height: int, width: int,
+                  color: tuple[int, bool], gpu: int, deadline: float, max_decode_seconds: float) -> np.ndarray:
     """The frames at ``indices`` (checked by the caller: in the clip, limits applied), uint8
-    [len(indices), H, W, 3], one row per entry in its order, decoded by NVDEC on GPU ``gpu``."""
+    [len(indices), H, W, 3], one row per entry in its order, decoded by NVDEC on GPU ``gpu``, a few
+    frames at a time. ``total_frames``: PyAV's count, which NVDEC's must equal (else its frame ``i``
+    might not be PyAV's)."""
     import PyNvVideoCodec as nvc
     import torch
 
     distinct = sorted(set(int(i) for i in indices))
+    decoded = np.empty((len(distinct), height, width, 3), np.uint8)
     try:
         with torch.cuda.device(gpu):
+            # max_width / max_height: the decoder is sized for the header's frames, never larger ones.
             decoder = nvc.SimpleDecoder(data, gpu_id=gpu, use_device_memory=True, decoder_cache_size=1,
+                                        max_width=width, max_height=height,
                                         output_color_type=nvc.OutputColorType.NATIVE)
-            total = len(decoder)
-            if distinct[-1] >= total:
-                raise InvalidInput(f"video has {total} frames by NVDEC's count; frame index {distinct[-1]} is "
-                                   "past the end")
-            frames = decoder.get_batch_frames_by_index(distinct)
-            if len(frames) != len(distinct):
-                raise InvalidInput(f"nvdec decoded {len(frames)} of the {len(distinct)} frames asked for")
-            kind = getattr(frames[0], "format", None)
-            if kind is not None and kind != nvc.Pixel_Format.NV12:
-                raise InvalidInput(f"nvdec: {kind} frames are not converted (8-bit 4:2:0 only); "
+            if len(decoder) != total_frames:
+                raise InvalidInput(f"nvdec counts {len(decoder)} frames where the container holds {total_frames}; "
                                    "serve this clip with --video-decode pyav")
-            rgb = torch.stack([nv12_to_rgb(*_planes(f, height, width), *color) for f in frames])
+            for start in range(0, len(distinct), _GROUP):
+                group = distinct[start:start + _GROUP]
+                frames = decoder.get_batch_frames_by_index(group)
+                if len(frames) != len(group):
+                    raise InvalidInput(f"nvdec decoded {len(frames)} of the {len(group)} frames asked for")
+                kind = getattr(frames[0], "format", None)
+                if kind is not None and kind != nvc.Pixel_Format.NV12:
+                    raise InvalidInput(f"nvdec: {kind} frames are not converted (8-bit 4:2:0 only); "
+                                       "serve this clip with --video-decode pyav")
+                rgb = torch.stack([nv12_to_rgb(*_planes(f, height, width), *color) for f in frames])
+                decoded[start:start + len(group)] = rgb.cpu().numpy()
+                del frames, rgb
             position = {index: n for n, index in enumerate(distinct)}
-            host = rgb[[position[int(i)] for i in indices]].cpu().numpy()
+            host = decoded[[position[int(i)] for i in indices]]
     except EncoderError:
         raise
     except Exception as e:  # PyNvVideoCodec's errors: PyNvVCException, RuntimeError, a bare Exception

@@ -31,6 +31,7 @@ import numpy as np
 from encoder_service.errors import EncoderError, InvalidInput, ResourceExhausted
 from encoder_service.preprocess.video_decode import VideoLimits, probe_and_decode
 from encoder_service.preprocess.video_sampling import ClipFacts
+from encoder_service.spawning import SPAWN_LOCK
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,8 @@ class _Child:
         self.conn, child_end = ctx.Pipe(duplex=True)
         self.process = ctx.Process(target=_child_main, args=(child_end, nvdec_gpu), daemon=True,
                                    name="video-decode")
-        self.process.start()
+        with SPAWN_LOCK:  # not while a worker's spawn has narrowed CUDA_VISIBLE_DEVICES
+            self.process.start()
         child_end.close()
         self.ready = False
 
