@@ -8,7 +8,8 @@ server process, ``--preprocess torch``: vLLM preprocesses with transformers' tor
 processor, which the ``pil`` mode does not equal to the last bit) serves its vision tower; one
 ``vllm.LLM`` runs it monolithic, another as an EC consumer with the README's connector config.
 
-Checked: greedy tokens equal and top-5 logprobs within ``LOGPROB_TOL``; the EPD engine never runs
+Checked: greedy tokens equal and top-5 logprobs within ``LOGPROB_TOL``, for images and for a clip
+(vLLM given its decoded frames, the encoder the same frames as PNGs); the EPD engine never runs
 its own vision tower (a forward hook on ``model.visual`` put on with ``LLM.apply_model``) while the
 monolithic one does; what vLLM's stat logger reports for the connector; a uuid the encoder does not
 cache and a uuid that is no content hash fail only their request; an encoder killed mid-way fails
@@ -46,7 +47,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import REPO_ROOT
-from encoder_client import EncoderClient
+from encoder_client import EncoderClient, Video
 from PIL import Image
 
 from encoder_service.benchmarks.service import stop_process
@@ -128,8 +129,15 @@ class Engine:
         self.proc.stdin.flush()
         return self._read()
 
-    def generate(self, requests: list[list[tuple[bytes, str | None]]]) -> list[dict]:
-        body = [{"images": [[base64.b64encode(data).decode(), uuid] for data, uuid in images]} for images in requests]
+    def generate(self, requests: list[list[tuple[bytes, str | None]]],
+                 videos: list[list[tuple[list[bytes], str | None]]] | None = None) -> list[dict]:
+        """``videos``: per request, (its frames as PNGs, uuid) for each clip in it."""
+        def b64(data: bytes) -> str:
+            return base64.b64encode(data).decode()
+
+        body = [{"images": [[b64(data), uuid] for data, uuid in images]} for images in requests]
+        for request, clips in zip(body, videos or [], strict=False):
+            request["videos"] = [[[b64(frame) for frame in frames], uuid] for frames, uuid in clips]
         return self.call("generate", requests=body, max_tokens=MAX_TOKENS)
 
     def stop(self) -> None:
@@ -139,12 +147,14 @@ class Engine:
 
 
 def ec_transfer_config(encoder_target: str) -> dict:
-    """The README's --ec-transfer-config, pointed at the test's encoder."""
+    """The README's --ec-transfer-config, pointed at the test's encoder, with the video modality the README
+    adds for clips."""
     section = (REPO_ROOT / "README.md").read_text().split("## Using it with vLLM", 1)[1].split("\n## ", 1)[0]
     (raw,) = re.findall(r"--ec-transfer-config \\\n\s*'(\{.*?\})'", section, flags=re.S)
     config = json.loads(raw)
     config["ec_connector_extra_config"] = {**config["ec_connector_extra_config"], "encoder": encoder_target,
-                                           "timeout_s": 10, "retries": 1}
+                                           "timeout_s": 10, "retries": 1,
+                                           "modalities": ["image", "video"]}  # README: clips too
     return config
 
 
@@ -192,6 +202,21 @@ def test_epd_equals_monolithic_vllm_and_vllms_tower_never_runs(encoder, monolith
     for g, w in zip(got, want, strict=True):
         assert_same_output(g, w)
     assert monolithic.call("tower_calls")[0] > 0  # the hook counts: the monolithic engine ran its tower
+    assert epd.call("tower_calls") == [0], epd.log()
+
+
+def test_a_clip_through_epd_equals_monolithic_vllm(encoder, monolithic, epd):
+    # vLLM takes the clip as its decoded frames (no loader, no sampling); the encoder gets the same frames
+    # as PNGs with num_frames equal to their count, so transformers' sampling keeps every one, and its
+    # uuid is the encoder's content hash of the clip (README: the connector's video contract).
+    frames = [png(20 + i) for i in range(4)]
+    with EncoderClient(encoder.target, timeout_s=60) as client:
+        (clip,) = client.encode([Video(frames=frames, num_frames=4)])
+    assert list(clip.frame_indices) == [0, 1, 2, 3] and tuple(clip.grid_thw) == (2, 6, 8)
+    ((image, image_uuid),) = encoded(encoder.target, png(21, 56, 56))
+    (want,) = monolithic.generate([[(image, None)]], videos=[[(frames, None)]])
+    (got,) = epd.generate([[(image, image_uuid)]], videos=[[(frames, clip.content_hash)]])
+    assert_same_output(got, want)
     assert epd.call("tower_calls") == [0], epd.log()
 
 

@@ -10,8 +10,11 @@ CPU attention kernels refuse smaller ones.
 ``engine PATH [EC_TRANSFER_CONFIG_JSON]``: one ``vllm.LLM`` (V1 engine, on the CPU, the engine core
 in this process), then JSON commands on stdin, one answer per line on stdout after a line @@READY (answer
 lines start with @@, anything else there is vLLM's log):
-  {"op": "generate", "requests": [{"images": [[png_base64, uuid or null], ...]}, ...], "max_tokens": N}
-      greedy, top-5 logprobs; each request's tokens, logprobs and finish reason
+  {"op": "generate", "requests": [{"images": [[png_base64, uuid or null], ...],
+                                   "videos": [[[frame_png_base64, ...], uuid or null], ...]}, ...], "max_tokens": N}
+      greedy, top-5 logprobs; each request's tokens, logprobs and finish reason (a video: its frames as
+      one uint8 [T, H, W, 3] array with metadata at fps 2, which vLLM's processor takes as they are:
+      no loader, no sampling)
   {"op": "tower_calls"}  how often the model's vision tower (``model.visual``) has run, counted by a
       forward hook put on through ``LLM.apply_model``
   {"op": "stats"}        the "EC Transfer metrics" line vLLM's own stat logger logs now
@@ -27,6 +30,7 @@ import sys
 
 PROMPT_HEAD = "<|im_start|>user\n"
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
 PROMPT_TAIL = "describe the image<|im_end|>\n<|im_start|>assistant\n"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
             "<|image_pad|>", "<|video_pad|>"]
@@ -95,12 +99,24 @@ def _count_tower_calls(model) -> None:
     model.visual.register_forward_hook(hook)
 
 
+def _video(frames: list):
+    """Decoded frames as vLLM takes them: the array and the metadata its Qwen2.5-VL processor requires
+    (what its own dummy inputs give: every frame kept, fps 2, no sampling by the HF processor)."""
+    import numpy as np
+
+    count = len(frames)
+    return np.stack(frames), {"fps": 2.0, "duration": count / 2.0, "total_num_frames": count,
+                              "frames_indices": list(range(count)), "video_backend": "opencv",
+                              "do_sample_frames": False}
+
+
 def engine(path: str, ec_transfer_config: str | None) -> None:
+    import numpy as np
     from PIL import Image
     from vllm import LLM, SamplingParams
 
     kwargs = {"model": path, "dtype": "float32", "max_model_len": 1024, "max_num_seqs": 4, "enforce_eager": True,
-              "seed": 0, "limit_mm_per_prompt": {"image": 2, "video": 0}, "mm_processor_cache_gb": 0,
+              "seed": 0, "limit_mm_per_prompt": {"image": 2, "video": 1}, "mm_processor_cache_gb": 0,
               "disable_log_stats": False}
     if ec_transfer_config:
         kwargs["ec_transfer_config"] = json.loads(ec_transfer_config)
@@ -116,12 +132,20 @@ def engine(path: str, ec_transfer_config: str | None) -> None:
             prompts = []
             for req in command["requests"]:
                 images = [Image.open(io.BytesIO(base64.b64decode(png))).convert("RGB") for png, _ in req["images"]]
-                prompt = {"prompt": PROMPT_HEAD + IMAGE * len(images) + PROMPT_TAIL}
-                if images:
-                    prompt["multi_modal_data"] = {"image": images}
-                    uuids = [uuid for _, uuid in req["images"]]
-                    if any(uuids):
-                        prompt["multi_modal_uuids"] = {"image": uuids}
+                videos = [_video([np.asarray(Image.open(io.BytesIO(base64.b64decode(png))).convert("RGB"))
+                                  for png in frames]) for frames, _ in req.get("videos", [])]
+                prompt = {"prompt": PROMPT_HEAD + IMAGE * len(images) + VIDEO * len(videos) + PROMPT_TAIL}
+                data, uuids = {}, {}
+                for modality, items, given in (("image", images, req["images"]),
+                                               ("video", videos, req.get("videos", []))):
+                    if items:
+                        data[modality] = items
+                        if any(uuid for _, uuid in given):
+                            uuids[modality] = [uuid for _, uuid in given]
+                if data:
+                    prompt["multi_modal_data"] = data
+                if uuids:
+                    prompt["multi_modal_uuids"] = uuids
                 prompts.append(prompt)
             params = SamplingParams(temperature=0, max_tokens=command.get("max_tokens", 4), logprobs=5,
                                     ignore_eos=True)
