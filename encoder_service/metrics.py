@@ -270,9 +270,12 @@ class ServiceMetrics:
         """One image of a request, by its kind (IMAGE_SOURCES), for the served model."""
         self.images.labels(source=source, model=self._model).inc()
 
-    def record_encoded(self, device: str, patches: int, tokens: int, modality: str) -> None:
-        """One image (or clip) out of a forward: its patches in, its embedding tokens out."""
-        self.images_encoded.labels(device=device).inc()
+    def record_encoded(self, device: str, patches: int, tokens: int, modality: str, complete: bool = True) -> None:
+        """One image (or clip) out of a forward: its patches in, its embedding tokens out. A part of a clip
+        split over forwards counts its patches and tokens; the clip counts as encoded with its last part
+        (``complete``)."""
+        if complete:
+            self.images_encoded.labels(device=device).inc()
         self.patches_encoded.inc(patches)
         self.tokens_encoded.inc(tokens)
         self.modality_tokens_encoded.labels(modality=modality).inc(tokens)

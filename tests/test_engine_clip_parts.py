@@ -23,6 +23,8 @@ def test_a_clip_over_the_bound_runs_in_parts_and_equals_the_whole(fake_model):
             (r,) = await encode_all(engine, [patches(0, GRID, seed=4)])
             assert fake_model.batches == [[(2, 4, 4)], [(2, 4, 4)], [(2, 4, 4)]]  # 2 steps (32 patches) a part
             assert r.grid == GRID and r.num_tokens == 24
+            assert sample(engine, "encoder_service_images_encoded_total", device="cpu") == 1  # one clip
+            assert sample(engine, "encoder_service_tokens_encoded_total") == 24
             torch.testing.assert_close(r.embedding, fake_model.reference(fake_model.patches(GRID, 4)), rtol=0, atol=0)
             (again,) = await encode_all(engine, [patches(0, GRID, seed=4)])
             assert again.cache_hit and len(fake_model.batches) == 3

@@ -421,14 +421,18 @@ class Engine:
             embedding: torch.Tensor | None = next(embeddings) if error is None else None
             if job.state in ("failed", "abandoned"):  # another part of this clip failed, or nobody waits
                 continue
-            job.timing.forward_ms = forward_ms
+            # A clip split over forwards: the forwards of its parts together.
+            job.timing.forward_ms = forward_ms + (job.timing.forward_ms if len(job.items) > 1 else 0.0)
             if error is None:
-                m.record_encoded(device, item.num_patches, int(embedding.shape[0]),  # a shape: no device sync
-                                 "video" if job.clip is not None else "image")
-                if len(job.items) > 1:
+                split = len(job.items) > 1
+                if split:
                     job.parts.append((item.part, embedding))
-                    if len(job.parts) < len(job.items):
-                        continue  # the clip's other parts are still to come
+                complete = not split or len(job.parts) == len(job.items)
+                m.record_encoded(device, item.num_patches, int(embedding.shape[0]),  # a shape: no device sync
+                                 "video" if job.clip is not None else "image", complete)
+                if not complete:
+                    continue  # the clip's other parts are still to come
+                if split:
                     embedding = torch.cat([e for _, e in sorted(job.parts, key=lambda p: p[0])])
                     job.parts = []
             if error is not None and len(job.items) > 1:
