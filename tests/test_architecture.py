@@ -254,13 +254,14 @@ def test_no_import_cycle_among_the_package_modules():
 
 # What a family package may import outside itself: the shared contract. The models' contract
 # (family.py, base.py and what it re-exports from spec.py, layers.py, the checkpoint reader loader.py,
-# cuda_graphs.py), the ops and attention packages (never a module under them:
+# cuda_graphs.py, video_hooks.py's VideoFront), the ops and attention packages (never a module under them:
 # test_models_never_name_a_kernel), the shared metadata, errors and the device helpers; and any module
 # of the shared preprocess/ package.
 SHARED_CONTRACT = ("encoder_service.errors", "encoder_service.device", "encoder_service.metadata",
                    "encoder_service.attention", "encoder_service.ops", "encoder_service.models.family",
                    "encoder_service.models.base", "encoder_service.models.spec", "encoder_service.models.layers",
-                   "encoder_service.models.loader", "encoder_service.models.cuda_graphs")
+                   "encoder_service.models.loader", "encoder_service.models.cuda_graphs",
+                   "encoder_service.models.video_hooks")
 # Another family's modules a family builds on: Qwen3-VL is fed by Qwen2-VL's image processor, and its
 # video processor shares Qwen2-VL's video patch layout.
 BUILDS_ON = {
@@ -296,7 +297,7 @@ def test_the_qwen3_vl_package_imports_the_contract_and_qwen2_vl_processing_only(
     assert _imports_outside("encoder_service.models.qwen3_vl") == {
         "encoder_service.errors", "encoder_service.device", "encoder_service.metadata", "encoder_service.attention",
         "encoder_service.models.family", "encoder_service.models.base", "encoder_service.models.layers",
-        "encoder_service.models.loader",
+        "encoder_service.models.loader", "encoder_service.models.video_hooks",
         "encoder_service.models.qwen2_5_vl.preprocess", "encoder_service.models.qwen2_5_vl.processor",
         "encoder_service.models.qwen2_5_vl.video", "encoder_service.preprocess.video_sampling",
         "encoder_service.preprocess.settings", "encoder_service.preprocess.decode",

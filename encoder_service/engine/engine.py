@@ -25,21 +25,22 @@ from encoder_client.protocol.model_info import ModelInfo
 
 from .. import __version__
 from ..config import ServiceConfig
-from ..errors import InvalidInput, NotFound, ResourceExhausted, Unavailable
+from ..errors import InvalidInput, NotFound, Unavailable
 from ..metrics import ServiceMetrics
 from ..models.base import validate_grid
 from ..models.served import ServedModel
 from ..preprocess import decode
-from ..preprocess.staged import StagedInput, check_patch_bytes, clip_part
+from ..preprocess.staged import StagedInput, check_patch_bytes
 from .admission import Admission
 from .batch_queue import BatchQueue, WorkItem
 from .cache import CacheEntry, EmbeddingCache
+from .clip_parts import check_size, gather, withdraw_parts, work_items
 from .devices_pool import InProcessDevice, WorkerProcesses
 from .facts import PixelLimits, model_info
-from .jobs import Job, Wait, await_prepared, completed
+from .jobs import Job, Wait, await_prepared, completed, image_result
 from .keys import content_keys
 from .preparation import EXPENSIVE, PreparePools
-from .types import Grid, ImageInput, ImageResult, Timing
+from .types import Grid, ImageInput, ImageResult
 from .video_preparation import VideoPreparer
 from .watchdog import UP, Watchdog
 from .worker import BatchOutcome
@@ -180,29 +181,8 @@ class Engine:
     def check_grid(self, grid: Sequence[int]) -> Grid:
         """A patches grid checked against the model's rules and the batch limit (before queueing)."""
         checked = validate_grid(grid, self.front.spec)
-        self._check_size(checked, "clip" if checked[0] > 1 else "image")
+        check_size(self.front, self.config, checked, "clip" if checked[0] > 1 else "image")
         return checked
-
-    def _check_size(self, grid: Grid, what: str = "image") -> None:
-        n = self.front.num_patches(grid)
-        if what == "clip" and n > self.config.max_video_patches:
-            raise ResourceExhausted(
-                f"clip has {n} patches (grid {list(grid)}), more than --max-video-patches "
-                f"{self.config.max_video_patches} allows; sample fewer or smaller frames")
-        if what == "clip" and (unit := self.front.spec.split_unit) and grid[0] > 1:
-            # A clip is cut over forwards where the model allows (_work_items): one part must fit.
-            t, h, w = grid
-            if (part := min(unit, t) * h * w) <= self.config.max_batch_tokens:
-                return
-            raise ResourceExhausted(
-                f"clip has {n} patches (grid {list(grid)}); even its smallest part ({min(unit, t)} of its {t} "
-                f"time steps, {part} patches) is more than --max-batch-tokens {self.config.max_batch_tokens} "
-                "allows in one forward pass; sample smaller frames")
-        if n > self.config.max_batch_tokens:
-            advice = "send a smaller image" if what == "image" else "sample fewer or smaller frames"
-            raise ResourceExhausted(
-                f"{what} has {n} patches (grid {list(grid)}), more than --max-batch-tokens "
-                f"{self.config.max_batch_tokens} allows in one forward pass; {advice}")
 
     def lookup(self, content_hashes: Sequence[str]) -> list[bool]:
         return [h in self.cache for h in content_hashes]
@@ -278,17 +258,8 @@ class Engine:
 
     def _result(self, index: int, entry: CacheEntry | None, embedding: torch.Tensor, *, cache_hit: bool,
                 job: Job | None = None) -> ImageResult:
-        """One image's result; with its cache entry (if it is the one cached), the conversions to
-        other dtypes that entry keeps, and the way to keep a new one."""
-        if entry is not None and entry.embedding is not embedding:
-            entry = None  # evicted and computed again meanwhile: not this result's entry
-        key, grid, clip = (job.key, job.grid, job.clip) if job is not None else (entry.key, entry.grid, entry.clip)
-        return ImageResult(
-            index, key, grid, embedding, cache_hit=cache_hit, timing=job.timing if job is not None else Timing(),
-            feature_levels=self.front.spec.feature_levels,
-            conversions=entry.conversions if entry is not None else None,
-            keep_conversion=functools.partial(self.cache.add_conversion, entry) if entry is not None else None,
-            clip=clip)
+        return image_result(index, entry, embedding, self.cache, self.front.spec.feature_levels,
+                            cache_hit=cache_hit, job=job)
 
     # --- jobs ------------------------------------------------------------------------------------------
     async def _prepare(self, job: Job, image: ImageInput) -> None:
@@ -297,7 +268,7 @@ class Engine:
             if image.kind == "video":
                 payload, job.clip = await self._videos.prepare(self.front, image.video, self.max_image_pixels,
                                                                self._pools.executor)
-                self._check_size(payload.grid, "clip")
+                check_size(self.front, self.config, payload.grid, "clip")
             else:
                 payload = await self._pools.prepared(self._prepare_sync, image, self.pixel_limits.ordinary)
         except Exception as exc:
@@ -329,7 +300,7 @@ class Engine:
                     decoded = self.front.decode_image(image.data, self.max_image_pixels)
             except decode.ExpensiveImage:
                 return EXPENSIVE
-            self._check_size(decoded.grid)
+            check_size(self.front, self.config, decoded.grid)
             return decoded
         return check_patch_bytes(image.data, image.patch_dtype, image.grid, self.front.spec.patch_dim)
 
@@ -338,24 +309,11 @@ class Engine:
             return  # already queued by another request, or further along
         if self._closed:
             raise Unavailable("server is draining")
-        job.items = self._work_items(job)
+        job.items = work_items(job, self.front, self.config.max_batch_tokens)
         job.payload = None  # the items hold it now; freed as soon as the forwards are done
         job.state = "queued"
         for item in job.items:
             self._queue.put(item)
-
-    def _work_items(self, job: Job) -> list[WorkItem]:
-        """The job's forward work: one item, or a clip larger than one forward cut into parts of whole
-        ``spec.split_unit`` steps (exact: those steps encode independently), each as large as fits."""
-        budget = self.config.max_batch_tokens
-        if self.front.num_patches(job.grid) <= budget:
-            return [WorkItem(job.payload, job.grid, job)]
-        spec = self.front.spec
-        t, h, w = job.grid
-        steps = budget // (h * w * spec.split_unit) * spec.split_unit  # _check_size: at least one unit
-        return [WorkItem(clip_part(job.payload, start, min(start + steps, t), spec.temporal_patch_size, spec.patch_dim),
-                         (min(start + steps, t) - start, h, w), job, part=n)
-                for n, start in enumerate(range(0, t, steps))]
 
     def _leave(self, job: Job) -> None:
         """One waiting image slot is done with the job (streamed it, failed or was cancelled)."""
@@ -373,16 +331,11 @@ class Engine:
         if job.state == "queued" and not split and not self._queue.remove(job.items[0]):
             return  # the worker took it a moment ago; its result will still be cached
         if split:  # a clip over several forwards: the parts not yet taken are dropped, those taken ignored
-            self._withdraw_parts(job)
+            withdraw_parts(job, self._queue)
         job.state = "abandoned"
         job.items, job.payload = [], None
         self.metrics.images_abandoned.inc()
         self._drop(job)
-
-    def _withdraw_parts(self, job: Job) -> None:
-        for item in job.items:
-            self._queue.remove(item)  # False for a part a worker has taken: its result is ignored
-        job.parts = []
 
     def _drop(self, job: Job) -> None:
         if self._inflight.get(job.key) is job:
@@ -424,19 +377,14 @@ class Engine:
             # A clip split over forwards: the forwards of its parts together.
             job.timing.forward_ms = forward_ms + (job.timing.forward_ms if len(job.items) > 1 else 0.0)
             if error is None:
-                split = len(job.items) > 1
-                if split:
-                    job.parts.append((item.part, embedding))
-                complete = not split or len(job.parts) == len(job.items)
-                m.record_encoded(device, item.num_patches, int(embedding.shape[0]),  # a shape: no device sync
-                                 "video" if job.clip is not None else "image", complete)
-                if not complete:
+                rows = int(embedding.shape[0])  # a shape: no device sync
+                embedding = gather(job, item, embedding)
+                m.record_encoded(device, item.num_patches, rows, "video" if job.clip is not None else "image",
+                                 complete=embedding is not None)
+                if embedding is None:
                     continue  # the clip's other parts are still to come
-                if split:
-                    embedding = torch.cat([e for _, e in sorted(job.parts, key=lambda p: p[0])])
-                    job.parts = []
-            if error is not None and len(job.items) > 1:
-                self._withdraw_parts(job)  # one part failed: the clip has failed, its other parts need not run
+            elif len(job.items) > 1:
+                withdraw_parts(job, self._queue)  # one part failed: the clip has failed, the others need not run
             job.items = []
             if self._inflight.get(job.key) is job:
                 del self._inflight[job.key]

@@ -4,13 +4,15 @@ and of one request's image slot waiting for it. Lives on the event loop."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from ..errors import EncoderError
 from ..preprocess.staged import StagedInput
 from .batch_queue import WorkItem
-from .types import ClipFrames, Grid, ImageInput, Timing
+from .cache import CacheEntry, EmbeddingCache
+from .types import ClipFrames, Grid, ImageInput, ImageResult, Timing
 
 
 @dataclass(eq=False)
@@ -85,3 +87,17 @@ def retag(exc: BaseException, index: int) -> BaseException:
     if isinstance(exc, EncoderError):
         return type(exc)(exc.message, image_index=index)
     return exc
+
+
+def image_result(index: int, entry: CacheEntry | None, embedding, cache: EmbeddingCache, feature_levels: int, *,
+                 cache_hit: bool, job: Job | None = None) -> ImageResult:
+    """One image's result; with its cache entry (if it is the one cached), the conversions to other
+    dtypes that entry keeps, and the way to keep a new one."""
+    if entry is not None and entry.embedding is not embedding:
+        entry = None  # evicted and computed again meanwhile: not this result's entry
+    key, grid, clip = (job.key, job.grid, job.clip) if job is not None else (entry.key, entry.grid, entry.clip)
+    return ImageResult(
+        index, key, grid, embedding, cache_hit=cache_hit, timing=job.timing if job is not None else Timing(),
+        feature_levels=feature_levels, conversions=entry.conversions if entry is not None else None,
+        keep_conversion=functools.partial(cache.add_conversion, entry) if entry is not None else None,
+        clip=clip)

@@ -68,7 +68,7 @@ from ...preprocess.video_sampling import (
     linspace_indices,
     source_seconds,
 )
-from ..base import VideoFront
+from ..video_hooks import VideoFront
 from .metadata import clip_chunks
 from .preprocess import KimiK25PreprocessConfig, geometry
 

@@ -48,7 +48,7 @@ from ...preprocess.video_sampling import (
     pad_to_multiple,
     source_seconds,
 )
-from ..base import VideoFront
+from ..video_hooks import VideoFront
 from .preprocess import _CLIP_MEAN, _CLIP_STD, PatchLayout, smart_resize
 
 DEFAULT_FPS = 2.0  # with neither fps nor num_frames (see above)

@@ -47,9 +47,9 @@ from ...preprocess.video_sampling import (
     pad_to_multiple,
     source_seconds,
 )
-from ..base import VideoFront
 from ..qwen2_5_vl.preprocess import PatchLayout
 from ..qwen2_5_vl.video import frames_to_values, patchify_video, stage_clip, value_table, video_config_kwargs
+from ..video_hooks import VideoFront
 
 ASSUMED_FPS = 24.0  # the references' fps for a clip whose container does not give one
 # vLLM 0.33.0's Qwen3VLVideoBackend: its caps and defaults (load_bytes' fps=2, the sampling kwargs'

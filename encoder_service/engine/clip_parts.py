@@ -1,0 +1,73 @@
+"""How large an item may be, and a clip larger than one forward: cut into parts of whole time steps
+(``ModelSpec.split_unit``: steps that attend only within themselves, so the parts' rows concatenated
+equal one forward's), one WorkItem each, their embeddings gathered on the job. Lives on the event
+loop, beside engine.py, which calls it."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ServiceConfig
+from ..errors import ResourceExhausted
+from ..models.base import ModelFront
+from ..preprocess.staged import clip_part
+from .batch_queue import BatchQueue, WorkItem
+from .jobs import Job
+from .types import Grid
+
+
+def check_size(front: ModelFront, config: ServiceConfig, grid: Grid, what: str = "image") -> None:
+    """RESOURCE_EXHAUSTED where an image is over one forward, or a clip (``what``) over
+    --max-video-patches or with a single step over one forward; a larger clip is cut (``work_items``)."""
+    n = front.num_patches(grid)
+    if what == "clip" and n > config.max_video_patches:
+        raise ResourceExhausted(
+            f"clip has {n} patches (grid {list(grid)}), more than --max-video-patches "
+            f"{config.max_video_patches} allows; sample fewer or smaller frames")
+    if what == "clip" and (unit := front.spec.split_unit) and grid[0] > 1:
+        t, h, w = grid
+        if (part := min(unit, t) * h * w) <= config.max_batch_tokens:
+            return
+        raise ResourceExhausted(
+            f"clip has {n} patches (grid {list(grid)}); even its smallest part ({min(unit, t)} of its {t} "
+            f"time steps, {part} patches) is more than --max-batch-tokens {config.max_batch_tokens} "
+            "allows in one forward pass; sample smaller frames")
+    if n > config.max_batch_tokens:
+        advice = "send a smaller image" if what == "image" else "sample fewer or smaller frames"
+        raise ResourceExhausted(
+            f"{what} has {n} patches (grid {list(grid)}), more than --max-batch-tokens "
+            f"{config.max_batch_tokens} allows in one forward pass; {advice}")
+
+
+def work_items(job: Job, front: ModelFront, budget: int) -> list[WorkItem]:
+    """The job's forward work: one item, or a clip larger than one forward cut into parts of whole
+    ``spec.split_unit`` steps (exact: those steps encode independently), each as large as fits."""
+    if front.num_patches(job.grid) <= budget:
+        return [WorkItem(job.payload, job.grid, job)]
+    spec = front.spec
+    t, h, w = job.grid
+    steps = budget // (h * w * spec.split_unit) * spec.split_unit  # check_size: at least one unit
+    return [WorkItem(clip_part(job.payload, start, min(start + steps, t), spec.temporal_patch_size, spec.patch_dim),
+                     (min(start + steps, t) - start, h, w), job, part=n)
+            for n, start in enumerate(range(0, t, steps))]
+
+
+def withdraw_parts(job: Job, queue: BatchQueue) -> None:
+    """A split clip nobody waits for, or one of whose parts failed: its parts not yet taken leave the
+    queue; those a worker took run and are ignored (the job is no longer running)."""
+    for item in job.items:
+        queue.remove(item)
+    job.parts = []
+
+
+def gather(job: Job, item: WorkItem, embedding: torch.Tensor) -> torch.Tensor | None:
+    """One item's embedding: the job's whole embedding once every part has come back (the parts' rows in
+    order), else None."""
+    if len(job.items) < 2:
+        return embedding
+    job.parts.append((item.part, embedding))
+    if len(job.parts) < len(job.items):
+        return None
+    whole = torch.cat([e for _, e in sorted(job.parts, key=lambda p: p[0])])
+    job.parts = []
+    return whole

@@ -1,0 +1,109 @@
+"""What a vision model adds for video: ``VideoFront`` (a family's CPU half for clips, which the front
+end holds) and ``VideoHooks``, the video side of ``VisionModel`` (its video path, where clips decode,
+the device half's clip hooks, and ``preprocess_video``, both halves in this process)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import InvalidInput
+from ..preprocess import video_decode
+from ..preprocess.staged import DecodedClip
+from ..preprocess.video_decode import VideoLimits
+from ..preprocess.video_sampling import ClipFacts, VideoSampling
+from .spec import Grid
+
+
+@dataclass(frozen=True)
+class VideoFront:
+    """A family's video path, CPU half, bound to its settings: picklable like ``Decoder`` (module-level
+    functions, partials of them), since ``sample`` runs in a decoder process.
+
+    ``sample(clip, sampling)``: the source frame indices the caller's reference samples (ClipFacts,
+    VideoSampling of preprocess/video_sampling.py); raises InvalidInput where the reference fails.
+    ``process(frames, indices, sampling)``: sampled uint8 frames [T, H, W, 3] -> (pixel values
+    float32 [t*h*w, patch_dim], grid (t, h, w), the indices used: padding repeats the last frame),
+    exactly as the family's video processor computes ``pixel_values_videos`` / ``video_grid_thw``.
+    ``timestamps(clip, indices)``: each used frame's time in seconds (empty when the fps is unknown).
+    ``stage(frames, indices, sampling, mode)``, where the family has it: what ``process`` computes, split
+    as images are (``DecodedClip``: uint8 frames for the device, which resizes in torch mode and
+    normalizes and patchifies in every mode, giving ``process``'s values in pil mode), with the indices
+    used; the engine prefers it. Without it, ``process``'s float32 values travel as patches.
+    """
+
+    sample: Callable[..., Sequence[int]]
+    process: Callable[..., tuple[np.ndarray, Grid, Sequence[int]]]
+    timestamps: Callable[..., Sequence[float]]
+    references: tuple[str, ...] = ("transformers", "vllm")
+    stage: Callable[..., tuple[DecodedClip, Sequence[int]]] | None = None
+
+
+
+class VideoHooks:
+    """Mixed into ``VisionModel``: families with a video path override ``video_front`` and, where the device
+    half takes their clips as frames, ``_clip_value_table`` and ``_patchify_clip``."""
+
+    # pyav: clips decode with FFmpeg on the CPU; nvdec: on a GPU's video decoder (preprocess/video_nvdec.py).
+    video_decode: str = "pyav"
+
+    def set_video_decode(self, name: str) -> None:
+        """``pyav`` (the default) or ``nvdec``: clips' frames decode on a CUDA device's video decoder
+        (preprocess/video_nvdec.py), which must be this model's kind of device."""
+        if name not in ("pyav", "nvdec"):
+            raise InvalidInput(f"unknown video decode {name!r}; valid: pyav, nvdec")
+        if name == "nvdec":
+            from ..preprocess import video_nvdec
+
+            if self.device.type != "cuda":
+                raise InvalidInput(f"video decode nvdec needs a CUDA device; this model runs on {self.device}")
+            if not video_nvdec.available():
+                raise InvalidInput("video decode nvdec needs NVIDIA's PyNvVideoCodec (pip install PyNvVideoCodec)")
+        self.video_decode = name
+
+    def video_front(self) -> VideoFront | None:
+        """The family's video path bound to this model's settings; None: the family takes no video."""
+        return None
+
+    def _clip_value_table(self) -> torch.Tensor | None:
+        """float32 [3, 256] on the CPU for a clip's frames (the video processor's rescale + normalize);
+        None: the family takes no clips as frames (``DecodedClip``)."""
+        return None
+
+    def _patchify_clip(self, frames: torch.Tensor) -> torch.Tensor:
+        """[T, C, H, W] normalized frames -> [num_patches, patch_dim] in the model's video patch order
+        (temporal padding included)."""
+        raise NotImplementedError
+
+    def preprocess_video(self, video: bytes | Sequence[bytes], *, frames_fps: float | None = None,
+                         **sampling) -> tuple[np.ndarray, Grid, list[int]]:
+        """A clip -> (pixel values [t*h*w, patch_dim] float32, (t, h, w), the source frame indices
+        used), exactly as the family's video processor returns ``pixel_values_videos`` and
+        ``video_grid_thw``, with the frames its reference samples. ``video``: a container's bytes,
+        or its frames as encoded images (``frames_fps``: their rate, if known). ``sampling``: the
+        fields of ``VideoSampling`` (reference="transformers" or "vllm", fps, num_frames, ...).
+        Decodes in this process, without the server's decoder processes or size limits."""
+        front = self.video_front()
+        if front is None:
+            raise InvalidInput(f"{self.spec.model_type} takes no video")
+        wanted = VideoSampling(**sampling)
+        limits = VideoLimits(max_bytes=1 << 40, max_frames=1 << 31, max_seconds=float("inf"),
+                             max_frame_pixels=(1 << 31) - 1, max_decode_seconds=float("inf"))  # FFmpeg: an int
+        if isinstance(video, (bytes, bytearray, memoryview)):
+            clip = video_decode.probe(bytes(video), limits)
+            indices = [int(i) for i in front.sample(clip, wanted)]
+            frames = video_decode.decode_frames(bytes(video), indices, limits)
+        else:
+            clip = ClipFacts(len(video), frames_fps, len(video) / frames_fps if frames_fps else None)
+            indices = [int(i) for i in front.sample(clip, wanted)]
+            frames = video_decode.decode_frame_list([video[i] for i in indices], limits)
+        if front.stage is not None:  # the service's path: the CPU half, then the device half on the CPU
+            clip, used = front.stage(frames, indices, wanted, self.preprocess_mode)
+            pixel_values, grid = self.stage([clip], torch.device("cpu"), torch.float32).numpy(), clip.grid
+        else:
+            pixel_values, grid, used = front.process(frames, indices, wanted)
+        return np.ascontiguousarray(pixel_values, dtype=np.float32), tuple(grid), [int(i) for i in used]
+
