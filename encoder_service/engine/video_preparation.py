@@ -20,7 +20,7 @@ import numpy as np
 from ..config import ServiceConfig
 from ..errors import InvalidInput, ResourceExhausted
 from ..models.base import ModelFront
-from ..preprocess.staged import RawPatches, StagedInput
+from ..preprocess.staged import StagedInput
 from ..preprocess.video_decode import VideoLimits, decode_frame_list
 from ..preprocess.video_pool import VideoDecodePool
 from ..preprocess.video_sampling import ClipFacts
@@ -70,24 +70,14 @@ class VideoPreparer:
             clip, indices, frames = decoded.facts, decoded.indices, decoded.frames
         else:
             clip, indices, frames = await loop.run_in_executor(executor, _sampled_frames, video, sample, limits)
-        payload, used = await loop.run_in_executor(executor, _staged, front, frames, indices, video.sampling)
+        payload, used = await loop.run_in_executor(executor, front.video_front.staged, frames, indices,
+                                                   video.sampling, front.preprocess)
         timestamps = front.video_front.timestamps(clip, used)
         return payload, ClipFrames(tuple(int(i) for i in used), tuple(float(t) for t in timestamps))
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
-
-
-def _staged(front: ModelFront, frames: np.ndarray, indices: list[int], sampling) -> tuple[StagedInput, list[int]]:
-    """The sampled frames as the device takes them: uint8 frames where the family stages clips (resized
-    on the device in torch mode), else its processor's float32 values as patches."""
-    video_front = front.video_front
-    if video_front.stage is not None:
-        clip, used = video_front.stage(frames, indices, sampling, front.preprocess)
-        return clip, list(used)
-    pixel_values, grid, used = video_front.process(frames, indices, sampling)
-    return RawPatches(np.ascontiguousarray(pixel_values, dtype=np.float32).tobytes(), "float32", grid), list(used)
 
 
 def _sampled_frames(video: VideoInput, sample, limits: VideoLimits) -> tuple[ClipFacts, list[int], np.ndarray]:

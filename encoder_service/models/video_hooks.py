@@ -12,7 +12,7 @@ import torch
 
 from ..errors import InvalidInput
 from ..preprocess import video_decode
-from ..preprocess.staged import DecodedClip
+from ..preprocess.staged import DecodedClip, RawPatches, StagedInput
 from ..preprocess.video_decode import VideoLimits
 from ..preprocess.video_sampling import ClipFacts, VideoSampling
 from .spec import Grid
@@ -40,6 +40,17 @@ class VideoFront:
     timestamps: Callable[..., Sequence[float]]
     references: tuple[str, ...] = ("transformers", "vllm")
     stage: Callable[..., tuple[DecodedClip, Sequence[int]]] | None = None
+
+    def staged(self, frames: np.ndarray, indices: Sequence[int], sampling: VideoSampling, mode: str
+               ) -> tuple[StagedInput, list[int]]:
+        """The sampled frames as the device takes them, with the indices used: uint8 frames where the family
+        stages clips (``stage``), else its processor's float32 values as patches."""
+        if self.stage is not None:
+            clip, used = self.stage(frames, indices, sampling, mode)
+            return clip, [int(i) for i in used]
+        pixel_values, grid, used = self.process(frames, indices, sampling)
+        data = np.ascontiguousarray(pixel_values, dtype=np.float32).tobytes()
+        return RawPatches(data, "float32", tuple(grid)), [int(i) for i in used]
 
 
 
@@ -100,10 +111,8 @@ class VideoHooks:
             clip = ClipFacts(len(video), frames_fps, len(video) / frames_fps if frames_fps else None)
             indices = [int(i) for i in front.sample(clip, wanted)]
             frames = video_decode.decode_frame_list([video[i] for i in indices], limits)
-        if front.stage is not None:  # the service's path: the CPU half, then the device half on the CPU
-            clip, used = front.stage(frames, indices, wanted, self.preprocess_mode)
-            pixel_values, grid = self.stage([clip], torch.device("cpu"), torch.float32).numpy(), clip.grid
-        else:
-            pixel_values, grid, used = front.process(frames, indices, wanted)
-        return np.ascontiguousarray(pixel_values, dtype=np.float32), tuple(grid), [int(i) for i in used]
+        # The service's path: the CPU half, then the device half, here on the CPU.
+        payload, used = front.staged(frames, indices, wanted, self.preprocess_mode)
+        pixel_values = self.stage([payload], torch.device("cpu"), torch.float32).numpy()  # host: staged on the CPU
+        return np.ascontiguousarray(pixel_values, dtype=np.float32), tuple(payload.grid), used
 

@@ -133,6 +133,19 @@ def clip_part(payload: StagedInput, start: int, stop: int, frames_per_step: int,
     raise TypeError(f"a {type(payload).__name__} is not a clip's payload")
 
 
+def check_frames(frames: np.ndarray) -> None:
+    """A clip's decoded frames must be uint8 [T, H, W, 3], T >= 1."""
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or not len(frames):
+        raise InvalidInput(f"video frames must be uint8 [T, H, W, 3], got {frames.dtype} {list(frames.shape)}")
+
+
+def resize_frames_on_host(frames: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """uint8 [T, H, W, 3] -> [T, h, w, 3] with ``resize_uint8``'s CPU kernel (the pil mode's resize of a
+    clip, before it is staged)."""
+    resized = resize_uint8(host_tensor(frames).permute(0, 3, 1, 2), size)
+    return resized.permute(0, 2, 3, 1).numpy()  # host: the CPU half, a CPU tensor
+
+
 def check_patch_bytes(data: bytes, dtype: str, grid: Grid, patch_dim: int) -> RawPatches:
     """A client's patch bytes checked against their grid (cheap: lengths only, no conversion)."""
     if dtype not in BY_NAME:

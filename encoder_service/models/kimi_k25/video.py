@@ -59,7 +59,15 @@ import torch.nn.functional as F
 
 from ...errors import InvalidInput
 from ...preprocess import settings
-from ...preprocess.staged import DecodedClip, apply_table, host_tensor, resize_uint8, torchvision_value_table
+from ...preprocess.staged import (
+    DecodedClip,
+    apply_table,
+    check_frames,
+    host_tensor,
+    resize_frames_on_host,
+    resize_uint8,
+    torchvision_value_table,
+)
 from ...preprocess.video_sampling import (
     ClipFacts,
     VideoSampling,
@@ -212,8 +220,7 @@ def preprocess_video(frames: np.ndarray, config: KimiK25VideoConfig | None = Non
     """Sampled uint8 frames [T, H, W, 3] -> (float32 [sum of t*h*w, 3*P*P], one grid per chunk):
     transformers' ``pixel_values_videos`` (flattened per patch) and ``video_grid_thw``."""
     cfg = config or KimiK25VideoConfig()
-    if frames.ndim != 4 or frames.shape[-1] != settings.NUM_CHANNELS or frames.dtype != np.uint8 or not len(frames):
-        raise InvalidInput(f"video frames must be uint8 [T, H, W, 3], got {frames.dtype} {list(frames.shape)}")
+    check_frames(frames)
     resize_to, (pad_h, pad_w), (gh, gw) = video_geometry(frames.shape[1], frames.shape[2], cfg)
     table = value_table(cfg)
     p = cfg.patch_size
@@ -241,14 +248,12 @@ def stage_clip(frames: np.ndarray, indices: list[int], sampling: VideoSampling, 
     with their size after the resize, the padded size and ONE grid ``(T, h, w)`` as ``process_clip``
     gives; resized here only in pil mode (the reference's CPU kernel: bit for bit ``preprocess_video``),
     padded, normalized and patchified on the device (the model's ``_patchify_clip``)."""
-    if frames.ndim != 4 or frames.shape[-1] != settings.NUM_CHANNELS or frames.dtype != np.uint8 or not len(frames):
-        raise InvalidInput(f"video frames must be uint8 [T, H, W, 3], got {frames.dtype} {list(frames.shape)}")
+    check_frames(frames)
     resize_to, pad_to, (gh, gw) = video_geometry(frames.shape[1], frames.shape[2], config)
     if not config.do_resize:
         resize_to = tuple(frames.shape[1:3])
     if mode != "torch" and tuple(frames.shape[1:3]) != tuple(resize_to):
-        resized = resize_uint8(host_tensor(frames).permute(0, 3, 1, 2), resize_to)  # host: pil mode resizes here
-        frames = resized.permute(0, 2, 3, 1).numpy()
+        frames = resize_frames_on_host(frames, resize_to)
     clip = DecodedClip(np.ascontiguousarray(frames), tuple(resize_to), (int(frames.shape[0]), gh, gw), tuple(pad_to))
     return clip, [int(i) for i in indices]
 

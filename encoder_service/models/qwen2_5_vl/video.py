@@ -38,7 +38,15 @@ import torch
 
 from ...errors import InvalidInput
 from ...preprocess import settings
-from ...preprocess.staged import DecodedClip, apply_table, host_tensor, resize_uint8, torchvision_value_table
+from ...preprocess.staged import (
+    DecodedClip,
+    apply_table,
+    check_frames,
+    host_tensor,
+    resize_frames_on_host,
+    resize_uint8,
+    torchvision_value_table,
+)
 from ...preprocess.video_sampling import (
     ClipFacts,
     VideoSampling,
@@ -228,8 +236,7 @@ def _grid(num_frames: int, height: int, width: int, patch: int, merge: int, tp: 
 def frames_to_values(frames: np.ndarray, size: tuple[int, int], table: torch.Tensor) -> torch.Tensor:
     """uint8 [T, H, W, 3] -> float32 [T, 3, h, w]: each frame resized (PyTorch's uint8 bicubic antialiased
     kernel, as torchvision on the CPU) to ``size``, then through the per-channel value table."""
-    if frames.ndim != 4 or frames.shape[-1] != settings.NUM_CHANNELS or frames.dtype != np.uint8:
-        raise InvalidInput(f"video frames must be uint8 [T, H, W, 3], got {frames.dtype} {list(frames.shape)}")
+    check_frames(frames)
     video = host_tensor(frames).permute(0, 3, 1, 2)
     return torch.stack([apply_table(resize_uint8(frame.contiguous(), size), table) for frame in video])
 
@@ -252,22 +259,25 @@ def value_table(cfg: Qwen2VLVideoConfig) -> torch.Tensor:
                                    cfg.do_normalize)
 
 
-def preprocess_video(frames: np.ndarray, config: Qwen2VLVideoConfig | None = None
+def preprocess_video(frames: np.ndarray, config: Qwen2VLVideoConfig | None = None, geometry=None
                      ) -> tuple[np.ndarray, tuple[int, int, int]]:
     """Sampled uint8 frames [T, H, W, 3] -> (float32 [t*h*w, patch_dim], (t, h, w)): transformers'
-    ``pixel_values_videos`` and ``video_grid_thw`` for them (``Qwen2VLVideoProcessor`` on the CPU)."""
+    ``pixel_values_videos`` and ``video_grid_thw`` for them (``Qwen2VLVideoProcessor`` on the CPU).
+    ``geometry``: the family's ``video_geometry`` (Qwen3-VL's bounds the whole video; this one's, each frame)."""
     cfg = config or Qwen2VLVideoConfig()
-    size, grid = video_geometry(frames.shape[0], frames.shape[1], frames.shape[2], cfg)
+    check_frames(frames)
+    size, grid = (geometry or video_geometry)(frames.shape[0], frames.shape[1], frames.shape[2], cfg)
     values = frames_to_values(frames, size, value_table(cfg))
     patches = patchify_video(values, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size)
     return patches.numpy(), grid  # host: CPU preprocessing, a CPU tensor
 
 
-def video_front(config: Qwen2VLVideoConfig) -> VideoFront:
-    """This family's video path bound to ``config`` (the engine's ``ModelFront.video_front``)."""
-    return VideoFront(sample=functools.partial(sample_frame_indices, config=config),
-                      process=functools.partial(process_clip, config=config), timestamps=source_seconds,
-                      stage=functools.partial(stage_clip, config=config, geometry=video_geometry))
+def video_front(config: Qwen2VLVideoConfig, sample=sample_frame_indices, geometry=video_geometry) -> VideoFront:
+    """This family's video path bound to ``config`` (the engine's ``ModelFront.video_front``); Qwen3-VL's
+    with its own ``sample`` and ``geometry``, the patch layout being this one."""
+    return VideoFront(sample=functools.partial(sample, config=config),
+                      process=functools.partial(process_clip, config=config, geometry=geometry),
+                      timestamps=source_seconds, stage=functools.partial(stage_clip, config=config, geometry=geometry))
 
 
 def stage_clip(frames: np.ndarray, indices: list[int], sampling: VideoSampling, mode: str, *, config, geometry
@@ -277,20 +287,18 @@ def stage_clip(frames: np.ndarray, indices: list[int], sampling: VideoSampling, 
     reference's CPU kernel: bit-exact with ``preprocess_video``); the device does the rest (the model's
     ``_patchify_clip``). ``geometry`` is the family's ``video_geometry``."""
     cfg = config.for_request(sampling)
-    if frames.ndim != 4 or frames.shape[-1] != settings.NUM_CHANNELS or frames.dtype != np.uint8:
-        raise InvalidInput(f"video frames must be uint8 [T, H, W, 3], got {frames.dtype} {list(frames.shape)}")
+    check_frames(frames)
     size, grid = geometry(frames.shape[0], frames.shape[1], frames.shape[2], cfg)
     if mode != "torch" and tuple(frames.shape[1:3]) != tuple(size):
-        resized = resize_uint8(host_tensor(frames).permute(0, 3, 1, 2), size)  # host: pil mode resizes on the CPU
-        frames = resized.permute(0, 2, 3, 1).numpy()
+        frames = resize_frames_on_host(frames, size)
     return DecodedClip(np.ascontiguousarray(frames), tuple(size), grid), pad_to_multiple(list(indices),
                                                                                        cfg.temporal_patch_size)
 
 
-def process_clip(frames: np.ndarray, indices: list[int], sampling: VideoSampling, *, config: Qwen2VLVideoConfig
-                 ) -> tuple[np.ndarray, tuple[int, int, int], list[int]]:
+def process_clip(frames: np.ndarray, indices: list[int], sampling: VideoSampling, *, config: Qwen2VLVideoConfig,
+                 geometry=video_geometry) -> tuple[np.ndarray, tuple[int, int, int], list[int]]:
     """Sampled frames -> (pixel values, grid, the indices used: padded to the temporal patch size with
     the last, as ``preprocess_video`` pads the frames), with the request's pixel bounds."""
     cfg = config.for_request(sampling)
-    pixels, grid = preprocess_video(frames, cfg)
+    pixels, grid = preprocess_video(frames, cfg, geometry)
     return pixels, grid, pad_to_multiple(list(indices), cfg.temporal_patch_size)

@@ -28,7 +28,6 @@ does when a config asks for it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -45,10 +44,10 @@ from ...preprocess.video_sampling import (
     describe,
     linspace_indices,
     pad_to_multiple,
-    source_seconds,
 )
+from ..qwen2_5_vl import video as qwen2_video
 from ..qwen2_5_vl.preprocess import PatchLayout
-from ..qwen2_5_vl.video import frames_to_values, patchify_video, stage_clip, value_table, video_config_kwargs
+from ..qwen2_5_vl.video import video_config_kwargs
 from ..video_hooks import VideoFront
 
 ASSUMED_FPS = 24.0  # the references' fps for a clip whose container does not give one
@@ -203,26 +202,10 @@ def preprocess_video(frames: np.ndarray, config: Qwen3VLVideoConfig | None = Non
                      ) -> tuple[np.ndarray, tuple[int, int, int]]:
     """Sampled uint8 frames [T, H, W, 3] -> (float32 [t*h*w, patch_dim], (t, h, w)): transformers'
     ``pixel_values_videos`` and ``video_grid_thw`` for them (``Qwen3VLVideoProcessor`` on the CPU)."""
-    cfg = config or Qwen3VLVideoConfig()
-    if frames.ndim != 4:
-        raise InvalidInput(f"video frames must be uint8 [T, H, W, 3], got {frames.dtype} {list(frames.shape)}")
-    size, grid = video_geometry(frames.shape[0], frames.shape[1], frames.shape[2], cfg)
-    values = frames_to_values(frames, size, value_table(cfg))
-    patches = patchify_video(values, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size)
-    return patches.numpy(), grid  # host: CPU preprocessing, a CPU tensor
+    return qwen2_video.preprocess_video(frames, config or Qwen3VLVideoConfig(), video_geometry)
 
 
 def video_front(config: Qwen3VLVideoConfig) -> VideoFront:
-    """This family's video path bound to ``config`` (the engine's ``ModelFront.video_front``)."""
-    return VideoFront(sample=functools.partial(sample_frame_indices, config=config),
-                      process=functools.partial(process_clip, config=config), timestamps=source_seconds,
-                      stage=functools.partial(stage_clip, config=config, geometry=video_geometry))
-
-
-def process_clip(frames: np.ndarray, indices: list[int], sampling: VideoSampling, *, config: Qwen3VLVideoConfig
-                 ) -> tuple[np.ndarray, tuple[int, int, int], list[int]]:
-    """Sampled frames -> (pixel values, grid, the indices used: padded to the temporal patch size with
-    the last, as ``preprocess_video`` pads the frames), with the request's pixel bounds."""
-    cfg = config.for_request(sampling)
-    pixels, grid = preprocess_video(frames, cfg)
-    return pixels, grid, pad_to_multiple(list(indices), cfg.temporal_patch_size)
+    """This family's video path bound to ``config`` (the engine's ``ModelFront.video_front``): Qwen2-VL's
+    processing with this family's sampling and geometry."""
+    return qwen2_video.video_front(config, sample=sample_frame_indices, geometry=video_geometry)
