@@ -11,6 +11,12 @@
 # the reliability suite then runs alone, because its load figures and timings are calibrated for
 # a machine that runs nothing else. A run that selects no test (pytest's exit code 5, e.g. when the
 # arguments name one file) is not a failure, as long as the other run selected some.
+#
+# Each run has a wall-clock bound besides pytest-timeout's per-test one, which does not cover what
+# happens after the last test (a fixture's teardown, a thread or child process that keeps the
+# interpreter from exiting). Past the bound, timeout(1) sends SIGABRT to the run's process group:
+# pytest's faulthandler prints every thread's stack in the pytest process and its xdist workers, so
+# a hang is a failure with a trace instead of a CI run that never ends.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
@@ -21,11 +27,16 @@ status=0
 ran=0
 run() {
   local rc=0
-  python -m pytest -q "$@" || rc=$?
+  local bound=$1
+  shift
+  timeout --signal=ABRT --kill-after=30 "$bound" python -m pytest -q "$@" || rc=$?
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 134 ] || [ "$rc" -eq 137 ]; then
+    echo "pytest did not finish within ${bound} s (exit code $rc); the stacks above show where it hung" >&2
+  fi
   if [ "$rc" -eq 0 ]; then ran=1; elif [ "$rc" -ne 5 ]; then status=$rc; fi
 }
-run -m "not gpu and not reliability" -n 2 --dist loadfile "$@"
-run -m "reliability and not gpu" "$@"
+run 2400 -m "not gpu and not reliability" -n 2 --dist loadfile "$@"
+run 1200 -m "reliability and not gpu" "$@"
 if [ "$status" -eq 0 ] && [ "$ran" -eq 0 ]; then
   echo "no test selected" >&2
   status=5

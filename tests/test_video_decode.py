@@ -309,3 +309,50 @@ def test_pool_fuzz_never_breaks(pool):
         assert isinstance(result, (DecodedClip, InvalidInput, ResourceExhausted)), repr(result)
         assert not isinstance(result, EncoderError) or result.code in ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED")
     assert run(pool.decode(clip(), vi.first_frame, LIMITS)).frames.shape == (1, 48, 64, 3)
+
+
+# --- a decode process taken over by a hostile clip cannot reach into the server ---------------------
+
+
+def test_a_childs_pickle_is_never_unpickled(pool, tmp_path):
+    marker = tmp_path / "ran"
+    replaced = pool.replaced
+    with pytest.raises(InvalidInput, match=r"replaced .*not JSON"):
+        run(pool.decode(clip(), functools.partial(vi.answer_with_a_pickle, marker=str(marker)), LIMITS))
+    assert not marker.exists()  # unpickled, it would have run `touch`
+    assert pool.replaced == replaced + 1
+    assert run(pool.decode(clip(), vi.first_frame, LIMITS)).frames.shape == (1, 48, 64, 3)
+
+
+def test_a_child_that_stalls_mid_answer_is_killed_at_the_deadline(pool):
+    bound = limits(max_decode_seconds=0.5)
+    with pytest.raises(ResourceExhausted, match=r"took more than 1.5 s and was stopped"):
+        run(asyncio.wait_for(pool.decode(clip(), vi.answer_and_stall, bound), 30))
+    assert run(pool.decode(clip(), vi.first_frame, LIMITS)).frames.shape == (1, 48, 64, 3)
+
+
+@pytest.mark.parametrize("fault,message", [
+    (vi.answer_too_long, "a message of 1073741824 bytes, over the 65536 allowed"),
+    (vi.frames_in_an_unsealed_memfd, "not sealed against writes, shrinking and growing"),
+    (vi.frames_of_the_wrong_size, "holds 100 bytes; frames of shape \\[1, 48, 64, 3\\] are 9216"),
+    (vi.frames_over_the_limits, "outside the limits"),
+    (vi.frames_without_their_memfd, "frames announced without their memfd"),
+])
+def test_a_child_that_breaks_the_protocol_is_replaced(pool, fault, message):
+    replaced = pool.replaced
+    with pytest.raises(InvalidInput, match=f"the video decoder failed on this clip and was replaced \\(.*{message}"):
+        run(asyncio.wait_for(pool.decode(clip(), fault, LIMITS), 30))
+    assert pool.replaced == replaced + 1
+    assert run(pool.decode(clip(), vi.first_frame, LIMITS)).frames.shape == (1, 48, 64, 3)
+
+
+def test_frames_in_an_ordinary_file_are_refused(pool, tmp_path):
+    fault = functools.partial(vi.frames_in_a_file, path=str(tmp_path / "frames"))
+    with pytest.raises(InvalidInput, match="not a memfd"):
+        run(asyncio.wait_for(pool.decode(clip(), fault, LIMITS), 30))
+
+
+def test_the_frames_are_the_servers_own_copy(pool):
+    got = run(pool.decode(clip(), vi.first_frame, LIMITS))
+    got.frames[0, 0, 0] = 7  # a private mapping: writable here, and nothing reaches the child's memfd
+    assert got.frames.flags.writeable and got.frames[0, 0, 0, 0] == 7

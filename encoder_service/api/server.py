@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from .. import memory
 from ..config import ServiceConfig
 from ..engine import Engine
+from ..fd_limit import raise_open_file_limit
 from ..metrics import VISION_ENCODER, ServiceMetrics
 from .engine_gate import EngineGate
 from .relay.supervisor import RelayProcesses, RelayStartError
@@ -261,6 +262,7 @@ async def serve(config: ServiceConfig) -> int:
     process's socket), the main and SGLang ports (with the grace the drain left), the health port,
     the engine, the servicer's sink channels and threads, the relays' socket directory."""
     memory.limit_arenas()  # before the decode and worker threads exist (see encoder_service/memory.py)
+    raise_open_file_limit()  # descriptors are held by the request (see encoder_service/fd_limit.py)
     if config.device.startswith("cuda"):
         # Streamed responses reuse mapped memory (same module). Not where this process or its
         # workers compute on the CPU: there CPU kernels' float32 results depend on where buffers

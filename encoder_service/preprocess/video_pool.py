@@ -8,6 +8,11 @@ child's answer at most ``limits.max_decode_seconds`` plus ``grace_s``: the child
 hang inside one FFmpeg call). A child that crashes (a segfault, an abort) or outlives the bound is
 killed and replaced; that call fails with a clear error and the calls on the other children go on.
 
+A child that a crafted clip has taken over is treated as hostile (``decoder_channel.py``): its answer is
+one bounded JSON object checked field by field, never a pickle, its frames a sealed memfd of exactly
+the announced size, every read has the call's deadline, and a child that breaks the protocol is killed
+and replaced like one that crashed.
+
 Not ``concurrent.futures.ProcessPoolExecutor``: one dead child breaks that whole pool (every pending
 call fails with BrokenProcessPool), and it cannot kill one hung child. Here each child has its own
 pipe, and each call holds one child from start to end.
@@ -19,9 +24,12 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import os
+import pickle
 import queue
 import signal
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,6 +37,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from encoder_service.errors import EncoderError, InvalidInput, ResourceExhausted
+from encoder_service.preprocess.decoder_channel import (
+    BadAnswer,
+    Channel,
+    frames_from_memfd,
+    receive_json,
+    sealed_frames,
+    send_json,
+)
 from encoder_service.preprocess.video_decode import VideoLimits, probe_and_decode
 from encoder_service.preprocess.video_sampling import ClipFacts
 from encoder_service.spawning import SPAWN_LOCK
@@ -47,32 +63,105 @@ class DecodedClip:
 
 
 def _child_main(conn, nvdec_gpu: int | None = None) -> None:
-    """A child's loop: (data, indices_fn, limits) in, ("ok", DecodedClip) or (error name, message) out.
-    ``nvdec_gpu``: the frames decode with NVDEC on that GPU (video_nvdec.py)."""
+    """A child's loop: a pickled (data, indices_fn, limits) in from the server; out, a JSON answer
+    (``{"status": "ok", "facts", "indices", "shape"}`` with the frames' sealed memfd, or
+    ``{"status": error name, "message"}``). ``nvdec_gpu``: the frames decode with NVDEC on that GPU
+    (video_nvdec.py)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group; the parent decides
-    conn.send(("ready", None))
+    channel = Channel(conn.fileno())
+    send_json(channel, {"status": "ready"})
     while True:
         try:
-            job = conn.recv()
+            body, stray = channel.receive(1 << 40)  # the server's job: it alone writes these
         except (EOFError, OSError):  # the parent is gone
             return
+        if stray is not None:
+            os.close(stray)
+        job = pickle.loads(body)
+        del body
         if job is None:
             return
         data, indices_fn, limits = job
+        fd = None
         try:
-            answer = ("ok", DecodedClip(*probe_and_decode(data, indices_fn, limits, nvdec_gpu)))
+            facts, indices, frames = probe_and_decode(data, indices_fn, limits, nvdec_gpu)
+            if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[3] != 3:
+                raise TypeError(f"decoded frames of {frames.dtype} {frames.shape}, not uint8 [N, H, W, 3]")
+            fd = sealed_frames(frames)
+            answer = {"status": "ok", "indices": [int(i) for i in indices], "shape": [int(n) for n in frames.shape],
+                      "facts": {"total_frames": int(facts.total_frames),
+                                "fps": None if facts.fps is None else float(facts.fps),
+                                "duration_s": None if facts.duration_s is None else float(facts.duration_s)}}
+            del frames
         except EncoderError as e:
-            answer = (type(e).__name__, e.message)
+            answer = {"status": type(e).__name__, "message": e.message}
         except Exception as e:  # a bug, reported to the caller; the child goes on
-            answer = ("error", f"{type(e).__name__}: {e}")
+            answer = {"status": "error", "message": f"{type(e).__name__}: {e}"}
         del data, job
-        conn.send(answer)
+        try:
+            send_json(channel, answer, fd)
+        except (EOFError, OSError):
+            return
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+
+def _number(value, name: str, *, optional: bool = False, integer: bool = False):
+    if value is None and optional:
+        return None
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise BadAnswer(f"{name} is {type(value).__name__}, not a number")
+    return value
+
+
+def clip_from_answer(answer: dict, fd: int | None, limits: VideoLimits) -> DecodedClip:
+    """A child's JSON answer (and the descriptor that came with it, owned here) as a DecodedClip, or the
+    error it reports. BadAnswer for anything a correct child does not send: a wrong type, a shape or
+    index out of the limits, frames without their memfd, a memfd not sealed or of the wrong size."""
+    status = answer.get("status")
+    if status != "ok":
+        if fd is not None:
+            os.close(fd)
+        message = answer.get("message")
+        if not isinstance(status, str) or not isinstance(message, str):
+            raise BadAnswer(f"an answer with status {status!r} and no message")
+        message = message[:4000]
+        raise _ERRORS[status](message) if status in _ERRORS else EncoderError(f"video decode failed: {message}")
+    try:
+        facts, indices, shape = answer.get("facts"), answer.get("indices"), answer.get("shape")
+        if not isinstance(facts, dict) or not isinstance(indices, list) or not isinstance(shape, list):
+            raise BadAnswer("an answer without facts, indices and shape")
+        total = _number(facts.get("total_frames"), "total_frames", integer=True)
+        fps = _number(facts.get("fps"), "fps", optional=True)
+        duration = _number(facts.get("duration_s"), "duration_s", optional=True)
+        if len(shape) != 4 or shape[3] != 3:
+            raise BadAnswer(f"frames of shape {shape!r}, not [N, H, W, 3]")
+        n, height, width, _ = (_number(v, "shape", integer=True) for v in shape)
+        if not 0 < n <= limits.max_frames or n != len(indices) or min(height, width) < 1 \
+                or height * width > limits.max_frame_pixels or n * height * width * 3 > limits.max_decoded_bytes:
+            raise BadAnswer(f"frames of shape {shape!r} for {len(indices)} indices, outside the limits")
+        if not 0 < total <= limits.max_frames:  # the child's probe refuses longer clips
+            raise BadAnswer(f"total_frames {total!r} outside 1..{limits.max_frames}")
+        indices = [_number(i, "a frame index", integer=True) for i in indices]
+        if min(indices) < 0 or max(indices) >= total:
+            raise BadAnswer(f"frame indices outside the clip's {total} frames")
+        if fd is None:
+            raise BadAnswer("frames announced without their memfd")
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        raise
+    frames = frames_from_memfd(fd, (n, height, width, 3))
+    return DecodedClip(ClipFacts(total, fps, duration), indices, frames)
 
 
 class _Child:
     def __init__(self, ctx, nvdec_gpu: int | None = None) -> None:
         self.nvdec_gpu = nvdec_gpu
         self.conn, child_end = ctx.Pipe(duplex=True)
+        self.channel = Channel(self.conn.fileno())
         self.process = ctx.Process(target=_child_main, args=(child_end, nvdec_gpu), daemon=True,
                                    name="video-decode")
         with SPAWN_LOCK:  # not while a worker's spawn has narrowed CUDA_VISIBLE_DEVICES
@@ -83,20 +172,26 @@ class _Child:
     def wait_ready(self, timeout: float) -> None:
         if self.ready:
             return
-        if not self.conn.poll(timeout):
-            raise EncoderError(f"the video decode process did not start within {timeout:g} s")
-        self.conn.recv()  # ("ready", None); EOFError if it died starting
+        try:
+            answer, fd = receive_json(self.channel, time.monotonic() + timeout)
+        except TimeoutError:
+            raise EncoderError(f"the video decode process did not start within {timeout:g} s") from None
+        if fd is not None:
+            os.close(fd)
+        if answer != {"status": "ready"}:
+            raise BadAnswer(f"a first answer that is not 'ready': {str(answer)[:200]}")
         self.ready = True
 
     def stop(self, kill: bool) -> int | None:
         """Ends the child (kill: at once; else asked to leave, killed after a second) and returns its exit code."""
         if not kill and self.process.is_alive():
-            with contextlib.suppress(OSError):
-                self.conn.send(None)
+            with contextlib.suppress(OSError, EOFError, TimeoutError):
+                self.channel.send(pickle.dumps(None), time.monotonic() + 1.0)
             self.process.join(1.0)
         if self.process.is_alive():
             self.process.kill()
         self.process.join(5.0)
+        self.channel.close()
         self.conn.close()
         return self.process.exitcode
 
@@ -144,26 +239,23 @@ class VideoDecodePool:
         try:
             try:
                 child.wait_ready(self.start_timeout_s)
-            except (EOFError, OSError):
+            except (EOFError, OSError, BadAnswer) as e:
                 code = self._replace(child)
                 child = self._start_child(child.nvdec_gpu)
-                raise EncoderError(f"the video decode process died starting (exit code {code})") from None
-            try:
-                child.conn.send((data, indices_fn, limits))  # pickled whole before a byte is written
-            except OSError:  # the idle child had died (killed from outside)
-                code = self._replace(child)
-                child = self._start_child(child.nvdec_gpu)
-                raise EncoderError(f"the video decode process was gone (exit code {code}); replaced") from None
+                raise EncoderError(f"the video decode process died starting (exit code {code}; {e or 'no answer'})"
+                                   ) from None
             bound = limits.max_decode_seconds + self.grace_s
-            if not child.conn.poll(bound):
+            deadline = time.monotonic() + bound
+            try:
+                child.channel.send(pickle.dumps((data, indices_fn, limits)), deadline)
+                answer, fd = receive_json(child.channel, deadline)
+            except TimeoutError:
                 self._replace(child)
                 child = self._start_child(child.nvdec_gpu)
                 log.warning("video decode process killed: no answer within %.1f s", bound)
                 raise ResourceExhausted(
                     f"decoding the clip took more than {bound:g} s and was stopped, over the limit of "
-                    f"--max-video-decode-seconds {limits.max_decode_seconds:g}")
-            try:
-                status, payload = child.conn.recv()
+                    f"--max-video-decode-seconds {limits.max_decode_seconds:g}") from None
             except (EOFError, OSError):
                 code = self._replace(child)
                 child = self._start_child(child.nvdec_gpu)
@@ -171,14 +263,25 @@ class VideoDecodePool:
                 raise InvalidInput(
                     f"the video decoder crashed on this clip (decode process exit code {code}); "
                     f"the clip is corrupt or hostile") from None
+            except BadAnswer as e:
+                self._replace(child)
+                child = self._start_child(child.nvdec_gpu)
+                log.warning("video decode process broke the protocol (%s); replaced", e)
+                raise InvalidInput(f"the video decoder failed on this clip and was replaced ({e}); "
+                                   "the clip is corrupt or hostile") from None
+            try:
+                return clip_from_answer(answer, fd, limits)
+            except BadAnswer as e:
+                self._replace(child)
+                child = self._start_child(child.nvdec_gpu)
+                log.warning("video decode process sent a bad answer (%s); replaced", e)
+                raise InvalidInput(f"the video decoder failed on this clip and was replaced ({e}); "
+                                   "the clip is corrupt or hostile") from None
         finally:
             if self._closed:
                 child.stop(kill=False)
             else:
                 self._idle.put(child)
-        if status == "ok":
-            return payload
-        raise _ERRORS.get(status, EncoderError)(payload if status in _ERRORS else f"video decode failed: {payload}")
 
     async def decode(self, data: bytes, indices_fn: Callable[[ClipFacts], list[int]],
                      limits: VideoLimits) -> DecodedClip:

@@ -131,3 +131,101 @@ def hang_process(facts, seconds: float = 3600.0) -> list[int]:
     """An indices_fn that never answers in time, as a decoder stuck in a loop does."""
     time.sleep(seconds)
     return [0]
+
+
+# --- a decode process taken over by a clip: it answers the server with whatever it likes ----------
+# Each writes its answer straight to the socket the child shares with the server (framed as
+# decoder_channel.py frames: an 8-byte length, then the body), then waits to be killed.
+
+def _to_server(body: bytes, fd: int | None = None, announce: int | None = None) -> None:
+    import array
+    import socket
+
+    for name in sorted(os.listdir("/proc/self/fd"), key=int):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                break
+        except OSError:
+            continue
+    sock = socket.socket(fileno=os.dup(int(name)))
+    header = struct.pack("!Q", len(body) if announce is None else announce)
+    fds = [] if fd is None else [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+    sock.sendmsg([header + body], fds)
+    time.sleep(3600)
+
+
+class _RunsCode:
+    """Unpickling this calls os.system: what a hostile pickle does."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def answer_with_a_pickle(facts, marker: str) -> list[int]:
+    """Answers with a pickle that, unpickled, creates ``marker``."""
+    import pickle
+
+    _to_server(pickle.dumps(("ok", _RunsCode(f"touch {marker}"))))
+    return [0]
+
+
+def answer_and_stall(facts) -> list[int]:
+    """Announces a 1000-byte answer, sends 10 bytes of it, and stalls."""
+    _to_server(b"{" * 10, announce=1000)
+    return [0]
+
+
+def answer_too_long(facts) -> list[int]:
+    """Announces an answer of 1 GiB."""
+    _to_server(b"{}", announce=1 << 30)
+    return [0]
+
+
+def _ok(shape: list[int], total: int = 12) -> bytes:
+    import json
+
+    return json.dumps({"status": "ok", "indices": list(range(shape[0])), "shape": shape,
+                       "facts": {"total_frames": total, "fps": 24.0, "duration_s": 0.5}}).encode()
+
+
+def frames_in_an_unsealed_memfd(facts) -> list[int]:
+    """Frames in a memfd it could still shrink under the server's mapping (a SIGBUS there)."""
+    fd = os.memfd_create("clip-frames", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 48 * 64 * 3)
+    _to_server(_ok([1, 48, 64, 3]), fd)
+    return [0]
+
+
+def frames_in_a_file(facts, path: str) -> list[int]:
+    """Frames in an ordinary file (which anyone who can open it could change)."""
+    with open(path, "wb") as f:
+        f.write(bytes(48 * 64 * 3))
+    fd = os.open(path, os.O_RDONLY)
+    _to_server(_ok([1, 48, 64, 3]), fd)
+    return [0]
+
+
+def frames_of_the_wrong_size(facts) -> list[int]:
+    """A sealed memfd smaller than the frames it announces."""
+    import fcntl
+
+    fd = os.memfd_create("clip-frames", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 100)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    _to_server(_ok([1, 48, 64, 3]), fd)
+    return [0]
+
+
+def frames_over_the_limits(facts) -> list[int]:
+    """Announces a frame larger than --max-image-pixels allows."""
+    _to_server(_ok([1, 100000, 100000, 3]))
+    return [0]
+
+
+def frames_without_their_memfd(facts) -> list[int]:
+    """Announces frames and sends no descriptor."""
+    _to_server(_ok([1, 48, 64, 3]))
+    return [0]
