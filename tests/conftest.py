@@ -79,6 +79,7 @@ class FakeVisionModel(VisionModel):
         self.gate = threading.Event()
         self.gate.set()
         self.entered = threading.Event()  # set when a forward (not the warm-up) starts
+        self.fail_forward = 0  # n > 0: the n-th forward (not counting warm-ups) raises
         self.batches: list[list[tuple[int, int, int]]] = []
         self.warmups = 0
 
@@ -111,6 +112,8 @@ class FakeVisionModel(VisionModel):
             self.batches.append([tuple(g) for g in checked])
             self.entered.set()
             self.gate.wait(30)
+            if len(self.batches) == self.fail_forward:
+                raise RuntimeError(f"forward {self.fail_forward} failed")
         return self.reference(torch.as_tensor(pixel_values).numpy()), tuple(self.num_tokens(g) for g in checked)
 
 

@@ -61,3 +61,36 @@ def test_a_clip_whose_one_step_is_over_the_bound_is_refused(fake_model):
             assert engine.check_grid([3, 2, 2]) == (3, 2, 2)  # 12 patches: one forward
 
     asyncio.run(main())
+
+
+def test_a_split_clip_holds_its_admission_slot_until_its_last_part_starts(fake_model):
+    # Its parts not yet run are work waiting: counting the clip as in a forward from its first part
+    # on would admit more than --max-queue-images while most of it still waits.
+    async def main():
+        async with running_engine(fake_model, max_batch_tokens=16, max_queue_images=1) as engine:
+            fake_model.gate.clear()
+            fake_model.entered.clear()
+            task = asyncio.create_task(encode_all(engine, [patches(0, GRID, seed=6)]))
+            assert await asyncio.to_thread(fake_model.entered.wait, 5)  # its first part is in a forward
+            assert engine.queued_images == 1
+            with pytest.raises(ResourceExhausted, match="queue full: 1 images waiting"):
+                await encode_all(engine, [patches(1, seed=7)])
+            fake_model.gate.set()
+            (r,) = await task
+            assert r.grid == GRID and len(fake_model.batches) == 6 and engine.queued_images == 0
+
+    asyncio.run(main())
+
+
+def test_a_split_clip_whose_part_fails_gives_its_slot_back(fake_model):
+    async def main():
+        async with running_engine(fake_model, max_batch_tokens=16, max_queue_images=1) as engine:
+            fake_model.fail_forward = 2  # the clip's second part
+            with pytest.raises(RuntimeError, match="forward 2 failed"):
+                await encode_all(engine, [patches(0, GRID, seed=8)])
+            await until(lambda: not engine.busy)
+            assert engine.queued_images == 0
+            (r,) = await encode_all(engine, [patches(1, seed=9)])  # the one slot is free again
+            assert r.grid == (1, 4, 4)
+
+    asyncio.run(main())

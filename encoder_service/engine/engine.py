@@ -350,12 +350,15 @@ class Engine:
         now = time.perf_counter()
         for item in items:
             job: Job = item.job
-            if job.state != "queued":
+            if job.state == "queued":
+                job.state = "running"
+                job.timing.queue_ms = (now - item.enqueued_at) * 1000.0
+                self.metrics.queue_seconds.observe(now - item.enqueued_at)
+            elif job.state != "running":
                 continue
-            job.state = "running"
-            job.timing.queue_ms = (now - item.enqueued_at) * 1000.0
-            self.metrics.queue_seconds.observe(now - item.enqueued_at)
-            if job.holds_slot:
+            job.parts_started += 1
+            # A split clip still waits while any part does: its slot goes with its last part.
+            if job.holds_slot and job.parts_started >= len(job.items):
                 job.holds_slot = False
                 self._admission.release()
 
@@ -386,8 +389,7 @@ class Engine:
             elif len(job.items) > 1:
                 withdraw_parts(job, self._queue)  # one part failed: the clip has failed, the others need not run
             job.items = []
-            if self._inflight.get(job.key) is job:
-                del self._inflight[job.key]
+            self._drop(job)  # out of the in-flight map; a split clip that failed early gives its slot back
             if error is not None:
                 job.state = "failed"
                 job.done.set_exception(error)

@@ -26,7 +26,8 @@ class Job:
     grid: Grid | None = None
     items: list[WorkItem] = field(default_factory=list)  # queued: one, or a clip's parts in order
     parts: list = field(default_factory=list)  # a split clip: each part's embedding, once computed
-    holds_slot: bool = True  # an admission slot, until it enters a forward or is dropped
+    holds_slot: bool = True  # an admission slot, until it (a split clip: its last part) enters a forward or is dropped
+    parts_started: int = 0  # items that entered a forward
     stored: bool = False  # whether the cache took it (then each remaining ref holds a pin)
     timing: Timing = field(default_factory=Timing)
     clip: ClipFrames | None = None  # a clip's sampled frames, once prepared
