@@ -88,7 +88,7 @@ def test_preprocessor_patches_must_be_the_towers(tmp_path):
     # A config without patch_size gets transformers' class default, 14: the tower's is 16.
     pre = {k: v for k, v in PREPROCESSOR.items() if k != "patch_size"}
     write_checkpoint(tmp_path, tiny_config("qwen3_vl"), pre, tiny_state("qwen3_vl"))
-    with pytest.raises(InvalidInput, match="preprocessor_config patch_size 14 differs from the vision_config's "
+    with pytest.raises(InvalidInput, match="image processor config's patch_size 14 differs from the vision_config's "
                                            "patch_size 16"):
         _load(tmp_path)
 

@@ -22,14 +22,15 @@ def frames(seed: int, t: int, h: int, w: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (t, h, w, 3), dtype=np.uint8)
 
 
-def processor(family: str, init: dict):
+def processor(family: str, init: dict, pretrained: str | None = None):
+    """The family's video processor: from ``init``, or as ``from_pretrained`` reads a checkpoint folder."""
     if family == "qwen2_5_vl":
         from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor as cls
     elif family == "qwen3_vl":
         from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor as cls
     else:
         from transformers.models.kimi_k25.video_processing_kimi_k25 import Kimi_K25VideoProcessor as cls
-    return cls(**init)
+    return cls.from_pretrained(pretrained, **init) if pretrained else cls(**init)
 
 
 # Small frames and pixel bounds for the sampling cases: only the indices are read, and the processor still
@@ -73,7 +74,7 @@ def run_sampling(case: dict) -> dict:
 
 def run_processing(case: dict) -> tuple[dict, dict[str, np.ndarray]]:
     family = case["family"]
-    proc = processor(family, case.get("init", {}))
+    proc = processor(family, case.get("init", {}), case.get("pretrained"))
     video = frames(case["seed"], *case["shape"])
     out = proc(video, do_sample_frames=False, return_tensors="pt", **case.get("call", {}))
     arrays = {"pixels": out["pixel_values_videos"].numpy()}

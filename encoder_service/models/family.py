@@ -66,8 +66,11 @@ class ModelFamily:
         raise NotImplementedError
 
     def build(self, cfg, state: dict[str, torch.Tensor], *, model_id: str, preprocess_config: dict | None,
-              device: torch.device, dtype: torch.dtype, attn_backend: str, ops: str = "auto") -> VisionModel:
-        """Runtime-layout weights -> a loaded model on ``device`` (``ops``: ``--ops``, encoder_service/ops)."""
+              device: torch.device, dtype: torch.dtype, attn_backend: str, ops: str = "auto",
+              video_config: dict | None = None) -> VisionModel:
+        """Runtime-layout weights -> a loaded model on ``device`` (``ops``: ``--ops``, encoder_service/ops).
+        ``video_config``: a checkpoint's video processor settings (``loader.processor_configs``); None for
+        a preset, whose clips take the family's defaults."""
         raise NotImplementedError
 
     def read_weights(self, ckpt: CheckpointFiles, cfg, dtype: torch.dtype
@@ -122,7 +125,8 @@ def load_checkpoint(family: ModelFamily, ckpt: CheckpointFiles, *, model_id: str
     cfg = family.parse_config(ckpt.config)
     state, read = family.read_weights(ckpt, cfg, dtype)
     model = family.build(cfg, state, model_id=model_id, preprocess_config=ckpt.preprocessor_config,
-                         device=device, dtype=dtype, attn_backend=attn_backend, ops=ops)
+                         device=device, dtype=dtype, attn_backend=attn_backend, ops=ops,
+                         video_config=ckpt.video_processor_config)
     model.tensors_read = read
     return model
 

@@ -24,9 +24,44 @@ INDEX_FILE = "model.safetensors.index.json"
 class CheckpointFiles:
     root: Path
     config: dict
-    preprocessor_config: dict | None
+    preprocessor_config: dict | None  # the image processor's settings (processor_configs)
     # tensor name -> file that holds it
     weight_map: dict[str, Path] = field(default_factory=dict)
+    video_processor_config: dict | None = None  # the video processor's settings (processor_configs)
+
+
+def _json_object(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise InvalidInput(f"checkpoint file {path.name} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise InvalidInput(f"checkpoint file {path.name} holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def processor_configs(root: Path) -> tuple[dict | None, dict | None]:
+    """(image processor settings, video processor settings) of a checkpoint, found where transformers'
+    ``from_pretrained`` finds them (5.x): the image processor's in ``processor_config.json``'s
+    ``image_processor``, else ``preprocessor_config.json``; the video processor's in
+    ``processor_config.json``'s ``video_processor``, else ``video_preprocessor_config.json``, else
+    ``preprocessor_config.json`` (a checkpoint without video settings gives its video processor the
+    image processor's file). None where the checkpoint has none of them."""
+    nested = _json_object(root / "processor_config.json") or {}
+    legacy_image = _json_object(root / "preprocessor_config.json")
+    image, video = nested.get("image_processor"), nested.get("video_processor")
+    for name, value in (("image_processor", image), ("video_processor", video)):
+        if value is not None and not isinstance(value, dict):
+            raise InvalidInput(f"checkpoint file processor_config.json: {name} is not an object")
+    if image is None:
+        image = legacy_image
+    if video is None:
+        video = _json_object(root / "video_preprocessor_config.json")
+    if video is None:
+        video = legacy_image
+    return image, video
 
 
 def read_config(path: str | Path) -> dict:
@@ -43,11 +78,10 @@ def read_config(path: str | Path) -> dict:
 
 
 def read_checkpoint(path: str | Path, config: dict) -> CheckpointFiles:
-    """The checkpoint at ``path`` whose ``config.json`` ``read_config`` gave: its preprocessor config
-    and where each tensor lives (safetensors headers only)."""
+    """The checkpoint at ``path`` whose ``config.json`` ``read_config`` gave: its image and video processor
+    settings (``processor_configs``) and where each tensor lives (safetensors headers only)."""
     root = Path(path)
-    pre_file = root / "preprocessor_config.json"
-    preprocessor = json.loads(pre_file.read_text()) if pre_file.is_file() else None
+    preprocessor, video = processor_configs(root)
 
     index = root / INDEX_FILE
     weight_map: dict[str, Path] = {}
@@ -62,7 +96,7 @@ def read_checkpoint(path: str | Path, config: dict) -> CheckpointFiles:
             with safe_open(f, framework="pt") as handle:  # reads the header only
                 for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
                     weight_map[name] = f
-    return CheckpointFiles(root, config, preprocessor, weight_map)
+    return CheckpointFiles(root, config, preprocessor, weight_map, video)
 
 
 def vision_prefix(names: Sequence[str], prefixes: Sequence[str]) -> str:

@@ -53,3 +53,15 @@ def fingerprint(settings: Any) -> dict[str, Any]:
     patches)."""
     return {f.name: list(v) if isinstance(v := getattr(settings, f.name), tuple) else v
             for f in dataclasses.fields(settings)}
+
+
+def check_patch_layout(settings: Any, tower: Any, model_id: str, what: str) -> None:
+    """A processor's patches must be the tower's (``tower``: a vision config with ``patch_size``,
+    ``temporal_patch_size``, ``spatial_merge_size``), else every request would fail later: InvalidInput
+    naming the checkpoint, the file's setting and the tower's."""
+    for name, tower_name in (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
+                             ("merge_size", "spatial_merge_size")):
+        mine, theirs = getattr(settings, name), getattr(tower, tower_name)
+        if mine != theirs:
+            raise InvalidInput(f"{model_id!r}: the {what} config's {name} {mine} differs from the "
+                               f"vision_config's {tower_name} {theirs}")

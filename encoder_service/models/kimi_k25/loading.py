@@ -143,7 +143,7 @@ def read_weights(ckpt: CheckpointFiles, cfg: KimiK25VisionConfig, dtype: torch.d
 
 def build(cfg: KimiK25VisionConfig, state: dict[str, torch.Tensor], *, model_id: str,
           preprocess_config: dict | None, device: torch.device, dtype: torch.dtype,
-          attn_backend: str, ops: str = "auto") -> KimiK25VisionModel:
+          attn_backend: str, ops: str = "auto", video_config: dict | None = None) -> KimiK25VisionModel:
     """A model from a state dict in the original layout (names as ``KimiK25VisionTower``'s)."""
     with torch.device("meta"):
         module = KimiK25VisionTower(cfg)
@@ -154,8 +154,8 @@ def build(cfg: KimiK25VisionConfig, state: dict[str, torch.Tensor], *, model_id:
     module.inv_freq = KimiK25VisionTower.rope_inv_freq(cfg)
     module.time_table = time_sincos_table(cfg.hidden_size, cfg.pos_emb_time)
     module = module.to(device=device).eval().requires_grad_(False)
-    return KimiK25VisionModel(cfg, module, model_id=model_id, preprocess_config=preprocess_config,
-                              device=device, dtype=dtype, attn_backend=attn_backend, ops=ops)
+    return KimiK25VisionModel(cfg, module, model_id=model_id, preprocess_config=preprocess_config, device=device,
+                              dtype=dtype, attn_backend=attn_backend, ops=ops, video_config=video_config)
 
 
 def checkpoint_config(vision_config: dict, text_hidden_size: int) -> dict:

@@ -23,6 +23,7 @@ as before; the same rule holds for patches a client sends.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,8 @@ MODEL_TYPE = "kimi_k25"
 # 512 patches per side and grids beyond it fail there. transformers computes any size, but nothing
 # was trained past it and the image processor never emits more (size.max_height = 512 patches).
 ROPE_MAX_SIDE = 512
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -328,12 +331,18 @@ class KimiK25VisionModel(VisionModel):
 
     def __init__(self, cfg: KimiK25VisionConfig, module: KimiK25VisionTower, *, model_id: str,
                  preprocess_config: dict | None, device: torch.device, dtype: torch.dtype,
-                 attn_backend: str, ops: str = "auto") -> None:
+                 attn_backend: str, ops: str = "auto", video_config: dict | None = None) -> None:
         from .preprocess import KimiK25PreprocessConfig
         from .video import video_config_for
 
         self.preprocess_config = KimiK25PreprocessConfig.from_dict(preprocess_config or {})
         self.video_config = video_config_for(preprocess_config, self.preprocess_config)
+        if video_config is not None and video_config != preprocess_config:
+            # Read here as the original remote code reads them: preprocessor_config.json's media_proc_cfg
+            # alone. Said at start-up rather than silently ignored.
+            log.warning("%s: the checkpoint's video processor config (processor_config.json or "
+                        "video_preprocessor_config.json) is not read; Kimi-K2.5's video settings come from "
+                        "preprocessor_config.json's media_proc_cfg", model_id)
         chunk = self.video_config.temporal_patch_size
         if chunk > cfg.pos_emb_time:
             raise InvalidInput(f"kimi_k25: the video processor's chunks of {chunk} frames (temporal_patch_size) "

@@ -14,7 +14,8 @@ VISION_PREFIXES = ("model.visual.", "visual.")
 
 def build(cfg: Qwen2_5_VisionConfig, state: dict[str, torch.Tensor], *, model_id: str,
           preprocess_config: dict | None, device: torch.device, dtype: torch.dtype,
-          attn_backend: str, ops: str = "auto", compile: bool | None = None) -> Qwen2_5_VLVisionModel:
+          attn_backend: str, ops: str = "auto", video_config: dict | None = None,
+          compile: bool | None = None) -> Qwen2_5_VLVisionModel:
     """The tower on ``device`` with its MLP padded (``VisionBlock.fuse_mlp``) and its norms folded
     (folded.py), on every device: the one block implementation. ``ops``: ``--ops``, the providers of
     its fused operations (encoder_service/ops). ``compile``: torch.compile the torch providers;
@@ -33,7 +34,8 @@ def build(cfg: Qwen2_5_VisionConfig, state: dict[str, torch.Tensor], *, model_id
     module.inv_freq = module.inv_freq.float()
     fold_norms(module)
     model = Qwen2_5_VLVisionModel(cfg, module, model_id=model_id, preprocess_config=preprocess_config,
-                                  device=device, dtype=dtype, attn_backend=attn_backend, ops=ops)
+                                  device=device, dtype=dtype, attn_backend=attn_backend, ops=ops,
+                                  video_config=video_config)
     if compile if compile is not None else device.type == "cuda":
         module.compile()  # after the model chose the providers: compiles theirs
     return model

@@ -20,6 +20,7 @@ from ...attention import AttentionBackend
 from ...device import host_to_device
 from ...metadata import BatchMetadata, SpatialConfig, build_metadata
 from ...ops import AUTO, OpsSelection, OpTarget, select_ops
+from ...preprocess.settings import check_patch_layout
 from ..base import ModelSpec, VisionModel
 from ..layers import RMSNorm
 from . import folded
@@ -239,14 +240,17 @@ class Qwen2_5_VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
 
     def __init__(self, cfg: Qwen2_5_VisionConfig, module: Qwen2_5_VisionTower, *, model_id: str,
                  preprocess_config: dict | None, device: torch.device, dtype: torch.dtype,
-                 attn_backend: str, ops: str = AUTO) -> None:
+                 attn_backend: str, ops: str = AUTO, video_config: dict | None = None) -> None:
         from .preprocess import Qwen2VLPreprocessConfig
         from .video import Qwen2VLVideoConfig
 
         self.preprocess_config = Qwen2VLPreprocessConfig.from_dict(preprocess_config or {})
         # Qwen2.5-VL checkpoints publish no video processor config: transformers' Qwen2VLVideoProcessor
-        # then reads preprocessor_config.json, so its pixel bounds bound each frame.
-        self.video_config = Qwen2VLVideoConfig.from_dict(preprocess_config or {})
+        # then reads preprocessor_config.json, so its pixel bounds bound each frame. One that has its own
+        # (video_config: processor_config.json's video_processor or video_preprocessor_config.json) is read.
+        from_image = Qwen2VLVideoConfig.from_dict(preprocess_config or {})
+        self.video_config = from_image if video_config is None else Qwen2VLVideoConfig.from_dict(video_config)
+        check_patch_layout(self.video_config, cfg, model_id, "video processor")
         super().__init__(cfg, module, device=device, dtype=dtype, attn_backend=attn_backend, ops=ops)
         module.ops = self.ops
         # Whole forwards as CUDA graphs, per batch composition (models/cuda_graphs.py), where the
@@ -257,7 +261,9 @@ class Qwen2_5_VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
             model_id=model_id, model_type=MODEL_TYPE, hidden_size=cfg.out_hidden_size,
             patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
             spatial_merge_size=cfg.spatial_merge_size, in_channels=cfg.in_channels,
-            fingerprint={"vision_config": cfg.to_dict(), "preprocess": self.preprocess_config.fingerprint()},
+            fingerprint={"vision_config": cfg.to_dict(), "preprocess": self.preprocess_config.fingerprint(),
+                         # Video settings of the checkpoint's own; those of its image file keep the namespace.
+                         **({"video": self.video_config.fingerprint()} if self.video_config != from_image else {})},
         )
 
     def video_front(self):

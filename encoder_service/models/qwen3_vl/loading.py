@@ -27,7 +27,7 @@ _ARCHITECTURES = {
 
 def build(cfg: Qwen3VLVisionConfig, state: dict[str, torch.Tensor], *, model_id: str,
           preprocess_config: dict | None, device: torch.device, dtype: torch.dtype,
-          attn_backend: str, ops: str = "auto") -> Qwen3VLVisionModel:
+          attn_backend: str, ops: str = "auto", video_config: dict | None = None) -> Qwen3VLVisionModel:
     """A model from a prefix-free state dict (transformers' vision-model names), checked strictly:
     a missing, unknown or misshapen tensor is an ``InvalidInput`` naming it."""
     with torch.device("meta"):
@@ -41,7 +41,7 @@ def build(cfg: Qwen3VLVisionConfig, state: dict[str, torch.Tensor], *, model_id:
     if device.type == "cuda":  # the CPU keeps transformers' exact operations, uncompiled
         module.compile()
     return Qwen3VLVisionModel(cfg, module, model_id=model_id, preprocess_config=preprocess_config,
-                              device=device, dtype=dtype, attn_backend=attn_backend, ops=ops)
+                              device=device, dtype=dtype, attn_backend=attn_backend, ops=ops, video_config=video_config)
 
 
 def checkpoint_config(model_type: str, vision_config: dict, text_hidden_size: int) -> dict:
