@@ -356,3 +356,79 @@ def test_the_frames_are_the_servers_own_copy(pool):
     got = run(pool.decode(clip(), vi.first_frame, LIMITS))
     got.frames[0, 0, 0] = 7  # a private mapping: writable here, and nothing reaches the child's memfd
     assert got.frames.flags.writeable and got.frames[0, 0, 0, 0] == 7
+
+
+# --- H.264: unsampled non-reference frames are skipped (preprocess/video_skip.py) -------------------
+
+@functools.cache
+def b_frame_clip(container: str = "mp4", frames: int = 90, first_pts: int = 0) -> bytes:
+    """H.264 of a smooth pan, as x264 encodes it by default: B-frames, some of them references (b-pyramid)."""
+    return vi.make_clip(container, "libx264", frames=frames, width=128, height=96, first_pts=first_pts,
+                        pattern=vi.moving_gradient)
+
+
+def frames_out(data: bytes, indices: list[int]) -> tuple[np.ndarray, int]:
+    """video_skip.decode on its own: the frames, and how many frames the decoder gave out."""
+    import av
+
+    from encoder_service.preprocess import video_skip
+    from encoder_service.preprocess.video_decode import WantedFrames
+
+    seen = []
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.video[0]
+        out = video_skip.decode(container, stream, WantedFrames(indices, LIMITS), lambda f, n: seen.append(n))
+    return out, len(seen)
+
+
+@pytest.mark.parametrize("container", ["mp4", "matroska"])
+def test_h264_b_frames_not_sampled_are_skipped_and_the_frames_equal_read_video_pyav(container):
+    data = b_frame_clip(container)
+    for indices in ([0, 15, 30, 45, 60, 75], [3, 44, 89], list(range(0, 90, 7)), [1]):
+        ours = decode_frames(data, indices, LIMITS)
+        theirs, _ = reference(data, indices)
+        assert np.array_equal(ours, theirs), (container, indices)
+    skipped, out = frames_out(data, list(range(0, 90, 15)))
+    assert np.array_equal(skipped, reference(data, list(range(0, 90, 15)))[0])
+    assert out < 75  # the decoder gave out fewer frames than the 76 up to the last sampled one
+
+
+def test_h264_skipping_with_frame_threads_equals_read_video_pyav(monkeypatch):
+    # Frame threads take the skip setting with each packet they are handed.
+    import av
+
+    opened = av.open
+
+    def with_frame_threads(*args, **kwargs):
+        container = opened(*args, **kwargs)
+        if container.streams.video:
+            container.streams.video[0].thread_type = "FRAME"
+            container.streams.video[0].codec_context.thread_count = 4
+        return container
+
+    data = b_frame_clip()
+    expected = reference(data, list(range(2, 90, 11)))[0]
+    monkeypatch.setattr(av, "open", with_frame_threads)
+    assert np.array_equal(decode_frames(data, list(range(2, 90, 11)), LIMITS), expected)
+
+
+def test_h264_edit_list_pre_roll_is_not_counted():
+    # Four frames before pts 0: in the header's count, never given out by the decoder, in neither numbering.
+    data = b_frame_clip(frames=24, first_pts=-4)
+    for indices in ([0, 5, 19], [19]):
+        assert np.array_equal(decode_frames(data, indices, LIMITS), reference(data, indices)[0])
+    with pytest.raises(InvalidInput, match="video has 20 decodable frames; frame index 21 is past the end"):
+        decode_frames(data, [21], LIMITS)
+
+
+def test_streams_the_skipping_decode_cannot_number_fall_back_to_every_frame(monkeypatch):
+    from encoder_service.preprocess import video_skip
+
+    data = b_frame_clip(frames=40)
+    expected = reference(data, [0, 13, 39])[0]
+
+    def cannot_number(container, stream):
+        raise video_skip.Fallback
+
+    monkeypatch.setattr(video_skip, "_ranks", cannot_number)
+    assert np.array_equal(decode_frames(data, [0, 13, 39], LIMITS), expected)

@@ -108,7 +108,7 @@ def test_a_video_config_with_other_patches_than_the_tower_is_refused(tmp_path):
 def test_a_broken_processor_file_is_named(tmp_path):
     folder = checkpoint(tmp_path, "broken", "qwen2_5_vl", {})
     (folder / "video_preprocessor_config.json").write_text("{not json")
-    with pytest.raises(InvalidInput, match="video_preprocessor_config.json is not valid JSON"):
+    with pytest.raises(InvalidInput, match=r"video_preprocessor_config\.json is not valid JSON"):
         load_vision_model(folder)
 
 

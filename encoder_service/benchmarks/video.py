@@ -65,14 +65,15 @@ def add_arguments(p) -> None:
 # --- inputs --------------------------------------------------------------------------------------
 
 
-def photo_clip(seed: int, seconds: float, width: int, height: int, fps: int) -> bytes:
+def photo_clip(seed: int, seconds: float, width: int, height: int, fps: int, noise: float = NOISE) -> bytes:
     """An MP4 (H.264, yuv420p) of photo-like frames: a slow pan over a photo_pixels image, with
-    sensor noise that changes every frame (``NOISE``); every seed a different clip."""
+    sensor noise that changes every frame (``noise``, default ``NOISE``: x264 then makes almost every
+    frame a P-frame; without noise it puts B-frames between them); every seed a different clip."""
     import av
 
     pan, jitter = max(16, width // 8), 32
     base = photo_pixels(seed, width + pan, height + pan)
-    noise = np.random.default_rng(seed + 1).normal(0, NOISE, (height + jitter, width + jitter, 3)).astype(np.int16)
+    grain = np.random.default_rng(seed + 1).normal(0, noise, (height + jitter, width + jitter, 3)).astype(np.int16)
     buf = io.BytesIO()
     with av.open(buf, "w", format="mp4") as out:
         stream = out.add_stream("libx264", rate=fps)
@@ -82,7 +83,7 @@ def photo_clip(seed: int, seconds: float, width: int, height: int, fps: int) -> 
             x = int(pan * (0.5 + 0.5 * np.sin(0.7 * i / fps)))
             y = int(pan * (0.5 + 0.5 * np.cos(0.5 * i / fps)))
             dy, dx = (7 * i) % jitter, (13 * i) % jitter  # other noise every frame
-            pixels = np.clip(base[y:y + height, x:x + width] + noise[dy:dy + height, dx:dx + width], 0, 255)
+            pixels = np.clip(base[y:y + height, x:x + width] + grain[dy:dy + height, dx:dx + width], 0, 255)
             pixels = pixels.astype(np.uint8)
             for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
                 out.mux(packet)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from encoder_service.errors import EncoderError, InvalidInput, ResourceExhausted
+from encoder_service.preprocess import video_skip
 from encoder_service.preprocess.decode import decode_budget, decode_image
 from encoder_service.preprocess.video_sampling import ClipFacts
 
@@ -265,41 +266,79 @@ def _check_indices(indices: Sequence[int], limits: VideoLimits) -> list[int]:
     return wanted
 
 
+class WantedFrames:
+    """The frames a decode keeps: frame number -> the rows of the answer that ask for it (a number may be
+    asked for more than once), filled as the frames come, every frame of the same size."""
+
+    def __init__(self, wanted: list[int], limits: VideoLimits) -> None:
+        self.count, self.limits, self.last = len(wanted), limits, max(wanted)
+        self.rows: dict[int, list[int]] = {}
+        for row, index in enumerate(wanted):
+            self.rows.setdefault(index, []).append(row)
+        self.out: np.ndarray | None = None
+        self.filled: set[int] = set()
+
+    def put(self, number: int, frame) -> None:
+        pixels = frame.to_ndarray(format="rgb24")
+        if self.out is None:
+            check_decoded_bytes(self.count, pixels.shape[0], pixels.shape[1], self.limits)
+            self.out = np.empty((self.count, *pixels.shape), np.uint8)
+        elif pixels.shape != self.out.shape[1:]:
+            raise InvalidInput(
+                f"video frames of different sizes: frame {number} is {pixels.shape[1]}x{pixels.shape[0]}, "
+                f"an earlier one {self.out.shape[2]}x{self.out.shape[1]}")
+        self.out[self.rows[number]] = pixels
+        self.filled.add(number)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.filled) == len(self.rows)
+
+
+def check_decoded_frame(frame, number: int, limits: VideoLimits, deadline: float) -> None:
+    """The limits every decoded frame is held to: time, frame count, frame size, seconds."""
+    _check_time(deadline, limits)
+    _check_frames(number + 1, limits, "has more than")
+    _check_frame_size(frame.width, frame.height, limits, "frame of")
+    if frame.time is not None:
+        _check_seconds(frame.time, limits, "runs past")
+
+
 def _decode(data: bytes, indices: Sequence[int], limits: VideoLimits, deadline: float) -> np.ndarray:
     wanted = _check_indices(indices, limits)
-    rows: dict[int, list[int]] = {}
-    for row, index in enumerate(wanted):
-        rows.setdefault(index, []).append(row)
-    last = max(wanted)
-    out: np.ndarray | None = None
-    decoded = 0
+
+    def check(frame, number: int) -> None:
+        check_decoded_frame(frame, number, limits, deadline)
+
     with _Clip(data, limits, deadline) as clip, _parse_errors(limits):
-        clip.container.seek(0)  # as read_video_pyav does
-        for i, frame in enumerate(clip.container.decode(video=0)):
-            decoded = i + 1
-            _check_time(deadline, limits)
-            _check_frames(decoded, limits, "has more than")
-            _check_frame_size(frame.width, frame.height, limits, "frame of")
-            if frame.time is not None:
-                _check_seconds(frame.time, limits, "runs past")
-            if i in rows:
-                pixels = frame.to_ndarray(format="rgb24")
-                if out is None:
-                    check_decoded_bytes(len(wanted), pixels.shape[0], pixels.shape[1], limits)
-                    out = np.empty((len(wanted), *pixels.shape), np.uint8)
-                elif pixels.shape != out.shape[1:]:
-                    raise InvalidInput(
-                        f"video frames of different sizes: frame {i} is {pixels.shape[1]}x{pixels.shape[0]}, "
-                        f"an earlier one {out.shape[2]}x{out.shape[1]}")
-                out[rows[i]] = pixels
-            if i >= last:
-                break
+        if clip.stream.codec_context.codec.canonical_name not in video_skip.CODECS:
+            return _decode_all(clip, WantedFrames(wanted, limits), check)
+        try:
+            return video_skip.decode(clip.container, clip.stream, WantedFrames(wanted, limits), check)
+        except video_skip.Fallback:
+            pass
+    # A stream the skipping decode cannot number: every frame, as the reference decodes them.
+    with _Clip(data, limits, deadline) as clip, _parse_errors(limits):
+        return _decode_all(clip, WantedFrames(wanted, limits), check)
+
+
+def _decode_all(clip: _Clip, frames: WantedFrames, check) -> np.ndarray:
+    """Every frame up to the last one wanted, numbered as they come out (what read_video_pyav does)."""
+    decoded = 0
+    clip.container.seek(0)  # as read_video_pyav does
+    for i, frame in enumerate(clip.container.decode(video=0)):
+        decoded = i + 1
+        check(frame, i)
+        if i in frames.rows:
+            frames.put(i, frame)
+        if i >= frames.last:
+            break
     if decoded == 0:
         raise InvalidInput("not a decodable video: no frame could be decoded")
-    if decoded <= last:
-        raise InvalidInput(f"video has {decoded} decodable frames; frame index {last} is past the end")
-    assert out is not None
-    return out
+    if decoded <= frames.last:
+        raise InvalidInput(f"video has {decoded} decodable frames; frame index {frames.last} is past the end")
+    assert frames.out is not None
+    return frames.out
 
 
 def decode_frames(data: bytes, indices: Sequence[int], limits: VideoLimits) -> np.ndarray:

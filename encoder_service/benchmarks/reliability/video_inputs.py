@@ -43,10 +43,19 @@ def frame_pattern(i: int, width: int, height: int) -> np.ndarray:
     return img
 
 
+def moving_gradient(i: int, width: int, height: int) -> np.ndarray:
+    """Frame i of a smooth pan: what encoders give B-frames (frame_pattern's jumps get P- and I-frames)."""
+    yy, xx = np.mgrid[0:height, 0:width]
+    return np.stack([(xx + 4 * i) % 256, (yy + 2 * i) % 256, ((xx + yy) // 2 + i) % 256], -1).astype(np.uint8)
+
+
 def make_clip(container: str = "mp4", codec: str = "libx264", frames: int = 12, width: int = 64, height: int = 48,
-              fps: int = 10, pix_fmt: str = "yuv420p", sizes: list[tuple[int, int]] | None = None) -> bytes:
+              fps: int = 10, pix_fmt: str = "yuv420p", sizes: list[tuple[int, int]] | None = None,
+              options: dict[str, str] | None = None, first_pts: int = 0, pattern=frame_pattern) -> bytes:
     """A clip of ``frames`` generated frames, encoded in memory. ``sizes``: a (width, height) per
-    frame, for encoders that take a size change mid-stream."""
+    frame, for encoders that take a size change mid-stream. ``options``: the encoder's (``{"bf": "3"}``:
+    B-frames). ``first_pts`` < 0: MP4 keeps the frames before pts 0 as an edit list's pre-roll, which
+    demuxes as packets FFmpeg discards. ``pattern``: frame i's pixels (frame_pattern, moving_gradient)."""
     import av
 
     buf = io.BytesIO()
@@ -55,9 +64,12 @@ def make_clip(container: str = "mp4", codec: str = "libx264", frames: int = 12, 
         stream.width, stream.height, stream.pix_fmt = width, height, pix_fmt
         if codec.startswith("libx26"):  # quiet, and no encoder threads on a shared CI machine
             stream.options = {"x264-params" if codec == "libx264" else "x265-params": "log-level=error"}
+        stream.options = {**stream.options, **(options or {})}
         for i in range(frames):
             w, h = sizes[i] if sizes else (width, height)
-            frame = av.VideoFrame.from_ndarray(frame_pattern(i, w, h), format="rgb24")
+            frame = av.VideoFrame.from_ndarray(pattern(i, w, h), format="rgb24")
+            if first_pts:
+                frame.pts = first_pts + i
             for packet in stream.encode(frame):
                 out.mux(packet)
         for packet in stream.encode():
