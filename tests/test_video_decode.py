@@ -432,3 +432,15 @@ def test_streams_the_skipping_decode_cannot_number_fall_back_to_every_frame(monk
 
     monkeypatch.setattr(video_skip, "_ranks", cannot_number)
     assert np.array_equal(decode_frames(data, [0, 13, 39], LIMITS), expected)
+
+
+def test_a_decode_process_cannot_take_more_memory_than_its_bound():
+    # 8 GiB asked for and never touched: granted without the bound (the kernel overcommits), refused
+    # with it, in the child, as the clip's RESOURCE_EXHAUSTED.
+    with VideoDecodePool(1, memory_bytes=2 << 30) as bounded:
+        with pytest.raises(ResourceExhausted, match=r"needed more memory than its decode process may hold "
+                                                    r"\(2147483648 bytes"):
+            run(bounded.decode(clip(), vi.allocate, LIMITS))
+        assert run(bounded.decode(clip(), vi.first_frame, LIMITS)).frames.shape == (1, 48, 64, 3)
+        assert bounded.replaced == 0  # the child goes on
+

@@ -22,7 +22,7 @@ from ..errors import InvalidInput, ResourceExhausted
 from ..models.base import ModelFront
 from ..preprocess.staged import StagedInput
 from ..preprocess.video_decode import VideoLimits, decode_frame_list
-from ..preprocess.video_pool import VideoDecodePool
+from ..preprocess.video_pool import VideoDecodePool, child_memory_bytes
 from ..preprocess.video_sampling import ClipFacts
 from .devices import gpu_indices
 from .types import ClipFrames, VideoInput
@@ -65,7 +65,8 @@ class VideoPreparer:
             if self._pool is None:
                 nvdec = self.config.video_decode == "nvdec"
                 gpus = gpu_indices(self.config.devices, self.config.device) if nvdec else ()
-                self._pool = VideoDecodePool(self.config.video_decode_processes, nvdec_gpus=gpus)
+                self._pool = VideoDecodePool(self.config.video_decode_processes, nvdec_gpus=gpus,
+                                             memory_bytes=child_memory_bytes(limits))
             decoded = await self._pool.decode(video.encoded, sample, limits)
             clip, indices, frames = decoded.facts, decoded.indices, decoded.frames
         else:

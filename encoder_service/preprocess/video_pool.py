@@ -62,12 +62,32 @@ class DecodedClip:
     frames: np.ndarray  # uint8 [len(indices), H, W, 3] RGB
 
 
-def _child_main(conn, nvdec_gpu: int | None = None) -> None:
+def child_memory_bytes(limits: VideoLimits) -> int:
+    """The private memory (RLIMIT_DATA) a CPU decode process may hold: what a clip at every limit needs,
+    with room. The interpreter and its libraries (about 0.3 GiB measured after a 1080p clip; 1 GiB
+    given), the clip's bytes three times (the job, its unpickled copy, the demuxer's reads), the sampled
+    frames twice, and 24 decoder frames of the largest frame allowed at 6 bytes a pixel (16-bit 4:4:4;
+    H.264 and H.265 keep at most 16 reference frames). A decoder bug that allocates beyond fails there,
+    in the child, instead of taking the host's memory."""
+    return (1 << 30) + 3 * limits.max_bytes + 2 * limits.max_decoded_bytes + 24 * 6 * limits.max_frame_pixels
+
+
+def _limit_memory(memory_bytes: int | None, nvdec_gpu: int | None) -> None:
+    import resource
+
+    # Not with NVDEC: the CUDA driver's own allocations are not ours to bound.
+    if memory_bytes is not None and nvdec_gpu is None:
+        with contextlib.suppress(OSError, ValueError):  # a hard limit already lower stays
+            resource.setrlimit(resource.RLIMIT_DATA, (memory_bytes, memory_bytes))
+
+
+def _child_main(conn, nvdec_gpu: int | None = None, memory_bytes: int | None = None) -> None:
     """A child's loop: a pickled (data, indices_fn, limits) in from the server; out, a JSON answer
     (``{"status": "ok", "facts", "indices", "shape"}`` with the frames' sealed memfd, or
     ``{"status": error name, "message"}``). ``nvdec_gpu``: the frames decode with NVDEC on that GPU
-    (video_nvdec.py)."""
+    (video_nvdec.py). ``memory_bytes``: its RLIMIT_DATA (``child_memory_bytes``), None for none."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group; the parent decides
+    _limit_memory(memory_bytes, nvdec_gpu)
     channel = Channel(conn.fileno())
     send_json(channel, {"status": "ready"})
     while True:
@@ -95,6 +115,9 @@ def _child_main(conn, nvdec_gpu: int | None = None) -> None:
             del frames
         except EncoderError as e:
             answer = {"status": type(e).__name__, "message": e.message}
+        except MemoryError:
+            answer = {"status": "ResourceExhausted", "message": "decoding the clip needed more memory than its "
+                      f"decode process may hold ({memory_bytes} bytes, from the --max-video-* limits)"}
         except Exception as e:  # a bug, reported to the caller; the child goes on
             answer = {"status": "error", "message": f"{type(e).__name__}: {e}"}
         del data, job
@@ -158,11 +181,11 @@ def clip_from_answer(answer: dict, fd: int | None, limits: VideoLimits) -> Decod
 
 
 class _Child:
-    def __init__(self, ctx, nvdec_gpu: int | None = None) -> None:
+    def __init__(self, ctx, nvdec_gpu: int | None = None, memory_bytes: int | None = None) -> None:
         self.nvdec_gpu = nvdec_gpu
         self.conn, child_end = ctx.Pipe(duplex=True)
         self.channel = Channel(self.conn.fileno())
-        self.process = ctx.Process(target=_child_main, args=(child_end, nvdec_gpu), daemon=True,
+        self.process = ctx.Process(target=_child_main, args=(child_end, nvdec_gpu, memory_bytes), daemon=True,
                                    name="video-decode")
         with SPAWN_LOCK:  # not while a worker's spawn has narrowed CUDA_VISIBLE_DEVICES
             self.process.start()
@@ -203,14 +226,15 @@ class VideoDecodePool:
     (the child's own time check answers first with a clear message; this is the backstop).
     ``start_timeout_s``: how long a new child may take to start (imports), not counted in a call's bound.
     ``nvdec_gpus``: the children decode frames with NVDEC (``--video-decode nvdec``), spread over these GPUs.
+    ``memory_bytes``: each CPU child's RLIMIT_DATA (``child_memory_bytes``); None: no bound of its own.
     """
 
     def __init__(self, processes: int = 2, *, grace_s: float = 2.0, start_timeout_s: float = 60.0,
-                 nvdec_gpus: tuple[int, ...] = ()) -> None:
+                 nvdec_gpus: tuple[int, ...] = (), memory_bytes: int | None = None) -> None:
         if processes < 1:
             raise ValueError("a video decode pool needs at least one process")
         self._ctx = multiprocessing.get_context("spawn")
-        self.grace_s, self.start_timeout_s = grace_s, start_timeout_s
+        self.grace_s, self.start_timeout_s, self.memory_bytes = grace_s, start_timeout_s, memory_bytes
         self._lock = threading.Lock()
         self._closed = False
         self._idle: queue.SimpleQueue[_Child] = queue.SimpleQueue()
@@ -222,7 +246,7 @@ class VideoDecodePool:
         self.replaced = 0  # children killed and replaced (crash or hang), for tests and metrics
 
     def _start_child(self, nvdec_gpu: int | None = None) -> _Child:
-        child = _Child(self._ctx, nvdec_gpu)
+        child = _Child(self._ctx, nvdec_gpu, self.memory_bytes)
         with self._lock:
             self._children.add(child)
         return child
@@ -242,8 +266,8 @@ class VideoDecodePool:
             except (EOFError, OSError, BadAnswer) as e:
                 code = self._replace(child)
                 child = self._start_child(child.nvdec_gpu)
-                raise EncoderError(f"the video decode process died starting (exit code {code}; {e or 'no answer'})"
-                                   ) from None
+                why = str(e) or type(e).__name__
+                raise EncoderError(f"the video decode process died starting (exit code {code}; {why})") from None
             bound = limits.max_decode_seconds + self.grace_s
             deadline = time.monotonic() + bound
             try:

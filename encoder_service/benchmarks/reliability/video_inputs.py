@@ -241,3 +241,11 @@ def frames_without_their_memfd(facts) -> list[int]:
     """Announces frames and sends no descriptor."""
     _to_server(_ok([1, 48, 64, 3]))
     return [0]
+
+
+def allocate(facts, nbytes: int = 8 << 30) -> list[int]:
+    """An indices_fn that asks for ``nbytes`` of private memory (not touched: no page is used), as a
+    decoder bug that sizes a buffer from corrupt data does."""
+    buffer = np.empty(nbytes, np.uint8)
+    del buffer
+    return [0]
