@@ -377,7 +377,8 @@ def frames_out(data: bytes, indices: list[int]) -> tuple[np.ndarray, int]:
     seen = []
     with av.open(io.BytesIO(data)) as container:
         stream = container.streams.video[0]
-        out = video_skip.decode(container, stream, WantedFrames(indices, LIMITS), lambda f, n: seen.append(n))
+        out = video_skip.decode(container, stream, WantedFrames(indices, LIMITS), lambda f, n: seen.append(n),
+                                lambda: None)
     return out, len(seen)
 
 
@@ -427,10 +428,10 @@ def test_streams_the_skipping_decode_cannot_number_fall_back_to_every_frame(monk
     data = b_frame_clip(frames=40)
     expected = reference(data, [0, 13, 39])[0]
 
-    def cannot_number(container, stream):
+    def cannot_number(container, stream, tick):
         raise video_skip.Fallback
 
-    monkeypatch.setattr(video_skip, "_ranks", cannot_number)
+    monkeypatch.setattr(video_skip, "_scan", cannot_number)
     assert np.array_equal(decode_frames(data, [0, 13, 39], LIMITS), expected)
 
 
@@ -444,3 +445,79 @@ def test_a_decode_process_cannot_take_more_memory_than_its_bound():
         assert run(bounded.decode(clip(), vi.first_frame, LIMITS)).frames.shape == (1, 48, 64, 3)
         assert bounded.replaced == 0  # the child goes on
 
+
+
+def remuxed(data: bytes, edit) -> bytes:
+    """The clip's H.264 packets, changed by ``edit([(bytes, pts, keyframe), ...])``, in a new Matroska file."""
+    import av
+
+    with av.open(io.BytesIO(data)) as source:
+        stream = source.streams.video[0]
+        packets = edit([(bytes(p), p.pts, p.is_keyframe) for p in source.demux(stream) if p.size])
+        out_pts = sorted(pts for _, pts, _ in packets)
+        buf = io.BytesIO()
+        with av.open(buf, "w", format="matroska") as out:
+            target = out.add_stream_from_template(stream)
+            for i, (payload, pts, key) in enumerate(packets):
+                packet = av.Packet(payload)
+                packet.pts, packet.dts, packet.is_keyframe = pts, out_pts[i] - 200, key
+                packet.stream, packet.time_base = target, stream.time_base
+                out.mux(packet)
+    return buf.getvalue()
+
+
+def skip_outcomes(monkeypatch) -> list[str]:
+    """What each call of video_skip.decode ended with: "frames" or "fallback"."""
+    from encoder_service.preprocess import video_skip
+
+    outcomes, decode = [], video_skip.decode
+
+    def spied(*args):
+        try:
+            result = decode(*args)
+        except video_skip.Fallback:
+            outcomes.append("fallback")
+            raise
+        outcomes.append("frames")
+        return result
+
+    monkeypatch.setattr(video_skip, "decode", spied)
+    return outcomes
+
+
+def closed_gops(bf: int, frames: int = 90, options: dict | None = None) -> bytes:
+    return vi.make_clip("matroska", "libx264", frames=frames, pattern=vi.moving_gradient,
+                        options={"bf": str(bf), "g": "30", "keyint_min": "30", "sc_threshold": "0", **(options or {})})
+
+
+@pytest.mark.parametrize("case", ["open GOP cut at a keyframe", "P-frame start flagged key"])
+def test_streams_whose_decoder_drops_frames_are_decoded_whole(monkeypatch, case):
+    # The decoder drops leading frames it cannot decode; the reference never counts them, so a
+    # numbering by pts would be off by as many: these must take the full decode.
+    if case == "open GOP cut at a keyframe":
+        whole = closed_gops(3, 120, {"x264-params": "open-gop=1:log-level=error"})
+        data = remuxed(whole, lambda ps: ps[[i for i, p in enumerate(ps) if p[2]][1]:])
+    else:
+        data = remuxed(closed_gops(0), lambda ps: [(ps[10][0], ps[10][1], True), *ps[11:]])
+    outcomes = skip_outcomes(monkeypatch)
+    reference_frames, _ = reference(data, [5, 30, 50])
+    assert np.array_equal(decode_frames(data, [5, 30, 50], LIMITS), reference_frames)
+    assert outcomes == ["fallback"]
+
+
+def test_frames_out_of_pts_order_are_decoded_whole(monkeypatch):
+    def swap(ps):
+        (a, pa, ka), (b, pb, kb) = ps[10], ps[11]
+        return [*ps[:10], (a, pb, ka), (b, pa, kb), *ps[12:]]
+
+    data = remuxed(closed_gops(0), swap)
+    outcomes = skip_outcomes(monkeypatch)
+    assert np.array_equal(decode_frames(data, [5, 10, 11, 20], LIMITS), reference(data, [5, 10, 11, 20])[0])
+    assert outcomes == ["fallback"]
+
+
+def test_the_skipping_decode_is_taken_where_it_can_number_the_frames(monkeypatch):
+    outcomes = skip_outcomes(monkeypatch)
+    data = b_frame_clip("matroska")
+    assert np.array_equal(decode_frames(data, [0, 45, 89], LIMITS), reference(data, [0, 45, 89])[0])
+    assert outcomes == ["frames"]

@@ -314,7 +314,8 @@ def _decode(data: bytes, indices: Sequence[int], limits: VideoLimits, deadline: 
         if clip.stream.codec_context.codec.canonical_name not in video_skip.CODECS:
             return _decode_all(clip, WantedFrames(wanted, limits), check)
         try:
-            return video_skip.decode(clip.container, clip.stream, WantedFrames(wanted, limits), check)
+            return video_skip.decode(clip.container, clip.stream, WantedFrames(wanted, limits), check,
+                                     lambda: _check_time(deadline, limits))
         except video_skip.Fallback:
             pass
     # A stream the skipping decode cannot number: every frame, as the reference decodes them.
