@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import gc
 import io
+import os
 import struct
 
 import numpy as np
@@ -337,6 +339,8 @@ def test_a_child_that_stalls_mid_answer_is_killed_at_the_deadline(pool):
     (vi.frames_of_the_wrong_size, "holds 100 bytes; frames of shape \\[1, 48, 64, 3\\] are 9216"),
     (vi.frames_over_the_limits, "outside the limits"),
     (vi.frames_without_their_memfd, "frames announced without their memfd"),
+    (vi.answer_deeply_nested, "not JSON \\(RecursionError"),
+    (vi.answer_nan_fps, "not JSON \\(ValueError: NaN is not a JSON number"),
 ])
 def test_a_child_that_breaks_the_protocol_is_replaced(pool, fault, message):
     replaced = pool.replaced
@@ -521,3 +525,40 @@ def test_the_skipping_decode_is_taken_where_it_can_number_the_frames(monkeypatch
     data = b_frame_clip("matroska")
     assert np.array_equal(decode_frames(data, [0, 45, 89], LIMITS), reference(data, [0, 45, 89])[0])
     assert outcomes == ["frames"]
+
+
+def open_descriptors() -> int:
+    gc.collect()  # a replaced child's process sentinel is closed when its objects are collected
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_protocol_break_leaks_no_descriptor(pool):
+    run(pool.decode(clip(), vi.first_frame, LIMITS))
+    before = open_descriptors()
+    for _ in range(3):
+        with pytest.raises(InvalidInput):
+            run(asyncio.wait_for(pool.decode(clip(), vi.answer_deeply_nested, LIMITS), 30))
+        run(pool.decode(clip(), vi.first_frame, LIMITS))
+    assert open_descriptors() == before
+
+
+def test_an_idle_child_killed_from_outside_is_replaced_without_failing_the_next_clip():
+    with VideoDecodePool(1) as single:
+        run(single.decode(clip(), vi.first_frame, LIMITS))
+        (child,) = single._children
+        child.process.kill()
+        child.process.join(5)
+        assert run(single.decode(clip(), vi.first_frame, LIMITS)).frames.shape == (1, 48, 64, 3)
+        assert single.replaced == 1
+
+
+def test_a_replacement_that_cannot_start_does_not_take_its_slot_down(monkeypatch):
+    with VideoDecodePool(1) as single:
+        start = single._start_child
+        monkeypatch.setattr(single, "_start_child", lambda gpu=None: (_ for _ in ()).throw(OSError("no processes")))
+        with pytest.raises(InvalidInput, match="crashed"):
+            run(single.decode(clip(), vi.abort_process, LIMITS))
+        with pytest.raises(EncoderError, match=r"could not start a video decode process \(OSError: no processes"):
+            run(single.decode(clip(), vi.first_frame, LIMITS))
+        monkeypatch.setattr(single, "_start_child", start)  # the host has room again: the slot heals
+        assert run(single.decode(clip(), vi.first_frame, LIMITS)).frames.shape == (1, 48, 64, 3)

@@ -119,3 +119,13 @@ def test_kimi_says_it_does_not_read_a_video_processor_file(tmp_path, caplog):
         load_vision_model(folder)
     assert "video processor config (processor_config.json or video_preprocessor_config.json) is not read" in \
         caplog.text
+
+
+def test_kimi_says_nothing_when_the_checkpoint_has_no_video_file(tmp_path, caplog):
+    folder = make_checkpoint("tiny-kimi-k2.5", tmp_path / "kimi")
+    # transformers 5 saves the image processor nested; the video processor then falls back to the legacy file
+    legacy = json.loads((folder / "preprocessor_config.json").read_text())
+    (folder / "processor_config.json").write_text(json.dumps({"image_processor": {**legacy, "note": "nested"}}))
+    with caplog.at_level(logging.WARNING):
+        load_vision_model(folder)
+    assert "is not read" not in caplog.text

@@ -42,6 +42,11 @@ def _json_object(path: Path) -> dict | None:
     return value
 
 
+class FromImageFile(dict):
+    """Video processor settings that are the checkpoint's ``preprocessor_config.json``: it has no video
+    settings of its own (what transformers' video processors then read)."""
+
+
 def processor_configs(root: Path) -> tuple[dict | None, dict | None]:
     """(image processor settings, video processor settings) of a checkpoint, found where transformers'
     ``from_pretrained`` finds them (5.x): the image processor's in ``processor_config.json``'s
@@ -59,8 +64,8 @@ def processor_configs(root: Path) -> tuple[dict | None, dict | None]:
         image = legacy_image
     if video is None:
         video = _json_object(root / "video_preprocessor_config.json")
-    if video is None:
-        video = legacy_image
+    if video is None and legacy_image is not None:
+        video = FromImageFile(legacy_image)
     return image, video
 
 

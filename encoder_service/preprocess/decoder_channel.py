@@ -1,7 +1,8 @@
 """The socket between the server and a video decode process, read by the server as if the child were hostile.
 
 A decode process runs FFmpeg on caller bytes, so a crafted clip may take it over. What it sends back must
-then be unable to do more than spoil that clip's own answer:
+then be unable to do more than spoil the answers it gives (its clip's, and those of the clips it decodes
+later: a taken-over child is not known as such; README's threat model):
 
 - **No pickles from the child.** ``multiprocessing.Connection.recv`` unpickles, and unpickling runs
   whatever the bytes name (``os.system`` included). The child answers with one JSON object, at most
@@ -54,6 +55,12 @@ class Channel:
 
     def close(self) -> None:
         self.sock.close()
+
+    def has_input(self) -> bool:
+        """Whether bytes (or the peer's end) wait to be read now: between calls, a child sends nothing."""
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        return bool(poller.poll(0))
 
     def _wait(self, events: int, deadline: float | None) -> None:
         left = None if deadline is None else deadline - time.monotonic()
@@ -133,16 +140,20 @@ def receive_json(channel: Channel, deadline: float) -> tuple[dict, int | None]:
     """The child's answer: a JSON object and the descriptor that came with it. BadAnswer when it is not."""
     body, fd = channel.receive(MAX_ANSWER_BYTES, deadline)
     try:
-        answer = json.loads(body)
-    except (UnicodeDecodeError, ValueError) as e:
+        answer = json.loads(body, parse_constant=_no_constant)
+    except Exception as e:  # not UTF-8, not JSON, NaN, nested past the parser's recursion limit...
         if fd is not None:
             os.close(fd)
-        raise BadAnswer(f"an answer that is not JSON ({e})") from None
+        raise BadAnswer(f"an answer that is not JSON ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(answer, dict):
         if fd is not None:
             os.close(fd)
         raise BadAnswer(f"an answer that is a JSON {type(answer).__name__}, not an object")
     return answer, fd
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def sealed_frames(frames: np.ndarray) -> int:
@@ -178,7 +189,10 @@ def frames_from_memfd(fd: int, shape: tuple[int, int, int, int]) -> np.ndarray:
             raise BadAnswer(f"the frames' memfd holds {size} bytes; frames of shape {list(shape)} are {expected}")
         if size == 0:
             return np.empty(shape, np.uint8)
-        mapping = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+        try:
+            mapping = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+        except (OSError, ValueError) as e:
+            raise BadAnswer(f"the frames' memfd cannot be mapped ({e})") from None
     finally:
         os.close(fd)
     return np.frombuffer(mapping, np.uint8).reshape(shape)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import multiprocessing
 import os
 import pickle
@@ -109,9 +110,8 @@ def _child_main(conn, nvdec_gpu: int | None = None, memory_bytes: int | None = N
                 raise TypeError(f"decoded frames of {frames.dtype} {frames.shape}, not uint8 [N, H, W, 3]")
             fd = sealed_frames(frames)
             answer = {"status": "ok", "indices": [int(i) for i in indices], "shape": [int(n) for n in frames.shape],
-                      "facts": {"total_frames": int(facts.total_frames),
-                                "fps": None if facts.fps is None else float(facts.fps),
-                                "duration_s": None if facts.duration_s is None else float(facts.duration_s)}}
+                      "facts": {"total_frames": int(facts.total_frames), "fps": _finite(facts.fps),
+                                "duration_s": _finite(facts.duration_s)}}
             del frames
         except EncoderError as e:
             answer = {"status": type(e).__name__, "message": e.message}
@@ -130,12 +130,17 @@ def _child_main(conn, nvdec_gpu: int | None = None, memory_bytes: int | None = N
                 os.close(fd)
 
 
+def _finite(value: float | None) -> float | None:
+    """A container's fps or duration as JSON carries it: None where unknown (None, NaN, infinite, < 0)."""
+    return float(value) if value is not None and math.isfinite(value) and value >= 0 else None
+
+
 def _number(value, name: str, *, optional: bool = False, integer: bool = False):
     if value is None and optional:
         return None
     kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        raise BadAnswer(f"{name} is {type(value).__name__}, not a number")
+    if isinstance(value, bool) or not isinstance(value, kinds) or value < 0:
+        raise BadAnswer(f"{name} is {value!r}, not a number >= 0")
     return value
 
 
@@ -191,6 +196,8 @@ class _Child:
             self.process.start()
         child_end.close()
         self.ready = False
+        self.stopped = False
+        self.exitcode: int | None = None
 
     def wait_ready(self, timeout: float) -> None:
         if self.ready:
@@ -206,7 +213,10 @@ class _Child:
         self.ready = True
 
     def stop(self, kill: bool) -> int | None:
-        """Ends the child (kill: at once; else asked to leave, killed after a second) and returns its exit code."""
+        """Ends the child (kill: at once; else asked to leave, killed after a second) and returns its exit
+        code; once stopped, it stays so (a second call returns the same code)."""
+        if self.stopped:
+            return self.exitcode
         if not kill and self.process.is_alive():
             with contextlib.suppress(OSError, EOFError, TimeoutError):
                 self.channel.send(pickle.dumps(None), time.monotonic() + 1.0)
@@ -214,9 +224,13 @@ class _Child:
         if self.process.is_alive():
             self.process.kill()
         self.process.join(5.0)
+        self.exitcode = self.process.exitcode
+        self.stopped = True
         self.channel.close()
         self.conn.close()
-        return self.process.exitcode
+        if self.exitcode is not None:
+            self.process.close()  # its sentinel descriptor, now rather than when collected
+        return self.exitcode
 
 
 class VideoDecodePool:
@@ -258,14 +272,34 @@ class VideoDecodePool:
             self.replaced += 1
         return code
 
+    def _renew(self, child: _Child) -> tuple[_Child, int | None]:
+        """Kills ``child`` and starts its replacement: (the new child, the old one's exit code). Where the
+        new one cannot start, the stopped one comes back, and the next call on its slot tries again."""
+        code = self._replace(child)
+        try:
+            return self._start_child(child.nvdec_gpu), code
+        except Exception as e:  # e.g. out of descriptors or processes: the slot must not stay dead
+            log.error("could not start a video decode process: %s: %s", type(e).__name__, e)
+            return child, code
+
     def _call(self, data: bytes, indices_fn: Callable[[ClipFacts], list[int]], limits: VideoLimits) -> DecodedClip:
         child = self._idle.get()
         try:
             try:
+                # A child that is gone, or holds bytes nobody asked for (an answer queued ahead), is
+                # replaced before this call, which is not failed for it.
+                if child.ready and not child.stopped and child.channel.has_input():
+                    log.warning("video decode process sent bytes while idle (or is gone); replaced")
+                    child, _ = self._renew(child)
+                if child.stopped:  # its replacement could not start: try again
+                    try:
+                        child = self._start_child(child.nvdec_gpu)
+                    except Exception as e:
+                        raise EncoderError(f"could not start a video decode process ({type(e).__name__}: {e})"
+                                           ) from None
                 child.wait_ready(self.start_timeout_s)
             except (EOFError, OSError, BadAnswer) as e:
-                code = self._replace(child)
-                child = self._start_child(child.nvdec_gpu)
+                child, code = self._renew(child)
                 why = str(e) or type(e).__name__
                 raise EncoderError(f"the video decode process died starting (exit code {code}; {why})") from None
             bound = limits.max_decode_seconds + self.grace_s
@@ -273,32 +307,22 @@ class VideoDecodePool:
             try:
                 child.channel.send(pickle.dumps((data, indices_fn, limits)), deadline)
                 answer, fd = receive_json(child.channel, deadline)
+                return clip_from_answer(answer, fd, limits)
             except TimeoutError:
-                self._replace(child)
-                child = self._start_child(child.nvdec_gpu)
+                child, _ = self._renew(child)
                 log.warning("video decode process killed: no answer within %.1f s", bound)
                 raise ResourceExhausted(
                     f"decoding the clip took more than {bound:g} s and was stopped, over the limit of "
                     f"--max-video-decode-seconds {limits.max_decode_seconds:g}") from None
             except (EOFError, OSError):
-                code = self._replace(child)
-                child = self._start_child(child.nvdec_gpu)
+                child, code = self._renew(child)
                 log.warning("video decode process crashed (exit code %s); replaced", code)
                 raise InvalidInput(
                     f"the video decoder crashed on this clip (decode process exit code {code}); "
                     f"the clip is corrupt or hostile") from None
             except BadAnswer as e:
-                self._replace(child)
-                child = self._start_child(child.nvdec_gpu)
+                child, _ = self._renew(child)
                 log.warning("video decode process broke the protocol (%s); replaced", e)
-                raise InvalidInput(f"the video decoder failed on this clip and was replaced ({e}); "
-                                   "the clip is corrupt or hostile") from None
-            try:
-                return clip_from_answer(answer, fd, limits)
-            except BadAnswer as e:
-                self._replace(child)
-                child = self._start_child(child.nvdec_gpu)
-                log.warning("video decode process sent a bad answer (%s); replaced", e)
                 raise InvalidInput(f"the video decoder failed on this clip and was replaced ({e}); "
                                    "the clip is corrupt or hostile") from None
         finally:

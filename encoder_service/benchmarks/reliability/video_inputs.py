@@ -249,3 +249,15 @@ def allocate(facts, nbytes: int = 8 << 30) -> list[int]:
     buffer = np.empty(nbytes, np.uint8)
     del buffer
     return [0]
+
+
+def answer_deeply_nested(facts) -> list[int]:
+    """An answer nested past the JSON parser's recursion limit, with a memfd beside it."""
+    _to_server(b"[" * 60000, os.memfd_create("clip-frames"))
+    return [0]
+
+
+def answer_nan_fps(facts) -> list[int]:
+    """Facts with an fps of NaN (which Python's json writes and reads by default)."""
+    _to_server(_ok([1, 48, 64, 3]).replace(b'"fps": 24.0', b'"fps": NaN'))
+    return [0]

@@ -38,6 +38,7 @@ from ...errors import InvalidInput
 from ...metadata import SpatialConfig
 from ..base import Decoder, Grid, ModelSpec, VisionModel, validate_batch
 from ..layers import activation, patch_conv_as_linear
+from ..loader import FromImageFile
 from .metadata import RasterBatchMetadata, bicubic_resample_matrix, build_raster_metadata, expand_clips
 
 MODEL_TYPE = "kimi_k25"
@@ -337,7 +338,7 @@ class KimiK25VisionModel(VisionModel):
 
         self.preprocess_config = KimiK25PreprocessConfig.from_dict(preprocess_config or {})
         self.video_config = video_config_for(preprocess_config, self.preprocess_config)
-        if video_config is not None and video_config != preprocess_config:
+        if video_config is not None and not isinstance(video_config, FromImageFile):
             # Read here as the original remote code reads them: preprocessor_config.json's media_proc_cfg
             # alone. Said at start-up rather than silently ignored.
             log.warning("%s: the checkpoint's video processor config (processor_config.json or "
