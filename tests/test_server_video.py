@@ -89,6 +89,21 @@ def test_a_clip_given_as_frames_equals_its_frames_decoded(server, model):
     assert list(got.frame_indices) == used
 
 
+def test_frames_for_vllm_are_taken_as_they_come(server, model):
+    # vLLM calls its processor with do_sample_frames False for frames it is given (a video/jpeg data URL):
+    # all five kept, the odd count padded by the last frame, as its processor pads.
+    frames = [png(i) for i in range(5)]
+    with EncoderClient(server.target, timeout_s=60) as client:
+        (got,) = client.encode([Video(frames=frames, frames_fps=2, reference="vllm")])
+        with pytest.raises(EncoderClientError, match=r"taken as it is .*num_frames does not apply") as info:
+            client.encode([Video(frames=frames, num_frames=4, reference="vllm")])
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    want, used = expected(model, frames, frames_fps=2, reference="vllm")
+    close(got.embedding, want)
+    assert list(got.frame_indices) == used == [0, 1, 2, 3, 4, 4]
+    assert got.frame_timestamps_s == pytest.approx([0, 0.5, 1, 1.5, 2, 2])
+
+
 def test_the_same_clip_sampled_alike_is_one_entry_and_sampled_otherwise_another(server, clip):
     with EncoderClient(server.target, timeout_s=60) as client:
         namespace = client.model_info().cache_namespace

@@ -70,7 +70,8 @@ class VideoPreparer:
             decoded = await self._pool.decode(video.encoded, sample, limits)
             clip, indices, frames = decoded.facts, decoded.indices, decoded.frames
         else:
-            clip, indices, frames = await loop.run_in_executor(executor, _sampled_frames, video, sample, limits)
+            given = functools.partial(front.video_front.sample_frames, sampling=video.sampling)
+            clip, indices, frames = await loop.run_in_executor(executor, _sampled_frames, video, given, limits)
         payload, used = await loop.run_in_executor(executor, front.video_front.staged, frames, indices,
                                                    video.sampling, front.preprocess)
         timestamps = front.video_front.timestamps(clip, used)

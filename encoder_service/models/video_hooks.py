@@ -41,6 +41,20 @@ class VideoFront:
     references: tuple[str, ...] = ("transformers", "vllm")
     stage: Callable[..., tuple[DecodedClip, Sequence[int]]] | None = None
 
+    def sample_frames(self, clip: ClipFacts, sampling: VideoSampling) -> list[int]:
+        """The indices of a clip given as its frames: what ``sample`` picks, except for the ``vllm``
+        reference, which takes such frames as they come. vLLM has no loader for them (a ``video/jpeg`` data
+        URL, or decoded arrays with their metadata) and calls its processor with ``do_sample_frames``
+        False, so every frame is kept, and a sampling setting, which vLLM would ignore, is refused."""
+        if sampling.reference != "vllm":
+            return [int(i) for i in self.sample(clip, sampling)]
+        asked = [name for name in ("fps", "num_frames", "min_frames", "max_frames")
+                 if getattr(sampling, name) is not None]
+        if asked:
+            raise InvalidInput(f"a clip given as frames with the vllm reference is taken as it is (vLLM does not "
+                               f"sample frames it is given); {', '.join(asked)} does not apply: leave it out")
+        return list(range(clip.total_frames))
+
     def staged(self, frames: np.ndarray, indices: Sequence[int], sampling: VideoSampling, mode: str
                ) -> tuple[StagedInput, list[int]]:
         """The sampled frames as the device takes them, with the indices used: uint8 frames where the family
@@ -109,7 +123,7 @@ class VideoHooks:
             frames = video_decode.decode_frames(bytes(video), indices, limits)
         else:
             clip = ClipFacts(len(video), frames_fps, len(video) / frames_fps if frames_fps else None)
-            indices = [int(i) for i in front.sample(clip, wanted)]
+            indices = front.sample_frames(clip, wanted)
             frames = video_decode.decode_frame_list([video[i] for i in indices], limits)
         # The service's path: the CPU half, then the device half, here on the CPU.
         payload, used = front.staged(frames, indices, wanted, self.preprocess_mode)
