@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import http.client
+import io
 import json
 import re
 import shlex
@@ -24,8 +25,9 @@ from encoder_client import EncoderClient, Video, content_hash
 from encoder_client.cli import _security, build_parser
 from encoder_client.integrations.proxy import EpdProxy, ProxySettings, settings_from_args
 from encoder_client.testing import Failure, FakeVisionEncoder, serve_fake
+from PIL import Image
 
-from encoder_service.benchmarks.reliability.video_inputs import make_clip
+from encoder_service.benchmarks.reliability.video_inputs import frame_pattern, make_clip
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 NON_STREAMING_ANSWER = (b'{"id":"chatcmpl-1",  "object": "chat.completion",\n'
@@ -361,6 +363,48 @@ def test_a_broken_clip_is_a_400_naming_its_part_and_vllm_is_not_called(proxy, vl
     assert "images[1] = messages[0].content[1]" in message
     assert len(vllm.received) == before
     assert post(proxy, chat_parts(video_part("data:video/mp4;base64,@@")))[0] == 400  # bad base64, as for images
+
+
+def jpeg(i: int) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(frame_pattern(i, 64, 48)).save(out, "JPEG", quality=95)
+    return out.getvalue()
+
+
+def frames_data_url(frames: list[bytes]) -> str:
+    """vLLM's data URL of a clip's frames (vllm/multimodal/media/video.py, VideoMediaIO.load_base64)."""
+    return "data:video/jpeg;base64," + ",".join(base64.b64encode(f).decode() for f in frames)
+
+
+def test_a_clip_given_as_vllms_jpeg_frames_reaches_vllm_with_their_content_hash(proxy, vllm, encoder_server):
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.renderers.chat_utils.chat_message import parse_chat_message_content_mm_part
+
+    frames = [jpeg(730 + i) for i in range(5)]
+    url = frames_data_url(frames)
+    status, answer, _ = post(proxy, chat_parts(video_part(url)))
+    assert status == 200, answer
+    (part,) = forwarded_videos(vllm.received[-1])
+    assert part == {"type": "video_url", "video_url": {"url": url}, "uuid": part["uuid"]}
+    with EncoderClient(encoder_server.target) as client:
+        # vLLM takes such frames as they come: every one, no sampling (the encoder's vllm reference for frames)
+        assert part["uuid"] == content_hash(Video(frames=frames, reference="vllm"), client.cache_namespace())
+        assert client.lookup([part["uuid"]]) == [True]
+        (encoded,) = client.encode([Video(frames=frames, reference="vllm")])
+        assert list(encoded.frame_indices) == [0, 1, 2, 3, 4, 4]
+    request = ChatCompletionRequest.model_validate(vllm.received[-1]["body"])
+    assert parse_chat_message_content_mm_part(request.messages[0]["content"][0]) == ("video_url", url)
+
+
+def test_bad_jpeg_frames_are_a_400_naming_the_frame(proxy, vllm):
+    before = len(vllm.received)
+    good = base64.b64encode(jpeg(740)).decode()
+    for url, says in ((f"data:video/jpeg;base64,{good},@@", "frame 1 of the video/jpeg data URL is not base64"),
+                      (f"data:video/jpeg;base64,{good},,{good}", "frame 1 of the video/jpeg data URL is empty"),
+                      (f"data:video/jpeg,{good}", "a video/jpeg data URL must be base64")):
+        status, answer, _ = post(proxy, chat_parts(video_part(url)))
+        assert status == 400 and says in json.loads(answer)["error"]["message"], answer
+    assert len(vllm.received) == before
 
 
 def test_the_clips_fps_is_the_proxys_video_fps(start_proxy, vllm, encoder_server):

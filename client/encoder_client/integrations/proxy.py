@@ -2,13 +2,14 @@
 
 For each image (``image_url`` part) and clip (``video_url`` part) of a ``/v1/chat/completions``
 request it has the encoder service encode it (hash-first: pixels go only to an encoder that does not
-cache it already; a clip as ``Video(data, reference="vllm", fps=--video-fps)``, sampled as vLLM
-samples it), rewrites the part with ``"uuid": <content hash>`` and forwards the request to vLLM, whose
-``EncoderServiceECConnector`` (``encoder_client.integrations.vllm``) then takes the embedding from
-the encoder by that key instead of running its own vision tower. vLLM's answer (SSE or JSON) and
-status code come back unchanged; every other path (``/v1/models``, ``/health``, ...) is passed
-through. Needs aiohttp (the client's ``proxy`` extra); the rewriting itself is
-``encoder_client.integrations.proxy_rewrite``.
+cache it already). A clip goes as ``Video(data, reference="vllm", fps=--video-fps)``, sampled as vLLM
+samples it, or, given as vLLM's ``data:video/jpeg;base64,<frame>,...``, as ``Video(frames=...,
+reference="vllm")``: every frame, as vLLM takes them. It rewrites the part with ``"uuid": <content
+hash>`` and forwards the request to vLLM, whose ``EncoderServiceECConnector``
+(``encoder_client.integrations.vllm``) then takes the embedding from the encoder by that key instead
+of running its own vision tower. vLLM's answer (SSE or JSON) and status code come back unchanged;
+every other path (``/v1/models``, ``/health``, ...) is passed through. Needs aiohttp (the client's
+``proxy`` extra); the rewriting itself is ``encoder_client.integrations.proxy_rewrite``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from encoder_client.integrations.proxy_rewrite import (
     apply_mm_kwargs_policy,
     bad_request,
     decode_data_url,
+    decode_frames_data_url,
+    is_frames_data_url,
     media_parts,
     rewrite_part,
     to_data_url,
@@ -214,7 +217,8 @@ class EpdProxy:
         # A clip is sampled as vLLM samples it (its loader, at vLLM's fps): its content hash, the
         # uuid, then names the embedding of the very frames vLLM counts placeholders for.
         items: list[ImageInput] = [
-            Video(raw, reference="vllm", fps=self.settings.video_fps) if p.is_video else raw
+            (Video(frames=raw, reference="vllm") if isinstance(raw, list)
+             else Video(raw, reference="vllm", fps=self.settings.video_fps)) if p.is_video else raw
             for p, (_, raw) in zip(parts, media, strict=True)]
         try:
             hashes = await asyncio.to_thread(self.bridge.ensure_encoded, items)
@@ -257,8 +261,11 @@ class EpdProxy:
             return self.settings.max_video_bytes, "--max-video-bytes"
         return self.settings.max_image_bytes, "--max-image-bytes"
 
-    async def _media(self, part: MediaPart) -> tuple[str, bytes]:
-        """(the data URL to forward, the image's or clip's bytes)."""
+    async def _media(self, part: MediaPart) -> tuple[str, bytes | list[bytes]]:
+        """(the data URL to forward, the image's or clip's bytes; a clip's frames for vLLM's video/jpeg)."""
+        if part.is_video and is_frames_data_url(part.url):
+            limit, flag = self._limit(part)
+            return part.url, decode_frames_data_url(part.url, part.where, limit, flag)
         if part.url.startswith("data:"):
             limit, flag = self._limit(part)
             _, raw = decode_data_url(part.url, part.where, limit, part.noun, flag)

@@ -24,7 +24,8 @@ CONTENT_HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 CONTRACT_BREAKING_KEYS = ("mm_processor_kwargs", "media_io_kwargs")
 MM_KWARGS_POLICIES = ("refuse", "strip")
 # The content part types the proxy rewrites: images, and clips (sent to the encoder as
-# ``Video(data, reference="vllm", fps=--video-fps)``).
+# ``Video(data, reference="vllm", fps=--video-fps)``, or, for vLLM's video/jpeg data URL of a clip's
+# frames, ``Video(frames=..., reference="vllm")``: vLLM takes such frames as they come).
 MEDIA_KINDS = ("image_url", "video_url")
 
 
@@ -153,6 +154,37 @@ def decode_data_url(url: str, where: str, max_bytes: int, noun: str = "image",
     if not raw:
         raise bad_request(f"{where}: data URL holds no bytes", where)
     return mime, raw
+
+
+FRAMES_MIME = "video/jpeg"  # vLLM's data URL of a clip's frames: data:video/jpeg;base64,<frame>,<frame>,...
+
+
+def is_frames_data_url(url: str) -> bool:
+    return url[:5] == "data:" and url[5:].split(",", 1)[0].split(";", 1)[0].strip().lower() == FRAMES_MIME
+
+
+def decode_frames_data_url(url: str, where: str, max_bytes: int, limit_flag: str = "--max-video-bytes"
+                           ) -> list[bytes]:
+    """vLLM's ``data:video/jpeg;base64,<frame>,<frame>,...`` (each frame an encoded image, base64, in order)
+    -> the frames' bytes; a 400 naming the part for anything else, a 413 past ``max_bytes`` in all."""
+    header, sep, data = url.partition(",")
+    if not sep or "base64" not in header[len("data:"):].split(";")[1:]:
+        raise bad_request(f"{where}: a video/jpeg data URL must be base64 (data:video/jpeg;base64,<frame>,...)",
+                          where)
+    if len(data) > (max_bytes * 4) // 3 + 4 * (data.count(",") + 1):
+        raise ProxyRequestError(413, f"{where}: clip larger than {limit_flag} ({max_bytes} bytes)", where)
+    frames = []
+    for n, part in enumerate(data.split(",")):
+        try:
+            frame = base64.b64decode(part, validate=True)
+        except (binascii.Error, ValueError) as err:
+            raise bad_request(f"{where}: frame {n} of the video/jpeg data URL is not base64 ({err})", where) from None
+        if not frame:
+            raise bad_request(f"{where}: frame {n} of the video/jpeg data URL is empty", where)
+        frames.append(frame)
+    if sum(len(f) for f in frames) > max_bytes:
+        raise ProxyRequestError(413, f"{where}: clip larger than {limit_flag} ({max_bytes} bytes)", where)
+    return frames
 
 
 def to_data_url(mime: str, raw: bytes) -> str:
