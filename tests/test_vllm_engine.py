@@ -130,15 +130,17 @@ class Engine:
         return self._read()
 
     def generate(self, requests: list[list[tuple[bytes, str | None]]],
-                 videos: list[list[tuple[list[bytes], str | None]]] | None = None) -> list[dict]:
-        """``videos``: per request, (its frames as PNGs, uuid) for each clip in it."""
+                 videos: list[list[tuple[list[bytes], str | None]]] | None = None, video_fps: float = 2.0
+                 ) -> list[dict]:
+        """``videos``: per request, (its frames as encoded images, uuid) for each clip in it, given to vLLM
+        at ``video_fps``."""
         def b64(data: bytes) -> str:
             return base64.b64encode(data).decode()
 
         body = [{"images": [[b64(data), uuid] for data, uuid in images]} for images in requests]
         for request, clips in zip(body, videos or [], strict=False):
             request["videos"] = [[[b64(frame) for frame in frames], uuid] for frames, uuid in clips]
-        return self.call("generate", requests=body, max_tokens=MAX_TOKENS)
+        return self.call("generate", requests=body, max_tokens=MAX_TOKENS, video_fps=video_fps)
 
     def stop(self) -> None:
         self.proc.stdin.close()

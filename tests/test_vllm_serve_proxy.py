@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import http.client
+import io
 import json
 import re
 import socket
@@ -27,10 +28,12 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import test_vllm_engine
 from conftest import REPO_ROOT
-from encoder_client import EncoderClient, content_hash
+from encoder_client import EncoderClient, Video, content_hash
+from PIL import Image
 from test_vllm_engine import DRIVER, LOGPROB_TOL, MAX_TOKENS, Engine, ec_transfer_config, encoder_flags, png
 
 from encoder_service.benchmarks.service import stop_process
@@ -101,7 +104,7 @@ def vllm_server(vllm_env, model_path, encoder, tmp_path_factory):
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
            "--max-num-seqs", "4", "--enforce-eager", "--seed", "0", "--limit-mm-per-prompt",
-           '{"image": 2, "video": 0}', "--mm-processor-cache-gb", "0",
+           '{"image": 2, "video": 1}', "--mm-processor-cache-gb", "0",
            "--ec-transfer-config", json.dumps(ec_transfer_config(encoder.target))]
     server = Process(cmd, env, tmp_path_factory.mktemp("vllm-serve") / "vllm.log", port)
     yield server
@@ -206,3 +209,36 @@ def test_a_uuid_the_encoder_does_not_cache_is_a_400_naming_the_part(model_path, 
     message = json.loads(body)["error"]["message"]
     assert "messages[0].content[0]" in message, message
     assert vllm_chat_requests(vllm_server) == before  # vLLM never called
+
+
+def jpeg(seed: int, width: int = 112, height: int = 84) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "JPEG", quality=95)
+    return out.getvalue()
+
+
+def test_chat_with_a_clip_through_the_proxy_equals_monolithic_vllm(encoder, model_path, vllm_server, monolithic,
+                                                                  proxy):
+    # The clip as vLLM's data URL of its frames: vLLM decodes them with Pillow, as the encoder does, and
+    # takes every one (no sampling), as the encoder's vllm reference does for frames.
+    frames = [jpeg(40 + i) for i in range(4)]
+    url = "data:video/jpeg;base64," + ",".join(base64.b64encode(f).decode() for f in frames)
+    with EncoderClient(encoder.target, timeout_s=60) as client:
+        uuid = content_hash(Video(frames=frames, reference="vllm"), client.cache_namespace())
+        assert client.lookup([uuid]) == [False]
+        # vLLM gives frames of a video/jpeg URL fps 1 (VideoMediaIO.load_base64; --media-io-kwargs could say
+        # otherwise, but vLLM then hashes every uuid with it: README, the uuid contract).
+        (want,) = monolithic.generate([[]], videos=[[(frames, None)]], video_fps=1.0)
+        fetched = ec_transfer_stats(vllm_server)["items_fetched"]
+        status, body = post(proxy.port, chat(model_path, {"type": "video_url", "video_url": {"url": url}}))
+        assert status == 200, body
+        (choice,) = json.loads(body)["choices"]
+        assert_same_as_monolithic(choice["token_ids"], [step["logprob"] for step in choice["logprobs"]["content"]],
+                                  choice["finish_reason"], want)
+        assert client.lookup([uuid]) == [True]  # the proxy had the encoder cache the clip
+    deadline = time.monotonic() + 30
+    while (stats := ec_transfer_stats(vllm_server))["items_fetched"] < fetched + 1:
+        assert time.monotonic() < deadline, (stats, vllm_server.log()[-4000:])
+        time.sleep(0.5)
+    assert stats["items_failed"] == 0 and stats["requests_failed"] == 0, stats

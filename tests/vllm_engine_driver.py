@@ -38,7 +38,8 @@ WORDS = ["<unk>", "describe", "the", "image", "user", "assistant", *(f"w{i}" for
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
     "{% else %}{% for c in m['content'] %}{% if c['type'] in ('image', 'image_url') %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] in ('video', 'video_url') %}"
+    "<|vision_start|><|video_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
@@ -99,13 +100,13 @@ def _count_tower_calls(model) -> None:
     model.visual.register_forward_hook(hook)
 
 
-def _video(frames: list):
+def _video(frames: list, fps: float = 2.0):
     """Decoded frames as vLLM takes them: the array and the metadata its Qwen2.5-VL processor requires
-    (what its own dummy inputs give: every frame kept, fps 2, no sampling by the HF processor)."""
+    (what its own dummy inputs give: every frame kept, at ``fps``, no sampling by the HF processor)."""
     import numpy as np
 
     count = len(frames)
-    return np.stack(frames), {"fps": 2.0, "duration": count / 2.0, "total_num_frames": count,
+    return np.stack(frames), {"fps": fps, "duration": count / fps, "total_num_frames": count,
                               "frames_indices": list(range(count)), "video_backend": "opencv",
                               "do_sample_frames": False}
 
@@ -133,7 +134,8 @@ def engine(path: str, ec_transfer_config: str | None) -> None:
             for req in command["requests"]:
                 images = [Image.open(io.BytesIO(base64.b64decode(png))).convert("RGB") for png, _ in req["images"]]
                 videos = [_video([np.asarray(Image.open(io.BytesIO(base64.b64decode(png))).convert("RGB"))
-                                  for png in frames]) for frames, _ in req.get("videos", [])]
+                                  for png in frames], command.get("video_fps", 2.0))
+                          for frames, _ in req.get("videos", [])]
                 prompt = {"prompt": PROMPT_HEAD + IMAGE * len(images) + VIDEO * len(videos) + PROMPT_TAIL}
                 data, uuids = {}, {}
                 for modality, items, given in (("image", images, req["images"]),

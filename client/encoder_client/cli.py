@@ -208,9 +208,10 @@ def _add_proxy(sub: argparse._SubParsersAction) -> None:
                    help="largest clip of a video_url part, bytes (default 64 MiB, the encoder's own default)")
     p.add_argument("--video-fps", type=float, default=2.0,
                    help="fps at which each video_url clip is sampled for the encoder (Video(reference='vllm')); "
-                        "MUST equal the fps vLLM samples clips at (vllm serve --media-io-kwargs "
-                        "'{\"video\": {\"fps\": ...}}'; default 2.0, vLLM's default): the part's uuid is the "
-                        "content hash of the clip sampled so, and vLLM counts placeholders for its own frames")
+                        "MUST equal the fps vLLM samples clips at: the part's uuid is the content hash of the "
+                        "clip sampled so, and vLLM counts placeholders for its own frames. With the connector "
+                        "that is vLLM's default, 2.0 (vllm serve --media-io-kwargs would change it, but vLLM "
+                        "then hashes every uuid with it)")
     p.add_argument("--max-request-bytes", type=int, default=128 << 20,
                    help="largest request body, bytes (default 128 MiB)")
     p.add_argument("--timeout", type=float, default=60.0, help="deadline of each encoder call, seconds (default 60)")

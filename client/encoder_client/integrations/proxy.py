@@ -64,8 +64,9 @@ class ProxySettings:
     mm_kwargs: str = "refuse"               # or "strip"
     max_image_bytes: int = 32 << 20
     max_video_bytes: int = 64 << 20         # the encoder's own --max-video-bytes default
-    # The fps vLLM samples clips at (its --media-io-kwargs '{"video": {"fps": ...}}'; default 2):
-    # a clip's uuid is its content hash sampled so, which must be what vLLM counts placeholders for.
+    # The fps vLLM samples clips at: its default, 2, with the connector (its --media-io-kwargs would
+    # change it, but vLLM hashes every uuid with them). A clip's uuid is its content hash sampled so,
+    # which must be what vLLM counts placeholders for.
     video_fps: float = 2.0
     max_request_bytes: int = 128 << 20
     encoder_timeout_s: float = 60.0
