@@ -19,8 +19,12 @@
 # a hang is a failure with a trace instead of a CI run that never ends.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+stamp() { echo "test.sh: $(date -u +%H:%M:%S) $*" >&2; }  # where the time went, in CI's log
+stamp "venv"
 source scripts/_venv.sh
+stamp "tools"
 bash scripts/ci_tools.sh
+stamp "ruff"
 ruff check .
 
 status=0
@@ -29,7 +33,8 @@ run() {
   local rc=0
   local bound=$1
   shift
-  timeout --signal=ABRT --kill-after=30 "$bound" python -m pytest -q "$@" || rc=$?
+  stamp "pytest $*"
+  timeout --signal=ABRT --kill-after=30 "$bound" python -m pytest -q --durations=10 "$@" || rc=$?
   if [ "$rc" -eq 124 ] || [ "$rc" -eq 134 ] || [ "$rc" -eq 137 ]; then
     echo "pytest did not finish within ${bound} s (exit code $rc); the stacks above show where it hung" >&2
   fi
@@ -37,6 +42,7 @@ run() {
 }
 run 2400 -m "not gpu and not reliability" -n 2 --dist loadfile "$@"
 run 1200 -m "reliability and not gpu" "$@"
+stamp "done"
 if [ "$status" -eq 0 ] && [ "$ran" -eq 0 ]; then
   echo "no test selected" >&2
   status=5
