@@ -34,8 +34,13 @@ run() {
   local bound=$1
   shift
   stamp "pytest $*"
-  timeout --signal=ABRT --kill-after=30 "$bound" python -m pytest -q --durations=10 "$@" || rc=$?
-  if [ "$rc" -eq 124 ] || [ "$rc" -eq 134 ] || [ "$rc" -eq 137 ]; then
+  # At a terminal, --foreground: Ctrl-C and a debugger reach pytest (timeout otherwise puts it in a
+  # process group of its own), at the cost of not timing out the xdist workers.
+  local foreground=()
+  if [ -t 0 ]; then foreground=(--foreground); fi
+  timeout "${foreground[@]}" --signal=ABRT --kill-after=30 "$bound" python -m pytest -q --durations=10 "$@" \
+    || rc=$?
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then  # timeout's own codes: the bound, then its SIGKILL
     echo "pytest did not finish within ${bound} s (exit code $rc); the stacks above show where it hung" >&2
   fi
   if [ "$rc" -eq 0 ]; then ran=1; elif [ "$rc" -ne 5 ]; then status=$rc; fi

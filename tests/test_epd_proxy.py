@@ -396,12 +396,25 @@ def test_a_clip_given_as_vllms_jpeg_frames_reaches_vllm_with_their_content_hash(
     assert parse_chat_message_content_mm_part(request.messages[0]["content"][0]) == ("video_url", url)
 
 
+def test_a_jpeg_frames_url_is_read_as_vllm_reads_it(proxy, vllm, encoder_server):
+    # vLLM keeps the first 32 frames (VideoMediaIO's num_frames) and never looks at the rest; it takes
+    # parameters before ;base64 and an upper-case scheme or type.
+    frames = [jpeg(750 + i % 3) for i in range(40)]
+    url = "DATA:Video/JPEG;charset=x;base64," + ",".join(base64.b64encode(f).decode() for f in frames) + ",@@"
+    status, answer, _ = post(proxy, chat_parts(video_part(url)))
+    assert status == 200, answer
+    (part,) = forwarded_videos(vllm.received[-1])
+    assert part["video_url"] == {"url": url}
+    with EncoderClient(encoder_server.target) as client:
+        assert part["uuid"] == content_hash(Video(frames=frames[:32], reference="vllm"), client.cache_namespace())
+
+
 def test_bad_jpeg_frames_are_a_400_naming_the_frame(proxy, vllm):
     before = len(vllm.received)
     good = base64.b64encode(jpeg(740)).decode()
     for url, says in ((f"data:video/jpeg;base64,{good},@@", "frame 1 of the video/jpeg data URL is not base64"),
                       (f"data:video/jpeg;base64,{good},,{good}", "frame 1 of the video/jpeg data URL is empty"),
-                      (f"data:video/jpeg,{good}", "a video/jpeg data URL must be base64")):
+                      (f"data:video/jpeg,{good}", "data URL is not base64")):
         status, answer, _ = post(proxy, chat_parts(video_part(url)))
         assert status == 400 and says in json.loads(answer)["error"]["message"], answer
     assert len(vllm.received) == before

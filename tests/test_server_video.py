@@ -14,6 +14,7 @@ from encoder_client import EncoderClient, EncoderClientError, HashRef, Video, co
 from PIL import Image
 
 from encoder_service.benchmarks.reliability.video_inputs import frame_pattern, make_clip, video_corpus
+from encoder_service.errors import InvalidInput
 from encoder_service.models import load_vision_model
 from encoder_service.models.kimi_k25 import video as kimi_video
 from encoder_service.preprocess.video_sampling import ClipFacts
@@ -101,6 +102,9 @@ def test_frames_for_vllm_are_taken_as_they_come(server, model):
     want, used = expected(model, frames, frames_fps=2, reference="vllm")
     close(got.embedding, want)
     assert list(got.frame_indices) == used == [0, 1, 2, 3, 4, 4]
+    kimi = load_vision_model("tiny-kimi-k2.5")  # its video processor takes no pixel bounds
+    with pytest.raises(InvalidInput, match="min_pixels does not apply"):
+        kimi.preprocess_video(frames, reference="vllm", min_pixels=1024)
     assert got.frame_timestamps_s == pytest.approx([0, 0.5, 1, 1.5, 2, 2])
 
 

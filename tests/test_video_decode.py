@@ -562,3 +562,12 @@ def test_a_replacement_that_cannot_start_does_not_take_its_slot_down(monkeypatch
             run(single.decode(clip(), vi.first_frame, LIMITS))
         monkeypatch.setattr(single, "_start_child", start)  # the host has room again: the slot heals
         assert run(single.decode(clip(), vi.first_frame, LIMITS)).frames.shape == (1, 48, 64, 3)
+
+
+def test_a_child_that_does_not_start_in_time_is_replaced():
+    with VideoDecodePool(1, start_timeout_s=0.001) as single:
+        with pytest.raises(EncoderError, match=r"did not start within 0.001 s; replaced"):
+            run(single.decode(clip(), vi.first_frame, LIMITS))
+        assert single.replaced == 1
+        single.start_timeout_s = 60.0
+        assert run(single.decode(clip(), vi.first_frame, LIMITS)).frames.shape == (1, 48, 64, 3)

@@ -40,6 +40,7 @@ class VideoFront:
     timestamps: Callable[..., Sequence[float]]
     references: tuple[str, ...] = ("transformers", "vllm")
     stage: Callable[..., tuple[DecodedClip, Sequence[int]]] | None = None
+    pixel_bounds: bool = True  # whether a request's min_pixels / max_pixels apply (Kimi-K2.5: no)
 
     def sample_frames(self, clip: ClipFacts, sampling: VideoSampling) -> list[int]:
         """The indices of a clip given as its frames: what ``sample`` picks, except for the ``vllm``
@@ -48,11 +49,13 @@ class VideoFront:
         False, so every frame is kept, and a sampling setting, which vLLM would ignore, is refused."""
         if sampling.reference != "vllm":
             return [int(i) for i in self.sample(clip, sampling)]
-        asked = [name for name in ("fps", "num_frames", "min_frames", "max_frames")
-                 if getattr(sampling, name) is not None]
+        names = ("fps", "num_frames", "min_frames", "max_frames") + (() if self.pixel_bounds else
+                                                                     ("min_pixels", "max_pixels"))
+        asked = [name for name in names if getattr(sampling, name) is not None]
         if asked:
             raise InvalidInput(f"a clip given as frames with the vllm reference is taken as it is (vLLM does not "
-                               f"sample frames it is given); {', '.join(asked)} does not apply: leave it out")
+                               f"sample frames it is given; this model's video processor takes no pixel bounds); "
+                               f"{', '.join(asked)} does not apply: leave it out")
         return list(range(clip.total_frames))
 
     def staged(self, frames: np.ndarray, indices: Sequence[int], sampling: VideoSampling, mode: str

@@ -202,10 +202,7 @@ class _Child:
     def wait_ready(self, timeout: float) -> None:
         if self.ready:
             return
-        try:
-            answer, fd = receive_json(self.channel, time.monotonic() + timeout)
-        except TimeoutError:
-            raise EncoderError(f"the video decode process did not start within {timeout:g} s") from None
+        answer, fd = receive_json(self.channel, time.monotonic() + timeout)  # TimeoutError: not started
         if fd is not None:
             os.close(fd)
         if answer != {"status": "ready"}:
@@ -298,6 +295,10 @@ class VideoDecodePool:
                         raise EncoderError(f"could not start a video decode process ({type(e).__name__}: {e})"
                                            ) from None
                 child.wait_ready(self.start_timeout_s)
+            except TimeoutError:  # before OSError, its base: a child that hangs starting is replaced too
+                child, _ = self._renew(child)
+                raise EncoderError(f"the video decode process did not start within {self.start_timeout_s:g} s; "
+                                   "replaced") from None
             except (EOFError, OSError, BadAnswer) as e:
                 child, code = self._renew(child)
                 why = str(e) or type(e).__name__

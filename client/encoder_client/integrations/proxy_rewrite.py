@@ -157,24 +157,43 @@ def decode_data_url(url: str, where: str, max_bytes: int, noun: str = "image",
 
 
 FRAMES_MIME = "video/jpeg"  # vLLM's data URL of a clip's frames: data:video/jpeg;base64,<frame>,<frame>,...
+# vLLM keeps the first 32 frames of such a URL (VideoMediaIO's num_frames; only --media-io-kwargs changes
+# it, which breaks the uuid contract) and never reads the rest: so do we, or the uuid names other frames.
+VLLM_URL_FRAMES = 32
+
+
+def _frames_url_parts(url: str) -> tuple[str, str] | None:
+    """(media type, data) of a data URL as vLLM's MediaConnector._load_data_url splits it, or None."""
+    if url[:5].lower() != "data:":
+        return None
+    spec, sep, data = url[5:].partition(",")
+    media, sep2, encoding = spec.rpartition(";")
+    if not sep or not sep2 or encoding != "base64":
+        return None
+    return media.partition(";")[0], data
 
 
 def is_frames_data_url(url: str) -> bool:
-    return url[:5] == "data:" and url[5:].split(",", 1)[0].split(";", 1)[0].strip().lower() == FRAMES_MIME
+    """Whether vLLM reads ``url`` as a clip's frames (its media type, lowercased, is video/jpeg; vLLM
+    neither strips it nor takes another encoding than base64)."""
+    parts = _frames_url_parts(url)
+    return parts is not None and parts[0].lower() == FRAMES_MIME
 
 
 def decode_frames_data_url(url: str, where: str, max_bytes: int, limit_flag: str = "--max-video-bytes"
                            ) -> list[bytes]:
-    """vLLM's ``data:video/jpeg;base64,<frame>,<frame>,...`` (each frame an encoded image, base64, in order)
-    -> the frames' bytes; a 400 naming the part for anything else, a 413 past ``max_bytes`` in all."""
-    header, sep, data = url.partition(",")
-    if not sep or "base64" not in header[len("data:"):].split(";")[1:]:
+    """The frames vLLM takes from its ``data:video/jpeg;base64,<frame>,<frame>,...`` (each an encoded image
+    in base64, the first ``VLLM_URL_FRAMES`` of them, as vLLM splits them): their bytes; a 400 naming
+    the part for a frame that is not base64 or empty, a 413 past ``max_bytes`` in all."""
+    parts = _frames_url_parts(url)
+    if parts is None:
         raise bad_request(f"{where}: a video/jpeg data URL must be base64 (data:video/jpeg;base64,<frame>,...)",
                           where)
-    if len(data) > (max_bytes * 4) // 3 + 4 * (data.count(",") + 1):
+    kept = parts[1].split(",", VLLM_URL_FRAMES)[:VLLM_URL_FRAMES]
+    if sum(len(part) for part in kept) > (max_bytes * 4) // 3 + 4 * len(kept):
         raise ProxyRequestError(413, f"{where}: clip larger than {limit_flag} ({max_bytes} bytes)", where)
     frames = []
-    for n, part in enumerate(data.split(",")):
+    for n, part in enumerate(kept):
         try:
             frame = base64.b64decode(part, validate=True)
         except (binascii.Error, ValueError) as err:

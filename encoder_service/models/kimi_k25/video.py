@@ -239,7 +239,7 @@ def video_front(config: KimiK25VideoConfig) -> VideoFront:
     timestamp is its first frame's, see the module docstring)."""
     return VideoFront(sample=functools.partial(sample_frame_indices, config=config),
                       process=functools.partial(process_clip, config=config), timestamps=source_seconds,
-                      stage=functools.partial(stage_clip, config=config))
+                      stage=functools.partial(stage_clip, config=config), pixel_bounds=False)
 
 
 def stage_clip(frames: np.ndarray, indices: list[int], sampling: VideoSampling, mode: str, *,
