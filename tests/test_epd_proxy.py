@@ -396,6 +396,22 @@ def test_a_clip_given_as_vllms_jpeg_frames_reaches_vllm_with_their_content_hash(
     assert parse_chat_message_content_mm_part(request.messages[0]["content"][0]) == ("video_url", url)
 
 
+def test_image_data_urls_are_read_as_vllm_reads_them(proxy, vllm, encoder_server):
+    image = png(760)
+    b64 = base64.b64encode(image).decode()
+    # Any case of the scheme, parameters before ;base64: vLLM takes both.
+    for url in (f"DATA:image/png;base64,{b64}", f"data:image/png;name=x.png;base64,{b64}"):
+        status, answer, _ = post(proxy, chat(url))
+        assert status == 200, answer
+        (part,) = forwarded_images(vllm.received[-1])
+        assert part["image_url"] == {"url": url}
+    # ;base64 that is not the last parameter: vLLM refuses it, so the proxy does before any work.
+    before = len(vllm.received)
+    status, answer, _ = post(proxy, chat(f"data:image/png;base64;x=y,{b64}"))
+    assert status == 400 and "data URL is not base64" in json.loads(answer)["error"]["message"]
+    assert len(vllm.received) == before
+
+
 def test_a_jpeg_frames_url_is_read_as_vllm_reads_it(proxy, vllm, encoder_server):
     # vLLM keeps the first 32 frames (VideoMediaIO's num_frames) and never looks at the rest; it takes
     # parameters before ;base64 and an upper-case scheme or type.

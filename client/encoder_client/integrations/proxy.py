@@ -41,6 +41,7 @@ from encoder_client.integrations.proxy_rewrite import (
     bad_request,
     decode_data_url,
     decode_frames_data_url,
+    is_data_url,
     is_frames_data_url,
     media_parts,
     rewrite_part,
@@ -267,7 +268,7 @@ class EpdProxy:
         if part.is_video and is_frames_data_url(part.url):
             limit, flag = self._limit(part)
             return part.url, decode_frames_data_url(part.url, part.where, limit, flag)
-        if part.url.startswith("data:"):
+        if is_data_url(part.url):
             limit, flag = self._limit(part)
             _, raw = decode_data_url(part.url, part.where, limit, part.noun, flag)
             return part.url, raw

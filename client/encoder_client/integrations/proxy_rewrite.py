@@ -134,17 +134,22 @@ def apply_mm_kwargs_policy(body: dict[str, Any], policy: str) -> list[str]:
         f"--mm-kwargs strip to have them removed", present[0])
 
 
+def is_data_url(url: str) -> bool:
+    return url[:5].lower() == "data:"  # a URL scheme is case-insensitive, and vLLM takes any case
+
+
 def decode_data_url(url: str, where: str, max_bytes: int, noun: str = "image",
                     limit_flag: str = "--max-image-bytes") -> tuple[str, bytes]:
     """``data:<mime>;base64,<data>`` -> (mime, bytes); a 400 naming the part for anything else, a
     413 for more than ``max_bytes`` (``limit_flag``; ``noun`` says what the part holds)."""
     header, sep, data = url.partition(",")
-    if not sep or not header.startswith("data:"):
+    if not sep or not is_data_url(header):
         raise bad_request(f"{where}: not a data URL (expected data:<mime>;base64,<data>)", where)
-    params = header[len("data:"):].split(";")
-    mime = params[0] or "application/octet-stream"
-    if "base64" not in params[1:]:
+    # As vLLM's MediaConnector reads it: the encoding is what follows the last ';', exactly base64.
+    media, sep, encoding = header[len("data:"):].rpartition(";")
+    if not sep or encoding != "base64":
         raise bad_request(f"{where}: data URL is not base64 (expected data:<mime>;base64,<data>)", where)
+    mime = media.partition(";")[0] or "application/octet-stream"
     if len(data) > (max_bytes * 4) // 3 + 4:
         raise ProxyRequestError(413, f"{where}: {noun} larger than {limit_flag} ({max_bytes} bytes)", where)
     try:
@@ -164,7 +169,7 @@ VLLM_URL_FRAMES = 32
 
 def _frames_url_parts(url: str) -> tuple[str, str] | None:
     """(media type, data) of a data URL as vLLM's MediaConnector._load_data_url splits it, or None."""
-    if url[:5].lower() != "data:":
+    if not is_data_url(url):
         return None
     spec, sep, data = url[5:].partition(",")
     media, sep2, encoding = spec.rpartition(";")
