@@ -1,8 +1,9 @@
 """Raises the soft limit on open files at start-up, as vLLM and SGLang do.
 
 A server holds descriptors by the request, not by the process: a gRPC connection each, a relay region
-each, and one per decoded clip whose frames wait for a forward (``preprocess/decoder_channel.py``: the
-frames are mapped, and ``mmap`` keeps a duplicate of the descriptor it maps). The soft limit many hosts start
+each, and, before Python 3.13 (whose ``mmap`` can do without), one per decoded clip whose frames wait
+for a forward (``preprocess/decoder_channel.py``: the frames are mapped, and ``mmap`` keeps a duplicate
+of the descriptor it maps). The soft limit many hosts start
 processes with is 1024, far under the hard limit; a server at the soft limit fails calls with
 "Too many open files" while the host has room.
 """

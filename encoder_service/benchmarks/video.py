@@ -56,6 +56,9 @@ def add_arguments(p) -> None:
     g.add_argument("--frame-sizes", default="448x448,1280x720", help="WIDTHxHEIGHT of the clips' frames (even)")
     g.add_argument("--sample-fps", type=float, default=2.0, help="the fps each request asks the server to sample")
     g.add_argument("--source-fps", type=int, default=30, help="the clips' own frame rate (what the decoder walks)")
+    g.add_argument("--clip-noise", type=float, default=NOISE,
+                   help=f"sensor noise of the clips' frames (std of 255; default {NOISE:g}: x264 then makes P-frames, "
+                        "all references; 0: calm footage, mostly B-frames, whose unsampled ones the server skips)")
     g.add_argument("--clips", type=int, default=100000,
                    help="most clips per length, size and level (a level also ends after --seconds)")
     g.add_argument("--distinct-clips", type=int, default=8,
@@ -101,13 +104,13 @@ def photo_jpeg_sized(seed: int, width: int, height: int, quality: int = 90) -> b
 
 
 def _clip_task(task: tuple) -> tuple:
-    key, seed, seconds, width, height, fps = task
-    return key, photo_clip(seed, seconds, width, height, fps)
+    key, seed, seconds, width, height, fps, noise = task
+    return key, photo_clip(seed, seconds, width, height, fps, noise)
 
 
 def make_clips(groups: list[tuple[float, int, int]], args) -> dict[tuple, list[bytes]]:
     """``--distinct-clips`` clips per (seconds, width, height), in spawned processes."""
-    tasks = [((s, w, h), 7000 + 100 * g + i, s, w, h, args.source_fps)
+    tasks = [((s, w, h), 7000 + 100 * g + i, s, w, h, args.source_fps, getattr(args, "clip_noise", NOISE))
              for g, (s, w, h) in enumerate(groups) for i in range(args.distinct_clips)]
     with mp.get_context("spawn").Pool(max(1, min(len(tasks), os.cpu_count() or 2))) as pool:
         done = pool.map(_clip_task, tasks, chunksize=1)
@@ -237,7 +240,8 @@ def run_video(args, result: dict, levels: list[int], transports: list[str], star
     t0 = time.perf_counter()
     bases = make_clips(groups, args)
     result["video"] = {"sample_fps": args.sample_fps, "source_fps": args.source_fps, "codec": "h264",
-                       "distinct_clips": args.distinct_clips, "groups": []}
+                       "clip_noise": getattr(args, "clip_noise", NOISE), "distinct_clips": args.distinct_clips,
+                       "groups": []}
     print(f"generated {sum(len(v) for v in bases.values())} clips in {time.perf_counter() - t0:.0f} s", flush=True)
     if "--metrics-port" in args.serve_args:  # the frames and items per window come from /metrics
         args.metrics_port = int(args.serve_args[args.serve_args.index("--metrics-port") + 1])

@@ -32,6 +32,7 @@ import os
 import select
 import socket
 import struct
+import sys
 import time
 
 import numpy as np
@@ -190,7 +191,9 @@ def frames_from_memfd(fd: int, shape: tuple[int, int, int, int]) -> np.ndarray:
         if size == 0:
             return np.empty(shape, np.uint8)
         try:
-            mapping = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+            # From Python 3.13 the mapping need not keep a duplicate of the descriptor open.
+            extra = {"trackfd": False} if sys.version_info >= (3, 13) else {}
+            mapping = mmap.mmap(fd, size, access=mmap.ACCESS_COPY, **extra)
         except (OSError, ValueError) as e:
             raise BadAnswer(f"the frames' memfd cannot be mapped ({e})") from None
     finally:
