@@ -5,6 +5,8 @@ response, cached by content and sampling; every bad clip a clear error, the serv
 from __future__ import annotations
 
 import io
+import os
+import signal
 
 import grpc
 import numpy as np
@@ -13,6 +15,7 @@ import torch
 from encoder_client import EncoderClient, EncoderClientError, HashRef, Video, content_hash
 from PIL import Image
 
+from encoder_service.benchmarks.reliability.server import wait_until
 from encoder_service.benchmarks.reliability.video_inputs import frame_pattern, make_clip, video_corpus
 from encoder_service.errors import InvalidInput
 from encoder_service.models import load_vision_model
@@ -272,3 +275,47 @@ def test_a_kimi_clip_is_one_item_of_its_chunks_and_is_cached(start_encoder_serve
     close(got.embedding, want.numpy())
     assert again.cache_hit and again.content_hash == got.content_hash
     assert np.array_equal(again.embedding, got.embedding) and again.frame_indices == got.frame_indices
+
+
+def decoder_pids(server_pid: int) -> list[int]:
+    """The server's video decode processes (its spawned children other than multiprocessing's trackers)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == server_pid and b"spawn_main" in cmdline and b"tracker" not in cmdline.split(b"spawn_main", 1)[0]:
+            pids.append(int(entry))
+    return pids
+
+
+def exited(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_decoder_processes_killed_from_outside_cost_no_clip(server):
+    # What a local user of the server's account can do to them: the next clips go to fresh processes.
+    clip_a, clip_b = (make_clip("mp4", "libx264", frames=n, width=64, height=48, fps=10) for n in (9, 11))
+    with EncoderClient(server.target, timeout_s=60) as client:
+        client.encode([Video(clip_a, num_frames=2)])
+        killed = decoder_pids(server.proc.pid)
+        assert killed
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+        # Dead (a zombie, or reaped) before the next call: a clip sent at the very moment a decoder is
+        # killed fails as that decoder's crash.
+        assert wait_until(lambda: all(exited(pid) for pid in killed), 10) is not None
+        (got,) = client.encode([Video(clip_b, num_frames=2)])
+        assert got.grid_thw[0] == 1 and not got.cache_hit
+        assert not set(decoder_pids(server.proc.pid)) & set(killed)
+    assert server.health() == "SERVING"

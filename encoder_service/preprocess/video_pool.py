@@ -279,22 +279,27 @@ class VideoDecodePool:
             log.error("could not start a video decode process: %s: %s", type(e).__name__, e)
             return child, code
 
+    def _started(self, child: _Child) -> _Child:
+        """``child``, or where it is a stopped one whose replacement could not start, a new one now."""
+        if not child.stopped:
+            return child
+        try:
+            return self._start_child(child.nvdec_gpu)
+        except Exception as e:
+            raise EncoderError(f"could not start a video decode process ({type(e).__name__}: {e})") from None
+
     def _call(self, data: bytes, indices_fn: Callable[[ClipFacts], list[int]], limits: VideoLimits) -> DecodedClip:
         child = self._idle.get()
         try:
             try:
-                # A child that is gone, or holds bytes nobody asked for (an answer queued ahead), is
-                # replaced before this call, which is not failed for it.
-                if child.ready and not child.stopped and child.channel.has_input():
-                    log.warning("video decode process sent bytes while idle (or is gone); replaced")
-                    child, _ = self._renew(child)
-                if child.stopped:  # its replacement could not start: try again
-                    try:
-                        child = self._start_child(child.nvdec_gpu)
-                    except Exception as e:
-                        raise EncoderError(f"could not start a video decode process ({type(e).__name__}: {e})"
-                                           ) from None
+                child = self._started(child)
                 child.wait_ready(self.start_timeout_s)
+                # A ready child that is gone, or holds bytes nobody asked for (an answer queued ahead), is
+                # replaced before this call, which is not failed for it.
+                if child.channel.has_input():
+                    log.warning("video decode process sent bytes while idle (or is gone); replaced")
+                    child = self._started(self._renew(child)[0])
+                    child.wait_ready(self.start_timeout_s)
             except TimeoutError:  # before OSError, its base: a child that hangs starting is replaced too
                 child, _ = self._renew(child)
                 raise EncoderError(f"the video decode process did not start within {self.start_timeout_s:g} s; "
