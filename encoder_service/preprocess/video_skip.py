@@ -4,7 +4,7 @@ A 2 fps sample of a 30 fps clip keeps one frame in fifteen, but every reference 
 samples must still be decoded, since later frames are predicted from it. A non-reference frame (most
 B-frames of an encoder's default output) is needed by nothing but itself: one that is not sampled can be
 skipped (FFmpeg's ``skip_frame = NONREF``, set packet by packet: the sampled ones are decoded as usual).
-On B-frame content this saved about a third of the decode CPU (bench/RESULTS.md); on streams without
+On calm B-frame content this saved a third to a half of the decode CPU (bench/RESULTS.md); on streams without
 B-frames every frame is a reference and nothing changes.
 
 Frames are numbered as the reference numbers them (read_video_pyav and vLLM's loader count the frames
