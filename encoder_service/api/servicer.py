@@ -54,7 +54,8 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
         self.config = config
         self.metrics = metrics
         self.gate = gate if gate is not None else EngineGate(calls)
-        self.sink_channels = SinkChannels(config.max_message_bytes, credentials=sink_credentials)
+        self.sink_channels = SinkChannels(config.max_message_bytes, credentials=sink_credentials,
+                                          push_bound_s=config.sink_timeout_s)
         self.sink_allowlist = config.sink_allowlist
         self.regions = RegionTable(config.shared_memory == "on")  # callers' own regions
         # Behind relays (--grpc-processes): the regions they lend, by descriptor (api/relay/regions.py).

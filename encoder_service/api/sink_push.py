@@ -58,15 +58,19 @@ class SinkChannels:
     """One grpc.aio channel per sink target, shared by every request pushing there; idle ones closed."""
 
     def __init__(self, max_message_bytes: int, credentials: grpc.ChannelCredentials | None = None, *,
-                 idle_close_s: float = SINK_IDLE_CLOSE_S, max_channels: int = SINK_MAX_CHANNELS) -> None:
+                 idle_close_s: float = SINK_IDLE_CLOSE_S, max_channels: int = SINK_MAX_CHANNELS,
+                 push_bound_s: float | None = None) -> None:
         self._credentials = credentials  # None: plaintext; else TLS (or mTLS) toward every sink
+        # A channel that failed to connect fails calls fast until its reconnect backoff ends (1 s growing
+        # to 120 s by default): keep it within our retries, and within a quarter of one push's bound
+        # (``push_bound_s``, --sink-timeout-s), so that a sink back from a restart is reached by the next
+        # push (seen: a 2 s backoff outlasting a 1 s bound, every push UNAVAILABLE after the sink was up).
+        backoff_max_s = SINK_BACKOFF_MAX_S if push_bound_s is None else min(SINK_BACKOFF_MAX_S, push_bound_s / 4)
         self._options = [("grpc.max_send_message_length", max_message_bytes),
                          ("grpc.max_receive_message_length", max_message_bytes),
-                         # A channel that failed to connect fails calls fast until its reconnect
-                         # backoff ends (1 s growing to 120 s by default): keep it within our retries.
                          ("grpc.initial_reconnect_backoff_ms", 100),
                          ("grpc.min_reconnect_backoff_ms", 100),
-                         ("grpc.max_reconnect_backoff_ms", int(SINK_BACKOFF_MAX_S * 1000))]
+                         ("grpc.max_reconnect_backoff_ms", max(100, int(backoff_max_s * 1000)))]
         self._idle_close_s = idle_close_s
         self._max_channels = max_channels
         # target -> [channel, pushes using it, last time one ended]
