@@ -65,11 +65,13 @@ class SinkChannels:
         # to 120 s by default): keep it within our retries, and within a quarter of one push's bound
         # (``push_bound_s``, --sink-timeout-s), so that a sink back from a restart is reached by the next
         # push (seen: a 2 s backoff outlasting a 1 s bound, every push UNAVAILABLE after the sink was up).
+        # gRPC's "min reconnect backoff" is the least time a connection attempt is given (its connect
+        # deadline): 1 s, so that short attempts do not time out on a loaded host.
         backoff_max_s = SINK_BACKOFF_MAX_S if push_bound_s is None else min(SINK_BACKOFF_MAX_S, push_bound_s / 4)
         self._options = [("grpc.max_send_message_length", max_message_bytes),
                          ("grpc.max_receive_message_length", max_message_bytes),
                          ("grpc.initial_reconnect_backoff_ms", 100),
-                         ("grpc.min_reconnect_backoff_ms", 100),
+                         ("grpc.min_reconnect_backoff_ms", 1000),
                          ("grpc.max_reconnect_backoff_ms", max(100, int(backoff_max_s * 1000)))]
         self._idle_close_s = idle_close_s
         self._max_channels = max_channels
