@@ -6,7 +6,7 @@ later: a taken-over child is not known as such; README's threat model):
 
 - **No pickles from the child.** ``multiprocessing.Connection.recv`` unpickles, and unpickling runs
   whatever the bytes name (``os.system`` included). The child answers with one JSON object, at most
-  ``MAX_ANSWER_BYTES``, that the server type-checks field by field (``video_pool.read_clip_answer``).
+  ``MAX_ANSWER_BYTES``, that the server type-checks field by field (``video_pool.clip_from_answer``).
 - **Every read and write has a deadline.** ``Connection.poll`` only says that a first byte is there; a
   child that announces a long message and stalls would hold a server thread for ever inside
   ``recv``. Here each step polls the descriptor for what time is left, then moves what is there

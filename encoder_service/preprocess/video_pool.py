@@ -172,8 +172,8 @@ def clip_from_answer(answer: dict, fd: int | None, limits: VideoLimits) -> Decod
             raise BadAnswer(f"frames of shape {shape!r} for {len(indices)} indices, outside the limits")
         if not 0 < total <= limits.max_frames:  # the child's probe refuses longer clips
             raise BadAnswer(f"total_frames {total!r} outside 1..{limits.max_frames}")
-        indices = [_number(i, "a frame index", integer=True) for i in indices]
-        if min(indices) < 0 or max(indices) >= total:
+        indices = [_number(i, "a frame index", integer=True) for i in indices]  # each >= 0
+        if max(indices) >= total:
             raise BadAnswer(f"frame indices outside the clip's {total} frames")
         if fd is None:
             raise BadAnswer("frames announced without their memfd")

@@ -138,18 +138,28 @@ def is_data_url(url: str) -> bool:
     return url[:5].lower() == "data:"  # a URL scheme is case-insensitive, and vLLM takes any case
 
 
+def _data_url_parts(url: str) -> tuple[str, str] | None:
+    """(media type, data) of a base64 data URL as vLLM's MediaConnector._load_data_url splits it (the
+    encoding is what follows the last ';', exactly base64), or None."""
+    if not is_data_url(url):
+        return None
+    spec, sep, data = url[5:].partition(",")
+    media, sep2, encoding = spec.rpartition(";")
+    if not sep or not sep2 or encoding != "base64":
+        return None
+    return media.partition(";")[0], data
+
+
 def decode_data_url(url: str, where: str, max_bytes: int, noun: str = "image",
                     limit_flag: str = "--max-image-bytes") -> tuple[str, bytes]:
     """``data:<mime>;base64,<data>`` -> (mime, bytes); a 400 naming the part for anything else, a
     413 for more than ``max_bytes`` (``limit_flag``; ``noun`` says what the part holds)."""
-    header, sep, data = url.partition(",")
-    if not sep or not is_data_url(header):
+    if "," not in url or not is_data_url(url):
         raise bad_request(f"{where}: not a data URL (expected data:<mime>;base64,<data>)", where)
-    # As vLLM's MediaConnector reads it: the encoding is what follows the last ';', exactly base64.
-    media, sep, encoding = header[len("data:"):].rpartition(";")
-    if not sep or encoding != "base64":
+    parts = _data_url_parts(url)
+    if parts is None:
         raise bad_request(f"{where}: data URL is not base64 (expected data:<mime>;base64,<data>)", where)
-    mime = media.partition(";")[0] or "application/octet-stream"
+    mime, data = parts[0] or "application/octet-stream", parts[1]
     if len(data) > (max_bytes * 4) // 3 + 4:
         raise ProxyRequestError(413, f"{where}: {noun} larger than {limit_flag} ({max_bytes} bytes)", where)
     try:
@@ -167,21 +177,10 @@ FRAMES_MIME = "video/jpeg"  # vLLM's data URL of a clip's frames: data:video/jpe
 VLLM_URL_FRAMES = 32
 
 
-def _frames_url_parts(url: str) -> tuple[str, str] | None:
-    """(media type, data) of a data URL as vLLM's MediaConnector._load_data_url splits it, or None."""
-    if not is_data_url(url):
-        return None
-    spec, sep, data = url[5:].partition(",")
-    media, sep2, encoding = spec.rpartition(";")
-    if not sep or not sep2 or encoding != "base64":
-        return None
-    return media.partition(";")[0], data
-
-
 def is_frames_data_url(url: str) -> bool:
     """Whether vLLM reads ``url`` as a clip's frames (its media type, lowercased, is video/jpeg; vLLM
     neither strips it nor takes another encoding than base64)."""
-    parts = _frames_url_parts(url)
+    parts = _data_url_parts(url)
     return parts is not None and parts[0].lower() == FRAMES_MIME
 
 
@@ -190,7 +189,7 @@ def decode_frames_data_url(url: str, where: str, max_bytes: int, limit_flag: str
     """The frames vLLM takes from its ``data:video/jpeg;base64,<frame>,<frame>,...`` (each an encoded image
     in base64, the first ``VLLM_URL_FRAMES`` of them, as vLLM splits them): their bytes; a 400 naming
     the part for a frame that is not base64 or empty, a 413 past ``max_bytes`` in all."""
-    parts = _frames_url_parts(url)
+    parts = _data_url_parts(url)
     if parts is None:
         raise bad_request(f"{where}: a video/jpeg data URL must be base64 (data:video/jpeg;base64,<frame>,...)",
                           where)
