@@ -283,3 +283,22 @@ def _skip_message(report) -> str:
 
 def pytest_configure(config) -> None:
     config.pluginmanager.register(StrictSkips(), "strict-skips")
+
+
+SERVER_LOG_TAIL_LINES = 60
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that used a server process gets the tail of that server's log in its report:
+    errors the server answers with say "the encoder's log says why", and CI keeps only the report."""
+    report = yield
+    if report.failed and call.when != "collect":
+        servers = {n: v for n, v in getattr(item, "funcargs", {}).items() if isinstance(v, EncoderProcess)}
+        for name, server in servers.items():
+            try:
+                tail = server.log_text().splitlines()[-SERVER_LOG_TAIL_LINES:]
+            except OSError as exc:
+                tail = [f"(its log could not be read: {exc})"]
+            report.sections.append((f"server log: {name} (last {len(tail)} lines)", "\n".join(tail)))
+    return report

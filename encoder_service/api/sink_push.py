@@ -35,6 +35,13 @@ log = logging.getLogger(__name__)
 
 SINK_BACKOFF_BASE_S = 0.1
 SINK_BACKOFF_MAX_S = 2.0
+
+
+def sink_backoff_max_s(push_bound_s: float | None) -> float:
+    """The longest wait between two tries at a sink: at most a quarter of one push's bound
+    (--sink-timeout-s), so that a sink back from a restart is reached within that bound."""
+    return SINK_BACKOFF_MAX_S if push_bound_s is None else min(SINK_BACKOFF_MAX_S, push_bound_s / 4)
+
 # A decode server's gRPC receive limit is 4 MiB unless it raised it: a pushed chunk (data plus
 # header) stays under that whatever --max-chunk-bytes says.
 PUSH_MAX_CHUNK_BYTES = 4 * 1024 * 1024 - 64 * 1024
@@ -67,7 +74,7 @@ class SinkChannels:
         # push (seen: a 2 s backoff outlasting a 1 s bound, every push UNAVAILABLE after the sink was up).
         # gRPC's "min reconnect backoff" is the least time a connection attempt is given (its connect
         # deadline): 1 s, so that short attempts do not time out on a loaded host.
-        backoff_max_s = SINK_BACKOFF_MAX_S if push_bound_s is None else min(SINK_BACKOFF_MAX_S, push_bound_s / 4)
+        backoff_max_s = sink_backoff_max_s(push_bound_s)
         self._options = [("grpc.max_send_message_length", max_message_bytes),
                          ("grpc.max_receive_message_length", max_message_bytes),
                          ("grpc.initial_reconnect_backoff_ms", 100),
