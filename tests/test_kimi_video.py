@@ -125,6 +125,7 @@ def _with_media_proc(tmp_path, media: dict, pos_emb_time: int = 4):
     (path / "config.json").write_text(json.dumps(config))
     pre = json.loads((path / "preprocessor_config.json").read_text())
     (path / "preprocessor_config.json").write_text(json.dumps(pre | {"media_proc_cfg": media}))
+    (path / "video_preprocessor_config.json").unlink()  # a remote-code checkpoint has none
     return path
 
 

@@ -7,7 +7,6 @@ transformers video processor ``from_pretrained`` the same folder (tests/video_re
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import numpy as np
@@ -17,13 +16,17 @@ from video_references import run_references
 
 from encoder_service.errors import InvalidInput
 from encoder_service.models import load_vision_model, make_checkpoint
+from encoder_service.models.kimi_k25 import video as kimi
 from encoder_service.models.qwen2_5_vl import video as qwen2
 from encoder_service.models.qwen3_vl import video as qwen3
 
-MODULES = {"qwen2_5_vl": qwen2, "qwen3_vl": qwen3}
-PRESETS = {"qwen2_5_vl": "tiny-qwen2.5-vl", "qwen3_vl": "tiny-qwen3-vl"}
+MODULES = {"qwen2_5_vl": qwen2, "qwen3_vl": qwen3, "kimi_k25": kimi}
+PRESETS = {"qwen2_5_vl": "tiny-qwen2.5-vl", "qwen3_vl": "tiny-qwen3-vl", "kimi_k25": "tiny-kimi-k2.5"}
 QWEN2_VIDEO = {"size": {"shortest_edge": 28 * 28 * 2, "longest_edge": 28 * 28 * 6}}
 QWEN3_VIDEO = {"size": {"shortest_edge": 32 * 32 * 2, "longest_edge": 32 * 32 * 24}}
+KIMI_VIDEO = {"max_patches": 256, "temporal_patch_size": 2}
+# A file of None: the preset's file removed (the tiny Kimi preset writes a video_preprocessor_config.json).
+NO_KIMI_VIDEO_FILE = {"video_preprocessor_config.json": None}
 
 # (name, family, extra files, frames [T, H, W])
 CASES = [
@@ -36,14 +39,30 @@ CASES = [
     ("qwen3-video-file", "qwen3_vl", {"video_preprocessor_config.json": QWEN3_VIDEO}, (4, 120, 200)),
     ("qwen3-nested", "qwen3_vl", {"processor_config.json": {"video_processor": QWEN3_VIDEO}}, (4, 120, 200)),
     ("qwen3-image-file-only", "qwen3_vl", {}, (4, 120, 200)),
+    ("kimi-video-file", "kimi_k25", {"video_preprocessor_config.json": KIMI_VIDEO}, (4, 300, 400)),
+    ("kimi-nested-wins", "kimi_k25", {"processor_config.json": {"video_processor": {"max_patches": 512}},
+                                      "video_preprocessor_config.json": KIMI_VIDEO}, (4, 300, 400)),
+    # transformers' video processor then reads preprocessor_config.json: the image budget (1024
+    # patches in the tiny preset) is the frames' budget too.
+    ("kimi-image-file-only", "kimi_k25", NO_KIMI_VIDEO_FILE, (4, 600, 900)),
+    ("kimi-preset-files", "kimi_k25", {}, (4, 600, 900)),
 ]
 
 
 def checkpoint(root: Path, name: str, family: str, files: dict) -> Path:
     folder = make_checkpoint(PRESETS[family], root / name)
     for file, content in files.items():
-        (folder / file).write_text(json.dumps(content))
+        if content is None:
+            (folder / file).unlink()
+        else:
+            (folder / file).write_text(json.dumps(content))
     return folder
+
+
+def ours(family: str, clip: np.ndarray, config) -> tuple[np.ndarray, list[list[int]]]:
+    """(patches, grids as transformers' video_grid_thw lists): Kimi-K2.5 gives one grid per chunk."""
+    pixels, grid = MODULES[family].preprocess_video(clip, config)
+    return pixels, [list(g) for g in grid] if family == "kimi_k25" else [list(grid)]
 
 
 @pytest.fixture(scope="module")
@@ -64,28 +83,33 @@ def test_a_checkpoints_video_settings_are_read_as_transformers_reads_them(folder
     results, arrays = references
     name, family, _, shape = CASES[index]
     model = load_vision_model(folders[name])
-    pixels, grid = MODULES[family].preprocess_video(frames(index, *shape), model.video_config)
+    pixels, grids = ours(family, frames(index, *shape), model.video_config)
     expected = arrays[f"pixels_{index}"].reshape(len(pixels), -1)
-    assert [list(grid)] == results["processing"][index]["grid"]
+    assert grids == results["processing"][index]["grid"]
     assert np.array_equal(pixels, expected), float(np.abs(pixels - expected).max())
 
 
 def test_the_cases_are_not_all_the_defaults(folders):
     # Each file changes what the clip becomes: otherwise the comparison above could not fail.
-    grids = {name: MODULES[family].preprocess_video(frames(0, *shape), load_vision_model(folders[name]).video_config)[1]
+    grids = {name: ours(family, frames(0, *shape), load_vision_model(folders[name]).video_config)[1]
              for name, family, _, shape in CASES}
-    defaults = {family: MODULES[family].preprocess_video(frames(0, *shape), load_vision_model(PRESETS[family])
-                                                         .video_config)[1] for _, family, _, shape in CASES}
+    defaults = {name: ours(family, frames(0, *shape), load_vision_model(PRESETS[family]).video_config)[1]
+                for name, family, _, shape in CASES}
     assert grids["qwen2-video-file"] != grids["qwen2-image-file-only"]
     assert grids["qwen2-nested-wins"] == grids["qwen2-video-file"]
-    assert grids["qwen3-video-file"] != defaults["qwen3_vl"]
-    assert grids["qwen3-image-file-only"] != defaults["qwen3_vl"]
+    assert grids["qwen3-video-file"] != defaults["qwen3-video-file"]
+    assert grids["qwen3-image-file-only"] != defaults["qwen3-image-file-only"]
+    assert grids["kimi-video-file"] != defaults["kimi-video-file"]
+    assert grids["kimi-nested-wins"] not in (grids["kimi-video-file"], defaults["kimi-nested-wins"])
+    assert grids["kimi-image-file-only"] != defaults["kimi-image-file-only"]
+    # The preset in process and its checkpoint folder process clips alike.
+    assert grids["kimi-preset-files"] == defaults["kimi-preset-files"]
 
 
 def test_own_video_settings_change_the_cache_namespace_the_image_files_do_not(tmp_path):
     # The namespaces of checkpoints without video settings of their own (every published Qwen2.5-VL
     # one) stay what they were: their keys are still valid.
-    for family in PRESETS:
+    for family in ("qwen2_5_vl", "qwen3_vl"):
         folder = checkpoint(tmp_path, family, family, {})
         without = load_vision_model(folder)
         assert "video" not in without.spec.fingerprint or family == "qwen3_vl"
@@ -112,20 +136,18 @@ def test_a_broken_processor_file_is_named(tmp_path):
         load_vision_model(folder)
 
 
-def test_kimi_says_it_does_not_read_a_video_processor_file(tmp_path, caplog):
-    folder = make_checkpoint("tiny-kimi-k2.5", tmp_path / "kimi")
-    (folder / "video_preprocessor_config.json").write_text(json.dumps({"fps": 1.0}))
-    with caplog.at_level(logging.WARNING):
-        load_vision_model(folder)
-    assert "video processor config (processor_config.json or video_preprocessor_config.json) is not read" in \
-        caplog.text
+def test_kimi_video_settings_change_the_namespace_only_where_they_change_the_clips(tmp_path):
+    preset = load_vision_model("tiny-kimi-k2.5").spec.fingerprint
+    assert "video" not in preset
+    assert load_vision_model(checkpoint(tmp_path, "same", "kimi_k25", {})).spec.fingerprint == preset
+    own = load_vision_model(checkpoint(tmp_path, "own", "kimi_k25", {"video_preprocessor_config.json": KIMI_VIDEO}))
+    assert own.spec.fingerprint["video"]["max_patches"] == 256 and own.spec.frames_per_chunk == 2
+    image_file = load_vision_model(checkpoint(tmp_path, "image-file", "kimi_k25", NO_KIMI_VIDEO_FILE))
+    assert image_file.spec.fingerprint["video"]["max_patches"] == 1024
 
 
-def test_kimi_says_nothing_when_the_checkpoint_has_no_video_file(tmp_path, caplog):
-    folder = make_checkpoint("tiny-kimi-k2.5", tmp_path / "kimi")
-    # transformers 5 saves the image processor nested; the video processor then falls back to the legacy file
-    legacy = json.loads((folder / "preprocessor_config.json").read_text())
-    (folder / "processor_config.json").write_text(json.dumps({"image_processor": {**legacy, "note": "nested"}}))
-    with caplog.at_level(logging.WARNING):
+def test_a_kimi_video_config_with_other_patches_than_the_tower_is_refused(tmp_path):
+    folder = checkpoint(tmp_path, "bad", "kimi_k25", {"video_preprocessor_config.json": {"merge_size": 4}})
+    with pytest.raises(InvalidInput, match="video processor config's merge_size 4 differs from the "
+                                           "vision_config's 2"):
         load_vision_model(folder)
-    assert "is not read" not in caplog.text

@@ -40,6 +40,9 @@ class Preset:
     vision_config: dict
     preprocessor_config: dict
     text_hidden_size: int
+    # The video processor's settings where the family keeps them apart from the image processor's
+    # (written as video_preprocessor_config.json); None: clips take what the image file gives them.
+    video_processor_config: dict | None = None
 
 
 class ModelFamily:
@@ -69,8 +72,9 @@ class ModelFamily:
               device: torch.device, dtype: torch.dtype, attn_backend: str, ops: str = "auto",
               video_config: dict | None = None) -> VisionModel:
         """Runtime-layout weights -> a loaded model on ``device`` (``ops``: ``--ops``, encoder_service/ops).
-        ``video_config``: a checkpoint's video processor settings (``loader.processor_configs``); None for
-        a preset, whose clips take the family's defaults."""
+        ``video_config``: a checkpoint's video processor settings (``loader.processor_configs``), or a
+        preset's ``video_processor_config``; None for a preset without one, whose clips take the family's
+        defaults."""
         raise NotImplementedError
 
     def read_weights(self, ckpt: CheckpointFiles, cfg, dtype: torch.dtype
@@ -117,7 +121,7 @@ def load_preset(family: ModelFamily, preset: Preset, *, seed: int, device: torch
     state = {k: v.to(dtype) for k, v in random_state(family, cfg, seed).items()}
     return family.build(cfg, state, model_id=f"{preset.name}@seed{seed}",
                         preprocess_config=preset.preprocessor_config, device=device, dtype=dtype,
-                        attn_backend=attn_backend, ops=ops)
+                        attn_backend=attn_backend, ops=ops, video_config=preset.video_processor_config)
 
 
 def load_checkpoint(family: ModelFamily, ckpt: CheckpointFiles, *, model_id: str, device: torch.device,
@@ -132,7 +136,8 @@ def load_checkpoint(family: ModelFamily, ckpt: CheckpointFiles, *, model_id: str
 
 
 def write_checkpoint(family: ModelFamily, preset: Preset, out: Path, *, seed: int, layout: str | None) -> Path:
-    """config.json, preprocessor_config.json and model.safetensors of a preset with random weights."""
+    """config.json, preprocessor_config.json (and video_preprocessor_config.json where the preset has
+    video settings of its own) and model.safetensors of a preset with random weights."""
     layout = layout or family.layouts[0]
     if layout not in family.layouts:
         raise InvalidInput(f"unknown checkpoint layout {layout!r} for {preset.name}; "
@@ -143,6 +148,8 @@ def write_checkpoint(family: ModelFamily, preset: Preset, out: Path, *, seed: in
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps({**config, "_preset": preset.name, "_seed": seed}, indent=2))
     (out / "preprocessor_config.json").write_text(json.dumps(preset.preprocessor_config, indent=2))
+    if preset.video_processor_config is not None:
+        (out / "video_preprocessor_config.json").write_text(json.dumps(preset.video_processor_config, indent=2))
     save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     return out

@@ -7,7 +7,16 @@ from __future__ import annotations
 import torch
 
 from ..family import ModelFamily, Preset, prefixed
-from .preprocess import KIMI_K25_PREPROCESSOR
+from .preprocess import KIMI_K25_PREPROCESSOR, KimiK25PreprocessConfig
+from .video import video_config_for
+
+TINY_PREPROCESSOR = {**KIMI_K25_PREPROCESSOR, "max_patches": 1024}
+
+
+def _video_file(preprocessor: dict) -> dict:
+    """A preset's video_preprocessor_config.json: the video processor's defaults with the image layout.
+    Without it, transformers' video processor would read preprocessor_config.json, image budget and all."""
+    return video_config_for(None, KimiK25PreprocessConfig.from_dict(preprocessor)).transformers_keys()
 
 
 class KimiK25Family(ModelFamily):
@@ -26,7 +35,8 @@ class KimiK25Family(ModelFamily):
                 "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0},
             },
             # A small patch budget keeps CPU tests and demos quick.
-            preprocessor_config={**KIMI_K25_PREPROCESSOR, "max_patches": 1024},
+            preprocessor_config=TINY_PREPROCESSOR,
+            video_processor_config=_video_file(TINY_PREPROCESSOR),
             text_hidden_size=64,
         ),
         Preset(
@@ -39,6 +49,7 @@ class KimiK25Family(ModelFamily):
                 "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0},
             },
             preprocessor_config=KIMI_K25_PREPROCESSOR,
+            video_processor_config=_video_file(KIMI_K25_PREPROCESSOR),
             text_hidden_size=7168,
         ),
     )

@@ -23,7 +23,6 @@ as before; the same rule holds for patches a client sends.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,8 +45,6 @@ MODEL_TYPE = "kimi_k25"
 # 512 patches per side and grids beyond it fail there. transformers computes any size, but nothing
 # was trained past it and the image processor never emits more (size.max_height = 512 patches).
 ROPE_MAX_SIDE = 512
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -334,16 +331,19 @@ class KimiK25VisionModel(VisionModel):
                  preprocess_config: dict | None, device: torch.device, dtype: torch.dtype,
                  attn_backend: str, ops: str = "auto", video_config: dict | None = None) -> None:
         from .preprocess import KimiK25PreprocessConfig
-        from .video import video_config_for
+        from .video import KimiK25VideoConfig, video_config_for
 
         self.preprocess_config = KimiK25PreprocessConfig.from_dict(preprocess_config or {})
-        self.video_config = video_config_for(preprocess_config, self.preprocess_config)
-        if video_config is not None and not isinstance(video_config, FromImageFile):
-            # Read here as the original remote code reads them: preprocessor_config.json's media_proc_cfg
-            # alone. Said at start-up rather than silently ignored.
-            log.warning("%s: the checkpoint's video processor config (processor_config.json or "
-                        "video_preprocessor_config.json) is not read; Kimi-K2.5's video settings come from "
-                        "preprocessor_config.json's media_proc_cfg", model_id)
+        if video_config is None or isinstance(video_config, FromImageFile):
+            # No video file of its own: transformers' video processor reads preprocessor_config.json
+            # (and the original remote code that file's media_proc_cfg).
+            self.video_config = video_config_for(preprocess_config, self.preprocess_config)
+        else:  # processor_config.json's video_processor or video_preprocessor_config.json
+            self.video_config = KimiK25VideoConfig.from_dict(video_config)
+        for name, tower in (("patch_size", cfg.patch_size), ("merge_size", cfg.merge_kernel_size[0])):
+            if getattr(self.video_config, name) != tower:
+                raise InvalidInput(f"{model_id!r}: the video processor config's {name} "
+                                   f"{getattr(self.video_config, name)} differs from the vision_config's {tower}")
         chunk = self.video_config.temporal_patch_size
         if chunk > cfg.pos_emb_time:
             raise InvalidInput(f"kimi_k25: the video processor's chunks of {chunk} frames (temporal_patch_size) "
@@ -354,7 +354,7 @@ class KimiK25VisionModel(VisionModel):
         self.spatial = SpatialConfig(self.kernel, cfg.patch_size)
         fingerprint = {"vision_config": cfg.to_dict(), "preprocess": self.preprocess_config.fingerprint()}
         if self.video_config != video_config_for(None, self.preprocess_config):
-            # Video settings of the checkpoint's own (media_proc_cfg); the defaults keep the namespace.
+            # Video settings other than the defaults with the image layout; the defaults keep the namespace.
             fingerprint["video"] = self.video_config.fingerprint()
         self.spec = ModelSpec(
             model_id=model_id, model_type=MODEL_TYPE, hidden_size=cfg.text_hidden_size,

@@ -39,10 +39,13 @@ merge_unit`` placeholders, and its timestamp is its first frame's, ``frame_times
 (``chunk_timestamps``; where the fps is unknown the response has no times and transformers takes
 ``frame_indices[c*tp] / 24``).
 
-Settings (``video_config_for``): transformers' class defaults, with the image processor's patch layout
-and normalisation; a checkpoint whose ``preprocessor_config.json`` holds the original remote-code
-``media_proc_cfg`` gives ``temporal_merge_kernel_size`` (the chunk length), ``in_patch_limit_each_frame``
-(the per-frame patch budget) and ``sample_fps`` (the default fps).
+Settings, as ``Kimi_K25VideoProcessor.from_pretrained`` reads them: a checkpoint's own video file
+(``processor_config.json``'s ``video_processor`` or ``video_preprocessor_config.json``) over the class
+defaults (``KimiK25VideoConfig.from_dict``); without one, ``preprocessor_config.json`` (``video_config_for``):
+the class defaults with the image processor's patch layout and normalisation, that file's transformers keys
+(its ``max_patches`` then budgets every frame), and, where it holds the original remote-code
+``media_proc_cfg``, that config's ``temporal_merge_kernel_size`` (the chunk length),
+``in_patch_limit_each_frame`` (the per-frame patch budget) and ``sample_fps`` (the default fps).
 """
 
 from __future__ import annotations
@@ -109,22 +112,38 @@ class KimiK25VideoConfig:
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> KimiK25VideoConfig:
-        """From transformers' video processor keys (``size.max_height``, ``max_patches``, ...)."""
-        kwargs: dict[str, Any] = {}
-        size = config.get("size")
-        if size is not None:
-            if not isinstance(size, Mapping) or size.get("max_height") != size.get("max_width"):
-                raise InvalidInput(f"video processor config: size must have equal max_height and max_width, "
-                                   f"got {size!r}")
-            kwargs["max_side_patches"] = int(size["max_height"])
-        for field in ("max_patches", "patch_size", "merge_size", "temporal_patch_size", "fps"):
-            if config.get(field) is not None:
-                kwargs[field] = config[field]
-        kwargs |= settings.flag_and_normalization_kwargs(config, ("do_resize", "do_rescale", "do_normalize"))
-        return cls(**kwargs)
+        """From transformers' video processor keys (``size.max_height``, ``max_patches``, ...) over the
+        class defaults, as ``Kimi_K25VideoProcessor.from_pretrained`` reads its file."""
+        return cls(**_video_kwargs(config))
 
     def fingerprint(self) -> dict[str, Any]:
         return settings.fingerprint(self)
+
+    def transformers_keys(self) -> dict[str, Any]:
+        """These settings in the keys of transformers' ``video_preprocessor_config.json`` (``from_dict``
+        reads them back)."""
+        fields = self.fingerprint()
+        side = fields.pop("max_side_patches")
+        return {"video_processor_type": "Kimi_K25VideoProcessor", "size": {"max_height": side, "max_width": side},
+                **fields}
+
+
+def _video_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings that transformers' video processor keys in ``config`` give (unknown keys ignored,
+    as ``from_pretrained`` ignores them)."""
+    kwargs: dict[str, Any] = {}
+    size = config.get("size")
+    if size is not None:
+        if not isinstance(size, Mapping) or size.get("max_height") is None or \
+                size.get("max_height") != size.get("max_width"):
+            raise InvalidInput(f"video processor config: size must have equal max_height and max_width, "
+                               f"got {size!r}")
+        kwargs["max_side_patches"] = int(size["max_height"])
+    for field in ("max_patches", "patch_size", "merge_size", "temporal_patch_size", "fps"):
+        if config.get(field) is not None:
+            kwargs[field] = config[field]
+    kwargs |= settings.flag_and_normalization_kwargs(config, ("do_resize", "do_rescale", "do_normalize"))
+    return kwargs
 
 
 # The original remote code's media_proc_cfg keys for video -> the fields they set here.
@@ -134,14 +153,19 @@ _MEDIA_PROC_VIDEO_KEYS = (("temporal_merge_kernel_size", "temporal_patch_size"),
 
 def video_config_for(preprocessor_config: Mapping[str, Any] | None, image: KimiK25PreprocessConfig
                      ) -> KimiK25VideoConfig:
-    """A checkpoint's video settings: ``Kimi_K25VideoProcessor``'s class defaults with the image
-    processor's patch layout, side limit and normalisation (``image``), and the video keys of the original
-    remote-code ``media_proc_cfg`` where the checkpoint's ``preprocessor_config.json`` has one
-    (``temporal_merge_kernel_size``, ``in_patch_limit_each_frame``, ``sample_fps``)."""
-    media = (preprocessor_config or {}).get("media_proc_cfg") or {}
+    """The video settings of a checkpoint whose ``preprocessor_config.json`` (``preprocessor_config``) is
+    also its video processor's file (it has none of its own), as ``from_pretrained`` gives them:
+    ``Kimi_K25VideoProcessor``'s class defaults with the image processor's patch layout, side limit and
+    normalisation (``image``), then the file's own transformers keys (a ``max_patches`` there is the
+    frames' budget too), then the video keys of the original remote-code ``media_proc_cfg`` where the file
+    has one (``temporal_merge_kernel_size``, ``in_patch_limit_each_frame``, ``sample_fps``: the remote
+    code reads those)."""
+    file = dict(preprocessor_config or {})
+    media = file.pop("media_proc_cfg", None) or {}
     kwargs: dict[str, Any] = {name: getattr(image, name) for name in (
         "max_side_patches", "patch_size", "merge_size", "image_mean", "image_std", "rescale_factor",
         "do_resize", "do_rescale", "do_normalize")}
+    kwargs |= _video_kwargs(file)
     for key, field in _MEDIA_PROC_VIDEO_KEYS:
         if media.get(key) is not None:
             kwargs[field] = float(media[key]) if field == "fps" else int(media[key])
