@@ -28,7 +28,8 @@ def random_vision_state(preset: Preset, seed: int = 0) -> dict[str, torch.Tensor
 
 
 def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, layout: str | None = None) -> Path:
-    """Writes config.json, preprocessor_config.json and model.safetensors with random vision weights.
+    """Writes config.json, preprocessor_config.json (and the video processor's file where the preset has
+    one) and model.safetensors with random vision weights.
 
     ``layout``: how the checkpoint names its tensors, one of the family's ``layouts`` (Qwen2.5-VL:
     ``transformers`` = ``model.visual.``, ``original`` = ``visual.``; Kimi-K2.5: ``original`` fused
