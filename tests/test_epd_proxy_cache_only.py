@@ -154,9 +154,11 @@ def test_a_real_encoders_full_queue_is_a_503_with_retry_after_and_an_image_over_
     with grpc.insecure_channel(server.target, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
         stub = encoder_pb2_grpc.VisionEncoderStub(channel)
         started_batches = server.metric(BATCHES_STARTED)
-        # One big image in its forward, a second waiting in the one queue slot.
-        big = [in_thread(lambda s=s: list(stub.Encode(request(patches(BIG_GRID, s, np.uint8)), timeout=120)))
-               for s in (30, 31)]
+        # One big image in its forward, then a second waiting in the one queue slot (sent once the first
+        # runs: sent together, the second could find the first still queued and be refused).
+        big = [in_thread(lambda: list(stub.Encode(request(patches(BIG_GRID, 30, np.uint8)), timeout=120)))]
+        wait_for(lambda: server.metric(BATCHES_STARTED) == started_batches + 1)
+        big.append(in_thread(lambda: list(stub.Encode(request(patches(BIG_GRID, 31, np.uint8)), timeout=120))))
         wait_for(lambda: server.metric(BATCHES_STARTED) == started_batches + 1 and server.metric(QUEUE) == 1)
         status, answer, headers = post(port, chat(data_url(png(820))))
         assert status == 503, answer

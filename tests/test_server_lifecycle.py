@@ -82,9 +82,11 @@ def test_full_queue_is_refused_at_once_and_cancel_or_deadline_frees_slots(start_
         stub = encoder_pb2_grpc.VisionEncoderStub(channel)
         encoded_before = server.metric("encoder_service_images_encoded_total")
         started = server.metric(BATCHES_STARTED)
-        # Two big images in separate forwards: the first runs, the second waits (one slot).
-        big = [in_thread(lambda s=s: list(stub.Encode(request(patches(BIG_GRID, s, np.uint8)), timeout=120)))
-               for s in (10, 11)]
+        # Two big images in separate forwards: the first runs, the second waits (one slot). The second is
+        # sent once the first runs: sent together, both could enter one forward.
+        big = [in_thread(lambda: list(stub.Encode(request(patches(BIG_GRID, 10, np.uint8)), timeout=120)))]
+        wait_for(lambda: server.metric(BATCHES_STARTED) == started + 1)
+        big.append(in_thread(lambda: list(stub.Encode(request(patches(BIG_GRID, 11, np.uint8)), timeout=120))))
         wait_for(lambda: server.metric(BATCHES_STARTED) == started + 1 and server.metric(QUEUE) == 1)
         waiting = stub.Encode(request(patches((1, 4, 4), 20), patches((1, 4, 4), 21)), timeout=120)
         wait_for(lambda: server.metric(QUEUE) == 3)
