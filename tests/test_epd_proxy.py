@@ -92,8 +92,8 @@ class FakeVllm:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         for event in SSE_EVENTS:
+            self.release_next_event.clear()  # before the write: the test may release it at once
             await response.write(event + b"\n\n")
-            self.release_next_event.clear()
             await asyncio.to_thread(self.release_next_event.wait, 30)
         await response.write_eof()
         return response

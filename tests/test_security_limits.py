@@ -33,10 +33,10 @@ def bearer(token: str) -> list[tuple[str, str]]:
 def server(start_encoder_server, tmp_path_factory):
     tokens = tmp_path_factory.mktemp("tokens") / "tokens"
     tokens.write_text("client-a\nclient-b\n")
-    # A forward waits up to 2 s for more images: an Encode stays open that long, long enough to
+    # A forward waits up to 4 s for more images: an Encode stays open that long, long enough to
     # hold two and be refused a third, deterministically.
     return start_encoder_server("--auth-token-file", str(tokens), "--max-requests-per-client", "2",
-                                "--batch-wait-ms", "2000")
+                                "--batch-wait-ms", "4000")
 
 
 def wait_in_flight(server, n: int) -> None:
@@ -48,6 +48,7 @@ def wait_in_flight(server, n: int) -> None:
 
 def test_a_client_over_its_limit_is_refused_while_others_are_served(server):
     with grpc.insecure_channel(server.target) as channel:
+        grpc.channel_ready_future(channel).result(timeout=10)  # the deadline below is not the connect's
         stub = encoder_pb2_grpc.VisionEncoderStub(channel)
 
         def request(seed: int) -> encoder_pb2.EncodeRequest:
@@ -55,8 +56,8 @@ def test_a_client_over_its_limit_is_refused_while_others_are_served(server):
 
         held = stub.Encode(request(1), metadata=bearer("client-a"))  # ends OK, with the forward
         # Ends by its deadline, which must outlast the refusal below (metrics polled over HTTP on a
-        # loaded CI machine) and come before the forward (the batch waits 2 s): 1.4 s leaves room both ways.
-        expiring = stub.Encode(request(2), metadata=bearer("client-a"), timeout=1.4)
+        # loaded CI machine) and come before the forward (the batch waits 4 s): 2.5 s leaves room both ways.
+        expiring = stub.Encode(request(2), metadata=bearer("client-a"), timeout=2.5)
         wait_in_flight(server, 2)
 
         with pytest.raises(grpc.RpcError) as info:
@@ -65,7 +66,7 @@ def test_a_client_over_its_limit_is_refused_while_others_are_served(server):
         assert "--max-requests-per-client 2" in info.value.details()
         assert dict(info.value.trailing_metadata())["grpc-retry-pushback-ms"] == "1000"  # may pass later
 
-        with EncoderClient(server.target, token="client-b", timeout_s=10, retries=0) as other:
+        with EncoderClient(server.target, token="client-b", timeout_s=30, retries=0) as other:
             assert other.encode([png(4)])[0].num_tokens == 4  # another client: served meanwhile
 
         assert len(list(held)) == 1
@@ -138,9 +139,11 @@ def test_the_slot_is_released_however_the_call_ends(ending, style):
         client = "client 127.0.0.1"
         try:
             async with grpc.aio.insecure_channel(target) as channel:
+                await asyncio.wait_for(channel.channel_ready(), 10)  # the deadline below is not the connect's
                 encode = channel.unary_stream(ENCODE)
                 payload = b"fail" if ending == "error" else b"ok"
-                timeout = 0.3 if ending == "deadline" else 10
+                # The held calls must outlast the refusal below on a loaded machine, then expire.
+                timeout = 2.0 if ending == "deadline" else 10
                 calls = [encode(payload, timeout=timeout) for _ in range(2)]
                 async with asyncio.timeout(5):
                     while interceptor.limits.in_flight(client) < 2:

@@ -116,7 +116,7 @@ def test_a_response_stopped_mid_build_leaves_its_chunks_closed_without_touching_
     record: dict = {}
 
     async def consume_one():
-        built = streaming.built_off_loop(_recording_chunks(5, record, delay_s=0.05), pool)
+        built = streaming.built_off_loop(_recording_chunks(5, record, delay_s=0.5), pool)
         async with contextlib.aclosing(built):
             async for _ in built:
                 break

@@ -199,9 +199,10 @@ def test_a_caller_that_shrinks_its_region_mid_call_gets_an_error_and_the_server_
         hit = client.encode([cached])[0]
     region = OutputRegion(8 << 20)
     try:
-        # The cached image is answered first; the new one needs a forward, which runs after the cut.
-        request = encoder_pb2.EncodeRequest(images=[encoder_pb2.Image(content_hash=hit.content_hash),
-                                                    encoder_pb2.Image(encoded=png(31, (840, 840)))],
+        # The cached image is answered first; the new ones need three forwards (3600 patches each, one
+        # per forward under --max-batch-tokens 4096), which run after the cut even on a loaded machine.
+        new = [encoder_pb2.Image(encoded=png(seed, (840, 840))) for seed in (31, 33, 34)]
+        request = encoder_pb2.EncodeRequest(images=[encoder_pb2.Image(content_hash=hit.content_hash), *new],
                                             output_region=region.proto())
         with grpc.insecure_channel(encoder_server.target) as channel:
             call = encoder_pb2_grpc.VisionEncoderStub(channel).Encode(request, timeout=60)

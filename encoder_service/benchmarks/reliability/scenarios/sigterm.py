@@ -24,7 +24,7 @@ from ..server import ServerSpec, start_server
 # A request sent this long before the signal has surely reached the server's handler; one sent in
 # the last moments may still be on the wire when draining starts and is refused UNAVAILABLE, which
 # is correct too.
-IN_FLIGHT_MARGIN_S = 0.1
+IN_FLIGHT_MARGIN_S = 0.5  # a loaded 2-core CI machine: the stamp is taken on a busy client thread
 TEARDOWN_S = 5.0
 BIG_GRID = (1, 128, 128)  # 16384 patches: a forward of a second or more on a CPU
 
