@@ -134,7 +134,12 @@ def test_the_original_media_proc_cfg_sets_the_chunk_length_and_the_namespace(tmp
                                                       "in_patch_limit_each_frame": 512, "sample_fps": 1.0}))
     assert (m.video_config.temporal_patch_size, m.video_config.max_patches, m.video_config.fps) == (2, 512, 1.0)
     assert m.spec.frames_per_chunk == 2 and m.num_tokens((3, 4, 6)) == 12
-    assert m.cache_namespace != model.cache_namespace
+    # The remote code's keys are what set the namespace's video settings: the same folder without them
+    # has others.
+    plain = json.loads((tmp_path / "preprocessor_config.json").read_text())
+    del plain["media_proc_cfg"]
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(plain))
+    assert load_vision_model(tmp_path).spec.fingerprint.get("video") != m.spec.fingerprint["video"]
 
 
 def test_chunks_longer_than_the_temporal_position_embedding_are_refused_at_load(tmp_path):

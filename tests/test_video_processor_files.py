@@ -46,6 +46,10 @@ CASES = [
     # patches in the tiny preset) is the frames' budget too.
     ("kimi-image-file-only", "kimi_k25", NO_KIMI_VIDEO_FILE, (4, 600, 900)),
     ("kimi-preset-files", "kimi_k25", {}, (4, 600, 900)),
+    # A nested image processor with another budget: the video processor still reads the legacy file.
+    ("kimi-nested-image-only", "kimi_k25", {**NO_KIMI_VIDEO_FILE, "processor_config.json": {
+        "image_processor": {"image_processor_type": "Kimi_K25ImageProcessor", "max_patches": 16384}}},
+     (4, 600, 900)),
 ]
 
 
@@ -102,6 +106,7 @@ def test_the_cases_are_not_all_the_defaults(folders):
     assert grids["kimi-video-file"] != defaults["kimi-video-file"]
     assert grids["kimi-nested-wins"] not in (grids["kimi-video-file"], defaults["kimi-nested-wins"])
     assert grids["kimi-image-file-only"] != defaults["kimi-image-file-only"]
+    assert grids["kimi-nested-image-only"] == grids["kimi-image-file-only"]
     # The preset in process and its checkpoint folder process clips alike.
     assert grids["kimi-preset-files"] == defaults["kimi-preset-files"]
 
@@ -144,6 +149,14 @@ def test_kimi_video_settings_change_the_namespace_only_where_they_change_the_cli
     assert own.spec.fingerprint["video"]["max_patches"] == 256 and own.spec.frames_per_chunk == 2
     image_file = load_vision_model(checkpoint(tmp_path, "image-file", "kimi_k25", NO_KIMI_VIDEO_FILE))
     assert image_file.spec.fingerprint["video"]["max_patches"] == 1024
+
+
+@pytest.mark.parametrize("key, value", [("resample", 2), ("do_sample_frames", False), ("num_frames", 8),
+                                        ("do_normalize", None), ("max_patches", "4096")])
+def test_a_kimi_video_setting_the_service_would_not_follow_is_refused_at_load(tmp_path, key, value):
+    folder = checkpoint(tmp_path, "unsupported", "kimi_k25", {"video_preprocessor_config.json": {key: value}})
+    with pytest.raises(InvalidInput, match=f"video processor config: {key}"):
+        load_vision_model(folder)
 
 
 def test_a_kimi_video_config_with_other_patches_than_the_tower_is_refused(tmp_path):

@@ -331,15 +331,11 @@ class KimiK25VisionModel(VisionModel):
                  preprocess_config: dict | None, device: torch.device, dtype: torch.dtype,
                  attn_backend: str, ops: str = "auto", video_config: dict | None = None) -> None:
         from .preprocess import KimiK25PreprocessConfig
-        from .video import KimiK25VideoConfig, video_config_for
+        from .video import checkpoint_video_config, video_config_for
 
         self.preprocess_config = KimiK25PreprocessConfig.from_dict(preprocess_config or {})
-        if video_config is None or isinstance(video_config, FromImageFile):
-            # No video file of its own: transformers' video processor reads preprocessor_config.json
-            # (and the original remote code that file's media_proc_cfg).
-            self.video_config = video_config_for(preprocess_config, self.preprocess_config)
-        else:  # processor_config.json's video_processor or video_preprocessor_config.json
-            self.video_config = KimiK25VideoConfig.from_dict(video_config)
+        self.video_config = checkpoint_video_config(video_config, image_file=isinstance(video_config, FromImageFile),
+                                                    image=self.preprocess_config)
         for name, tower in (("patch_size", cfg.patch_size), ("merge_size", cfg.merge_kernel_size[0])):
             if getattr(self.video_config, name) != tower:
                 raise InvalidInput(f"{model_id!r}: the video processor config's {name} "

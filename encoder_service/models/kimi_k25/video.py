@@ -39,13 +39,15 @@ merge_unit`` placeholders, and its timestamp is its first frame's, ``frame_times
 (``chunk_timestamps``; where the fps is unknown the response has no times and transformers takes
 ``frame_indices[c*tp] / 24``).
 
-Settings, as ``Kimi_K25VideoProcessor.from_pretrained`` reads them: a checkpoint's own video file
-(``processor_config.json``'s ``video_processor`` or ``video_preprocessor_config.json``) over the class
-defaults (``KimiK25VideoConfig.from_dict``); without one, ``preprocessor_config.json`` (``video_config_for``):
-the class defaults with the image processor's patch layout and normalisation, that file's transformers keys
-(its ``max_patches`` then budgets every frame), and, where it holds the original remote-code
-``media_proc_cfg``, that config's ``temporal_merge_kernel_size`` (the chunk length),
-``in_patch_limit_each_frame`` (the per-frame patch budget) and ``sample_fps`` (the default fps).
+Settings (``checkpoint_video_config``), as ``Kimi_K25VideoProcessor.from_pretrained`` reads them: the
+class defaults and the keys of the checkpoint's video file (``processor_config.json``'s
+``video_processor``, else ``video_preprocessor_config.json``, else ``preprocessor_config.json``, whose
+``max_patches`` then budgets every frame); keys that would make transformers process clips otherwise
+(another resample, no sampling, a default frame count, a null step flag) are refused at load. A
+``preprocessor_config.json`` of the original remote code is read as that code reads it
+(``video_config_for``): its ``media_proc_cfg``'s patch layout, side limit and normalisation, and its
+``temporal_merge_kernel_size`` (the chunk length), ``in_patch_limit_each_frame`` (the per-frame patch
+budget) and ``sample_fps`` (the default fps).
 """
 
 from __future__ import annotations
@@ -129,8 +131,18 @@ class KimiK25VideoConfig:
 
 
 def _video_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The settings that transformers' video processor keys in ``config`` give (unknown keys ignored,
-    as ``from_pretrained`` ignores them)."""
+    """The settings that transformers' video processor keys in ``config`` give (keys that do not change
+    the pixels ignored, as ``from_pretrained`` ignores unknown ones); an ``InvalidInput`` naming a key
+    that would make transformers process clips otherwise than this service does."""
+    unsupported = [f"{key}={config[key]!r}" for key, ok in (
+        ("resample", lambda v: v == 3),  # PIL's BICUBIC: the only kernel reproduced here
+        ("do_sample_frames", lambda v: v is not False),  # every clip is sampled (fps or a frame count)
+        ("num_frames", lambda v: v is None),  # a default count: asked per request here
+        *((flag, lambda v: v is not None) for flag in ("do_resize", "do_rescale", "do_normalize")),
+    ) if key in config and not ok(config[key])]
+    if unsupported:
+        raise InvalidInput(f"video processor config: {', '.join(unsupported)} is not supported for Kimi-K2.5 "
+                           "(transformers would then process clips otherwise than this service)")
     kwargs: dict[str, Any] = {}
     size = config.get("size")
     if size is not None:
@@ -139,9 +151,14 @@ def _video_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
             raise InvalidInput(f"video processor config: size must have equal max_height and max_width, "
                                f"got {size!r}")
         kwargs["max_side_patches"] = int(size["max_height"])
-    for field in ("max_patches", "patch_size", "merge_size", "temporal_patch_size", "fps"):
-        if config.get(field) is not None:
-            kwargs[field] = config[field]
+    for field in ("max_patches", "patch_size", "merge_size", "temporal_patch_size"):
+        value = config.get(field)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidInput(f"video processor config: {field} must be an integer, got {value!r}")
+            kwargs[field] = value
+    if config.get("fps") is not None:
+        kwargs["fps"] = float(config["fps"])  # 2 and 2.0 alike in the cache namespace
     kwargs |= settings.flag_and_normalization_kwargs(config, ("do_resize", "do_rescale", "do_normalize"))
     return kwargs
 
@@ -153,23 +170,36 @@ _MEDIA_PROC_VIDEO_KEYS = (("temporal_merge_kernel_size", "temporal_patch_size"),
 
 def video_config_for(preprocessor_config: Mapping[str, Any] | None, image: KimiK25PreprocessConfig
                      ) -> KimiK25VideoConfig:
-    """The video settings of a checkpoint whose ``preprocessor_config.json`` (``preprocessor_config``) is
-    also its video processor's file (it has none of its own), as ``from_pretrained`` gives them:
-    ``Kimi_K25VideoProcessor``'s class defaults with the image processor's patch layout, side limit and
-    normalisation (``image``), then the file's own transformers keys (a ``max_patches`` there is the
-    frames' budget too), then the video keys of the original remote-code ``media_proc_cfg`` where the file
-    has one (``temporal_merge_kernel_size``, ``in_patch_limit_each_frame``, ``sample_fps``: the remote
-    code reads those)."""
-    file = dict(preprocessor_config or {})
-    media = file.pop("media_proc_cfg", None) or {}
+    """The video settings as the original remote code reads them from ``preprocessor_config.json``'s
+    ``media_proc_cfg`` (also the settings of a checkpoint with no processor file at all, and the
+    baseline of the cache namespace): ``Kimi_K25VideoProcessor``'s class defaults with the image
+    processor's patch layout, side limit and normalisation (``image``), and the video keys of the
+    ``media_proc_cfg`` (``temporal_merge_kernel_size``, ``in_patch_limit_each_frame``, ``sample_fps``)."""
+    media = (preprocessor_config or {}).get("media_proc_cfg") or {}
     kwargs: dict[str, Any] = {name: getattr(image, name) for name in (
         "max_side_patches", "patch_size", "merge_size", "image_mean", "image_std", "rescale_factor",
         "do_resize", "do_rescale", "do_normalize")}
-    kwargs |= _video_kwargs(file)
     for key, field in _MEDIA_PROC_VIDEO_KEYS:
         if media.get(key) is not None:
             kwargs[field] = float(media[key]) if field == "fps" else int(media[key])
     return KimiK25VideoConfig(**kwargs)
+
+
+def checkpoint_video_config(file: Mapping[str, Any] | None, *, image_file: bool,
+                            image: KimiK25PreprocessConfig) -> KimiK25VideoConfig:
+    """A checkpoint's video settings from the file ``loader.processor_configs`` found (``image_file``:
+    it is ``preprocessor_config.json``, the checkpoint having no video file of its own):
+    - a video file, or a ``preprocessor_config.json`` of transformers' keys: the class defaults and that
+      file's keys, as ``Kimi_K25VideoProcessor.from_pretrained`` reads it (an image file's
+      ``max_patches`` then budgets every frame);
+    - a ``preprocessor_config.json`` of the original remote code (a ``media_proc_cfg``): as that code
+      reads it (``video_config_for``, from that file's own image settings);
+    - no file at all (transformers would not load a video processor): ``video_config_for(None, image)``."""
+    if file is None:
+        return video_config_for(None, image)
+    if image_file and file.get("media_proc_cfg"):
+        return video_config_for(file, KimiK25PreprocessConfig.from_dict(file))
+    return KimiK25VideoConfig.from_dict(file)
 
 
 def sample_frame_indices(clip: ClipFacts, sampling: VideoSampling,
