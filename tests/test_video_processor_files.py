@@ -159,6 +159,14 @@ def test_a_kimi_video_setting_the_service_would_not_follow_is_refused_at_load(tm
         load_vision_model(folder)
 
 
+def test_a_kimi_image_config_with_other_patches_than_the_tower_is_refused(tmp_path):
+    folder = checkpoint(tmp_path, "bad-image", "kimi_k25", {})
+    image = json.loads((folder / "preprocessor_config.json").read_text())
+    (folder / "preprocessor_config.json").write_text(json.dumps(image | {"patch_size": 16}))
+    with pytest.raises(InvalidInput, match="preprocessor config's patch_size 16 differs from the vision_config's 14"):
+        load_vision_model(folder)
+
+
 def test_a_kimi_video_config_with_other_patches_than_the_tower_is_refused(tmp_path):
     folder = checkpoint(tmp_path, "bad", "kimi_k25", {"video_preprocessor_config.json": {"merge_size": 4}})
     with pytest.raises(InvalidInput, match="video processor config's merge_size 4 differs from the "

@@ -336,10 +336,12 @@ class KimiK25VisionModel(VisionModel):
         self.preprocess_config = KimiK25PreprocessConfig.from_dict(preprocess_config or {})
         self.video_config = checkpoint_video_config(video_config, image_file=isinstance(video_config, FromImageFile),
                                                     image=self.preprocess_config)
-        for name, tower in (("patch_size", cfg.patch_size), ("merge_size", cfg.merge_kernel_size[0])):
-            if getattr(self.video_config, name) != tower:
-                raise InvalidInput(f"{model_id!r}: the video processor config's {name} "
-                                   f"{getattr(self.video_config, name)} differs from the vision_config's {tower}")
+        # Patches other than the tower's would fail every request later: refused at load, naming the file.
+        for what, settings in (("preprocessor", self.preprocess_config), ("video processor", self.video_config)):
+            for name, tower in (("patch_size", cfg.patch_size), ("merge_size", cfg.merge_kernel_size[0])):
+                if getattr(settings, name) != tower:
+                    raise InvalidInput(f"{model_id!r}: the {what} config's {name} {getattr(settings, name)} "
+                                       f"differs from the vision_config's {tower}")
         chunk = self.video_config.temporal_patch_size
         if chunk > cfg.pos_emb_time:
             raise InvalidInput(f"kimi_k25: the video processor's chunks of {chunk} frames (temporal_patch_size) "
