@@ -134,6 +134,15 @@ def test_a_video_config_with_other_patches_than_the_tower_is_refused(tmp_path):
         load_vision_model(folder)
 
 
+def test_a_qwen2_image_config_with_other_patches_than_the_tower_is_refused(tmp_path):
+    folder = checkpoint(tmp_path, "bad-image", "qwen2_5_vl", {})
+    image = json.loads((folder / "preprocessor_config.json").read_text())
+    (folder / "preprocessor_config.json").write_text(json.dumps(image | {"merge_size": 4}))
+    with pytest.raises(InvalidInput, match="image processor config's merge_size 4 differs from the "
+                                           "vision_config's spatial_merge_size 2"):
+        load_vision_model(folder)
+
+
 def test_a_broken_processor_file_is_named(tmp_path):
     folder = checkpoint(tmp_path, "broken", "qwen2_5_vl", {})
     (folder / "video_preprocessor_config.json").write_text("{not json")

@@ -250,6 +250,7 @@ class Qwen2_5_VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
         # (video_config: processor_config.json's video_processor or video_preprocessor_config.json) is read.
         from_image = Qwen2VLVideoConfig.from_dict(preprocess_config or {})
         self.video_config = from_image if video_config is None else Qwen2VLVideoConfig.from_dict(video_config)
+        check_patch_layout(self.preprocess_config, cfg, model_id, "image processor")
         check_patch_layout(self.video_config, cfg, model_id, "video processor")
         super().__init__(cfg, module, device=device, dtype=dtype, attn_backend=attn_backend, ops=ops)
         module.ops = self.ops
