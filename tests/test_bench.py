@@ -24,7 +24,9 @@ def test_the_service_benchmark_runs_end_to_end_through_the_cli(tmp_path):
 
     out = tmp_path / "service.json"
     subprocess.run([sys.executable, "-m", "encoder_service", "bench", "--service", "--model", "tiny-qwen2.5-vl",
-                    "--device", "cpu", "--dtype", "float32", "--concurrency", "1", "--seconds", "1",
+                    # 2 s a level: within 1 s a loaded CI machine may finish no image, and the level then
+                    # has no per-image server figures.
+                    "--device", "cpu", "--dtype", "float32", "--concurrency", "1", "--seconds", "2",
                     "--images-per-level", "4", "--client-procs", "1", "--hit-iters", "2", "--forward-iters", "1",
                     "--forward-batches", "1,2", "--depth", "2", "--client-start-s", "3",
                     "--transports", "stream,shared-memory", "--out", str(out), "--", "--max-batch-tokens", "65536"],
