@@ -24,10 +24,11 @@ def test_the_service_benchmark_runs_end_to_end_through_the_cli(tmp_path):
 
     out = tmp_path / "service.json"
     subprocess.run([sys.executable, "-m", "encoder_service", "bench", "--service", "--model", "tiny-qwen2.5-vl",
-                    # 2 s a level: within 1 s a loaded CI machine may finish no image, and the level then
-                    # has no per-image server figures.
-                    "--device", "cpu", "--dtype", "float32", "--concurrency", "1", "--seconds", "2",
-                    "--images-per-level", "4", "--client-procs", "1", "--hit-iters", "2", "--forward-iters", "1",
+                    # 12 images a level: the server's counters are read over HTTP at the window's start,
+                    # and on a loaded machine a level of 4 (0.1 s) could end before that read, leaving the
+                    # window without images and the level without per-image server figures.
+                    "--device", "cpu", "--dtype", "float32", "--concurrency", "1", "--seconds", "1",
+                    "--images-per-level", "12", "--client-procs", "1", "--hit-iters", "2", "--forward-iters", "1",
                     "--forward-batches", "1,2", "--depth", "2", "--client-start-s", "3",
                     "--transports", "stream,shared-memory", "--out", str(out), "--", "--max-batch-tokens", "65536"],
                    check=True, capture_output=True, timeout=240)
