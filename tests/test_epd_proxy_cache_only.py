@@ -146,7 +146,16 @@ def test_a_real_encoders_full_queue_is_a_503_with_retry_after_and_an_image_over_
     """RESOURCE_EXHAUSTED by its cause, from a real server: its retry-pushback trailer says a full
     queue (1000 ms: 503 with Retry-After) from a request over a limit by itself (-1: 413)."""
     from encoder_client.protocol import encoder_pb2_grpc
-    from test_server_lifecycle import BATCHES_STARTED, BIG_GRID, QUEUE, in_thread, patches, request, wait_for
+    from test_server_lifecycle import (
+        BATCHES_STARTED,
+        BIG_GRID,
+        QUEUE,
+        in_thread,
+        patches,
+        queue_state,
+        request,
+        wait_for,
+    )
 
     server = start_encoder_server("--max-queue-images", "1", "--max-image-pixels", "4000000")
     _, port = started([server.target], vllm.url)
@@ -157,9 +166,10 @@ def test_a_real_encoders_full_queue_is_a_503_with_retry_after_and_an_image_over_
         # One big image in its forward, then a second waiting in the one queue slot (sent once the first
         # runs: sent together, the second could find the first still queued and be refused).
         big = [in_thread(lambda: list(stub.Encode(request(patches(BIG_GRID, 30, np.uint8)), timeout=120)))]
-        wait_for(lambda: server.metric(BATCHES_STARTED) == started_batches + 1)
+        wait_for(lambda: server.metric(BATCHES_STARTED) == started_batches + 1, state=lambda: queue_state(server, big))
         big.append(in_thread(lambda: list(stub.Encode(request(patches(BIG_GRID, 31, np.uint8)), timeout=120))))
-        wait_for(lambda: server.metric(BATCHES_STARTED) == started_batches + 1 and server.metric(QUEUE) == 1)
+        wait_for(lambda: server.metric(BATCHES_STARTED) == started_batches + 1 and server.metric(QUEUE) == 1,
+                 state=lambda: queue_state(server, big))
         status, answer, headers = post(port, chat(data_url(png(820))))
         assert status == 503, answer
         assert "queue full" in json.loads(answer)["error"]["message"] and headers["Retry-After"] == "1"

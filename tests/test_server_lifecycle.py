@@ -34,11 +34,20 @@ def request(*images: tuple[np.ndarray, tuple[int, int, int]]) -> pb.EncodeReques
         pb.Image(patches=pb.Patches(grid_thw=list(g), dtype=enum[x.dtype], data=x.tobytes())) for x, g in images])
 
 
-def wait_for(condition, timeout_s: float = 30.0) -> None:
+def wait_for(condition, timeout_s: float = 30.0, state=None) -> None:
+    """Polls ``condition`` until it holds; past ``timeout_s`` fails with ``state()`` (what was seen
+    instead), so a CI report says why."""
     deadline = time.monotonic() + timeout_s
     while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"condition not met in {timeout_s:g} s" + (f"; seen: {state()}" if state else ""))
         time.sleep(0.01)
+
+
+def queue_state(server, threads=()) -> dict:
+    """The metrics the queue tests wait on, and how the calls in ``threads`` ended so far."""
+    return {"batches_started": server.metric(BATCHES_STARTED), "queue": server.metric(QUEUE),
+            "calls": [{k: (repr(v)[:200] if k == "error" else "ok") for k, v in out.items()} for _, out in threads]}
 
 
 def in_thread(fn):
@@ -85,9 +94,10 @@ def test_full_queue_is_refused_at_once_and_cancel_or_deadline_frees_slots(start_
         # Two big images in separate forwards: the first runs, the second waits (one slot). The second is
         # sent once the first runs: sent together, both could enter one forward.
         big = [in_thread(lambda: list(stub.Encode(request(patches(BIG_GRID, 10, np.uint8)), timeout=120)))]
-        wait_for(lambda: server.metric(BATCHES_STARTED) == started + 1)
+        wait_for(lambda: server.metric(BATCHES_STARTED) == started + 1, state=lambda: queue_state(server, big))
         big.append(in_thread(lambda: list(stub.Encode(request(patches(BIG_GRID, 11, np.uint8)), timeout=120))))
-        wait_for(lambda: server.metric(BATCHES_STARTED) == started + 1 and server.metric(QUEUE) == 1)
+        wait_for(lambda: server.metric(BATCHES_STARTED) == started + 1 and server.metric(QUEUE) == 1,
+                 state=lambda: queue_state(server, big))
         waiting = stub.Encode(request(patches((1, 4, 4), 20), patches((1, 4, 4), 21)), timeout=120)
         wait_for(lambda: server.metric(QUEUE) == 3)
 
