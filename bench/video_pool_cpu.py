@@ -10,7 +10,7 @@ one run on the same clips); the clips are made once with this checkout's generat
 benchmark's photo-like pan with its sensor noise, x264 30 fps, P-frames: nothing for the H.264 skip to
 pass over, so the decode is the same work in every commit) and cached under ``--clip-dir``. Sampled at 2
 fps as the Qwen references do (every 15th frame). The decode processes' CPU is read from /proc through
-psutil.
+psutil (``pip install psutil``; not one of the service's dependencies).
 """
 
 from __future__ import annotations

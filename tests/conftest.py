@@ -144,6 +144,7 @@ def start_encoder_server(tmp_path_factory) -> Iterator[Callable[..., RunningServ
         server = start_server("--grace-period-s", "20", *flags, log_dir=tmp_path_factory.mktemp("encoder-server"),
                               timeout_s=timeout_s, credentials=credentials)
         started.append(server)
+        STARTED_SERVERS.append(server)
         return server
 
     yield start
@@ -286,15 +287,28 @@ def pytest_configure(config) -> None:
 
 
 SERVER_LOG_TAIL_LINES = 60
+# Every server start_encoder_server started in this process, in order; a test's own are those after
+# the count taken when it began.
+STARTED_SERVERS: list[EncoderProcess] = []
+_SERVERS_BEFORE = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item) -> None:
+    item.stash[_SERVERS_BEFORE] = len(STARTED_SERVERS)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A failed test that used a server process gets the tail of that server's log in its report:
-    errors the server answers with say "the encoder's log says why", and CI keeps only the report."""
+    """A failed test that used a server process (a fixture's, or one it started through
+    start_encoder_server) gets the tail of that server's log in its report: errors the server answers
+    with say "the encoder's log says why", and CI keeps only the report."""
     report = yield
     if report.failed and call.when != "collect":
         servers = {n: v for n, v in getattr(item, "funcargs", {}).items() if isinstance(v, EncoderProcess)}
+        for n, server in enumerate(STARTED_SERVERS[item.stash.get(_SERVERS_BEFORE, len(STARTED_SERVERS)):]):
+            if server not in servers.values():
+                servers[f"started by the test #{n + 1}"] = server
         for name, server in servers.items():
             try:
                 tail = server.log_text().splitlines()[-SERVER_LOG_TAIL_LINES:]

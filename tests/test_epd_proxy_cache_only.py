@@ -164,10 +164,12 @@ def test_a_real_encoders_full_queue_is_a_503_with_retry_after_and_an_image_over_
         stub = encoder_pb2_grpc.VisionEncoderStub(channel)
         started_batches = server.metric(BATCHES_STARTED)
         # One big image in its forward, then a second waiting in the one queue slot (sent once the first
-        # runs: sent together, the second could find the first still queued and be refused).
-        big = [in_thread(lambda: list(stub.Encode(request(patches(BIG_GRID, 30, np.uint8)), timeout=120)))]
+        # runs: sent together, the second could find the first still queued and be refused), built
+        # beforehand so that only its send falls within the first's forward.
+        first, second = (request(patches(BIG_GRID, seed, np.uint8)) for seed in (30, 31))
+        big = [in_thread(lambda: list(stub.Encode(first, timeout=120)))]
         wait_for(lambda: server.metric(BATCHES_STARTED) == started_batches + 1, state=lambda: queue_state(server, big))
-        big.append(in_thread(lambda: list(stub.Encode(request(patches(BIG_GRID, 31, np.uint8)), timeout=120))))
+        big.append(in_thread(lambda: list(stub.Encode(second, timeout=120))))
         wait_for(lambda: server.metric(BATCHES_STARTED) == started_batches + 1 and server.metric(QUEUE) == 1,
                  state=lambda: queue_state(server, big))
         status, answer, headers = post(port, chat(data_url(png(820))))

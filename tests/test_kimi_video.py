@@ -129,7 +129,7 @@ def _with_media_proc(tmp_path, media: dict, pos_emb_time: int = 4):
     return path
 
 
-def test_the_original_media_proc_cfg_sets_the_chunk_length_and_the_namespace(tmp_path, model):
+def test_the_original_media_proc_cfg_sets_the_chunk_length_and_the_namespace(tmp_path):
     m = load_vision_model(_with_media_proc(tmp_path, {"temporal_merge_kernel_size": 2,
                                                       "in_patch_limit_each_frame": 512, "sample_fps": 1.0}))
     assert (m.video_config.temporal_patch_size, m.video_config.max_patches, m.video_config.fps) == (2, 512, 1.0)

@@ -92,10 +92,12 @@ def test_full_queue_is_refused_at_once_and_cancel_or_deadline_frees_slots(start_
         encoded_before = server.metric("encoder_service_images_encoded_total")
         started = server.metric(BATCHES_STARTED)
         # Two big images in separate forwards: the first runs, the second waits (one slot). The second is
-        # sent once the first runs: sent together, both could enter one forward.
-        big = [in_thread(lambda: list(stub.Encode(request(patches(BIG_GRID, 10, np.uint8)), timeout=120)))]
+        # sent once the first runs (sent together, their order is the network's), built beforehand so
+        # that only its send falls within the first's forward.
+        first, second = (request(patches(BIG_GRID, seed, np.uint8)) for seed in (10, 11))
+        big = [in_thread(lambda: list(stub.Encode(first, timeout=120)))]
         wait_for(lambda: server.metric(BATCHES_STARTED) == started + 1, state=lambda: queue_state(server, big))
-        big.append(in_thread(lambda: list(stub.Encode(request(patches(BIG_GRID, 11, np.uint8)), timeout=120))))
+        big.append(in_thread(lambda: list(stub.Encode(second, timeout=120))))
         wait_for(lambda: server.metric(BATCHES_STARTED) == started + 1 and server.metric(QUEUE) == 1,
                  state=lambda: queue_state(server, big))
         waiting = stub.Encode(request(patches((1, 4, 4), 20), patches((1, 4, 4), 21)), timeout=120)
