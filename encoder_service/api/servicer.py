@@ -25,15 +25,7 @@ from .engine_gate import EngineGate
 from .relay.regions import RELAY_REGION, RegionBoard
 from .service_interceptor import CallBook
 from .shared_memory import DescriptorWriter, RegionTable, RegionWriter
-from .sink_push import (
-    PUSH_MAX_CHUNK_BYTES,
-    SinkChannels,
-    SinkFailed,
-    SinkPush,
-    fail_uniformly,
-    header_chunk,
-    sink_backoff_max_s,
-)
+from .sink_push import PUSH_MAX_CHUNK_BYTES, SinkChannels, SinkFailed, SinkPush, fail_uniformly, header_chunk
 from .streaming import OFF_LOOP_MIN_BYTES, built_off_loop, embedding_chunks, region_chunk, serialized_chunks
 from .validation import EncodePlan, parse_encode_request
 
@@ -154,10 +146,7 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
                                                    max_chunk_bytes=max_chunk_bytes))
                     if push is None:  # the bound runs from the first push: encoding is not the sink's time
                         started = time.monotonic()
-                        # Its retries as close together as the channel's reconnects: a 2 s wait
-                        # between tries left a sink back at 0.5 s unreached within a 2 s bound (CI).
-                        push = SinkPush(sink, channel, len(plan.images), timeout_s=bound,
-                                        backoff_max_s=sink_backoff_max_s(bound))
+                        push = SinkPush(sink, channel, len(plan.images), timeout_s=bound)
                     await push.push(chunks)
                     headers.append(header_chunk(chunks[-1], request_id))
             await push.finish()

@@ -148,12 +148,14 @@ class SinkPush:
     """
 
     def __init__(self, spec: SinkSpec, channel: grpc.aio.Channel, num_images: int, *, timeout_s: float,
-                 backoff_base_s: float = SINK_BACKOFF_BASE_S, backoff_max_s: float = SINK_BACKOFF_MAX_S) -> None:
+                 backoff_base_s: float = SINK_BACKOFF_BASE_S, backoff_max_s: float | None = None) -> None:
         self.spec = spec
         self.num_images = num_images
         self._stub = encoder_pb2_grpc.EmbeddingSinkStub(channel)
         self._deadline = time.monotonic() + timeout_s
-        self._backoff = (backoff_base_s, backoff_max_s)
+        # By default as close together as the channel's reconnects (``sink_backoff_max_s``): a 2 s wait
+        # between tries left a sink back at 0.5 s unreached within a 2 s bound (CI).
+        self._backoff = (backoff_base_s, sink_backoff_max_s(timeout_s) if backoff_max_s is None else backoff_max_s)
         self._sent: list[encoder_pb2.EmbeddingChunk] = []
         self._call: grpc.aio.StreamUnaryCall | None = None
         self._attempt = 0
