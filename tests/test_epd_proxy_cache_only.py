@@ -146,32 +146,14 @@ def test_a_real_encoders_full_queue_is_a_503_with_retry_after_and_an_image_over_
     """RESOURCE_EXHAUSTED by its cause, from a real server: its retry-pushback trailer says a full
     queue (1000 ms: 503 with Retry-After) from a request over a limit by itself (-1: 413)."""
     from encoder_client.protocol import encoder_pb2_grpc
-    from test_server_lifecycle import (
-        BATCHES_STARTED,
-        BIG_GRID,
-        QUEUE,
-        in_thread,
-        patches,
-        queue_state,
-        request,
-        wait_for,
-    )
+    from test_server_lifecycle import one_running_one_queued
 
     server = start_encoder_server("--max-queue-images", "1", "--max-image-pixels", "4000000")
     _, port = started([server.target], vllm.url)
     before = len(vllm.received)
     with grpc.insecure_channel(server.target, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
         stub = encoder_pb2_grpc.VisionEncoderStub(channel)
-        started_batches = server.metric(BATCHES_STARTED)
-        # One big image in its forward, then a second waiting in the one queue slot (sent once the first
-        # runs: sent together, the second could find the first still queued and be refused), built
-        # beforehand so that only its send falls within the first's forward.
-        first, second = (request(patches(BIG_GRID, seed, np.uint8)) for seed in (30, 31))
-        big = [in_thread(lambda: list(stub.Encode(first, timeout=120)))]
-        wait_for(lambda: server.metric(BATCHES_STARTED) == started_batches + 1, state=lambda: queue_state(server, big))
-        big.append(in_thread(lambda: list(stub.Encode(second, timeout=120))))
-        wait_for(lambda: server.metric(BATCHES_STARTED) == started_batches + 1 and server.metric(QUEUE) == 1,
-                 state=lambda: queue_state(server, big))
+        big = one_running_one_queued(server, stub, (30, 31))  # the one queue slot taken
         status, answer, headers = post(port, chat(data_url(png(820))))
         assert status == 503, answer
         assert "queue full" in json.loads(answer)["error"]["message"] and headers["Retry-After"] == "1"

@@ -64,6 +64,21 @@ def in_thread(fn):
     return thread, out
 
 
+def one_running_one_queued(server, stub, seeds: tuple[int, int]) -> list[tuple[threading.Thread, dict]]:
+    """Two big images in separate forwards, the first running and the second waiting in the queue;
+    their calls' ``in_thread`` pairs. The second is sent once the first runs (sent together, their
+    order is the network's: the second could find the first still queued, and be refused where the
+    queue holds one image), built beforehand so that only its send falls within the first's forward."""
+    started = server.metric(BATCHES_STARTED)
+    first, second = (request(patches(BIG_GRID, seed, np.uint8)) for seed in seeds)
+    big = [in_thread(lambda: list(stub.Encode(first, timeout=120)))]
+    wait_for(lambda: server.metric(BATCHES_STARTED) == started + 1, state=lambda: queue_state(server, big))
+    big.append(in_thread(lambda: list(stub.Encode(second, timeout=120))))
+    wait_for(lambda: server.metric(BATCHES_STARTED) == started + 1 and server.metric(QUEUE) == 1,
+             state=lambda: queue_state(server, big))
+    return big
+
+
 def test_lru_cache_evicts_by_bytes(start_encoder_server):
     # 16 tokens x 48 x 4 bytes = 3072 bytes per (1, 8, 8) image: 7000 bytes hold two.
     server = start_encoder_server("--cache-bytes", "7000")
@@ -90,16 +105,7 @@ def test_full_queue_is_refused_at_once_and_cancel_or_deadline_frees_slots(start_
     with grpc.insecure_channel(server.target, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
         stub = encoder_pb2_grpc.VisionEncoderStub(channel)
         encoded_before = server.metric("encoder_service_images_encoded_total")
-        started = server.metric(BATCHES_STARTED)
-        # Two big images in separate forwards: the first runs, the second waits (one slot). The second is
-        # sent once the first runs (sent together, their order is the network's), built beforehand so
-        # that only its send falls within the first's forward.
-        first, second = (request(patches(BIG_GRID, seed, np.uint8)) for seed in (10, 11))
-        big = [in_thread(lambda: list(stub.Encode(first, timeout=120)))]
-        wait_for(lambda: server.metric(BATCHES_STARTED) == started + 1, state=lambda: queue_state(server, big))
-        big.append(in_thread(lambda: list(stub.Encode(second, timeout=120))))
-        wait_for(lambda: server.metric(BATCHES_STARTED) == started + 1 and server.metric(QUEUE) == 1,
-                 state=lambda: queue_state(server, big))
+        big = one_running_one_queued(server, stub, (10, 11))  # one of the three slots taken
         waiting = stub.Encode(request(patches((1, 4, 4), 20), patches((1, 4, 4), 21)), timeout=120)
         wait_for(lambda: server.metric(QUEUE) == 3)
 
