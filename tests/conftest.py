@@ -138,16 +138,16 @@ def start_encoder_server(tmp_path_factory) -> Iterator[Callable[..., RunningServ
     whose main port speaks TLS is waited for on its ``--health-port`` when it has one, else
     through ``credentials`` (grpc.ChannelCredentials able to reach it).
     """
-    started: list[RunningServer] = []
+    first = len(STARTED_SERVERS)
 
     def start(*flags: str, timeout_s: float = 120.0, credentials=None) -> RunningServer:
         server = start_server("--grace-period-s", "20", *flags, log_dir=tmp_path_factory.mktemp("encoder-server"),
                               timeout_s=timeout_s, credentials=credentials)
-        started.append(server)
         STARTED_SERVERS.append(server)
         return server
 
     yield start
+    started = STARTED_SERVERS[first:]
     for server in started:  # all asked to stop at once: each exits on its own (grace, teardown)
         if server.proc.poll() is None:
             server.proc.send_signal(signal.SIGTERM)
