@@ -193,14 +193,18 @@ def test_every_sink_failure_is_one_error_after_one_bound_so_ports_cannot_be_scan
     assert full.receiver.buffered_bytes == 0
 
 
-def test_a_sink_that_comes_back_within_the_retries_gets_the_push(sink_encoder, sink):
+def test_a_sink_that_comes_back_within_the_retries_gets_the_push(start_encoder_server, sink):
+    # A server of its own with a 5 s bound: the sink is up 0.3 s in, and on a loaded CI machine the
+    # connection and the ack after it took the rest of the module's 2 s (its log: "deadline").
+    server = start_encoder_server("--allowed-sinks", "127.0.0.1:*", "--sink-timeout-s", "5")
     port = free_port()
     started: list = []
     timer = threading.Timer(0.3, lambda: started.append(sink(port=port)))
     timer.start()
-    with EncoderClient(sink_encoder.target, retries=0) as client:
+    with EncoderClient(server.target, retries=0) as client:
         headers = client.encode_to_sink([patches(4), patches(5)], f"127.0.0.1:{port}", sink_request_id="late")
     timer.join()
+    server.stop()
     assert len(headers) == 2
     assert [im.index for im in started[0].wait("late")] == [0, 1]
 
