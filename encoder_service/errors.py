@@ -6,6 +6,8 @@ Each carries the gRPC status name it maps to; the API layer turns them into stat
 
 from __future__ import annotations
 
+import copy
+
 # gRPC's status codes by name, in ``grpc.StatusCode``'s order: the values ``EncoderError.code`` takes
 # and the ``code`` label of encoder_service_requests_total (metrics.py). Spelled out so that nothing
 # below the API imports grpc; api/error_status.py maps a name to its ``grpc.StatusCode``, and
@@ -30,6 +32,23 @@ class EncoderError(Exception):
         if self.image_index is None:
             self.image_index = image_index
         return self
+
+    def for_image(self, image_index: int) -> EncoderError:
+        """A copy naming ``image_index``, of the same type with every attribute (a retry hint
+        included); the original is left as it is. For an error shared by several requests (a job's):
+        each gets a copy naming its own image. The copy holds no traceback, context or cause: it is
+        raised afresh, and must not keep the frames (and what their locals hold) of the original."""
+        clone = copy.copy(self)
+        clone.image_index = image_index
+        clone.__traceback__ = clone.__context__ = clone.__cause__ = None
+        return clone
+
+    def __copy__(self) -> EncoderError:
+        # Not through __init__ (what copy.copy of an exception does by default, from ``args``): a
+        # subclass's constructor may take other arguments (SinkFailed's reason and detail).
+        clone = type(self).__new__(type(self), *self.args)
+        clone.__dict__.update(self.__dict__)
+        return clone
 
     def __str__(self) -> str:
         if self.image_index is None:
@@ -97,3 +116,15 @@ class BackendUnavailable(EncoderError, RuntimeError):
     """
 
     code = "FAILED_PRECONDITION"
+
+
+class DecodeTimeout(ResourceExhausted):
+    """A decode (an image's, a clip's decode and resize) that ran past its time bound. A type of its
+    own so that code tells a timeout from other limits without reading the message."""
+
+
+class Cancelled(EncoderError):
+    """The work was stopped because nobody waits for it any more (its request was cancelled or its
+    deadline passed)."""
+
+    code = "CANCELLED"

@@ -33,6 +33,15 @@ from .validation import SinkSpec
 
 log = logging.getLogger(__name__)
 
+# What an operation on a Push call (opening, write, done_writing, awaiting the ack) may raise when the
+# sink fails: grpc.RpcError (the call's status), asyncio.InvalidStateError (a write to a call already
+# ended), and grpc.aio.BaseError, the public base of grpc's own cygrpc errors: UsageError and
+# InternalError, whose ExecuteBatchError is what done_writing() raises when the sink went away as the
+# stream was closed (its SendCloseFromClientOperation failed; write() turns the same into a status,
+# done_writing() does not). Each goes through _after_failure: retried while the bound allows, then
+# UNAVAILABLE, never an unmapped error (INTERNAL) to the caller.
+_CALL_ERRORS = (grpc.RpcError, grpc.aio.BaseError, asyncio.InvalidStateError)
+
 SINK_BACKOFF_BASE_S = 0.1
 SINK_BACKOFF_MAX_S = 2.0
 
@@ -174,7 +183,7 @@ class SinkPush:
                     for chunk in chunks:
                         await self._call.write(chunk)
                 return
-            except (grpc.RpcError, asyncio.InvalidStateError) as exc:
+            except _CALL_ERRORS as exc:
                 await self._after_failure(exc)
 
     async def finish(self) -> int:
@@ -186,7 +195,7 @@ class SinkPush:
                 await self._call.done_writing()
                 ack = await self._call
                 break
-            except (grpc.RpcError, asyncio.InvalidStateError) as exc:
+            except _CALL_ERRORS as exc:
                 await self._after_failure(exc)
         self._done = True
         if ack.images != self.num_images:

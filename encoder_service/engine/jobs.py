@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import traceback
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from ..errors import EncoderError
+from ..errors import EncoderError, ResourceExhausted
 from ..preprocess.staged import StagedInput
 from .batch_queue import WorkItem
 from .cache import CacheEntry, EmbeddingCache
@@ -31,6 +32,7 @@ class Job:
     stored: bool = False  # whether the cache took it (then each remaining ref holds a pin)
     timing: Timing = field(default_factory=Timing)
     clip: ClipFrames | None = None  # a clip's sampled frames, once prepared
+    task: asyncio.Task | None = None  # what prepares it: cancelled when nobody waits any more
     prepared: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -84,10 +86,29 @@ async def completed(waits: list[Wait]) -> AsyncIterator[tuple[Wait, object]]:
 
 
 def retag(exc: BaseException, index: int) -> BaseException:
-    """A copy of a typed error naming this request's image index (jobs are shared across requests)."""
+    """A copy of a typed error naming this request's image index (jobs are shared across requests):
+    the same type, retry hint and all (``EncoderError.for_image``)."""
     if isinstance(exc, EncoderError):
-        return type(exc)(exc.message, image_index=index)
+        return exc.for_image(index)
     return exc
+
+
+def detached(exc: BaseException) -> BaseException:
+    """The error to keep on a job's future (shared, and kept as long as any request waits for it):
+    one that holds no frames. A preparation's traceback holds the frames it failed in, and their
+    locals the decoded pixels (tens of MB an image); dropped here, they are freed at once, not at the
+    next pass of the cycle collector. A MemoryError (an image whose decode the host could not
+    allocate) is the caller's RESOURCE_EXHAUSTED, not INTERNAL. Any other error (a bug) keeps where it
+    was raised as a note, for the log."""
+    if isinstance(exc, EncoderError):
+        exc.__traceback__ = exc.__context__ = exc.__cause__ = None
+        return exc
+    if isinstance(exc, MemoryError):
+        return ResourceExhausted("preparing the image needed more memory than the server could allocate; "
+                                 "a smaller image needs less")
+    if exc.__traceback__ is not None:
+        exc.add_note("raised at (traceback dropped):\n" + "".join(traceback.format_tb(exc.__traceback__)).rstrip())
+    return exc.with_traceback(None)
 
 
 def image_result(index: int, entry: CacheEntry | None, embedding, cache: EmbeddingCache, feature_levels: int, *,

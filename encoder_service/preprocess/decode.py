@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
-from encoder_service.errors import InvalidInput, ResourceExhausted
+from encoder_service.errors import DecodeTimeout, InvalidInput, ResourceExhausted
 
 # Only the formats the service promises. Pillow's full plugin list includes parsers few people
 # audit (and EPS, which shells out to Ghostscript); a caller must not be able to reach them.
@@ -267,7 +267,8 @@ _budget = threading.local()  # .seconds, .expensive_pixels: for the decodes runn
 def decode_budget(seconds: float | None, expensive_pixels: int | None = None) -> Iterator[None]:
     """Limits on every ``open_image`` on this thread inside the block.
 
-    ``seconds`` (None: none): the decode stops with ResourceExhausted once it has run this long.
+    ``seconds`` (None: none): the decode stops with DecodeTimeout (a ResourceExhausted) once it has
+    run this long.
     Checked at each read of the file: Pillow feeds its decoders 64 KB at a time and parses PNG
     chunks one read at a time, so a decode overruns by at most what one read's bytes cost (bounded
     by the scan and pixel limits); WebP decodes in one call (bounded by its memory limit).
@@ -300,8 +301,8 @@ class _BudgetedBytes(io.BytesIO):
 
     def read(self, size: int | None = -1) -> bytes:
         if time.monotonic() > self.deadline:
-            raise ResourceExhausted(f"decoding the image took more than {self.seconds:g} s, over the limit of "
-                                    f"--max-decode-seconds {self.seconds:g}")
+            raise DecodeTimeout(f"decoding the image took more than {self.seconds:g} s, over the limit of "
+                                f"--max-decode-seconds {self.seconds:g}")
         return super().read(size)
 
 
