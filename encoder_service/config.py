@@ -137,13 +137,27 @@ class ServiceConfig:
         "wall-clock budget of one clip's decode in its decoder process; past it the process is "
         "killed and replaced and the clip refused (RESOURCE_EXHAUSTED)",
         above=0)
+    max_video_pixels_per_sample: int = option(512 * MiB,
+        "most pixels a clip's decode may put through the decoder for each frame it samples (every "
+        "decoded frame's width x height, counted as it decodes): a clip whose few sampled frames lie "
+        "far apart in a long, large stream is refused (RESOURCE_EXHAUSTED) after this much work "
+        "instead of holding a decoder until --max-video-decode-seconds. The default lets a 4K clip "
+        "at 60 fps be sampled at 2 fps.",
+        at_least=1)
     # -1 = by device
     video_decode_processes: int = option(-1,
-        "processes decoding video containers, started with the first clip: a decoder that crashes "
-        "or hangs loses only its own clip; the process is replaced. -1: 2 on the CPU, on a GPU half "
-        "the host's cores, from 2 to 16 per GPU (decoding a clip costs more CPU than encoding it "
-        "costs the GPU).",
+        "processes decoding clips (containers, and clips given as frames), started with the first "
+        "clip: a decoder that crashes or hangs loses only its own clip; the process is replaced. "
+        "Shared fairly: a free decoder goes to the client, then the request, holding the fewest, "
+        "and with 3 or more the last two free ones only to a client (the last) or a request (the "
+        "one before) holding none. -1: 3 on the CPU, on a GPU half the host's cores, from 3 to 16 "
+        "per GPU (decoding a clip costs more CPU than encoding it costs the GPU).",
         at_least=1, note="or -1: by device")
+    # -1 = 8 x video_decode_processes
+    max_video_decodes_waiting: int = option(-1,
+        "most clips waiting for a decoder (3/4 of it for one client, half for one request); more is "
+        "RESOURCE_EXHAUSTED with a retry hint. -1: 8 x --video-decode-processes.",
+        at_least=1, note="or -1: 8 x --video-decode-processes")
     max_chunk_bytes: int = option(4 * MiB,
         "default (and upper bound) of the embedding bytes in one streamed chunk; "
         f"a request may ask for less, down to {MIN_CHUNK_BYTES}.",
@@ -338,6 +352,8 @@ class ServiceConfig:
                 object.__setattr__(self, name, value)
         if self.max_video_patches == -1:
             object.__setattr__(self, "max_video_patches", 16 * self.max_batch_tokens)
+        if self.max_video_decodes_waiting == -1:
+            object.__setattr__(self, "max_video_decodes_waiting", 8 * self.video_decode_processes)
 
     @property
     def worker_count(self) -> int:
@@ -391,14 +407,14 @@ def _device_defaults(device: str, workers: int = 1) -> dict[str, int]:
     """A GPU encodes ~70 1008x1008 images/s: decoding them needs several threads (more with more
     GPUs), and 1 GiB would hold only ~110 of their embeddings. The CPU keeps small numbers."""
     if device == "cpu":
-        return {"cache_bytes": 1 * GiB, "preprocess_threads": 2, "video_decode_processes": 2}
+        return {"cache_bytes": 1 * GiB, "preprocess_threads": 2, "video_decode_processes": 3}
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         ram = 64 * GiB
     return {"cache_bytes": int(min(16 * GiB, ram // 4)),
             "preprocess_threads": max(2, min(8 * workers, (os.cpu_count() or 2) - 2)),
-            "video_decode_processes": max(2, min(16 * workers, (os.cpu_count() or 2) // 2))}
+            "video_decode_processes": max(3, min(16 * workers, (os.cpu_count() or 2) // 2))}
 
 
 def device_entries(devices: str) -> list[str]:

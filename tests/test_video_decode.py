@@ -14,6 +14,7 @@ import gc
 import io
 import os
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from PIL import Image
 
 from encoder_service.benchmarks.reliability import video_inputs as vi
 from encoder_service.benchmarks.reliability.fuzz_inputs import png_bomb
-from encoder_service.errors import EncoderError, InvalidInput, ResourceExhausted
+from encoder_service.errors import EncoderError, InvalidInput, ResourceExhausted, Unavailable
 from encoder_service.preprocess.decode import decode_image
 from encoder_service.preprocess.video_decode import (
     ClipFacts,
@@ -30,7 +31,7 @@ from encoder_service.preprocess.video_decode import (
     decode_frames,
     probe,
 )
-from encoder_service.preprocess.video_pool import DecodedClip, VideoDecodePool
+from encoder_service.preprocess.video_pool import CANCEL_GRACE_S, START_ATTEMPTS, DecodedClip, VideoDecodePool
 
 LIMITS = VideoLimits(max_bytes=1 << 24, max_frames=256, max_seconds=60.0, max_frame_pixels=1 << 20,
                      max_decode_seconds=10.0)
@@ -566,8 +567,56 @@ def test_a_replacement_that_cannot_start_does_not_take_its_slot_down(monkeypatch
 
 def test_a_child_that_does_not_start_in_time_is_replaced():
     with VideoDecodePool(1, start_timeout_s=0.001) as single:
-        with pytest.raises(EncoderError, match=r"did not start within 0.001 s; replaced"):
+        with pytest.raises(Unavailable, match=r"3 tried; the last: it did not start within 0.001 s\); retry later"):
             run(single.decode(clip(), vi.first_frame, LIMITS))
-        assert single.replaced == 1
+        assert single.replaced == START_ATTEMPTS
         single.start_timeout_s = 60.0
         assert run(single.decode(clip(), vi.first_frame, LIMITS)).frames.shape == (1, 48, 64, 3)
+
+
+def test_a_child_that_dies_starting_costs_its_caller_nothing():
+    """The audit's case: a decoder killed while it starts. Its clip goes to a fresh child."""
+    with VideoDecodePool(1) as single:
+        (child,) = single._children
+        child.process.kill()  # still importing: it dies before it says it is ready
+        child.process.join(5)
+        assert run(single.decode(clip(), vi.first_frame, LIMITS)).frames.shape == (1, 48, 64, 3)
+        assert single.replaced == 1
+
+
+def test_a_cancelled_decode_stops_at_its_next_frame_and_frees_its_child():
+    """The caller goes away mid-decode: the child is told, stops between two frames, and answers;
+    it is not killed, and the next clip decodes on it at once. (A clip of 200 noisy 800x800 PNG
+    frames, which takes seconds to decode; the same bytes 200 times travel once in the pickle.)"""
+    noise = np.random.default_rng(0).integers(0, 256, (800, 800, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(noise).save(out, format="PNG", compress_level=1)
+    frames = [out.getvalue()] * 200
+    limits = dataclasses.replace(LIMITS, max_bytes=1 << 31, max_frame_pixels=1 << 24, max_decode_seconds=60.0)
+
+    async def cancel_mid_decode(pool):
+        task = asyncio.ensure_future(pool.decode_frames(frames, None, vi.every_frame, limits))
+        await asyncio.sleep(0.5)
+        assert not task.done()
+        started = time.monotonic()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return time.monotonic() - started
+
+    with VideoDecodePool(1) as single:
+        run(single.decode(clip(), vi.first_frame, LIMITS))  # started and warm
+        stopped_in = run(cancel_mid_decode(single))
+        assert stopped_in < CANCEL_GRACE_S
+        assert single.replaced == 0  # it stopped by itself
+        assert run(single.decode(clip(), vi.first_frame, LIMITS)).frames.shape == (1, 48, 64, 3)
+
+
+def test_a_decode_whose_cost_is_out_of_proportion_to_its_samples_is_stopped():
+    """Decoded pixels per sampled frame are bounded: a long clip sampled at one frame stops after the
+    budget's worth of frames, with the flag named."""
+    data = vi.make_clip(frames=200, width=64, height=48)
+    limits = dataclasses.replace(LIMITS, max_pixels_per_sample=20 * 64 * 48)
+    with pytest.raises(ResourceExhausted, match="--max-video-pixels-per-sample"):
+        decode_frames(data, [199], limits)
+    assert decode_frames(data, [10], limits).shape == (1, 48, 64, 3)  # within the budget

@@ -19,10 +19,12 @@ from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
 
 from ..config import ServiceConfig
 from ..engine import Engine, ImageResult
+from ..engine.fair_slots import Caller
 from ..errors import ResourceExhausted
 from ..metrics import ServiceMetrics
 from .engine_gate import EngineGate
 from .relay.regions import RELAY_REGION, RegionBoard
+from .security.client_limits import client_of
 from .service_interceptor import CallBook
 from .shared_memory import DescriptorWriter, RegionTable, RegionWriter
 from .sink_push import PUSH_MAX_CHUNK_BYTES, SinkChannels, SinkFailed, SinkPush, fail_uniformly, header_chunk
@@ -85,18 +87,19 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
                                     self.config.max_images_per_request)
         request_id = request.request_id or f"{_ID_PREFIX}-{next(_ids)}"
         model_dtype = engine.describe().dtype
+        caller = self._caller(context)
         if plan.sink is not None:
-            await self._encode_to_sink(engine, plan, request_id, model_dtype, context)
+            await self._encode_to_sink(engine, plan, request_id, model_dtype, context, caller)
             return
         if request.cache_only:  # encode and cache; each image's header chunk only, no rows
-            async with contextlib.aclosing(engine.encode(plan.images)) as results:
+            async with contextlib.aclosing(engine.encode(plan.images, caller)) as results:
                 async for result in results:
                     await context.write(region_chunk(result, request_id=request_id, out_dtype=plan.output_dtype,
                                                      model_dtype=model_dtype, offset=0, length=0))
             return
         region = self._region(request, context)
         # aclosing: a cancelled or failed stream releases its cache pins and queue slots right away.
-        async with contextlib.aclosing(engine.encode(plan.images)) as results:
+        async with contextlib.aclosing(engine.encode(plan.images, caller)) as results:
             async for result in results:
                 data = result.wire_bytes(plan.output_dtype or model_dtype)  # on the loop: may touch the cache
                 chunks = _response_chunks(result, data, request_id, plan, model_dtype, region)
@@ -108,6 +111,12 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
                         if first_chunk:
                             first_chunk = False
                             self.metrics.first_chunk_seconds.observe(time.perf_counter() - started)
+
+    def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
+        """This call as the engine's fair shares count it: its client (as --max-requests-per-client
+        counts them), and the call itself."""
+        return Caller(client_of(context.invocation_metadata(), context.peer(),
+                                by_token=bool(self.config.auth_token_file), relayed=self.config.grpc_processes > 0))
 
     def _region(self, request: encoder_pb2.EncodeRequest,
                 context: grpc.aio.ServicerContext) -> RegionWriter | DescriptorWriter | None:
@@ -128,7 +137,7 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
         return RegionWriter(memory)
 
     async def _encode_to_sink(self, engine: Engine, plan: EncodePlan, request_id: str, model_dtype: str,
-                              context: grpc.aio.ServicerContext) -> None:
+                              context: grpc.aio.ServicerContext, caller: Caller) -> None:
         """Each image's chunks go to the sink as it is ready; the caller gets every image's header and
         an OK status only after the sink acknowledged every image. Headers wait for the ack so that
         nothing the caller sees depends on how the sink failed (see api/sink_push.py)."""
@@ -139,7 +148,7 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
         headers = []
         channel = self.sink_channels.acquire(sink.target)
         try:
-            async with contextlib.aclosing(engine.encode(plan.images)) as results:
+            async with contextlib.aclosing(engine.encode(plan.images, caller)) as results:
                 async for result in results:
                     chunks = list(embedding_chunks(result, request_id=sink.request_id,
                                                    out_dtype=plan.output_dtype, model_dtype=model_dtype,

@@ -37,7 +37,8 @@ from .cache import CacheEntry, EmbeddingCache
 from .clip_parts import check_size, gather, withdraw_parts, work_items
 from .devices_pool import InProcessDevice, WorkerProcesses
 from .facts import PixelLimits, model_info
-from .jobs import Job, Wait, await_prepared, completed, image_result
+from .fair_slots import Caller
+from .jobs import Job, Wait, await_prepared, completed, detached, image_result
 from .keys import content_keys
 from .preparation import EXPENSIVE, PreparePools
 from .types import Grid, ImageInput, ImageResult
@@ -188,12 +189,14 @@ class Engine:
         return [h in self.cache for h in content_hashes]
 
     # --- encode ----------------------------------------------------------------------------------------
-    async def encode(self, images: Sequence[ImageInput]) -> AsyncIterator[ImageResult]:
+    async def encode(self, images: Sequence[ImageInput], caller: Caller | None = None) -> AsyncIterator[ImageResult]:
         """Yields one result per image in completion order (cache hits first).
 
         Every image is validated before any is queued. A result's cache pin is held until the
-        consumer asks for the next one, i.e. until it has been streamed.
+        consumer asks for the next one, i.e. until it has been streamed. ``caller``: who asks (its
+        client), for the fair shares of the decode threads and decoders; None: a caller of its own.
         """
+        caller = caller or Caller()
         if self._closed:
             raise Unavailable("server is draining")
         if not images:
@@ -229,7 +232,7 @@ class Engine:
                     self._inflight[key] = job
                     new_keys.discard(key)  # from here on the job holds (and frees) its slot
                     self.metrics.cache_misses.inc()
-                    task = asyncio.get_running_loop().create_task(self._prepare(job, image))
+                    task = job.task = asyncio.get_running_loop().create_task(self._prepare(job, image, caller))
                     self._tasks.add(task)  # the loop keeps only weak references to tasks
                     task.add_done_callback(self._tasks.discard)
                 waits.append(Wait(image, job))
@@ -262,20 +265,19 @@ class Engine:
                             cache_hit=cache_hit, job=job)
 
     # --- jobs ------------------------------------------------------------------------------------------
-    async def _prepare(self, job: Job, image: ImageInput) -> None:
+    async def _prepare(self, job: Job, image: ImageInput, caller: Caller) -> None:
         started = time.perf_counter()
         try:
             if image.kind == "video":
-                payload, job.clip = await self._videos.prepare(self.front, image.video, self.max_image_pixels,
-                                                               self._pools.executor)
+                payload, job.clip = await self._videos.prepare(self.front, image.video, self.max_image_pixels, caller)
                 check_size(self.front, self.config, payload.grid, "clip")
             else:
-                payload = await self._pools.prepared(self._prepare_sync, image, self.pixel_limits.ordinary)
+                payload = await self._pools.prepared(self._prepare_sync, image, self.pixel_limits.ordinary, caller)
         except Exception as exc:
             if job.state == "preparing":
                 job.state = "failed"
                 self._drop(job)  # a later request for the same bytes gets its own attempt
-            job.prepared.set_exception(exc)
+            job.prepared.set_exception(detached(exc))
             return
         job.timing.preprocess_ms = (time.perf_counter() - started) * 1000.0
         if image.kind == "encoded":
@@ -325,6 +327,8 @@ class Engine:
         if job.refs > 0 or job.state in ("failed", "abandoned"):
             return
         split = len(job.items) > 1
+        if job.state == "preparing" and job.task is not None:
+            job.task.cancel()  # its decode stops: a waiting clip never starts, a running one at its next frame
         if job.state == "running" and not split:
             return  # its forward is under way; the result will still be cached
         # Nobody waits any more and no forward has taken it: drop it and free its slot.

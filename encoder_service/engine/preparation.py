@@ -1,17 +1,22 @@
 """The thread pools of an image's CPU half: hashing a request's images, decoding ordinary images,
 and decoding images that are expensive by their header in a pool of their own (so ordinary images
 never queue behind them). The engine decides what preparing an image means; this decides where it
-runs and how many expensive ones may wait."""
+runs, how many expensive ones may wait, and who is next: the ordinary threads go to callers in turn
+(``FairSlots``), so one caller's flood of large images never queues another caller's image behind all
+of it."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from ..errors import RETRY_AFTER_S, ResourceExhausted
+from ..offload import run_to_the_end
 from ..preprocess import decode
+from .fair_slots import Caller, FairSlots
 
 # Requests up to this size are hashed on the event loop; larger ones in the hash pool, since sha256
 # releases the GIL and the loop would otherwise sit idle while it runs.
@@ -31,16 +36,13 @@ T = TypeVar("T")
 class PreparePools:
     def __init__(self, preprocess_threads: int) -> None:
         self._pool = ThreadPoolExecutor(preprocess_threads, thread_name_prefix="preprocess")
+        # Who gets the next ordinary thread: images are short work, so turns without a reserve.
+        self._turns = FairSlots(preprocess_threads, what="image decode threads", reserve=False)
         expensive_threads = max(1, preprocess_threads // 4)
         self._expensive_pool = ThreadPoolExecutor(expensive_threads, thread_name_prefix="preprocess-expensive")
         self._expensive_capacity = EXPENSIVE_DECODES_PER_THREAD * expensive_threads
         self._expensive_waiting = 0
         self._hash_pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="hash")
-
-    @property
-    def executor(self) -> ThreadPoolExecutor:
-        """The ordinary decode pool, for other CPU preparation (a clip's frame processing)."""
-        return self._pool
 
     async def hashed(self, keys: Callable[[Sequence], list[str]], images: Sequence) -> list[str]:
         """The images' keys, never behind other requests' decoding: that would make cache hits and
@@ -51,10 +53,13 @@ class PreparePools:
             return keys(images)
         return await asyncio.get_running_loop().run_in_executor(self._hash_pool, keys, images)
 
-    async def prepared(self, prepare: Callable[[object, bool], T], image: object, ordinary_pixels: int) -> T:
-        """``prepare(image, expensive_pool)`` in the ordinary pool; if it answers ``EXPENSIVE``, again
-        in the expensive pool, if that has room."""
-        payload = await asyncio.get_running_loop().run_in_executor(self._pool, prepare, image, False)
+    async def prepared(self, prepare: Callable[[object, bool], T], image: object, ordinary_pixels: int,
+                       caller: Caller | None = None) -> T:
+        """``prepare(image, expensive_pool)`` in the ordinary pool, in ``caller``'s turn; if it answers
+        ``EXPENSIVE``, again in the expensive pool, if that has room."""
+        async with self._turns.slot(caller or Caller()):
+            # A cancelled caller's decode cannot be stopped mid-image: its turn ends when the thread is free.
+            payload = await run_to_the_end(self._pool, prepare, image, False, stop=threading.Event())
         if payload is not EXPENSIVE:
             return payload
         if self._expensive_waiting >= self._expensive_capacity:

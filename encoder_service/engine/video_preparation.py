@@ -11,27 +11,40 @@ the request's bytes here, the stream's frames, length and frame size from its he
 
 from __future__ import annotations
 
-import asyncio
 import functools
-from concurrent.futures import Executor
-
-import numpy as np
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 from ..config import ServiceConfig
-from ..errors import InvalidInput, ResourceExhausted
+from ..errors import Cancelled, DecodeTimeout, InvalidInput, ResourceExhausted
 from ..models.base import ModelFront
-from ..preprocess.staged import StagedInput
-from ..preprocess.video_decode import VideoLimits, decode_frame_list
-from ..preprocess.video_pool import VideoDecodePool, child_memory_bytes
-from ..preprocess.video_sampling import ClipFacts
+from ..offload import run_to_the_end
+from ..preprocess.interrupt import interrupt_when
+from ..preprocess.staged import Grid, StagedInput, clip_budget
+from ..preprocess.video_decode import VideoLimits
+from ..preprocess.video_pool import DecodedClip, VideoDecodePool, child_memory_bytes
+from .clip_parts import check_size
 from .devices import gpu_indices
+from .fair_slots import Caller, FairSlots
 from .types import ClipFrames, VideoInput
 
 
 class VideoPreparer:
+    """Every clip, whatever its form, goes through ``--video-decode-processes`` slots shared fairly
+    between callers (``FairSlots``): a slot is held from the decode to the end of the staging (the
+    pil mode's resize), which runs on a thread of the slot's own, never on the image decode threads;
+    both under one time bound (--max-video-decode-seconds). A cancelled caller's clip stops: a waiting
+    one never starts, a running one stops at its next frame or group of frames."""
+
     def __init__(self, config: ServiceConfig) -> None:
         self.config = config
         self._pool: VideoDecodePool | None = None  # started with the first clip
+        processes = config.video_decode_processes
+        self._slots = FairSlots(processes, what="video decoders", max_waiting=config.max_video_decodes_waiting,
+                                flag="--max-video-decodes-waiting")
+        # One staging thread per slot: a slot holder never waits for a thread.
+        self._stagers = ThreadPoolExecutor(processes, thread_name_prefix="video-stage")
 
     def facts(self, front: ModelFront | None) -> dict[str, object]:
         """What ModelInfo says of video: the decoder and the references offered, and the limits."""
@@ -47,10 +60,19 @@ class VideoPreparer:
         c = self.config
         return VideoLimits(max_bytes=c.max_video_bytes, max_frames=c.max_video_frames,
                            max_seconds=c.max_video_seconds, max_frame_pixels=max_frame_pixels,
-                           max_decode_seconds=c.max_video_decode_seconds, max_decoded_bytes=c.max_video_decoded_bytes)
+                           max_decode_seconds=c.max_video_decode_seconds, max_decoded_bytes=c.max_video_decoded_bytes,
+                           max_pixels_per_sample=c.max_video_pixels_per_sample)
+
+    def _decoders(self, limits: VideoLimits) -> VideoDecodePool:
+        if self._pool is None:
+            nvdec = self.config.video_decode == "nvdec"
+            gpus = gpu_indices(self.config.devices, self.config.device) if nvdec else ()
+            self._pool = VideoDecodePool(self.config.video_decode_processes, nvdec_gpus=gpus,
+                                         memory_bytes=child_memory_bytes(limits))
+        return self._pool
 
     async def prepare(self, front: ModelFront, video: VideoInput, max_frame_pixels: int,
-                      executor: Executor) -> tuple[StagedInput, ClipFrames]:
+                      caller: Caller | None = None) -> tuple[StagedInput, ClipFrames]:
         if front.video_front is None:
             raise InvalidInput(f"{front.spec.model_type} takes no video on this server")
         if self.config.max_video_bytes == 0:
@@ -59,39 +81,46 @@ class VideoPreparer:
             raise ResourceExhausted(f"the clip has {video.nbytes} bytes; at most {self.config.max_video_bytes} "
                                     "(--max-video-bytes)")
         limits = self.limits(max_frame_pixels)
-        sample = functools.partial(front.video_front.sample, sampling=video.sampling)
-        loop = asyncio.get_running_loop()
-        if video.encoded:
-            if self._pool is None:
-                nvdec = self.config.video_decode == "nvdec"
-                gpus = gpu_indices(self.config.devices, self.config.device) if nvdec else ()
-                self._pool = VideoDecodePool(self.config.video_decode_processes, nvdec_gpus=gpus,
-                                             memory_bytes=child_memory_bytes(limits))
-            decoded = await self._pool.decode(video.encoded, sample, limits)
-            clip, indices, frames = decoded.facts, decoded.indices, decoded.frames
-        else:
-            given = functools.partial(front.video_front.sample_frames, sampling=video.sampling)
-            clip, indices, frames = await loop.run_in_executor(executor, _sampled_frames, video, given, limits)
-        payload, used = await loop.run_in_executor(executor, front.video_front.staged, frames, indices,
-                                                   video.sampling, front.preprocess)
-        timestamps = front.video_front.timestamps(clip, used)
+        async with self._slots.slot(caller or Caller()):
+            deadline = time.monotonic() + limits.max_decode_seconds  # decode and staging together
+            pool = self._decoders(limits)
+            if video.encoded:
+                sample = functools.partial(front.video_front.sample, sampling=video.sampling)
+                decoded = await pool.decode(video.encoded, sample, limits)
+            else:
+                given = functools.partial(front.video_front.sample_frames, sampling=video.sampling)
+                decoded = await pool.decode_frames(list(video.frames), video.frames_fps, given, limits)
+            stop = threading.Event()
+            payload, used = await run_to_the_end(self._stagers, self._staged, front, video, decoded, deadline,
+                                                 stop, stop=stop)
+        timestamps = front.video_front.timestamps(decoded.facts, used)
         return payload, ClipFrames(tuple(int(i) for i in used), tuple(float(t) for t in timestamps))
 
+    def _staged(self, front: ModelFront, video: VideoInput, decoded: DecodedClip, deadline: float,
+                stop: threading.Event) -> tuple[StagedInput, list[int]]:
+        """The family's staging of the decoded frames (a staging thread), refused before any resize
+        when the clip is over the budgets, stopped between groups of frames when cancelled or late."""
+        limits = self.config.max_video_decode_seconds
+
+        def interrupted() -> None:
+            if stop.is_set():
+                raise Cancelled("the clip's request was cancelled; its frames' resize stopped")
+            if time.monotonic() > deadline:
+                raise DecodeTimeout(f"decoding and resizing the clip took more than {limits:g} s, over the limit of "
+                                    f"--max-video-decode-seconds {limits:g}")
+
+        def fits(frames: int, size: tuple[int, int], grid: Grid) -> None:
+            check_size(front, self.config, grid, "clip")
+            if (nbytes := frames * size[0] * size[1] * 3) > self.config.max_video_decoded_bytes:
+                raise ResourceExhausted(
+                    f"the clip's {frames} frames resized to {size[1]}x{size[0]} take {nbytes} bytes, over the limit "
+                    f"of --max-video-decoded-bytes {self.config.max_video_decoded_bytes}; ask for smaller frames")
+
+        with interrupt_when(interrupted), clip_budget(fits):
+            interrupted()
+            return front.video_front.staged(decoded.frames, decoded.indices, video.sampling, front.preprocess)
+
     def close(self) -> None:
+        self._stagers.shutdown(wait=False, cancel_futures=True)
         if self._pool is not None:
             self._pool.close()
-
-
-def _sampled_frames(video: VideoInput, sample, limits: VideoLimits) -> tuple[ClipFacts, list[int], np.ndarray]:
-    """A clip given as frames: the frames the reference samples, each decoded once (as an image, with
-    the image checks)."""
-    if len(video.frames) > limits.max_frames:
-        raise ResourceExhausted(f"the clip has {len(video.frames)} frames; at most {limits.max_frames} "
-                                "(--max-video-frames)")
-    fps = video.frames_fps or None
-    clip = ClipFacts(len(video.frames), fps, len(video.frames) / fps if fps else None)
-    indices = [int(i) for i in sample(clip)]
-    distinct = sorted(set(indices))
-    decoded = decode_frame_list([video.frames[i] for i in distinct], limits)
-    position = {index: n for n, index in enumerate(distinct)}
-    return clip, indices, decoded[[position[i] for i in indices]]

@@ -21,6 +21,9 @@ results on any device (a gather, no arithmetic on the device).
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +33,7 @@ from encoder_client.protocol.dtypes import BY_NAME
 
 from ..errors import InvalidInput
 from ..torch_dtypes import torch_dtype
+from . import interrupt
 
 Grid = tuple[int, int, int]
 PREPROCESS_MODES = ("pil", "torch")
@@ -139,11 +143,48 @@ def check_frames(frames: np.ndarray) -> None:
         raise InvalidInput(f"video frames must be uint8 [T, H, W, 3], got {frames.dtype} {list(frames.shape)}")
 
 
+# The bytes of frames one resize call on the host takes at once: between two such groups, a resize
+# that is no longer wanted (cancelled, past its time bound) stops (``interrupt.check``).
+_HOST_RESIZE_GROUP_BYTES = 32 << 20
+_budget = threading.local()
+
+
+@contextlib.contextmanager
+def clip_budget(fits: Callable[[int, tuple[int, int], Grid], None]) -> Iterator[None]:
+    """Within the block, on this thread, ``check_clip_fits`` calls ``fits(frames, size, grid)``, which
+    raises (ResourceExhausted) for a clip over the server's budgets. The engine sets it around a
+    family's ``stage``; the family calls ``check_clip_fits`` as soon as it knows the geometry."""
+    previous = getattr(_budget, "fits", None)
+    _budget.fits = fits
+    try:
+        yield
+    finally:
+        _budget.fits = previous
+
+
+def check_clip_fits(frames: int, size: tuple[int, int], grid: Grid) -> None:
+    """A family's stage calls this with the clip's geometry (its frames, their size after the resize,
+    its grid) BEFORE it resizes anything: a clip over the budgets is refused before the memory is
+    taken, whatever pixel bounds the caller asked for. A no-op outside ``clip_budget``."""
+    fits = getattr(_budget, "fits", None)
+    if fits is not None:
+        fits(frames, size, grid)
+
+
 def resize_frames_on_host(frames: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     """uint8 [T, H, W, 3] -> [T, h, w, 3] with ``resize_uint8``'s CPU kernel (the pil mode's resize of a
-    clip, before it is staged)."""
-    resized = resize_uint8(host_tensor(frames).permute(0, 3, 1, 2), size)
-    return resized.permute(0, 2, 3, 1).numpy()  # host: the CPU half, a CPU tensor
+    clip, before it is staged), in groups of frames (each frame is resized alone by the kernel, so the
+    groups change nothing), stopping between groups where the thread's ``interrupt_when`` says so."""
+    video = host_tensor(frames).permute(0, 3, 1, 2)
+    height, width = int(frames.shape[1]), int(frames.shape[2])
+    per_frame = 3 * max(height * width, size[0] * size[1])
+    group = max(1, _HOST_RESIZE_GROUP_BYTES // per_frame)
+    out = np.empty((frames.shape[0], size[0], size[1], 3), np.uint8)
+    for start in range(0, len(video), group):
+        interrupt.check()
+        resized = resize_uint8(video[start:start + group], size)
+        out[start:start + group] = resized.permute(0, 2, 3, 1).numpy()  # host: the CPU half, a CPU tensor
+    return out
 
 
 def check_patch_bytes(data: bytes, dtype: str, grid: Grid, patch_dim: int) -> RawPatches:

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from encoder_service.errors import EncoderError, InvalidInput, ResourceExhausted
-from encoder_service.preprocess import video_skip
+from encoder_service.errors import DecodeTimeout, EncoderError, InvalidInput, ResourceExhausted
+from encoder_service.preprocess import interrupt, video_skip
 from encoder_service.preprocess.decode import decode_budget, decode_image
 from encoder_service.preprocess.video_sampling import ClipFacts
 
@@ -57,6 +57,33 @@ class VideoLimits:
     max_frame_pixels: int  # --max-image-pixels: width * height of one frame
     max_decode_seconds: float  # --max-video-decode-seconds: the whole clip's probe and decode
     max_decoded_bytes: int = 1 << 62  # --max-video-decoded-bytes: the sampled frames, decoded
+    # --max-video-pixels-per-sample: the pixels a decode may put through the decoder for each frame it
+    # samples (the decode's cost, in proportion to what it yields; see DecodeCost)
+    max_pixels_per_sample: int = 1 << 62
+
+
+class DecodeCost:
+    """What a clip's decode has cost so far, in decoded pixels, against its budget: the frames it
+    samples times ``--max-video-pixels-per-sample``. A clip whose sampled frames lie far apart in a
+    long, large stream (the decode bomb: one key frame and thousands of empty inter frames, 2 frames
+    sampled) costs a decoder seconds of CPU per frame it yields; this stops it after the budget's worth
+    of pixels, long before the decode's time bound. Pixels, not seconds: the same clip is refused on a
+    fast host and a slow one, under load or not."""
+
+    def __init__(self, sampled: int, limits: VideoLimits) -> None:
+        self.limits = limits
+        self.budget = max(1, sampled) * limits.max_pixels_per_sample
+        self.sampled = sampled
+        self.pixels = 0
+
+    def add(self, width: int, height: int) -> None:
+        self.pixels += width * height
+        if self.pixels > self.budget:
+            raise ResourceExhausted(
+                f"decoding the clip's {self.sampled} sampled frames took more than {self.budget} decoded pixels "
+                f"(--max-video-pixels-per-sample {self.limits.max_pixels_per_sample} for each sampled frame): "
+                "the frames sampled lie too far apart in too long or too large a stream; sample more frames "
+                "(a higher fps or num_frames) or send a shorter clip")
 
 
 def check_decoded_bytes(frames: int, height: int, width: int, limits: VideoLimits) -> None:
@@ -72,8 +99,11 @@ def _deadline(limits: VideoLimits) -> float:
 
 
 def _check_time(deadline: float, limits: VideoLimits) -> None:
+    """Past the decode's time bound, DecodeTimeout; and whatever the thread's ``interrupt_when`` says
+    (a cancelled request's decode stops here, between two frames)."""
+    interrupt.check()
     if time.monotonic() > deadline:
-        raise ResourceExhausted(
+        raise DecodeTimeout(
             f"decoding the clip took more than {limits.max_decode_seconds:g} s, over the limit of "
             f"--max-video-decode-seconds {limits.max_decode_seconds:g}")
 
@@ -295,9 +325,13 @@ class WantedFrames:
         return len(self.filled) == len(self.rows)
 
 
-def check_decoded_frame(frame, number: int, limits: VideoLimits, deadline: float) -> None:
-    """The limits every decoded frame is held to: time, frame count, frame size, seconds."""
+def check_decoded_frame(frame, number: int, limits: VideoLimits, deadline: float,
+                        cost: DecodeCost | None = None) -> None:
+    """The limits every decoded frame is held to: time, frame count, frame size, seconds, the decode's
+    cost (``cost``: counted for this frame)."""
     _check_time(deadline, limits)
+    if cost is not None:
+        cost.add(frame.width, frame.height)
     _check_frames(number + 1, limits, "has more than")
     _check_frame_size(frame.width, frame.height, limits, "frame of")
     if frame.time is not None:
@@ -306,9 +340,10 @@ def check_decoded_frame(frame, number: int, limits: VideoLimits, deadline: float
 
 def _decode(data: bytes, indices: Sequence[int], limits: VideoLimits, deadline: float) -> np.ndarray:
     wanted = _check_indices(indices, limits)
+    cost = DecodeCost(len(set(wanted)), limits)  # one budget for both tries below
 
     def check(frame, number: int) -> None:
-        check_decoded_frame(frame, number, limits, deadline)
+        check_decoded_frame(frame, number, limits, deadline, cost)
 
     with _Clip(data, limits, deadline) as clip, _parse_errors(limits):
         if clip.stream.codec_context.codec.canonical_name not in video_skip.CODECS:
@@ -390,9 +425,10 @@ def decode_frame_list(frames: Sequence[bytes], limits: VideoLimits) -> np.ndarra
         try:
             with decode_budget(max(0.0, deadline - time.monotonic())):
                 pixels = np.asarray(decode_image(data, limits.max_frame_pixels))
+        except DecodeTimeout:
+            _check_time(float("-inf"), limits)  # the clip's bound, named as such
+            raise
         except ResourceExhausted as e:
-            if "--max-decode-seconds" in e.message:
-                _check_time(float("-inf"), limits)
             raise ResourceExhausted(f"video frame {i}: {e.message} (per frame: --max-image-pixels "
                                     f"{limits.max_frame_pixels})") from None
         except InvalidInput as e:
@@ -408,3 +444,21 @@ def decode_frame_list(frames: Sequence[bytes], limits: VideoLimits) -> np.ndarra
     assert out is not None
     return out
 
+
+
+def sample_frame_list(frames: Sequence[bytes], fps: float | None, sample, limits: VideoLimits
+                      ) -> tuple[ClipFacts, list[int], np.ndarray]:
+    """A clip given as frames: ``sample(facts)`` chooses the frames the reference samples, and only
+    those are decoded, each once (as images, with the image checks): (facts, indices, frames with one
+    row per index)."""
+    _check_frames(len(frames), limits, "has")
+    fps = fps or None
+    clip = ClipFacts(len(frames), fps, len(frames) / fps if fps else None)
+    indices = [int(i) for i in sample(clip)]
+    _check_indices(indices, limits)
+    if max(indices) >= len(frames):
+        raise InvalidInput(f"the clip has {len(frames)} frames; frame index {max(indices)} is past the end")
+    distinct = sorted(set(indices))
+    decoded = decode_frame_list([frames[i] for i in distinct], limits)
+    position = {index: n for n, index in enumerate(distinct)}
+    return clip, indices, decoded[[position[i] for i in indices]]

@@ -28,7 +28,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..errors import EncoderError, InvalidInput, ResourceExhausted
+from ..errors import DecodeTimeout, EncoderError, InvalidInput
+from . import interrupt
 
 # The stream's matrix tag (AVColorSpace) -> the matrix swscale converts with, for the tags converted
 # here: BT.709; BT.601 for BT.470BG, SMPTE 170M and an untagged stream (swscale's default). Other
@@ -120,6 +121,7 @@ def decode_frames(data: bytes, indices: Sequence[int], total_frames: int, height
                 raise InvalidInput(f"nvdec counts {len(decoder)} frames where the container holds {total_frames}; "
                                    "serve this clip with --video-decode pyav")
             for start in range(0, len(distinct), _GROUP):
+                interrupt.check()  # a cancelled clip stops between groups
                 group = distinct[start:start + _GROUP]
                 frames = decoder.get_batch_frames_by_index(group)
                 if len(frames) != len(group):
@@ -138,6 +140,6 @@ def decode_frames(data: bytes, indices: Sequence[int], total_frames: int, height
     except Exception as e:  # PyNvVideoCodec's errors: PyNvVCException, RuntimeError, a bare Exception
         raise InvalidInput(f"not decodable by nvdec: {type(e).__name__}: {e}") from None
     if time.monotonic() > deadline:
-        raise ResourceExhausted(f"decoding the clip took more than {max_decode_seconds:g} s, over the limit of "
+        raise DecodeTimeout(f"decoding the clip took more than {max_decode_seconds:g} s, over the limit of "
                                 f"--max-video-decode-seconds {max_decode_seconds:g}")
     return host

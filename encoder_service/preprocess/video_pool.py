@@ -16,11 +16,19 @@ and replaced like one that crashed.
 Not ``concurrent.futures.ProcessPoolExecutor``: one dead child breaks that whole pool (every pending
 call fails with BrokenProcessPool), and it cannot kill one hung child. Here each child has its own
 pipe, and each call holds one child from start to end.
+
+A clip given as frames (encoded images) decodes in the children too (``decode_frames``), so that its
+frames never take the image decode threads. The children run at a lower priority (nice
+``DECODER_NICENESS``): under load the kernel gives the server's own threads (the event loop, image
+decodes, the device worker) the CPU first. A call stops when its caller is cancelled: the server sends
+``CANCEL``, the child stops at its next frame (``interrupt.check``), and a child that does not answer
+within ``CANCEL_GRACE_S`` (stuck inside one FFmpeg call) is killed and replaced. A child that dies
+before it takes a call (while starting, or idle) is replaced and the call tried on the new one, up
+to ``START_ATTEMPTS`` children: it costs the caller nothing.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import math
@@ -28,6 +36,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import select
 import signal
 import threading
 import time
@@ -37,7 +46,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from encoder_service.errors import EncoderError, InvalidInput, ResourceExhausted
+from encoder_service.errors import Cancelled, DecodeTimeout, EncoderError, InvalidInput, ResourceExhausted, Unavailable
+from encoder_service.offload import run_to_the_end
+from encoder_service.preprocess import interrupt
 from encoder_service.preprocess.decoder_channel import (
     BadAnswer,
     Channel,
@@ -46,14 +57,25 @@ from encoder_service.preprocess.decoder_channel import (
     sealed_frames,
     send_json,
 )
-from encoder_service.preprocess.video_decode import VideoLimits, probe_and_decode
+from encoder_service.preprocess.video_decode import VideoLimits, probe_and_decode, sample_frame_list
 from encoder_service.preprocess.video_sampling import ClipFacts
 from encoder_service.spawning import SPAWN_LOCK
 
 log = logging.getLogger(__name__)
 
 # The errors a child reports by name; anything else it raised is a bug, reported as INTERNAL.
-_ERRORS: dict[str, type[EncoderError]] = {"InvalidInput": InvalidInput, "ResourceExhausted": ResourceExhausted}
+_ERRORS: dict[str, type[EncoderError]] = {"InvalidInput": InvalidInput, "ResourceExhausted": ResourceExhausted,
+                                          "DecodeTimeout": DecodeTimeout, "Cancelled": Cancelled}
+# What the server sends a child to stop the call it runs; a child that is idle when it comes ignores it.
+CANCEL = b"cancel"
+# How long a child has to answer a cancel (it checks between frames) before it is killed and replaced.
+CANCEL_GRACE_S = 1.0
+# How often a waiting call looks whether its caller has gone.
+_CANCEL_POLL_S = 0.05
+# Children a call tries when the one it got died before taking it (each replaced by a fresh one).
+START_ATTEMPTS = 3
+# The children's nice value: decoding yields the CPU to the server's own threads.
+DECODER_NICENESS = 10
 
 
 @dataclass(frozen=True)
@@ -88,6 +110,8 @@ def _child_main(conn, nvdec_gpu: int | None = None, memory_bytes: int | None = N
     ``{"status": error name, "message"}``). ``nvdec_gpu``: the frames decode with NVDEC on that GPU
     (video_nvdec.py). ``memory_bytes``: its RLIMIT_DATA (``child_memory_bytes``), None for none."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group; the parent decides
+    with contextlib.suppress(OSError):
+        os.nice(DECODER_NICENESS)
     _limit_memory(memory_bytes, nvdec_gpu)
     channel = Channel(conn.fileno())
     send_json(channel, {"status": "ready"})
@@ -98,14 +122,20 @@ def _child_main(conn, nvdec_gpu: int | None = None, memory_bytes: int | None = N
             return
         if stray is not None:
             os.close(stray)
+        if body == CANCEL:  # for a call that ended before the cancel came
+            continue
         job = pickle.loads(body)
         del body
         if job is None:
             return
-        data, indices_fn, limits = job
+        kind, data, indices_fn, limits = job
         fd = None
         try:
-            facts, indices, frames = probe_and_decode(data, indices_fn, limits, nvdec_gpu)
+            with interrupt.interrupt_when(lambda: _stop_if_cancelled(channel)):
+                if kind == "frames":
+                    facts, indices, frames = sample_frame_list(data[0], data[1], indices_fn, limits)
+                else:
+                    facts, indices, frames = probe_and_decode(data, indices_fn, limits, nvdec_gpu)
             if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[3] != 3:
                 raise TypeError(f"decoded frames of {frames.dtype} {frames.shape}, not uint8 [N, H, W, 3]")
             fd = sealed_frames(frames)
@@ -128,6 +158,13 @@ def _child_main(conn, nvdec_gpu: int | None = None, memory_bytes: int | None = N
         finally:
             if fd is not None:
                 os.close(fd)
+
+
+def _stop_if_cancelled(channel: Channel) -> None:
+    """The child's side of a cancel, between two frames: the server wrote to us mid-call, which it
+    does only to cancel (or it is gone)."""
+    if channel.has_input():
+        raise Cancelled("the clip's request was cancelled; its decode stopped")
 
 
 def _finite(value: float | None) -> float | None:
@@ -255,6 +292,7 @@ class VideoDecodePool:
         # One thread per child: a running call holds one child, so a thread never waits for one.
         self._threads = ThreadPoolExecutor(processes, thread_name_prefix="video-decode")
         self.replaced = 0  # children killed and replaced (crash or hang), for tests and metrics
+        self._stops: set[threading.Event] = set()  # the calls in flight's: close() stops them
 
     def _start_child(self, nvdec_gpu: int | None = None) -> _Child:
         child = _Child(self._ctx, nvdec_gpu, self.memory_bytes)
@@ -288,36 +326,60 @@ class VideoDecodePool:
         except Exception as e:
             raise EncoderError(f"could not start a video decode process ({type(e).__name__}: {e})") from None
 
-    def _call(self, data: bytes, indices_fn: Callable[[ClipFacts], list[int]], limits: VideoLimits) -> DecodedClip:
-        child = self._idle.get()
-        try:
+    def _ready_child(self, child: _Child) -> tuple[_Child, str]:
+        """``(child, "")``: ``child`` started and ready for a call, or another in its place: a child
+        that died or hung starting, or went away while idle, is replaced and the next one tried, up to
+        START_ATTEMPTS children. ``(the last one, why)`` when none came up."""
+        why = ""
+        for _attempt in range(START_ATTEMPTS):
             try:
                 child = self._started(child)
                 child.wait_ready(self.start_timeout_s)
-                # A ready child that is gone, or holds bytes nobody asked for (an answer queued ahead), is
-                # replaced before this call, which is not failed for it.
-                if child.channel.has_input():
-                    log.warning("video decode process sent bytes while idle (or is gone); replaced")
-                    child = self._started(self._renew(child)[0])
-                    child.wait_ready(self.start_timeout_s)
+                # A ready child that is gone, or holds bytes nobody asked for (an answer queued ahead),
+                # is replaced before this call, which is not failed for it.
+                if not child.channel.has_input():
+                    return child, ""
+                log.warning("video decode process sent bytes while idle (or is gone); replaced")
+                why = "it went away while idle"
             except TimeoutError:  # before OSError, its base: a child that hangs starting is replaced too
-                child, _ = self._renew(child)
-                raise EncoderError(f"the video decode process did not start within {self.start_timeout_s:g} s; "
-                                   "replaced") from None
-            except (EOFError, OSError, BadAnswer) as e:
-                child, code = self._renew(child)
-                why = str(e) or type(e).__name__
-                raise EncoderError(f"the video decode process died starting (exit code {code}; {why})") from None
+                why = f"it did not start within {self.start_timeout_s:g} s"
+            except (EOFError, OSError, BadAnswer, EncoderError) as e:
+                why = f"it died starting ({type(e).__name__}: {str(e)[:200]})"
+            child, code = self._renew(child)
+            log.warning("video decode process replaced before its call: %s (exit code %s)", why, code)
+        return child, why
+
+    def _call(self, job: tuple, limits: VideoLimits, stop: threading.Event) -> DecodedClip:
+        try:
+            child = self._idle.get(timeout=self.start_timeout_s)
+        except queue.Empty:  # every child busy: a caller past the slots the pool was sized for
+            raise Unavailable("every video decode process is busy; retry later") from None
+        try:
+            if stop.is_set():
+                raise Cancelled("the clip's request was cancelled before its decode started")
+            child, why = self._ready_child(child)
+            if why:
+                raise Unavailable(f"no video decode process could be started ({START_ATTEMPTS} tried; the last: "
+                                  f"{why}); retry later")
             bound = limits.max_decode_seconds + self.grace_s
             deadline = time.monotonic() + bound
             try:
-                child.channel.send(pickle.dumps((data, indices_fn, limits)), deadline)
+                child.channel.send(pickle.dumps((*job, limits)), deadline)
+                if not self._answered_unless(stop, child, deadline):
+                    child.channel.send(CANCEL, time.monotonic() + CANCEL_GRACE_S)
+                    answer, fd = receive_json(child.channel, time.monotonic() + CANCEL_GRACE_S)
+                    if fd is not None:
+                        os.close(fd)
+                    raise Cancelled("the clip's request was cancelled; its decode stopped")
                 answer, fd = receive_json(child.channel, deadline)
                 return clip_from_answer(answer, fd, limits)
             except TimeoutError:
                 child, _ = self._renew(child)
+                if stop.is_set():
+                    log.info("video decode process killed: it did not stop within %.1f s of a cancel", CANCEL_GRACE_S)
+                    raise Cancelled("the clip's request was cancelled; its decode was stopped") from None
                 log.warning("video decode process killed: no answer within %.1f s", bound)
-                raise ResourceExhausted(
+                raise DecodeTimeout(
                     f"decoding the clip took more than {bound:g} s and was stopped, over the limit of "
                     f"--max-video-decode-seconds {limits.max_decode_seconds:g}") from None
             except (EOFError, OSError):
@@ -337,19 +399,51 @@ class VideoDecodePool:
             else:
                 self._idle.put(child)
 
+    @staticmethod
+    def _answered_unless(stop: threading.Event, child: _Child, deadline: float) -> bool:
+        """Waits until the child's answer starts (True) or ``stop`` is set (False); TimeoutError past
+        ``deadline``. Only whole answers are read, after this: a read is never cut in the middle."""
+        poller = select.poll()
+        poller.register(child.channel.sock, select.POLLIN)
+        while True:
+            if stop.is_set():
+                return False
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            if poller.poll(max(1, int(min(left, _CANCEL_POLL_S) * 1000))):
+                return True
+
+    async def _run(self, job: tuple, limits: VideoLimits) -> DecodedClip:
+        if self._closed:
+            raise Unavailable("the video decode pool is closed (the server is stopping)")
+        stop = threading.Event()
+        self._stops.add(stop)
+        try:
+            return await run_to_the_end(self._threads, self._call, job, limits, stop, stop=stop)
+        finally:
+            self._stops.discard(stop)
+
     async def decode(self, data: bytes, indices_fn: Callable[[ClipFacts], list[int]],
                      limits: VideoLimits) -> DecodedClip:
         """Probe ``data``, choose frames with ``indices_fn(facts)`` (a picklable callable: a
         module-level function or a ``functools.partial`` of one) and decode them, in a child process.
         Raises what ``probe``/``decode_frames``/``indices_fn`` raise (InvalidInput, ResourceExhausted),
-        InvalidInput when the decoder crashed, ResourceExhausted when it outlived the bound."""
-        if self._closed:
-            raise EncoderError("the video decode pool is closed")
-        return await asyncio.get_running_loop().run_in_executor(self._threads, self._call, data, indices_fn, limits)
+        InvalidInput when the decoder crashed, DecodeTimeout when it outlived the bound. Cancelled
+        (the awaiting task), the decode stops and this returns once its child is free again."""
+        return await self._run(("container", data, indices_fn), limits)
+
+    async def decode_frames(self, frames: list[bytes], fps: float | None, indices_fn: Callable[[ClipFacts], list[int]],
+                            limits: VideoLimits) -> DecodedClip:
+        """A clip given as encoded frames: ``indices_fn`` chooses among them, and the chosen ones are
+        decoded in a child (``video_decode.sample_frame_list``), as ``decode`` does a container."""
+        return await self._run(("frames", (frames, fps), indices_fn), limits)
 
     def close(self) -> None:
-        """Stops every child; calls in flight finish first."""
+        """Stops every child; calls in flight are cancelled and finish first."""
         self._closed = True
+        for stop in list(self._stops):
+            stop.set()
         self._threads.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             children = list(self._children)

@@ -54,6 +54,27 @@ def peer_address(peer: str) -> str:
     return str(mapped or ip)
 
 
+def client_of(metadata, peer: str, *, by_token: bool, relayed: bool) -> str:
+    """Who a call comes from, for every per-client count (these limits, the fair shares of the
+    decoders): its accepted bearer token's identity where the server checks tokens, else the IP
+    address of its peer (behind relays, the caller's own, which the relay names). ``metadata``: the
+    call's (key, value) pairs."""
+    metadata = tuple(metadata or ())
+    if by_token:
+        token = presented_token(_Details(metadata))
+        if token is not None:
+            return client_identity(token)
+    relayed_peer = metadata_value(_Details(metadata), RELAYED_PEER) if relayed else None
+    return "client " + peer_address(relayed_peer or peer)
+
+
+class _Details:
+    """The one field of grpc.HandlerCallDetails the metadata helpers read."""
+
+    def __init__(self, metadata: tuple) -> None:
+        self.invocation_metadata = metadata
+
+
 class ConcurrencyLimits:
     """In-flight counts per client; only the event loop's thread touches them."""
 
@@ -94,12 +115,7 @@ class PerClientLimitInterceptor(grpc.aio.ServerInterceptor):
         self.relay_regions = relay_regions
 
     def _client(self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext) -> str:
-        if self.by_token:
-            token = presented_token(details)
-            if token is not None:
-                return client_identity(token)
-        peer = metadata_value(details, RELAYED_PEER) if self.relayed else None
-        return "client " + peer_address(peer or context.peer())
+        return client_of(details.invocation_metadata, context.peer(), by_token=self.by_token, relayed=self.relayed)
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)

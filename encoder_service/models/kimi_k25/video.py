@@ -67,6 +67,7 @@ from ...preprocess import settings
 from ...preprocess.staged import (
     DecodedClip,
     apply_table,
+    check_clip_fits,
     check_frames,
     host_tensor,
     resize_frames_on_host,
@@ -306,6 +307,7 @@ def stage_clip(frames: np.ndarray, indices: list[int], sampling: VideoSampling, 
     resize_to, pad_to, (gh, gw) = video_geometry(frames.shape[1], frames.shape[2], config)
     if not config.do_resize:
         resize_to = tuple(frames.shape[1:3])
+    check_clip_fits(frames.shape[0], tuple(resize_to), (int(frames.shape[0]), gh, gw))  # before the resize
     if mode != "torch" and tuple(frames.shape[1:3]) != tuple(resize_to):
         frames = resize_frames_on_host(frames, resize_to)
     clip = DecodedClip(np.ascontiguousarray(frames), tuple(resize_to), (int(frames.shape[0]), gh, gw), tuple(pad_to))

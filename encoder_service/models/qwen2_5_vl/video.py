@@ -41,6 +41,7 @@ from ...preprocess import settings
 from ...preprocess.staged import (
     DecodedClip,
     apply_table,
+    check_clip_fits,
     check_frames,
     host_tensor,
     resize_frames_on_host,
@@ -289,6 +290,7 @@ def stage_clip(frames: np.ndarray, indices: list[int], sampling: VideoSampling, 
     cfg = config.for_request(sampling)
     check_frames(frames)
     size, grid = geometry(frames.shape[0], frames.shape[1], frames.shape[2], cfg)
+    check_clip_fits(frames.shape[0], size, grid)  # before the resize takes the memory
     if mode != "torch" and tuple(frames.shape[1:3]) != tuple(size):
         frames = resize_frames_on_host(frames, size)
     return DecodedClip(np.ascontiguousarray(frames), tuple(size), grid), pad_to_multiple(list(indices),
