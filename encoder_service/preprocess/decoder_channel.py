@@ -76,19 +76,25 @@ class Channel:
             raise EOFError
 
     def send(self, body: bytes, deadline: float | None = None, fd: int | None = None) -> None:
-        """``body`` framed by its length; ``fd`` rides with the first bytes (SCM_RIGHTS)."""
-        view = memoryview(_LENGTH.pack(len(body)) + body)
+        """``body`` framed by its length; ``fd`` rides with the first bytes (SCM_RIGHTS). The length
+        and the body go out as two buffers of one message, not concatenated: a job is up to
+        --max-video-bytes, and a copy of it would cost the server that much again."""
+        views = [memoryview(_LENGTH.pack(len(body))), memoryview(body).cast("B")]
         ancillary = [] if fd is None else [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
-        while view:
+        while views:
             self._wait(select.POLLOUT, deadline)
             try:
-                sent = self.sock.sendmsg([view], ancillary, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+                sent = self.sock.sendmsg(views, ancillary, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
             except BlockingIOError:
                 continue
             except (BrokenPipeError, ConnectionResetError) as e:
                 raise EOFError from e
             ancillary = []
-            view = view[sent:]
+            while views and sent >= len(views[0]):
+                sent -= len(views[0])
+                views.pop(0)
+            if views:
+                views[0] = views[0][sent:]
 
     def receive(self, max_bytes: int, deadline: float | None = None) -> tuple[bytes, int | None]:
         """One framed message and the descriptor that came with its first bytes, if any (the caller
