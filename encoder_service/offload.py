@@ -32,4 +32,7 @@ async def run_to_the_end(executor: Executor, fn: Callable[..., T], *args, stop: 
                 continue
         if not future.cancelled():
             future.exception()  # retrieved: nobody else will look at it
+        # The CancelledError's traceback keeps this frame: without the future, it keeps no error of the
+        # thread's (whose traceback holds the work's frames and the bytes they held).
+        del future
         raise

@@ -50,7 +50,7 @@ def test_with_three_slots_one_request_never_holds_the_last_two():
     async def scenario():
         slots = FairSlots(3, what="decoders")
         request = Caller("A")
-        got, waiting = await _holders(slots, [request] * 3)
+        got, _waiting = await _holders(slots, [request] * 3)
         assert len(got) == 1  # the one before last goes only to a request holding none
         other_request = Caller("A")
         got2, _ = await _holders(slots, [other_request])

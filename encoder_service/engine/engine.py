@@ -48,6 +48,10 @@ from .worker import BatchOutcome
 
 log = logging.getLogger(__name__)
 
+
+def _forget_task(job: Job, _task: asyncio.Task) -> None:
+    job.task = None
+
 class Engine:
     """``Engine(config, metrics=...)`` loads the configured model when started: in this process (one
     device worker thread on ``--device``), or, with ``--devices``, one worker process per device.
@@ -172,8 +176,10 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        """Whether any image is being prepared, queued or in a forward."""
-        return bool(self._inflight)
+        """Whether any image is being prepared, queued or in a forward, or a cancelled one's decode is
+        still stopping (its request is gone, but a thread or a decoder still holds its memory: the
+        idle memory trim must come after it)."""
+        return bool(self._inflight) or self._pools.busy or self._videos.busy
 
     @property
     def queued_images(self) -> int:
@@ -235,6 +241,10 @@ class Engine:
                     task = job.task = asyncio.get_running_loop().create_task(self._prepare(job, image, caller))
                     self._tasks.add(task)  # the loop keeps only weak references to tasks
                     task.add_done_callback(self._tasks.discard)
+                    # A cancelled task keeps its CancelledError, whose traceback holds _prepare's frame (the
+                    # job, and the request's bytes): the job must not keep the task, or the two make a cycle
+                    # that holds those bytes until a garbage-collection pass.
+                    task.add_done_callback(functools.partial(_forget_task, job))
                 waits.append(Wait(image, job))
         finally:
             self._admission.release(len(new_keys))  # slots of jobs not created (only on a bug)

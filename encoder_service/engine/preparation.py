@@ -44,6 +44,11 @@ class PreparePools:
         self._expensive_waiting = 0
         self._hash_pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="hash")
 
+    @property
+    def busy(self) -> bool:
+        """Whether some image holds a decode thread (a cancelled one's included, until it is done)."""
+        return self._turns.free < self._turns.slots
+
     async def hashed(self, keys: Callable[[Sequence], list[str]], images: Sequence) -> list[str]:
         """The images' keys, never behind other requests' decoding: that would make cache hits and
         admission (RESOURCE_EXHAUSTED) wait for it under load. Small requests are hashed right here

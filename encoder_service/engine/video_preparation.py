@@ -63,6 +63,11 @@ class VideoPreparer:
                            max_decode_seconds=c.max_video_decode_seconds, max_decoded_bytes=c.max_video_decoded_bytes,
                            max_pixels_per_sample=c.max_video_pixels_per_sample)
 
+    @property
+    def busy(self) -> bool:
+        """Whether some clip holds a decoder slot (decoding or staging, a cancelled one until it stops)."""
+        return self._slots.free < self._slots.slots
+
     def _decoders(self, limits: VideoLimits) -> VideoDecodePool:
         if self._pool is None:
             nvdec = self.config.video_decode == "nvdec"

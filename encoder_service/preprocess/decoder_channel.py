@@ -75,11 +75,13 @@ class Channel:
         if ready[0][1] & (select.POLLERR | select.POLLNVAL) and not ready[0][1] & events:
             raise EOFError
 
-    def send(self, body: bytes, deadline: float | None = None, fd: int | None = None) -> None:
-        """``body`` framed by its length; ``fd`` rides with the first bytes (SCM_RIGHTS). The length
-        and the body go out as two buffers of one message, not concatenated: a job is up to
-        --max-video-bytes, and a copy of it would cost the server that much again."""
-        views = [memoryview(_LENGTH.pack(len(body))), memoryview(body).cast("B")]
+    def send(self, body, deadline: float | None = None, fd: int | None = None) -> None:
+        """``body`` (bytes, or a list of bytes-like parts sent as one message) framed by its length;
+        ``fd`` rides with the first bytes (SCM_RIGHTS). The parts go out as buffers of one sendmsg,
+        never concatenated: a job is up to --max-video-bytes, and a copy of it would cost the server
+        that much again."""
+        parts = [memoryview(part).cast("B") for part in (body if isinstance(body, list) else [body])]
+        views = [memoryview(_LENGTH.pack(sum(len(part) for part in parts))), *parts]
         ancillary = [] if fd is None else [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
         while views:
             self._wait(select.POLLOUT, deadline)

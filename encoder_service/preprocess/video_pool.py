@@ -38,6 +38,7 @@ import pickle
 import queue
 import select
 import signal
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -124,11 +125,13 @@ def _child_main(conn, nvdec_gpu: int | None = None, memory_bytes: int | None = N
             os.close(stray)
         if body == CANCEL:  # for a call that ended before the cancel came
             continue
-        job = pickle.loads(body)
-        del body
+        job = read_job(body)
         if job is None:
             return
         kind, data, indices_fn, limits = job
+        # The bytes as bytes (they arrive as views of the message), the message then let go.
+        data = ([bytes(frame) for frame in data[0]], data[1]) if kind == "frames" else bytes(data)
+        del body, job
         fd = None
         try:
             with interrupt.interrupt_when(lambda: _stop_if_cancelled(channel)):
@@ -150,7 +153,7 @@ def _child_main(conn, nvdec_gpu: int | None = None, memory_bytes: int | None = N
                       f"decode process may hold ({memory_bytes} bytes, from the --max-video-* limits)"}
         except Exception as e:  # a bug, reported to the caller; the child goes on
             answer = {"status": "error", "message": f"{type(e).__name__}: {e}"}
-        del data, job
+        del data
         try:
             send_json(channel, answer, fd)
         except (EOFError, OSError):
@@ -158,6 +161,41 @@ def _child_main(conn, nvdec_gpu: int | None = None, memory_bytes: int | None = N
         finally:
             if fd is not None:
                 os.close(fd)
+
+
+_JOB_HEAD = struct.Struct("!QQ")  # the pickle's length, the number of out-of-band buffers
+_BUFFER_LENGTH = struct.Struct("!Q")
+
+
+def job_message(job) -> list:
+    """A job (or None: stop) as the parts of one message: a header, the job pickled with protocol 5,
+    and its bytes (the clip, or each frame) out of band, sent from the objects the server already
+    holds: a clip of up to --max-video-bytes is never copied into a pickle."""
+    buffers: list[pickle.PickleBuffer] = []
+    body = pickle.dumps(job, protocol=5, buffer_callback=buffers.append)
+    views = [buffer.raw() for buffer in buffers]
+    head = _JOB_HEAD.pack(len(body), len(views)) + b"".join(_BUFFER_LENGTH.pack(len(v)) for v in views)
+    return [head, body, *views]
+
+
+def read_job(message: bytes):
+    """The child's side of ``job_message`` (only the server writes these)."""
+    view = memoryview(message)
+    size, count = _JOB_HEAD.unpack_from(view)
+    offset = _JOB_HEAD.size
+    lengths = [_BUFFER_LENGTH.unpack_from(view, offset + 8 * i)[0] for i in range(count)]
+    offset += 8 * count
+    body = view[offset:offset + size]
+    offset += size
+    buffers = []
+    for length in lengths:
+        buffers.append(view[offset:offset + length])
+        offset += length
+    return pickle.loads(body, buffers=buffers)
+
+
+def _out_of_band(data: bytes) -> pickle.PickleBuffer:
+    return pickle.PickleBuffer(data)
 
 
 def _stop_if_cancelled(channel: Channel) -> None:
@@ -253,7 +291,7 @@ class _Child:
             return self.exitcode
         if not kill and self.process.is_alive():
             with contextlib.suppress(OSError, EOFError, TimeoutError):
-                self.channel.send(pickle.dumps(None), time.monotonic() + 1.0)
+                self.channel.send(job_message(None), time.monotonic() + 1.0)
             self.process.join(1.0)
         if self.process.is_alive():
             self.process.kill()
@@ -364,7 +402,7 @@ class VideoDecodePool:
             bound = limits.max_decode_seconds + self.grace_s
             deadline = time.monotonic() + bound
             try:
-                child.channel.send(pickle.dumps((*job, limits)), deadline)
+                child.channel.send(job_message((*job, limits)), deadline)
                 if not self._answered_unless(stop, child, deadline):
                     child.channel.send(CANCEL, time.monotonic() + CANCEL_GRACE_S)
                     answer, fd = receive_json(child.channel, time.monotonic() + CANCEL_GRACE_S)
@@ -431,13 +469,13 @@ class VideoDecodePool:
         Raises what ``probe``/``decode_frames``/``indices_fn`` raise (InvalidInput, ResourceExhausted),
         InvalidInput when the decoder crashed, DecodeTimeout when it outlived the bound. Cancelled
         (the awaiting task), the decode stops and this returns once its child is free again."""
-        return await self._run(("container", data, indices_fn), limits)
+        return await self._run(("container", _out_of_band(data), indices_fn), limits)
 
     async def decode_frames(self, frames: list[bytes], fps: float | None, indices_fn: Callable[[ClipFacts], list[int]],
                             limits: VideoLimits) -> DecodedClip:
         """A clip given as encoded frames: ``indices_fn`` chooses among them, and the chosen ones are
         decoded in a child (``video_decode.sample_frame_list``), as ``decode`` does a container."""
-        return await self._run(("frames", (frames, fps), indices_fn), limits)
+        return await self._run(("frames", ([_out_of_band(f) for f in frames], fps), indices_fn), limits)
 
     def close(self) -> None:
         """Stops every child; calls in flight are cancelled and finish first."""
