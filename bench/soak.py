@@ -37,10 +37,12 @@ from encoder_service.benchmarks.reliability.scenarios import (
     sigterm,
     sink_faults,
     sustained,
+    video_flood,
 )
 from encoder_service.benchmarks.reliability.server import ServerSpec
 
-SCENARIOS = ("sustained", "overload", "cancellation", "sigterm", "sigterm_burst", "failover", "sink_faults", "fuzz")
+SCENARIOS = ("sustained", "overload", "cancellation", "sigterm", "sigterm_burst", "failover", "sink_faults", "fuzz",
+             "video_flood")
 
 # The figures each scenario shows in the table (all of them are in the JSON).
 HEADLINES = {
@@ -57,6 +59,8 @@ HEADLINES = {
     "sink_faults": ["down_s", "never_ack_s", "failure_spread_s", "caller_deadline_s", "flapping_ok", "others_p99_ms",
                     "rss_growth_mib"],
     "fuzz": ["calls", "code_ok", "code_invalid_argument", "slowest_call_s", "max_response_overhead_pct"],
+    "video_flood": ["image_alone_p99_ms", "image_flood_p99_ms", "clip_alone_p99_ms", "clip_flood_p99_ms",
+                    "normal_flood_errors", "hostile_calls", "rss_peak_growth_mib", "rss_after_growth_mib"],
 }
 
 
@@ -86,6 +90,12 @@ def run_scenario(name: str, minutes: float, spec: ServerSpec, log_dir: Path, arg
     if name == "fuzz":
         return fuzz.run(max_examples=int(1000 * scale), image_examples=int(1000 * scale), seed=None, spec=spec,
                         log_dir=log_dir)
+    if name == "video_flood":
+        # Each phase (normal traffic alone, then with the flood) 10 s in CI, 15 s a minute here; full-size
+        # decode bombs (18000 frames, --max-video-frames' default) instead of CI's 1800.
+        return video_flood.run(duration_s=15.0 * scale, spec=spec, log_dir=log_dir,
+                               hostility=video_flood.Hostility(bomb_frames=18000),
+                               max_rss_after_growth_mib=64.0 if spec.device == "cpu" else 256.0)
     raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
 
 

@@ -137,7 +137,7 @@ class ServiceConfig:
         "wall-clock budget of one clip's decode in its decoder process; past it the process is "
         "killed and replaced and the clip refused (RESOURCE_EXHAUSTED)",
         above=0)
-    max_video_pixels_per_sample: int = option(512 * MiB,
+    max_video_pixels_per_sample: int = option(256 * MiB,
         "most pixels a clip's decode may put through the decoder for each frame it samples (every "
         "decoded frame's width x height, counted as it decodes): a clip whose few sampled frames lie "
         "far apart in a long, large stream is refused (RESOURCE_EXHAUSTED) after this much work "

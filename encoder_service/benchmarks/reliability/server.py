@@ -4,6 +4,8 @@ process (its RSS, its exit code) and its log."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import signal
 import subprocess
@@ -123,6 +125,30 @@ class EncoderProcess:
                 return int(line.split()[1]) * 1024
         raise RuntimeError("no VmRSS")
 
+    def peak_rss_bytes(self) -> int:
+        """VmHWM of the server process, from /proc: the most resident memory it has held since it
+        started (a peak between two samples of rss_bytes shows here)."""
+        return _proc_status_bytes(self.pid, "VmHWM")
+
+    def decoder_pids(self) -> list[int]:
+        """The server's video decoder processes: its children started by multiprocessing's spawn
+        (``spawn_main`` in their command line), not multiprocessing's resource tracker. With the
+        defaults (no --devices worker processes) these are the --video-decode-processes children."""
+        return [pid for pid in _children(self.pid) if _is_spawned_child(pid)]
+
+    def cpu_s(self) -> float:
+        """User + system CPU seconds the server process has used (its threads; not its children),
+        from /proc/<pid>/stat."""
+        return _cpu_s(self.pid)
+
+    def decoders_cpu_s(self) -> dict[int, float]:
+        """User + system CPU seconds of each decoder process alive now (decoder_pids), by pid."""
+        out = {}
+        for pid in self.decoder_pids():
+            with contextlib.suppress(OSError, ValueError, IndexError):  # exited in between
+                out[pid] = _cpu_s(pid)
+        return out
+
     def health(self, timeout_s: float = 2.0) -> str:
         """Asked on the plaintext --health-port when there is one, else on the main port."""
         channel = (grpc.insecure_channel(self.health_target) if self.health_target
@@ -147,6 +173,50 @@ class EncoderProcess:
             self._log_file.close()
             self._log_file = None
         return self.proc.returncode
+
+
+def _proc_status_bytes(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {key} in /proc/{pid}/status")
+
+
+def _cpu_s(pid: int) -> float:
+    # Fields after the command name (which may hold spaces and parentheses): state is 3rd, utime 14th.
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    """Child process ids of ``pid``: /proc/<pid>/task/*/children, else (a kernel without
+    CONFIG_PROC_CHILDREN) every process whose parent is ``pid``."""
+    found: set[int] = set()
+    tasks = Path(f"/proc/{pid}/task")
+    try:
+        listed = [task / "children" for task in tasks.iterdir()]
+    except OSError:
+        return []
+    if listed and listed[0].exists():
+        for path in listed:
+            with contextlib.suppress(OSError):  # a thread that ended in between
+                found.update(int(word) for word in path.read_text().split())
+        return sorted(found)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                if int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.add(int(entry))
+    return sorted(found)
+
+
+def _is_spawned_child(pid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z" and b"spawn_main" in cmdline and b"tracker" not in cmdline.split(b"spawn_main", 1)[0]
 
 
 def start_server(*flags: str, spec: ServerSpec = ServerSpec(), log_dir: Path | None = None,

@@ -10,6 +10,8 @@ decodes with libdav1d. Matroska and WebM headers state no frame count (PyAV repo
 from __future__ import annotations
 
 import ctypes
+import fractions
+import functools
 import io
 import os
 import struct
@@ -86,6 +88,94 @@ def vp8_size_bomb(width: int = 12000, height: int = 12000, frames: int = 3) -> b
     return bytes(data)
 
 
+@functools.lru_cache(maxsize=4)
+def _static_vp9_packets(width: int, height: int, fps: int) -> tuple[bytes, bytes]:
+    """(a key frame, an inter frame that changes nothing) of one picture, as libvpx-vp9 encodes them."""
+    import av
+
+    packets: list[bytes] = []
+    with av.open(io.BytesIO(), "w", format="webm") as scratch:
+        stream = scratch.add_stream("libvpx-vp9", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.options = {"deadline": "realtime", "cpu-used": "8", "crf": "63", "b": "0",
+                          "g": str(1 << 20), "lag-in-frames": "0", "threads": "1"}
+        picture = av.VideoFrame.from_ndarray(frame_pattern(0, width, height), format="rgb24")
+        for i in range(3):
+            picture.pts = i
+            packets += [bytes(p) for p in stream.encode(picture)]
+        packets += [bytes(p) for p in stream.encode()]
+    if len(packets) < 2:
+        raise RuntimeError(f"libvpx-vp9 gave {len(packets)} packets for 3 frames")
+    return packets[0], packets[-1]
+
+
+@functools.lru_cache(maxsize=64)
+def decode_bomb(width: int = 1792, height: int = 1792, frames: int = 18000, fps: int = 30) -> bytes:
+    """The audit's decode bomb: VP9 in WebM, one key frame of width x height, then ``frames - 1``
+    empty inter frames (the same static picture; about 45 bytes each), so well under 1 MB takes the
+    decoder through ``frames`` full-size frames (1792x1792 is the tiny preset's --max-image-pixels
+    exactly; the default 18000 frames at 30 fps is --max-video-frames and --max-video-seconds
+    exactly). Sampled with num_frames=2, the second sampled frame lies half the stream away:
+    thousands of frames decoded for two used.
+
+    Encoding thousands of 1792x1792 frames takes minutes, so libvpx-vp9 encodes three frames of one
+    picture (realtime, crf 63, no key frame after the first) and the last inter frame's packet, a
+    frame that changes nothing, is muxed again for every later frame with its own timestamp; the
+    decoder decodes each one as the encoder wrote it. ``frames`` (or ``fps``) apart, two bombs are
+    different bytes (different cache entries and jobs). Cached: about 1.5 s for the first bomb of a
+    size (the encoding), then a fraction of a second for each frame count."""
+    import av
+
+    key, empty = _static_vp9_packets(width, height, fps)
+    out = io.BytesIO()
+    time_base = fractions.Fraction(1, fps)
+    with av.open(out, "w", format="webm") as container:
+        stream = container.add_stream("libvpx-vp9", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(frames):
+            packet = av.Packet(key if i == 0 else empty)
+            packet.pts = packet.dts = i
+            packet.time_base = time_base
+            packet.stream = stream
+            packet.is_keyframe = i == 0
+            container.mux(packet)
+    return out.getvalue()
+
+
+@functools.lru_cache(maxsize=8)
+def big_png(side: int = 1380, rgba: bool = True, seed: int = 0) -> bytes:
+    """A side x side PNG (RGBA or RGB) that costs its full size to decode and resize: a gradient with
+    random pixels scattered over it (0.2% of them, every channel random), which PNG's filters cannot
+    predict. Not noise everywhere: a 1380x1380 RGBA of pure noise is 7.6 MB, and the audit's request
+    of 2 clips x 180 such frames must fit one --max-message-bytes (64 MiB): this one is about 150 KB,
+    while decoding still inflates and unfilters every one of its 1.9 M pixels, and resizing reads them
+    all. Cached."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    channels = 4 if rgba else 3
+    yy, xx = np.mgrid[0:side, 0:side]
+    planes = [xx * 255 // side, yy * 255 // side, (xx + yy) * 255 // (2 * side)]
+    if rgba:
+        planes.append(255 - (xx * 64 // side))
+    pixels = np.stack(planes, -1).astype(np.uint8)
+    noisy = rng.random((side, side)) < 0.002
+    pixels[noisy] = rng.integers(0, 256, (int(noisy.sum()), channels), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels, "RGBA" if rgba else "RGB").save(out, "PNG", compress_level=9)
+    return out.getvalue()
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_gif() -> bytes:
+    """A 1x1 GIF (a few dozen bytes): a frame that costs nothing to send, whatever the server makes of it."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("P", (1, 1), 0).save(out, "GIF")
+    return out.getvalue()
+
+
 def matroska_without_frames() -> bytes:
     """A Matroska file whose header and video track are intact and whose clusters are all cut off."""
     data = make_clip("matroska", "libx264")
@@ -122,6 +212,11 @@ def video_corpus() -> dict[str, bytes]:
 
 
 # --- faults for a video decode process (picklable: module-level, they run in the child) ------------
+
+def every_frame(facts) -> list[int]:
+    """Every frame of the clip (a decode that walks the whole stream)."""
+    return list(range(facts.total_frames))
+
 
 def first_frame(facts) -> list[int]:
     """An indices_fn: frame 0."""
