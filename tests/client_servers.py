@@ -96,13 +96,16 @@ class Server:
         return (1, 2, 2) if self.is_fake else tuple(self.model().preprocess(bytes(image))[1])
 
     def assert_embedding(self, r: EncodedImage, image: Any) -> None:
-        """Exactly the fake's values; the tiny model's own encode to 1e-6 for the real server."""
+        """Exactly the fake's values; the tiny model's own encode to 4e-6 for the real server. The
+        server batches an input with the request's others, the reference encodes it alone, and float32
+        on the CPU differs with the batch's shapes: for random patches batched with two images, 1.44e-6
+        at worst over 300 seeds, 4% of them above 1e-6 (the bound this had, which failed a CI run)."""
         want = self.expected(r, image)
         assert r.embedding.shape == want.shape
         if self.is_fake:
             np.testing.assert_array_equal(r.embedding, want)
         else:
-            assert max_rel_err(r.embedding, want) <= 1e-6
+            assert max_rel_err(r.embedding, want) <= 4e-6
 
 
 @pytest.fixture(scope="module")
