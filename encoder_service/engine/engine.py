@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 def _forget_task(job: Job, _task: asyncio.Task) -> None:
     job.task = None
 
+
 class Engine:
     """``Engine(config, metrics=...)`` loads the configured model when started: in this process (one
     device worker thread on ``--device``), or, with ``--devices``, one worker process per device.
