@@ -8,11 +8,11 @@ took. Each test measures the victim alone first (a warm call, then the median of
 the attack, calling again and again while it runs (an attack's cost comes in phases: one call could
 miss the worst of it), on a server of its own.
 
-"Another caller": the server tells clients apart by their peer's IP address (--max-requests-per-client,
-fair turns) and requests apart within a client. A client on this host always connects from 127.0.0.1,
-whatever 127.x address it dials, so the servers here listen on ``localhost`` (127.0.0.1 and ::1) and
-the victim dials ::1: another client by address, where the host has IPv6 loopback (else another
-request from 127.0.0.1). The attacker dials 127.0.0.1.
+"Another caller": the server tells clients apart (--max-requests-per-client, the fair turns) by their
+bearer token where it checks tokens, else by their peer's IP address, and requests apart within a
+client. On one host every client connects from 127.0.0.1, whatever 127.x address it dials, and ::1 is
+not on every host; so the servers here check tokens (``--auth-token-file``, their one flag besides
+the defaults) and the attacker and the victim present different ones: two clients on any host.
 
 Every call has a deadline and every wait a bound; a server left decoding by a failed test is killed,
 its decoder processes with it.
@@ -72,9 +72,10 @@ class Outcome:
 class Caller:
     """One client connection (one channel) to ``target``."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, token: str) -> None:
         self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self.stub = encoder_pb2_grpc.VisionEncoderStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {token}"),)  # who this client is to the server
 
     def close(self) -> None:
         self.channel.close()
@@ -87,7 +88,7 @@ class Caller:
         request = pb.EncodeRequest(images=[pb.Image(video=i.to_proto()) if isinstance(i, Video)
                                            else pb.Image(encoded=i) for i in items])
         started = time.monotonic()
-        call = self.stub.Encode(request, timeout=timeout_s)
+        call = self.stub.Encode(request, timeout=timeout_s, metadata=self.metadata)
         if calls is not None:
             calls.append(call)
         timer = threading.Timer(cancel_after_s, call.cancel) if cancel_after_s is not None else None
@@ -143,25 +144,20 @@ class Pending(threading.Thread):
 @dataclass
 class Served:
     server: EncoderProcess
-    attacker: Caller  # from 127.0.0.1
-    victim: Caller  # from ::1 where the host has it: another client by address
-    victim_address: str
+    attacker: Caller  # one client (its token)
+    victim: Caller  # another client (another token)
 
 
 @contextlib.contextmanager
 def serving(tmp_path, *flags: str):
-    """A server with the default flags (and ``flags``) on localhost; killed afterwards with its decoders."""
-    server = start_server("--host", "localhost", *flags, log_dir=tmp_path, timeout_s=120)
-    port = server.target.rsplit(":", 1)[1]
-    victim_target = f"[::1]:{port}"
+    """A server with the default flags (and ``flags``) but for its tokens, one for the attacker and one
+    for the victim; killed afterwards with its decoders."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("attacker-token\nvictim-token\n")
+    server = start_server("--auth-token-file", str(tokens), *flags, log_dir=tmp_path, timeout_s=120)
+    attacker, victim = Caller(server.target, "attacker-token"), Caller(server.target, "victim-token")
     try:
-        with grpc.insecure_channel(victim_target) as probe:
-            grpc.channel_ready_future(probe).result(timeout=3)
-    except (grpc.FutureTimeoutError, grpc.RpcError):
-        victim_target = server.target
-    attacker, victim = Caller(server.target), Caller(victim_target)
-    try:
-        yield Served(server, attacker, victim, victim_target)
+        yield Served(server, attacker, victim)
     finally:
         attacker.close()
         victim.close()
@@ -501,7 +497,8 @@ def preprocess_s(served: Served, image: bytes) -> tuple[float, float]:
     the ServerTiming of its last chunk."""
     started = time.monotonic()
     last = None
-    for chunk in served.victim.stub.Encode(pb.EncodeRequest(images=[pb.Image(encoded=image)]), timeout=60):
+    for chunk in served.victim.stub.Encode(pb.EncodeRequest(images=[pb.Image(encoded=image)]), timeout=60,
+                                           metadata=served.victim.metadata):
         last = chunk
     return time.monotonic() - started, last.timing.preprocess_ms / 1000.0
 

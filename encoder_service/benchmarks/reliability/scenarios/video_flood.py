@@ -1,11 +1,12 @@
 """Video flood: hostile clips mixed into normal traffic against one server process.
 
-Normal callers (``normal_streams`` closed-loop streams on 127.0.0.1) send what a well-behaved client
-sends, each call with a deadline: single 448x448 photos (JPEG or PNG, never seen before) and small
-H.264 clips sampled to 8 frames. Hostile callers (``hostile_streams`` streams in a process of their
-own, connected over [::1] where the host has IPv6, so that the server, which tells clients apart by
-peer address, sees another client; the server listens on localhost, both loopback addresses, and not
-127.0.0.2, from which the kernel would still connect as 127.0.0.1) send in turn, each with a deadline:
+Normal callers (``normal_streams`` closed-loop streams) send what a well-behaved client sends, each
+call with a deadline: single 448x448 photos (JPEG or PNG, never seen before) and small H.264 clips
+sampled to 8 frames. Hostile callers (``hostile_streams`` streams in a process of their own) are
+another client: the server checks bearer tokens (``--auth-token-file``, its one flag here besides the
+budgets below) and tells clients apart by them, and the two kinds of callers present different ones
+(by address they would be one client: on one host every client connects from 127.0.0.1, and ::1 is
+not on every host). The hostile callers send in turn, each with a deadline:
 
 - ``bomb``: a decode bomb, a VP9 WebM of one 1792x1792 key frame and then empty inter frames
   (``bomb_frames`` of them), sampled to 2 frames: tiny to send, long to walk through;
@@ -39,6 +40,7 @@ import itertools
 import multiprocessing
 import os
 import random
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -61,6 +63,7 @@ NORMAL_KINDS = ("image", "clip")
 CLIP_FRAMES, CLIP_SAMPLED, CLIP_SIZE = 16, 8, (112, 84)
 MIB = 1 << 20
 AT_THE_END = "cancelled at the end of the flood"
+NORMAL_TOKEN, HOSTILE_TOKEN = "normal-callers", "hostile-callers"  # two clients to the server
 WARMUP_CALLS = 20
 # The largest hostile request sent: under both the client's and the server's 64 MiB message limit and
 # the server's --max-video-bytes, so that each one reaches the decoders instead of being refused whole.
@@ -121,7 +124,8 @@ class NormalTraffic:
 
 async def _normal_load(target: str, streams: int, stop: threading.Event, recorder: Recorder, traffic: NormalTraffic,
                        timeout_s: float, seed: int) -> None:
-    clients = [AsyncEncoderClient(target, timeout_s=timeout_s, retries=0) for _ in range(min(2, streams))]
+    clients = [AsyncEncoderClient(target, timeout_s=timeout_s, retries=0, token=NORMAL_TOKEN)
+               for _ in range(min(2, streams))]
 
     async def stream(i: int) -> None:
         rng = random.Random(seed * 7919 + i)
@@ -195,7 +199,7 @@ async def _hostile_call(recorder: Recorder, client: AsyncEncoderClient, kind: st
 async def _hostile_load(target: str, h: Hostility, inputs: dict, stop, seed: int, max_s: float) -> list[Sample]:
     recorder = Recorder()
     # Responses streamed (no shared memory): a caller from elsewhere, as its own address says.
-    clients = [AsyncEncoderClient(target, timeout_s=h.timeout_s, retries=0, shared_memory=False)
+    clients = [AsyncEncoderClient(target, timeout_s=h.timeout_s, retries=0, shared_memory=False, token=HOSTILE_TOKEN)
                for _ in range(min(2, h.streams))]
     serial = itertools.count()
 
@@ -329,14 +333,6 @@ def _idle(server: EncoderProcess, rss: Sampler, idle_s: float) -> tuple[float, f
     return _level(rss.values, t - 2.0, t), t
 
 
-def _has_ipv6_loopback(port: str) -> bool:
-    try:
-        with EncoderClient(f"[::1]:{port}", timeout_s=3.0, retries=0) as client:
-            return client.health() == "SERVING"
-    except Exception:
-        return False
-
-
 def _health(server: EncoderProcess) -> str:
     try:
         return server.health()
@@ -351,7 +347,7 @@ def _codes(samples: list[Sample]) -> dict[str, int]:
 def _probe(server: EncoderProcess, traffic: NormalTraffic, timeout_s: float) -> tuple[bool, str]:
     """One new image and one new clip from a new normal client: both must come back OK."""
     try:
-        with EncoderClient(server.target, timeout_s=timeout_s, retries=0) as client:
+        with EncoderClient(server.target, timeout_s=timeout_s, retries=0, token=NORMAL_TOKEN) as client:
             client.encode([traffic.images.miss()])
             client.encode([traffic.clip()])
         return True, "an image and a clip OK"
@@ -384,7 +380,9 @@ def run(*, duration_s: float = 10.0, warmup_s: float = 4.0, idle_s: float = 11.0
     """
     result = ScenarioResult("video_flood")
     h = hostility
-    flags = ["--host", "localhost", "--video-decode-processes", str(decoders),
+    tokens = Path(tempfile.mkdtemp(prefix="video-flood-")) / "tokens"
+    tokens.write_text(f"{NORMAL_TOKEN}\n{HOSTILE_TOKEN}\n")
+    flags = ["--auth-token-file", str(tokens), "--video-decode-processes", str(decoders),
              "--max-video-decoded-bytes", str(max_video_decoded_bytes), "--cache-bytes", str(cache_bytes)]
     if max_requests_per_client > 0:
         flags += ["--max-requests-per-client", str(max_requests_per_client)]
@@ -397,9 +395,7 @@ def run(*, duration_s: float = 10.0, warmup_s: float = 4.0, idle_s: float = 11.0
     try:
         server = start_server(*flags, spec=spec, log_dir=log_dir)
         result.figure("server_start_s", time.monotonic() - t_begin)
-        port = server.target.rpartition(":")[2]
-        own_address = _has_ipv6_loopback(port)
-        hostile_target = f"[::1]:{port}" if own_address else server.target
+        hostile_target = server.target
         ready = hostile.wait_ready(120.0)  # its inputs built: they take no CPU from the warm-up
         result.figure("hostile_ready_s", time.monotonic() - t_begin)
         rss = Sampler(lambda: server.rss_bytes(), 0.1)
@@ -464,7 +460,6 @@ def run(*, duration_s: float = 10.0, warmup_s: float = 4.0, idle_s: float = 11.0
         flood = [s for s in normal if s.start >= t_f0]
         result.figure("normal_streams", normal_streams)
         result.figure("hostile_streams", h.streams)
-        result.figure("hostile_own_address", own_address)
         result.figure("duration_s", duration_s)
         result.figure("flood_s", t_f1 - t_f0)
         for kind in NORMAL_KINDS:
@@ -488,8 +483,6 @@ def run(*, duration_s: float = 10.0, warmup_s: float = 4.0, idle_s: float = 11.0
         details = Counter(f"{s.kind} {s.code}: {s.detail[:120]}" for s in hostile_samples + normal
                           if s.code not in ("OK", "CANCELLED"))
         result.notes += [f"{n} x {d}" for d, n in details.most_common(8)]
-        if not own_address:
-            result.notes.append("no IPv6 loopback here: the hostile callers share the normal callers' address")
         if hostile.sizes:
             result.notes.append("hostile inputs: " + ", ".join(f"{k} {v}" for k, v in hostile.sizes.items()))
 
