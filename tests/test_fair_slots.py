@@ -131,3 +131,25 @@ def test_every_waiter_gets_a_slot_once_all_are_released(slots_count):
         assert slots.free == slots_count and slots.waiting == 0
 
     asyncio.run(scenario())
+
+
+def test_a_waiter_cancelled_just_before_a_release_takes_no_slot():
+    """The race a storm of cancellations hits: a waiter's task is cancelled (its future with it), and
+    before that task runs, a holder releases. The slot must go to the next waiter, not be lost to the
+    cancelled one (every later caller would then wait for ever)."""
+    async def scenario():
+        slots = FairSlots(1, what="decode threads", reserve=False)
+        holder = Caller("A")
+        await slots.acquire(holder)
+        gone = asyncio.ensure_future(slots.acquire(Caller("B")))
+        stays = asyncio.ensure_future(slots.acquire(Caller("C")))
+        await asyncio.sleep(0)  # both waiting
+        gone.cancel()  # cancels the future it awaits at once; its task leaves only when it next runs...
+        slots.release(holder)  # ...and the holder releases before that
+        await asyncio.wait_for(stays, 1)
+        assert gone.cancelled()
+        assert slots.held_by("C") == 1 and slots.held_by("B") == 0 and slots.waiting == 0
+        slots.release(Caller("C"))
+        assert slots.free == 1
+
+    asyncio.run(scenario())

@@ -170,6 +170,10 @@ class FairSlots:
     def _dispatch(self) -> None:
         """Hands free slots to waiters, the fairest first, as long as some waiter may take one."""
         while self._free > 0 and self._waiters:
+            # A waiter whose task was cancelled has a cancelled future while it is still listed (its task
+            # has not run yet to leave): it takes no slot. Given one, the slot would be lost for good.
+            for gone in [w for w in self._waiters if w.future.done()]:
+                self._forget(gone)
             allowed = [w for w in self._waiters if self._allowed(w.caller, self._free)]
             if not allowed:
                 return
