@@ -214,14 +214,14 @@ class ServiceConfig:
         "with one message once this bound has passed (the log and the metric say "
         "why), so a caller cannot tell a closed port from an open one.",
         above=0)
-    # batch compositions kept as CUDA graphs; 0 = none
-    cuda_graphs: int = option(0,
-        "on CUDA: how many batch compositions (the grids of a batch's images) are kept as CUDA "
-        "graphs, each captured the second time it is seen and replayed from then on; each "
-        "holds its forward's activations in GPU memory. 0 (the default) runs every forward "
-        "eagerly: under mixed traffic compositions rarely repeat and captures cost more "
-        "than replays save.",
-        at_least=0)
+    # auto, off, or token budgets (models/cuda_graphs.py)
+    cuda_graphs: str = option("auto",
+        "on CUDA: forwards replayed as CUDA graphs captured at start-up, one per token budget; a "
+        "batch runs in the smallest budget that holds it, padded with a filler image that changes "
+        "no real image's output. auto: a ladder of budgets from 256 patches up (each 1.5x or 2x "
+        "the last) to 16384 or --max-batch-tokens; off: every forward eager; or budgets in "
+        "patches, comma-separated (e.g. 1024,4096). Larger batches run eagerly. The start-up log "
+        "says what the capture took (seconds, GPU memory).")
     # auto, pil, torch
     preprocess: str = option("auto",
         "pil: resize on the CPU with Pillow, bit-exact with transformers' PIL image processor; "
@@ -354,6 +354,22 @@ class ServiceConfig:
             object.__setattr__(self, "max_video_patches", 16 * self.max_batch_tokens)
         if self.max_video_decodes_waiting == -1:
             object.__setattr__(self, "max_video_decodes_waiting", 8 * self.video_decode_processes)
+
+    @property
+    def cuda_graph_budgets(self) -> tuple[int, ...] | None:
+        """``--cuda-graphs`` read: None for auto (the model's ladder), () for off, else the budgets
+        asked for. ValueError for anything else."""
+        value = self.cuda_graphs.strip().lower()
+        if value in ("auto", "off"):
+            return None if value == "auto" else ()
+        try:
+            budgets = tuple(sorted({int(v) for v in value.split(",") if v.strip()}))
+        except ValueError:
+            budgets = ()
+        if not budgets or budgets[0] < 1:
+            raise ValueError(f"cuda-graphs {self.cuda_graphs!r}: auto, off, or token budgets in patches, "
+                             "comma-separated (e.g. 1024,4096)")
+        return budgets
 
     @property
     def worker_count(self) -> int:

@@ -72,6 +72,10 @@ def _check(c: ServiceConfig) -> None:
         if meta["above"] is not None and value <= meta["above"]:
             problems.append(f"{_flag(f.name)} must be > {meta['above']}{note}")
     problems.extend(check_devices(c.devices))
+    try:
+        _ = c.cuda_graph_budgets
+    except ValueError as exc:
+        problems.append(str(exc))
     for allowlist in ("sink_allowlist", "url_fetch_allowlist"):
         try:
             getattr(c, allowlist)

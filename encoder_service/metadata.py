@@ -65,6 +65,20 @@ class AttentionMetadata:
         return offsets
 
 
+def pad_attention(meta: AttentionMetadata, capacity: int, max_seqlen: int) -> AttentionMetadata:
+    """The pattern at a fixed shape: ``capacity`` sequences (zero-length ones appended, holding no
+    token) and ``max_seqlen`` as its longest, for kernels launched at one shape whatever the batch (a
+    CUDA graph, models/cuda_graphs.py). ValueError where the pattern has more sequences or a longer one."""
+    n = meta.num_sequences
+    if n > capacity or meta.max_seqlen > max_seqlen:
+        raise ValueError(f"{n} sequences of up to {meta.max_seqlen} tokens do not fit {capacity} of up to {max_seqlen}")
+    cu = np.full(capacity + 1, meta.cu_seqlens[-1], dtype=np.int32)
+    cu[: n + 1] = meta.cu_seqlens
+    lengths = np.zeros(bucket_batch_size(capacity), dtype=np.int32)
+    lengths[:n] = meta.sequence_lengths[:n]
+    return AttentionMetadata(cu_seqlens=cu, max_seqlen=max_seqlen, sequence_lengths=lengths)
+
+
 def attention_metadata(seqlens: Sequence[int] | np.ndarray) -> AttentionMetadata:
     lengths = np.asarray(seqlens, dtype=np.int32)
     cu = np.zeros(len(lengths) + 1, dtype=np.int32)

@@ -4,7 +4,14 @@ without CUDA."""
 
 import pytest
 import torch
-from gpu_helpers import DEVICE, cuda_backends, forward_matching_sdpa, gpu_marks, random_patches
+from gpu_helpers import (
+    DEVICE,
+    cuda_backends,
+    forward_matching_sdpa,
+    gpu_marks,
+    graph_replays_match_eager,
+    random_patches,
+)
 
 from encoder_service.models.family import random_state
 from encoder_service.models.kimi_k25 import FAMILY
@@ -46,3 +53,8 @@ def test_cuda_backends_are_available_here():
 def test_forward_has_no_device_sync_and_matches_sdpa(short_k25, name):
     out = forward_matching_sdpa(lambda backend: _model(short_k25, backend), name, _pixels(), GRIDS)
     assert [o.shape[0] for o in out] == [h * w // 4 for _, h, w in GRIDS]
+
+
+@pytest.mark.parametrize("name", ["sdpa", *cuda_backends(HEAD_DIM)])
+def test_cuda_graph_replays_at_token_budgets_match_the_eager_forward(short_k25, name):
+    graph_replays_match_eager(lambda backend: _model(short_k25, backend), name, 588, clips_replay=False)

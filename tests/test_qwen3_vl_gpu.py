@@ -8,7 +8,15 @@ import io
 import numpy as np
 import pytest
 import torch
-from gpu_helpers import DEVICE, cuda_backends, forward_matching_sdpa, gpu_marks, random_patches, rel_err
+from gpu_helpers import (
+    DEVICE,
+    cuda_backends,
+    forward_matching_sdpa,
+    gpu_marks,
+    graph_replays_match_eager,
+    random_patches,
+    rel_err,
+)
 from PIL import Image
 from qwen3_vl_tiny import PREPROCESSOR
 
@@ -89,3 +97,8 @@ def test_torch_mode_equals_transformers_default_processor(short_qwen3_vl, size, 
     ours = model.stage([item], dtype=torch.float32)
     assert [list(item.grid)] == out["image_grid_thw"].tolist()
     assert (ours - out["pixel_values"].to(ours.device)).abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("name", ["sdpa", *cuda_backends(HEAD_DIM)])
+def test_cuda_graph_replays_at_token_budgets_match_the_eager_forward(short_qwen3_vl, name):
+    graph_replays_match_eager(lambda backend: _model(short_qwen3_vl, backend), name, 1536)

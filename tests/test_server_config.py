@@ -39,7 +39,8 @@ def test_environment_fills_options_and_flags_win():
     ({"ENCODER_SERVICE_CACHE_BYTES": "lots"}, "ENCODER_SERVICE_CACHE_BYTES='lots'"),
     ({"ENCODER_SERVICE_DTYPE": "float64"}, "choose from float32, float16, bfloat16"),
     ({"ENCODER_SERVICE_MAX_BATCH_TOKENS": "0"}, "max-batch-tokens must be >= 1"),
-    ({"ENCODER_SERVICE_CUDA_GRAPHS": "-1"}, "cuda-graphs must be >= 0"),
+    ({"ENCODER_SERVICE_CUDA_GRAPHS": "-1"}, "cuda-graphs '-1': auto, off, or token budgets"),
+    ({"ENCODER_SERVICE_CUDA_GRAPHS": "4 graphs"}, "cuda-graphs '4 graphs': auto, off, or token budgets"),
     ({"ENCODER_SERVICE_WATCHDOG_TIMEOUT_S": "-1"}, "watchdog-timeout-s must be >= 0"),
 ])
 def test_bad_environment_values_are_named(env, message):

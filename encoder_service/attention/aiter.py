@@ -17,7 +17,7 @@ from .base import GpuHalfPrecisionBackend
 class AiterBackend(GpuHalfPrecisionBackend):
     name = "aiter"
     priority = 20
-    graph_safe = False  # never captured on hardware here: kept eager
+    static_plans = False  # never captured on hardware here: kept eager
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

@@ -60,10 +60,11 @@ class AttentionBackend(ABC):
     # padded (and then returns the output padded): a model that can write them padded for free
     # (inside a compiled graph) skips the backend's own pad and slice copies.
     padded_head_dim: int | None = None
-    # Whether what prepare() returns stays valid while later batches are prepared, so a forward
-    # can be captured in a CUDA graph and replayed (models/cuda_graphs.py). Backends whose plans
-    # live in reused wrappers (FlashInfer's ragged prefill) are not.
-    graph_safe: ClassVar[bool] = True
+    # Whether prepare_ragged() of a pattern at a fixed shape (metadata.pad_attention) gives only
+    # device tensors and host values fixed by that shape, so that a forward captured in a CUDA graph
+    # replays any batch once its plans' tensors are refreshed in place (models/cuda_graphs.py).
+    # Not: a plan of host ints per sequence (sdpa), or one in a reused wrapper (FlashInfer's ragged).
+    static_plans: ClassVar[bool] = False
 
     def __init__(self, num_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> None:
         self.num_heads = num_heads
@@ -98,6 +99,22 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward_ragged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prepared: Any) -> torch.Tensor:
         """The backend's own kernel over packed sequences."""
+
+
+class RaggedOnly:
+    """A backend whose every pattern takes its ragged kernel: a padded pattern (zero-length
+    sequences) must not switch paths with the batch, and a graph must see the plan it captured."""
+
+    def __init__(self, backend: AttentionBackend) -> None:
+        self.backend = backend
+        self.padded_head_dim = backend.padded_head_dim
+        self.name = backend.name
+
+    def prepare(self, meta: AttentionMetadata) -> Any:
+        return self.backend.prepare_ragged(meta)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prepared: Any) -> torch.Tensor:
+        return self.backend.forward_ragged(q, k, v, prepared)
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ class FlashInferRaggedBackend(_FlashInferBase):
     name = "flashinfer-fa3"
     priority = 0  # reached through "flashinfer" in auto mode
     kernel: ClassVar[str] = "fa3"
-    graph_safe = False  # a plan is a ring slot that the 4th batch after it re-plans
+    static_plans = False  # a plan is a ring slot that the 4th batch after it re-plans
 
     @classmethod
     def supports_head_size(cls, head_dim: int) -> bool:
@@ -137,6 +137,8 @@ class FlashInferCuDNNBackend(_FlashInferBase):
 
     name = "flashinfer-cudnn"
     priority = 0
+    # Device tensors of the bucketed sequence count, and the bucketed longest length.
+    static_plans = True
 
     @classmethod
     def supports_head_size(cls, head_dim: int) -> bool:

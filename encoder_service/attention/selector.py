@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import BackendUnavailable
-from .base import AttentionBackend
+from .base import AttentionBackend, RaggedOnly
 from .registry import BACKENDS, backend_class
 
 AUTO = "auto"
@@ -36,3 +36,15 @@ def select_backend(name: str, device: torch.device | str, dtype: torch.dtype,
         raise BackendUnavailable(f"attention backend {name!r} cannot run here: {reason} "
                                  f"(device {device}, dtype {dtype}, head_dim {head_dim})")
     return cls
+
+
+def graph_backend(backend: AttentionBackend) -> RaggedOnly | None:
+    """What a forward captured in a CUDA graph attends with (models/cuda_graphs.py): the model's
+    backend where its plans are static (``static_plans``), else ``varlen`` where it runs on this
+    device (FlashInfer's ragged wrappers), else None (every forward stays eager)."""
+    if backend.static_plans:
+        return RaggedOnly(backend)
+    varlen = backend_class("varlen")
+    if varlen.unsupported_reason(backend.device, backend.dtype, backend.head_dim) is not None:
+        return None
+    return RaggedOnly(varlen(backend.num_heads, backend.head_dim, backend.device, backend.dtype))

@@ -23,6 +23,7 @@ class _Prepared:
 class VarlenBackend(GpuHalfPrecisionBackend):
     name = "varlen"
     priority = 10
+    static_plans = True  # cu_seqlens on the device, max_seqlen a host int fixed by the padded shape
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--attn-backend", default="auto")
+    p.add_argument("--image-size", type=int, default=1008, help="side of the new images' JPEGs (square)")
     p.add_argument("--concurrency", default=None, help="comma-separated client counts (1,8,32; --video: 1,16)")
     p.add_argument("--seconds", type=float, default=15.0, help="measured time per concurrency level")
     p.add_argument("--images-per-level", type=int, default=None,
@@ -238,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.video:
         return video.run_video(args, result, levels, transports, start_server, stop_process)
     t0 = time.perf_counter()
-    images = make_images(args.images_per_level * len(runs), first_seed=1000, procs=min(16, os.cpu_count() or 2))
+    images = make_images(args.images_per_level * len(runs), first_seed=1000, procs=min(16, os.cpu_count() or 2),
+                         size=args.image_size)
     result["jpeg_bytes_mean"] = float(np.mean([len(i) for i in images[:50]]))
     print(f"generated {len(images)} JPEGs ({result['jpeg_bytes_mean'] / 1e3:.0f} KB each) in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)

@@ -110,16 +110,17 @@ def _client_proc(target: str, threads: int, images: list[bytes], duration_s: flo
     out.put(records)
 
 
-def _gen_images(seeds: list[int], q: mp.Queue) -> None:
-    q.put([photo_jpeg(s) for s in seeds])
+def _gen_images(seeds: list[int], q: mp.Queue, size: int = 1008) -> None:
+    q.put([photo_jpeg(s, size) for s in seeds])
 
 
-def make_images(count: int, first_seed: int, procs: int) -> list[bytes]:
+def make_images(count: int, first_seed: int, procs: int, size: int = 1008) -> list[bytes]:
+    """``count`` photo-like JPEGs of ``size`` x ``size``, made in ``procs`` processes."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     seeds = list(range(first_seed, first_seed + count))
     parts = [seeds[i::procs] for i in range(procs)]
-    return _gather([ctx.Process(target=_gen_images, args=(p, q)) for p in parts if p], q)
+    return _gather([ctx.Process(target=_gen_images, args=(p, q, size)) for p in parts if p], q)
 
 
 def _gather(processes: list, queue) -> list:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 from ..config import ServiceConfig
+from ..models.cuda_graphs import resolve_budgets
 from ..models.served import ServedModel
 
 log = logging.getLogger(__name__)
@@ -24,11 +25,11 @@ def load_model(config: ServiceConfig, device: str | None = None) -> ServedModel:
     if model.decode_backend != "pillow":
         log.info("images: JPEGs decode on %s with %s, other formats with Pillow (cache namespace %s)",
                  model.device, model.decode_backend, model.cache_namespace)
-    model.set_cuda_graphs(config.cuda_graphs)
+    model.set_cuda_graphs(resolve_budgets(config.cuda_graph_budgets, config.max_batch_tokens, model.spec.merge_unit))
     if model.graphs is not None:
-        log.info("CUDA graphs on %s: up to %d batch compositions, each captured the second time it is seen",
-                 model.device, model.graphs.capacity)
+        log.info("CUDA graphs on %s: token budgets %s (patches), captured at start-up", model.device,
+                 ",".join(map(str, model.graphs.budgets)))
     else:
-        log.info("CUDA graphs on %s: off (cuda-graphs %d, attention backend %s)", model.device,
+        log.info("CUDA graphs on %s: off (cuda-graphs %s, attention backend %s)", model.device,
                  config.cuda_graphs, model.attn_backend)
     return model

@@ -67,10 +67,16 @@ def _owned(parts: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def warm_up(model: ServedModel) -> float:
-    """The start-up forwards (every shape a compiled model specialises on); returns their seconds."""
+    """The start-up forwards (every shape a compiled model specialises on), then the capture of the
+    CUDA graphs at their token budgets; returns their seconds."""
     started = time.perf_counter()
     for batch in model.warmup_inputs():
         _owned(model.encode_inputs_async(batch).wait())
+    report = model.capture_cuda_graphs()
+    if report is not None:
+        log.info("CUDA graphs on %s: %d token budgets captured (%s patches) in %.1f s, holding %.0f MiB of GPU "
+                 "memory%s", model.device, len(report.budgets), ",".join(map(str, report.budgets)), report.seconds,
+                 report.memory_bytes / 2**20, f"; failed: {'; '.join(report.failed)}" if report.failed else "")
     return time.perf_counter() - started
 
 

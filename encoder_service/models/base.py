@@ -16,13 +16,14 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..attention import AUTO, select_backend
+from ..attention import AUTO, RaggedOnly, graph_backend, select_backend
 from ..device import host_to_device
 from ..errors import InvalidInput
 from ..ops import OpsSelection, OpTarget, no_ops, select_ops
 from ..preprocess import nvjpeg
 from ..preprocess.batch import stage_batch
 from ..preprocess.staged import DecodedImage, RawPatches, StagedInput, resolve_mode
+from .cuda_graphs import BudgetGraphs, CaptureReport, GraphForward
 
 # Re-exported: the families and the engine import them from here.
 from .spec import Grid, ModelSpec, validate_batch, validate_grid  # noqa: F401
@@ -247,13 +248,37 @@ class VisionModel(VideoHooks):
     def validate(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]) -> list[Grid]:
         return validate_batch(pixel_values, grids, self.spec)
 
-    # Batch compositions replayed as CUDA graphs (models/cuda_graphs.py); None where the model
-    # runs every forward eagerly.
-    graphs = None
+    # Forwards replayed as CUDA graphs at token budgets (models/cuda_graphs.py); None where the
+    # model runs every forward eagerly.
+    graphs: BudgetGraphs | None = None
 
-    def set_cuda_graphs(self, capacity: int) -> None:
-        """Keep up to ``capacity`` batch compositions as CUDA graphs (0: none). Models without graph
-        support run eagerly whatever the capacity."""
+    def graph_forward(self, backend: RaggedOnly) -> GraphForward | None:
+        """The family's forward split for CUDA graphs, attending with ``backend`` (None: the family
+        runs every forward eagerly)."""
+        return None
+
+    def set_cuda_graphs(self, budgets: Sequence[int]) -> None:
+        """Forwards at these token budgets (patches) as CUDA graphs, captured by
+        ``capture_cuda_graphs``. None where the budgets are empty, the model is not on a CUDA
+        device, no backend with static plans runs here, or the family has no graph forward."""
+        self.graphs = None
+        backend = graph_backend(self.backend) if budgets and self.device.type == "cuda" else None
+        forward = self.graph_forward(backend) if backend is not None else None
+        if forward is not None:
+            self.graphs = BudgetGraphs(forward, budgets, patch_dim=self.spec.patch_dim, device=self.device,
+                                       dtype=self.dtype)
+
+    def capture_cuda_graphs(self) -> CaptureReport | None:
+        """Captures the budgets' graphs (start-up, after the warm-up forwards); None without graphs."""
+        return None if self.graphs is None else self.graphs.capture()
+
+    def _replayed(self, pixels: torch.Tensor, grids: Sequence[Grid], tokens: tuple[int, ...]
+                  ) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+        """``encode_packed``'s answer from a graph, or None (the batch runs eagerly)."""
+        if self.graphs is None:
+            return None
+        out = self.graphs.run(pixels, grids, sum(tokens))
+        return None if out is None else (out, tokens)
 
     def _attach_backend(self, name: str, num_heads: int, head_dim: int) -> None:
         """Selects the attention backend once, at load time (fails there, with the reason)."""

@@ -1,23 +1,43 @@
-"""Whole forwards replayed as CUDA graphs, one per batch composition (the tuple of grids).
+"""Forwards replayed as CUDA graphs at a ladder of token budgets, captured at start-up.
 
-A forward of Qwen2.5-VL-7B is ~230 kernels; launched one by one, the device idles a few
-microseconds between them even when the host is far ahead (bench/RESULTS.md). A graph replays them
-back to back. Everything a forward reads besides the pixels (metadata, attention plans) depends
-only on the grids, so a graph captured for one batch serves every later batch of the same grids:
-the new pixels are copied into the graph's input buffer and the graph is replayed.
+Why: an eager forward of one image is launch-bound. Qwen2.5-VL-7B's forward is ~230 kernels, and
+for a 448x448 image the device idles between them: 20 ms eager, 4.7 ms replayed (bench/RESULTS.md).
 
-Policy, as vLLM and SGLang treat their decode graphs: capture costs about one forward and holds the
-forward's activations in a private memory pool, so a composition is captured only the second time
-it is seen (the first, eager, call also compiles the kernels the capture needs), and only the
-``capacity`` most recently used graphs are kept. A composition whose capture fails runs eagerly
-from then on, and the failure is logged once.
+How (as vLLM's encoder graphs): a ladder of budgets, each a patch count. A batch of N patches runs in
+the graph of the smallest budget B >= N that holds it:
+
+* its grids get one filler image of B - N patches at the end (``filler_grid``), so every per-patch
+  tensor of the forward has B rows;
+* every attention pattern is padded to a fixed number of sequences (zero-length ones at the end) and
+  a fixed longest sequence (``encoder_service.metadata.pad_attention``; the family says which
+  pattern gets which), so every plan has the shape it had at capture;
+* the batch's metadata and plans are staged as for an eager forward (host-to-device copies, device
+  work such as a position table's resampling) and copied into the graph's own buffers
+  (``copy_into``), its pixels into the graph's input buffer; the graph replays; the real images'
+  rows, which come first, are copied out.
+
+Why the filler changes no real image: attention stays within a sequence, and the filler is its own
+sequence(s); every other step is per patch or per merged token (norms, projections, MLPs, rotary,
+position embeddings, the merger), and the output keeps the images in order. What can differ is
+rounding: a GEMM over B rows instead of N may pick another cuBLAS kernel. tests/test_gpu.py holds
+each family's replays to its eager forward within a stated bf16 bound.
+
+A batch that fits no budget (more patches than the top, more sequences than a budget holds, a
+shape the family's padding cannot fix, such as Kimi-K2.5's pooling over a clip's frames) runs
+eagerly, as does every batch of a backend whose plans are not tensors (``static_plans``).
+
+Memory: the graphs are captured from the largest budget down into one shared memory pool (they
+never run at once: one device worker replays them in stream order), so the ladder holds about the
+largest budget's activations, plus each budget's input buffer and staged metadata.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections import OrderedDict
-from collections.abc import Callable, Hashable
+import math
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,64 +45,216 @@ import torch
 
 log = logging.getLogger(__name__)
 
+Grid = tuple[int, int, int]
+
+# The ladder's bottom: a 224x224 image is 256 patches; smaller batches are padded up to it.
+LADDER_BOTTOM = 256
+# The default ladder's top (patches): set from the eager-against-replayed measurement of
+# bench/RESULTS.md; batches above it run eagerly.
+DEFAULT_TOP = 16384
+
+
+class NotStatic(Exception):
+    """A batch whose staged metadata does not fit a graph's buffers: it runs eagerly."""
+
+
+def ladder(top: int, bottom: int = LADDER_BOTTOM) -> tuple[int, ...]:
+    """Budgets from ``bottom`` up to ``top``: the powers of two and 1.5 times each (256, 384, 512,
+    768, ...), so that padding adds at most half a batch (a third past 512), and ``top`` itself."""
+    out = set()
+    power = bottom
+    while power <= top:
+        out.add(power)
+        if power * 3 // 2 <= top:
+            out.add(power * 3 // 2)
+        power *= 2
+    if top >= bottom:
+        out.add(top)
+    return tuple(sorted(out))
+
+
+def resolve_budgets(asked: tuple[int, ...] | None, max_batch_patches: int, unit: int) -> tuple[int, ...]:
+    """``--cuda-graphs`` for a model: None (auto) is the ladder up to the smaller of DEFAULT_TOP and
+    the largest batch; budgets asked for must be multiples of ``unit`` (the merge unit), from
+    LADDER_BOTTOM up to the largest batch. ValueError otherwise."""
+    if asked is None:
+        return ladder(_round_down(min(DEFAULT_TOP, max_batch_patches), unit))
+    for budget in asked:
+        if budget < LADDER_BOTTOM or budget % unit or budget > max_batch_patches:
+            raise ValueError(f"cuda-graphs budget {budget}: each must be a multiple of {unit} patches (the merge "
+                             f"unit), at least {LADDER_BOTTOM} and at most --max-batch-tokens {max_batch_patches}")
+    return tuple(sorted(asked))
+
+
+def _round_down(n: int, unit: int) -> int:
+    return n // unit * unit
+
+
+def filler_grid(patches: int, merge: int) -> Grid:
+    """One frame of ``patches`` patches (a multiple of merge**2) as near square as its factors
+    allow: a legal grid for every family (sides multiples of the merge size)."""
+    blocks = patches // (merge * merge)
+    assert blocks * merge * merge == patches and blocks > 0, (patches, merge)
+    side = max(d for d in range(1, math.isqrt(blocks) + 1) if blocks % d == 0)
+    return (1, side * merge, blocks // side * merge)
+
+
+def full_capacity(budget: int) -> int:
+    """How many sequences a budget's graph holds in a pattern whose sequences may be as long as the
+    batch (one per image or frame): 16, or one per 256 patches (a 224x224 image), plus the
+    filler's. Kernels launch work for every sequence slot up to the longest length, so the slots
+    are kept few; a batch of more frames than this runs in a larger budget, or eagerly."""
+    return max(16, budget // 256) + 1
+
+
+def copy_into(static: Any, fresh: Any) -> None:
+    """Refreshes a graph's staged metadata in place from a new batch's: each tensor copied into
+    the graph's (same shape and dtype), every other value equal. Raises NotStatic otherwise."""
+    if isinstance(static, torch.Tensor):
+        if not isinstance(fresh, torch.Tensor) or fresh.shape != static.shape or fresh.dtype != static.dtype:
+            raise NotStatic(f"a tensor {tuple(static.shape)} {static.dtype} gets "
+                            f"{getattr(fresh, 'shape', type(fresh).__name__)}")
+        static.copy_(fresh, non_blocking=True)
+    elif dataclasses.is_dataclass(static) and not isinstance(static, type):
+        if type(fresh) is not type(static):
+            raise NotStatic(f"{type(static).__name__} gets {type(fresh).__name__}")
+        for f in dataclasses.fields(static):
+            copy_into(getattr(static, f.name), getattr(fresh, f.name))
+    elif isinstance(static, (tuple, list)):
+        if type(fresh) is not type(static) or len(fresh) != len(static):
+            raise NotStatic(f"a sequence of {len(static)} gets {type(fresh).__name__}")
+        for a, b in zip(static, fresh):
+            copy_into(a, b)
+    elif isinstance(static, dict):
+        if not isinstance(fresh, dict) or fresh.keys() != static.keys():
+            raise NotStatic("a dict gets other keys")
+        for key, value in static.items():
+            copy_into(value, fresh[key])
+    elif static is not fresh and static != fresh:  # ints, sizes: baked into the captured launches
+        raise NotStatic(f"{static!r} gets {fresh!r}")
+
+
+@dataclass(frozen=True)
+class GraphForward:
+    """A family's forward split for graphs. ``metadata``, ``pad`` and ``stage`` run eagerly before
+    each replay; only ``run`` is captured."""
+
+    metadata: Callable[[list[Grid]], Any]  # host metadata of a batch's grids
+    pad: Callable[[Any, int], Any]  # that metadata with every attention pattern at the budget's fixed shape
+    stage: Callable[[Any], Any]  # host-to-device copies, plans, grid-dependent device work
+    run: Callable[[torch.Tensor, Any], torch.Tensor]  # device work only, on staged metadata
+    merge: int  # spatial merge size: the filler's sides are multiples of it
+
 
 @dataclass
 class _Graph:
-    graph: torch.cuda.CUDAGraph
+    budget: int
     pixels: torch.Tensor  # the input buffer the graph reads
-    out: torch.Tensor  # the output buffer it writes
-    staged: Any  # the metadata and plans it reads, kept alive with it
+    staged: Any  # the metadata and plans it reads
+    graph: torch.cuda.CUDAGraph | None = None
+    out: torch.Tensor | None = None  # the output buffer it writes
 
 
-class GraphCache:
-    def __init__(self, capacity: int = 4, seen_capacity: int = 256) -> None:
-        self.capacity = capacity
-        self._graphs: OrderedDict[Hashable, _Graph] = OrderedDict()
-        self._seen: OrderedDict[Hashable, bool] = OrderedDict()  # key -> capturable
-        self._seen_capacity = seen_capacity
+@dataclass(frozen=True)
+class CaptureReport:
+    budgets: tuple[int, ...]
+    seconds: float
+    memory_bytes: int  # device memory the ladder holds (pool, buffers), measured around the capture
+    failed: tuple[str, ...] = ()
+
+
+class BudgetGraphs:
+    """The graphs of one model at its ladder of budgets (see the module docstring)."""
+
+    def __init__(self, forward: GraphForward, budgets: Sequence[int], *, patch_dim: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.forward = forward
+        self.budgets = tuple(sorted(budgets))
+        self.patch_dim = patch_dim
+        self.device = device
+        self.dtype = dtype
+        self._graphs: dict[int, _Graph] = {}
         self.replays = 0
-        self.captures = 0
+        self.eager = 0  # batches that fit no captured budget
+        self.report: CaptureReport | None = None  # what the capture took, once done
 
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def run(self, key: Hashable, pixels: torch.Tensor, stage: Callable[[], Any],
-            forward: Callable[[torch.Tensor, Any], torch.Tensor]) -> torch.Tensor:
-        """``forward(pixels, stage())``, replayed from a graph where one is kept for ``key``."""
-        entry = self._graphs.get(key)
-        if entry is None and self.capacity > 0 and self._seen.get(key):
-            entry = self._capture(key, pixels, stage, forward)
-        if entry is None:
-            out = forward(pixels, stage())
-            if key not in self._seen:
-                self._seen[key] = True
-                if len(self._seen) > self._seen_capacity:
-                    self._seen.popitem(last=False)
-            return out
-        self._graphs.move_to_end(key)
-        entry.pixels.copy_(pixels)
-        entry.graph.replay()
-        self.replays += 1
-        # A fresh tensor: the buffer is overwritten by the next replay, and callers may keep this one.
-        return entry.out.clone()
+    @property
+    def captured(self) -> tuple[int, ...]:
+        return tuple(sorted(self._graphs))
 
-    def _capture(self, key, pixels, stage, forward) -> _Graph | None:
-        staged = stage()
-        static_pixels = pixels.clone()
-        graph = torch.cuda.CUDAGraph()
-        try:
-            # thread_local: other threads of the server (request handlers pinning host memory)
-            # may keep making CUDA calls while this one captures.
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                out = forward(static_pixels, staged)
-        except Exception as exc:  # a kernel that cannot be captured: this composition stays eager
-            log.warning("CUDA graph capture failed for a batch of %s; it runs eagerly: %s: %s",
-                        key, type(exc).__name__, exc)
-            self._seen[key] = False
-            return None
-        self.captures += 1
-        entry = _Graph(graph, static_pixels, out, staged)
-        self._graphs[key] = entry
-        while len(self._graphs) > self.capacity:
-            self._graphs.popitem(last=False)
-        return entry
+    def _padded(self, grids: Sequence[Grid], patches: int, budget: int) -> Any:
+        padded = list(grids)
+        if budget > patches:
+            padded.append(filler_grid(budget - patches, self.forward.merge))
+        return self.forward.pad(self.forward.metadata(padded), budget)
+
+    @torch.inference_mode()
+    def capture(self) -> CaptureReport:
+        """Captures every budget, the largest first, into one memory pool. A budget whose capture
+        fails is dropped (logged): its batches go to a larger budget or run eagerly."""
+        started = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_reserved(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        failed = []
+        for budget in sorted(self.budgets, reverse=True):
+            try:
+                entry = self._static(budget)
+                # Outside the capture first: kernels compile, libraries build their plans and graphs.
+                self.forward.run(entry.pixels, entry.staged)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: other threads of the server (request handlers pinning host memory)
+                # may keep making CUDA calls while this one captures.
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    entry.out = self.forward.run(entry.pixels, entry.staged)
+                entry.graph = graph
+                self._graphs[budget] = entry
+            except Exception as exc:  # a kernel that cannot be captured at this budget
+                log.warning("CUDA graph capture at %d patches failed; that budget runs eagerly: %s: %s",
+                            budget, type(exc).__name__, exc)
+                failed.append(f"{budget}: {type(exc).__name__}: {exc}")
+        torch.cuda.synchronize(self.device)
+        self.report = CaptureReport(self.captured, time.perf_counter() - started,
+                                    torch.cuda.memory_reserved(self.device) - before, tuple(failed))
+        return self.report
+
+    def static_buffers(self) -> None:
+        """Every budget's buffers without a capture: ``run`` then runs the forward eagerly on them,
+        so the padding and the buffers' refresh can be exercised where graphs cannot (the CPU)."""
+        for budget in self.budgets:
+            self._graphs[budget] = self._static(budget)
+
+    def _static(self, budget: int) -> _Graph:
+        pixels = torch.zeros(budget, self.patch_dim, dtype=self.dtype, device=self.device)
+        staged = self.forward.stage(self._padded([], 0, budget))
+        return _Graph(budget, pixels, staged)
+
+    def run(self, pixels: torch.Tensor, grids: Sequence[Grid], rows: int) -> torch.Tensor | None:
+        """The batch's ``rows`` output rows from the smallest captured budget that holds it, or None
+        (run it eagerly). ``pixels``: [patches, patch_dim] on the device in the model's dtype."""
+        patches = int(pixels.shape[0])
+        for budget in self.budgets:
+            entry = self._graphs.get(budget)
+            if budget < patches or entry is None:
+                continue
+            try:
+                fresh = self.forward.stage(self._padded(grids, patches, budget))
+                if entry.graph is not None:
+                    copy_into(entry.staged, fresh)
+            except (NotStatic, ValueError):  # more sequences than this budget holds: a larger one may
+                continue
+            entry.pixels[:patches].copy_(pixels)
+            if entry.graph is not None:
+                entry.graph.replay()
+                out = entry.out
+            else:  # static_buffers(): the padded forward, eagerly, on the staged metadata as it came
+                out = self.forward.run(entry.pixels, fresh)
+            self.replays += 1
+            # A fresh tensor: the buffer is overwritten by the next replay, and callers keep this one.
+            return out[:rows].clone()
+        self.eager += 1
+        return None

@@ -41,7 +41,7 @@ class ServedModel(Protocol):
     device: torch.device
     attn_backend: str
     decode_backend: str  # where images decode: pillow (CPU) or nvjpeg (this device)
-    # Batch compositions replayed as CUDA graphs (models/cuda_graphs.py), or None.
+    # Forwards replayed as CUDA graphs at token budgets (models/cuda_graphs.py), or None.
     graphs: object | None
 
     def front(self) -> ModelFront:
@@ -53,8 +53,11 @@ class ServedModel(Protocol):
     def encode_inputs_async(self, inputs: Sequence[StagedInput]) -> PendingBatch:
         """Enqueues a batch (device preprocessing and forward) without a host sync."""
 
-    def set_cuda_graphs(self, capacity: int) -> None:
-        """Keep up to ``capacity`` batch compositions as CUDA graphs (0: none)."""
+    def set_cuda_graphs(self, budgets: Sequence[int]) -> None:
+        """Forwards at these token budgets as CUDA graphs (none where empty or not on CUDA)."""
+
+    def capture_cuda_graphs(self) -> object | None:
+        """Captures them (start-up, after the warm-up); what it took, or None without graphs."""
 
     def set_decode(self, name: str) -> None:
         """``pillow`` or ``nvjpeg`` (JPEGs decode on the device); raises where it cannot run."""

@@ -23,6 +23,7 @@ as before; the same rule holds for patches a client sends.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,8 +35,9 @@ from torch import nn
 from ...attention import AttentionBackend
 from ...device import host_to_device
 from ...errors import InvalidInput
-from ...metadata import SpatialConfig
+from ...metadata import SpatialConfig, pad_attention
 from ..base import Decoder, Grid, ModelSpec, VisionModel, validate_batch
+from ..cuda_graphs import GraphForward, full_capacity
 from ..layers import activation, patch_conv_as_linear
 from ..loader import FromImageFile
 from .metadata import RasterBatchMetadata, bicubic_resample_matrix, build_raster_metadata, expand_clips
@@ -302,26 +304,44 @@ class KimiK25VisionTower(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, meta: RasterBatchMetadata, backend: AttentionBackend
                 ) -> torch.Tensor:
-        device = pixel_values.device
-        position_ids = host_to_device(meta.position_ids, device)
-        pool_index = host_to_device(meta.pool.index, device)
-        prepared = backend.prepare(meta.attention)
+        return self.run(pixel_values, self.stage(meta, backend, pixel_values.device), backend)
 
+    def stage(self, meta: RasterBatchMetadata, backend: AttentionBackend, device: torch.device) -> Staged:
+        """What depends on the batch's grids: host-to-device copies, the attention plan and the
+        position table resampled to each grid (device work, eager: a graph replays only ``run``)."""
+        pool = meta.pool
+        frames = host_to_device(pool.frames, device) if pool.max_frames > 1 else None
+        return Staged(host_to_device(meta.position_ids, device), host_to_device(pool.index, device), frames,
+                      pool.max_frames, self.position_embedding(meta.grids), backend.prepare(meta.attention))
+
+    def run(self, pixel_values: torch.Tensor, staged: Staged, backend: AttentionBackend) -> torch.Tensor:
+        """The forward on staged metadata: device work only."""
         tower = self.vision_tower
         x = tower.patch_embed(pixel_values)
-        x = x + self.position_embedding(meta.grids).to(x.dtype)
-        cos, sin = self.rotary(position_ids)
+        x = x + staged.position_embedding.to(x.dtype)
+        cos, sin = self.rotary(staged.position_ids)
         for block in tower.encoder.blocks:
-            x = block(x, cos, sin, backend, prepared)
+            x = block(x, cos, sin, backend, staged.plan)
         x = tower.encoder.final_layernorm(x)
 
-        if meta.pool.max_frames == 1:
-            slots = x[pool_index[:, 0]]  # images only: the merger is a pure reordering
+        if staged.max_frames == 1:
+            slots = x[staged.pool_index[:, 0]]  # images only: the merger is a pure reordering
         else:
-            frames = host_to_device(meta.pool.frames, device).to(x.dtype)
             padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
-            slots = padded[pool_index].sum(dim=1) / frames[:, None]
+            slots = padded[staged.pool_index].sum(dim=1) / staged.pool_frames.to(x.dtype)[:, None]
         return self.mm_projector(slots)
+
+
+@dataclass
+class Staged:
+    """A batch's metadata on the device (``KimiK25VisionTower.stage``)."""
+
+    position_ids: torch.Tensor  # int64 [patches, 2]
+    pool_index: torch.Tensor  # int64 [slots, max_frames]
+    pool_frames: torch.Tensor | None  # float32 [slots], clips only
+    max_frames: int
+    position_embedding: torch.Tensor  # [patches, hidden] in the table's dtype
+    plan: Any  # the backend's plan for one sequence per image
 
 
 class KimiK25VisionModel(VisionModel):
@@ -408,10 +428,27 @@ class KimiK25VisionModel(VisionModel):
         if pixel_values.ndim == 4:
             pixel_values = pixel_values.reshape(pixel_values.shape[0], -1)
         chunks, counts = expand_clips(self.validate(pixel_values, grids), self.spec.frames_per_chunk)
-        meta = build_raster_metadata(chunks, self.spatial)
-        x = self._pixels_to_device(pixel_values)
-        per_chunk, tokens, start = meta.tokens_per_image, [], 0
+        # A chunk's rows: one per merged token of a frame (its frames are pooled).
+        per_chunk, tokens, start = [h * w // self.spatial.merge_unit for _, h, w in chunks], [], 0
         for n in counts:  # each item's rows: its chunks' rows, in order
             tokens.append(sum(per_chunk[start:start + n]))
             start += n
-        return self.module(x.to(self.dtype), meta, self.backend), tuple(tokens)
+        x = self._pixels_to_device(pixel_values).to(self.dtype)
+        replayed = self._replayed(x, chunks, tuple(tokens))
+        if replayed is not None:
+            return replayed
+        meta = build_raster_metadata(chunks, self.spatial)
+        return self.module(x, meta, self.backend), tuple(tokens)
+
+    def graph_forward(self, backend) -> GraphForward:
+        """Token budgets' graphs of images: one pattern, ``full_capacity`` images of up to the budget.
+        A clip's pooling over its frames changes the merger's shape: batches with one run eagerly."""
+        spatial, module = self.spatial, self.module
+
+        def pad(meta: RasterBatchMetadata, budget: int) -> RasterBatchMetadata:
+            return dataclasses.replace(meta, attention=pad_attention(meta.attention, full_capacity(budget), budget))
+
+        return GraphForward(metadata=lambda grids: build_raster_metadata(grids, spatial), pad=pad,
+                            stage=lambda meta: module.stage(meta, backend, self.device),
+                            run=lambda pixels, staged: module.run(pixels, staged, backend),
+                            merge=spatial.spatial_merge_size)

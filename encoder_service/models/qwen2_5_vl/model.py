@@ -7,6 +7,7 @@ state dict loads as is after stripping ``visual.`` / ``model.visual.``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,18 +19,16 @@ from torch import nn
 
 from ...attention import AttentionBackend
 from ...device import host_to_device
-from ...metadata import BatchMetadata, SpatialConfig, build_metadata
+from ...metadata import BatchMetadata, SpatialConfig, build_metadata, pad_attention
 from ...ops import AUTO, OpsSelection, OpTarget, select_ops
 from ...preprocess.settings import check_patch_layout
 from ..base import ModelSpec, VisionModel
+from ..cuda_graphs import GraphForward, full_capacity
 from ..layers import RMSNorm
 from . import folded
 from .processor import Qwen2VLProcessorHooks
 
 MODEL_TYPE = "qwen2_5_vl"
-# Batch compositions kept as CUDA graphs (models/cuda_graphs.py). Off by default: under real traffic
-# compositions rarely repeat, and captures cost more than replays save (bench/RESULTS.md).
-DEFAULT_GRAPHS = 0
 # The fused operations the blocks ask the ops layer for (folded.run_blocks), never a kernel by name.
 OPS = ("window_attention", "rms_scale", "gated_mlp")
 
@@ -217,8 +216,8 @@ class Qwen2_5_VisionTower(nn.Module):
     def stage(self, meta: BatchMetadata, backend: AttentionBackend, device: torch.device, dtype: torch.dtype
               ) -> Staged:
         """Every host->device copy of the batch's metadata and every attention plan, once, without a
-        sync. What ``run`` reads depends only on the batch's grids, so a staged batch can be reused
-        for another batch of the same grids (models/cuda_graphs.py)."""
+        sync. What ``run`` reads depends only on the batch's grids (a graph replays ``run`` on the
+        staged metadata of each batch, copied into its buffers: models/cuda_graphs.py)."""
         return Staged(host_to_device(meta.window_index, device), host_to_device(meta.reverse_window_index, device),
                       host_to_device(meta.position_ids, device), backend.prepare(meta.full),
                       self.ops.prepare_windows(meta.window, backend, device))
@@ -254,9 +253,6 @@ class Qwen2_5_VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
         check_patch_layout(self.video_config, cfg, model_id, "video processor")
         super().__init__(cfg, module, device=device, dtype=dtype, attn_backend=attn_backend, ops=ops)
         module.ops = self.ops
-        # Whole forwards as CUDA graphs, per batch composition (models/cuda_graphs.py), where the
-        # backend's plans can be captured; set_cuda_graphs(0) turns them off.
-        self.set_cuda_graphs(DEFAULT_GRAPHS)
         self.spatial = SpatialConfig(cfg.spatial_merge_size, cfg.patch_size, cfg.window_size)
         self.spec = ModelSpec(
             model_id=model_id, model_type=MODEL_TYPE, hidden_size=cfg.out_hidden_size,
@@ -279,24 +275,29 @@ class Qwen2_5_VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
                         intermediate_size=self.module.blocks[0].down_w.shape[1], activation=cfg.hidden_act,
                         window_tokens=windows * windows * cfg.spatial_merge_size**2)
 
-    def set_cuda_graphs(self, capacity: int) -> None:
-        """Keep up to ``capacity`` batch compositions as CUDA graphs (0: none). CUDA only, and only
-        with a backend whose plans stay valid for replays (``graph_safe``)."""
-        from ..cuda_graphs import GraphCache
+    def graph_forward(self, backend) -> GraphForward:
+        """Token budgets' graphs: the full-attention pattern holds ``full_capacity`` frames of up to
+        the budget; the window pattern one window per merged token at most, each of up to a window."""
+        spatial, module = self.spatial, self.module
+        window_tokens = spatial.window_blocks ** 2 * spatial.merge_unit
 
-        usable = self.device.type == "cuda" and self.backend.graph_safe
-        self.graphs = GraphCache(capacity) if usable and capacity > 0 else None
+        def pad(meta: BatchMetadata, budget: int) -> BatchMetadata:
+            return dataclasses.replace(
+                meta, full=pad_attention(meta.full, full_capacity(budget), budget),
+                window=pad_attention(meta.window, budget // spatial.merge_unit, window_tokens))
+
+        return GraphForward(metadata=lambda grids: build_metadata(grids, spatial), pad=pad,
+                            stage=lambda meta: module.stage(meta, backend, self.device, self.dtype),
+                            run=lambda pixels, staged: module.run(pixels, staged, backend),
+                            merge=spatial.spatial_merge_size)
 
     @torch.inference_mode()
     def encode_packed(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]
                       ) -> tuple[torch.Tensor, tuple[int, ...]]:
         checked = self.validate(pixel_values, grids)
         x = self._pixels_to_device(pixel_values).to(self.dtype)
-        if self.graphs is None:
-            meta = build_metadata(checked, self.spatial)
-            return self.module(x, meta, self.backend), meta.tokens_per_image
-        key = tuple(tuple(g) for g in checked)
-        out = self.graphs.run(
-            key, x, lambda: self.module.stage(build_metadata(checked, self.spatial), self.backend, x.device, x.dtype),
-            lambda pixels, staged: self.module.run(pixels, staged, self.backend))
-        return out, tuple(self.num_tokens(g) for g in checked)
+        replayed = self._replayed(x, checked, tuple(self.num_tokens(g) for g in checked))
+        if replayed is not None:
+            return replayed
+        meta = build_metadata(checked, self.spatial)
+        return self.module(x, meta, self.backend), meta.tokens_per_image

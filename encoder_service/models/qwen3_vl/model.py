@@ -8,14 +8,17 @@ wide (``ModelSpec.feature_levels``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from ...errors import InvalidInput
+from ...metadata import pad_attention
 from ...preprocess.settings import check_patch_layout
 from ..base import Grid, ModelSpec, VisionModel, validate_batch
+from ..cuda_graphs import GraphForward, full_capacity
 from ..qwen2_5_vl.processor import Qwen2VLProcessorHooks
 from .config import Qwen3VLVisionConfig
 from .metadata import Qwen3VLBatchMetadata, build_qwen3_vl_metadata
@@ -71,11 +74,27 @@ class Qwen3VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
         cfg = self.cfg
         return build_qwen3_vl_metadata(grids, cfg.spatial_merge_size, cfg.patch_size, cfg.num_grid_per_side)
 
+    def graph_forward(self, backend) -> GraphForward:
+        """Token budgets' graphs: one pattern, ``full_capacity`` frames of up to the budget."""
+        module = self.module
+
+        def pad(meta: Qwen3VLBatchMetadata, budget: int) -> Qwen3VLBatchMetadata:
+            return dataclasses.replace(meta, attention=pad_attention(meta.attention, full_capacity(budget), budget))
+
+        return GraphForward(metadata=self.metadata, pad=pad,
+                            stage=lambda meta: module.stage(meta, backend, self.device),
+                            run=lambda pixels, staged: module.run(pixels, staged, backend),
+                            merge=self.cfg.spatial_merge_size)
+
     @torch.inference_mode()
     def encode_packed(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]
                       ) -> tuple[torch.Tensor, tuple[int, ...]]:
-        meta = self.metadata(self.validate(pixel_values, grids))
+        checked = self.validate(pixel_values, grids)
         x = self._pixels_to_device(pixel_values).to(self.dtype)
+        replayed = self._replayed(x, checked, tuple(self.num_tokens(g) for g in checked))
+        if replayed is not None:
+            return replayed
+        meta = self.metadata(checked)
         return self.module(x, meta, self.backend), meta.tokens_per_image
 
 

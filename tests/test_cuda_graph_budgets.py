@@ -1,0 +1,139 @@
+"""CUDA graphs at token budgets (models/cuda_graphs.py): what can be held on the CPU. The capture
+itself needs a GPU (tests/test_gpu.py replays every family against its eager forward); here the
+ladder, the filler, the padded attention patterns, the refresh of a graph's buffers, and the padded
+forward of every family against its eager one (float32, tiny random-weight presets)."""
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from encoder_service.attention import RaggedOnly
+from encoder_service.config_flags import build_config
+from encoder_service.metadata import attention_metadata, check_grids, pad_attention
+from encoder_service.models import load_vision_model
+from encoder_service.models.cuda_graphs import (
+    BudgetGraphs,
+    NotStatic,
+    copy_into,
+    filler_grid,
+    full_capacity,
+    ladder,
+    resolve_budgets,
+)
+from encoder_service.models.registry import families
+
+TINY = [p.name for f in families() for p in f.presets if p.name.startswith("tiny-")]
+
+
+def test_the_default_ladder_steps_by_half_or_a_third_and_ends_at_its_top():
+    assert ladder(16384) == (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+    assert ladder(5000) == (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 5000)
+    assert resolve_budgets(None, 16384, 4) == ladder(16384)
+    assert resolve_budgets(None, 4002, 4)[-1] == 4000  # the top rounded down to the merge unit
+    assert resolve_budgets((4096, 1024), 16384, 4) == (1024, 4096)
+
+
+@pytest.mark.parametrize("budgets", [(100,), (1026,), (32768,)])
+def test_budgets_asked_for_must_be_whole_merge_units_within_the_largest_batch(budgets):
+    with pytest.raises(ValueError, match="multiple of 4 patches"):
+        resolve_budgets(budgets, 16384, 4)
+
+
+@pytest.mark.parametrize(("value", "budgets"), [("auto", None), ("off", ()), ("4096,1024", (1024, 4096))])
+def test_the_flag_reads_auto_off_or_budgets(value, budgets):
+    assert build_config(environ={"ENCODER_SERVICE_CUDA_GRAPHS": value}).cuda_graph_budgets == budgets
+
+
+@pytest.mark.parametrize("patches", [4, 8, 36, 4 * 97, 1000, 5184 - 1024])
+def test_the_filler_is_one_legal_frame_of_exactly_the_missing_patches(patches):
+    t, h, w = filler_grid(patches, 2)
+    assert (t, h * w) == (1, patches)
+    check_grids([(t, h, w)], 2)  # sides are multiples of the merge size
+    assert h <= w
+
+
+def test_a_padded_pattern_has_the_budgets_shape_and_the_same_sequences():
+    meta = attention_metadata([16, 4, 64])
+    padded = pad_attention(meta, 6, 128)
+    assert padded.cu_seqlens.tolist() == [0, 16, 20, 84, 84, 84, 84]
+    assert padded.max_seqlen == 128 and padded.total_tokens == 84
+    assert padded.sequence_lengths.tolist() == [16, 4, 64, 0, 0, 0, 0, 0]  # bucketed to 8, as cuDNN's
+    with pytest.raises(ValueError, match="3 sequences of up to 64 tokens do not fit 2"):
+        pad_attention(meta, 2, 128)
+    with pytest.raises(ValueError, match="do not fit 6 of up to 32"):
+        pad_attention(meta, 6, 32)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    cu: torch.Tensor
+    max_seqlen: int
+
+
+def test_a_graphs_buffers_are_refreshed_in_place_and_a_mismatch_is_refused():
+    static = (torch.zeros(3), _Plan(torch.zeros(4, dtype=torch.int32), 64), [torch.zeros(2)])
+    buffers = (static[0], static[1].cu, static[2][0])
+    copy_into(static, (torch.ones(3), _Plan(torch.arange(4, dtype=torch.int32), 64), [torch.full((2,), 2.0)]))
+    assert (static[0], static[1].cu, static[2][0]) == buffers  # the same storage the graph reads
+    assert static[0].tolist() == [1, 1, 1] and static[1].cu.tolist() == [0, 1, 2, 3] and static[2][0].tolist() == [2, 2]
+    with pytest.raises(NotStatic, match="64 gets 128"):  # a host int baked into a launch
+        copy_into(static, (torch.ones(3), _Plan(torch.arange(4, dtype=torch.int32), 128), [torch.zeros(2)]))
+    with pytest.raises(NotStatic, match=r"\(3,\) torch.float32 gets torch.Size\(\[4\]\)"):
+        copy_into(static, (torch.ones(4), static[1], static[2]))
+    with pytest.raises(NotStatic, match="float32 gets"):
+        copy_into(static, (torch.ones(3, dtype=torch.float64), static[1], static[2]))
+
+
+def test_the_largest_budget_holds_a_few_sequences_per_slot_and_every_budget_sixteen():
+    assert full_capacity(256) == 17 and full_capacity(16384) == 65
+
+
+def _budget_graphs(model, budgets):
+    graphs = BudgetGraphs(model.graph_forward(RaggedOnly(model.backend)), budgets, patch_dim=model.spec.patch_dim,
+                          device=model.device, dtype=model.dtype)
+    graphs.static_buffers()  # no capture on the CPU: the forward runs eagerly on the budgets' buffers
+    return graphs
+
+
+BATCHES = {
+    "one image, no filler": [[1, 16, 16]],
+    "one image and a filler": [[1, 10, 14]],
+    "several images": [[1, 6, 8], [1, 12, 4], [1, 2, 2]],
+    "a clip and an image": [[2, 8, 8], [1, 4, 6]],
+}
+
+
+@pytest.mark.parametrize("preset", TINY)
+def test_a_batch_padded_to_its_budget_gives_every_image_its_eager_embedding(preset):
+    model = load_vision_model(preset)
+    graphs = _budget_graphs(model, [256, 384])
+    rng = np.random.default_rng(0)
+    for name, grids in BATCHES.items():
+        pixels = torch.from_numpy(rng.standard_normal((sum(t * h * w for t, h, w in grids), model.spec.patch_dim),
+                                                      dtype=np.float32))
+        eager, tokens = model.encode_packed(pixels, grids)
+        replayed = graphs.run(pixels, [tuple(g) for g in grids], sum(tokens))
+        assert replayed is not None, name
+        assert replayed.shape == eager.shape, name
+        torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5, msg=name)
+    assert graphs.replays == len(BATCHES)
+
+
+@pytest.mark.parametrize("preset", TINY)
+def test_a_batch_that_fits_no_budget_is_left_to_the_eager_forward(preset):
+    model = load_vision_model(preset)
+    graphs = _budget_graphs(model, [256])
+    too_many_patches = [[1, 16, 18]]
+    too_many_frames = [[1, 2, 2]] * 17  # 17 sequences and the filler's: one more than 256 holds
+    for grids in (too_many_patches, too_many_frames):
+        pixels = torch.zeros(sum(t * h * w for t, h, w in grids), model.spec.patch_dim)
+        assert graphs.run(pixels, [tuple(g) for g in grids], 1) is None
+    assert (graphs.replays, graphs.eager) == (0, 2)
+
+
+def test_the_model_on_the_cpu_keeps_no_graphs():
+    model = load_vision_model("tiny-qwen2.5-vl")
+    model.set_cuda_graphs(ladder(1024))
+    assert model.graphs is None and model.capture_cuda_graphs() is None
