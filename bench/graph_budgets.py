@@ -2,7 +2,7 @@
 
     python bench/graph_budgets.py --presets qwen2.5-vl-7b,qwen3-vl-8b,kimi-k2.5 --out graphs.json
 
-Each preset loads as the server loads it with no flags (random bf16 weights of the full-size preset,
+Each preset loads as the server loads it in bf16 and no other flag (random weights of the full-size preset,
 ``engine.loading.load_model`` with a default ``ServiceConfig`` on cuda: its attention backend, its
 fused operations, its default ladder), runs the server's warm-up and captures the ladder (seconds
 and GPU memory reported). Then for each case (images of one size, the grids the processor makes of
@@ -55,8 +55,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def run_preset(preset: str, iters: int) -> dict:
-    config = ServiceConfig(model=preset, device="cuda")
+def run_preset(preset: str, iters: int, attn_backend: str = "auto") -> dict:
+    config = ServiceConfig(model=preset, device="cuda", dtype="bfloat16", attn_backend=attn_backend)
     t0 = time.perf_counter()
     model = load_model(config)
     load_s = time.perf_counter() - t0
@@ -103,13 +103,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", default="qwen2.5-vl-7b")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--attn-backend", default="auto", help="the server's --attn-backend")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
               "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv), "presets": []}
     for preset in args.presets.split(","):
         try:
-            result["presets"].append(run_preset(preset.strip(), args.iters))
+            result["presets"].append(run_preset(preset.strip(), args.iters, args.attn_backend))
         except Exception as exc:  # one failing preset must not lose the others
             print(f"{preset}: FAILED {type(exc).__name__}: {exc}", flush=True)
             result["presets"].append({"preset": preset, "error": f"{type(exc).__name__}: {exc}"})

@@ -219,7 +219,8 @@ class ServiceConfig:
         "on CUDA: forwards replayed as CUDA graphs captured at start-up, one per token budget; a "
         "batch runs in the smallest budget that holds it, padded with a filler image that changes "
         "no real image's output. auto: a ladder of budgets from 256 patches up (each 1.5x or 2x "
-        "the last) to 16384 or --max-batch-tokens; off: every forward eager; or budgets in "
+        "the last) to 3072 (a 672x672 image: above it replays measured slower than eager "
+        "forwards) or --max-batch-tokens; off: every forward eager; or budgets in "
         "patches, comma-separated (e.g. 1024,4096). Larger batches run eagerly. The start-up log "
         "says what the capture took (seconds, GPU memory).")
     # auto, pil, torch

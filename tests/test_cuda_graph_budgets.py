@@ -30,8 +30,8 @@ TINY = [p.name for f in families() for p in f.presets if p.name.startswith("tiny
 def test_the_default_ladder_steps_by_half_or_a_third_and_ends_at_its_top():
     assert ladder(16384) == (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
     assert ladder(5000) == (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 5000)
-    assert resolve_budgets(None, 16384, 4) == ladder(16384)
-    assert resolve_budgets(None, 4002, 4)[-1] == 4000  # the top rounded down to the merge unit
+    assert resolve_budgets(None, 16384, 4) == ladder(3072) == (256, 384, 512, 768, 1024, 1536, 2048, 3072)
+    assert resolve_budgets(None, 2002, 4)[-1] == 2000  # a smaller largest batch, rounded down to the merge unit
     assert resolve_budgets((4096, 1024), 16384, 4) == (1024, 4096)
 
 

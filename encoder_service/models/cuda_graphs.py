@@ -49,9 +49,13 @@ Grid = tuple[int, int, int]
 
 # The ladder's bottom: a 224x224 image is 256 patches; smaller batches are padded up to it.
 LADDER_BOTTOM = 256
-# The default ladder's top (patches): set from the eager-against-replayed measurement of
-# bench/RESULTS.md; batches above it run eagerly.
-DEFAULT_TOP = 16384
+# The default ladder's top (patches), chosen by measurement (bench/graph_budgets.py, bench/RESULTS.md,
+# 2026-11-28, Qwen2.5-VL-7B on an H100, FlashInfer's cuDNN attention): replays beat the eager forward
+# up to a 672x672 image (2304 patches in the 3072 budget: 14.7 against 18.4 ms; 448x448: 6.0 against
+# 18.9 ms) and lose from 4096 patches on (4 x 448x448: 18.1 against 14.7 ms; 1008x1008: 28.0 against
+# 18.5 ms), where the eager forward is no longer launch-bound and the padded attention's slots cost
+# more than the launches saved. Batches above it run eagerly.
+DEFAULT_TOP = 3072
 
 
 class NotStatic(Exception):
