@@ -87,8 +87,8 @@ class ServiceConfig:
         "is cut into parts of whole time steps, one forward each (see --max-video-patches).",
         at_least=1)
     max_queue_images: int = option(256,
-        "most images admitted and waiting for a forward pass; a request that "
-        "would exceed it is rejected at once with RESOURCE_EXHAUSTED.",
+        "most items admitted and waiting for a forward pass, an image or a clip counting one "
+        "each; a request that would exceed it is rejected at once with RESOURCE_EXHAUSTED.",
         at_least=1)
     max_message_bytes: int = option(64 * MiB,
         "largest gRPC message accepted or sent, in bytes (RESOURCE_EXHAUSTED over it).",
@@ -163,8 +163,8 @@ class ServiceConfig:
         f"a request may ask for less, down to {MIN_CHUNK_BYTES}.",
         at_least=MIN_CHUNK_BYTES)
     max_images_per_request: int = option(256,
-        "most images (pixels, patches or content-hash references) in one Encode "
-        "request; more is INVALID_ARGUMENT. Bounds what one request can make "
+        "most items (images and clips, as bytes, pixels, patches or content-hash references, "
+        "each counting one) in one Encode request; more is INVALID_ARGUMENT. Bounds what one request can make "
         "the server hold and send.",
         at_least=1)
     batch_wait_ms: float = option(0.0,

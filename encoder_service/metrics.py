@@ -141,13 +141,15 @@ class ServiceMetrics:
 
         # --- images and the device (engine/) -----------------------------------------------------
         self.images = Counter(
-            "encoder_service_images", "Images received in requests, by input kind and served model.",
+            "encoder_service_images", "Items received in requests (images, and clips: source=\"video\"), by "
+            "input kind and served model.",
             ["source", "model"], registry=r)
         self.forward_batches = Counter(
             "encoder_service_forward_batches", "Forward passes of the vision tower (one per batch, warm-up "
             "excluded), by device.", ["device"], registry=r)
         self.images_encoded = Counter(
-            "encoder_service_images_encoded", "Images that went through a forward pass, by device.", ["device"],
+            "encoder_service_images_encoded", "Items that went through a forward pass (images, clips and parts of "
+            "clips, each one), by device.", ["device"],
             registry=r)
         self.patches_encoded = Counter(
             "encoder_service_patches_encoded", "Patches (ViT input tokens) that went through a forward pass.",
@@ -165,19 +167,20 @@ class ServiceMetrics:
             "encoder_service_video_decode_seconds", "Decode, sampling and processing time of one clip.",
             buckets=LATENCY_BUCKETS_S, registry=r)
         self.inflight_joins = Counter(
-            "encoder_service_inflight_joins", "Images that joined a forward already under way for the same "
-            "content.", registry=r)
+            "encoder_service_inflight_joins", "Items (images or clips) that joined a forward already under way for "
+            "the same content.", registry=r)
         self.images_abandoned = Counter(
-            "encoder_service_images_abandoned", "Images dropped before their forward because every request "
-            "waiting for them went away (cancelled, deadline, failed): work not done.", registry=r)
+            "encoder_service_images_abandoned", "Items (images or clips) dropped before their forward because "
+            "every request waiting for them went away (cancelled, deadline, failed): work not done.", registry=r)
         self.queue_images = Gauge(
-            "encoder_service_queue_images", "Images admitted and waiting for a forward pass (bounded by "
-            "--max-queue-images).", registry=r)
+            "encoder_service_queue_images", "Items admitted and waiting for a forward pass, an image or a clip "
+            "each (bounded by --max-queue-images).", registry=r)
         self.queue_capacity_images = Gauge(
             "encoder_service_queue_capacity_images", "--max-queue-images: beyond it a request is "
             "RESOURCE_EXHAUSTED.", registry=r)
         self.queue_seconds = Histogram(
-            "encoder_service_queue_seconds", "Time an image waited between admission and its forward.",
+            "encoder_service_queue_seconds", "Time an item (image or clip) waited between admission and its "
+            "forward.",
             buckets=LATENCY_BUCKETS_S, registry=r)
         self.preprocess_seconds = Histogram(
             "encoder_service_preprocess_seconds", "Decode + patchify time of one encoded image.",
@@ -194,8 +197,8 @@ class ServiceMetrics:
             "encoder_service_batch_tokens", "Patches (ViT input tokens, what --max-batch-tokens bounds) per "
             "forward pass, by device.", ["device"], buckets=BATCH_TOKEN_BUCKETS, registry=r)
         self.batch_images = Histogram(
-            "encoder_service_batch_images", "Images per forward pass, by device.", ["device"],
-            buckets=BATCH_IMAGE_BUCKETS, registry=r)
+            "encoder_service_batch_images", "Items per forward pass (images, clips or parts of clips), by "
+            "device.", ["device"], buckets=BATCH_IMAGE_BUCKETS, registry=r)
         self.workers_up = Gauge(
             "encoder_service_workers_up", "1 while the device's worker is loaded and serving, 0 while it is "
             "down or restarting, by device. The node serves while any is 1.", ["device"], registry=r)
@@ -209,9 +212,9 @@ class ServiceMetrics:
 
         # --- the embedding cache (engine/cache.py) ------------------------------------------------
         self.cache_hits = Counter(
-            "encoder_service_cache_hits", "Images served from the embedding cache.", registry=r)
+            "encoder_service_cache_hits", "Items (images or clips) served from the embedding cache.", registry=r)
         self.cache_misses = Counter(
-            "encoder_service_cache_misses", "Images that needed a new forward pass.", registry=r)
+            "encoder_service_cache_misses", "Items (images or clips) that needed a new forward pass.", registry=r)
         self.cache_evictions = Counter(
             "encoder_service_cache_evictions", "Cache entries evicted to make room (LRU by bytes).", registry=r)
         self.cache_entries = Gauge(
