@@ -1,17 +1,15 @@
 """How large an item may be, and a clip larger than one forward: cut into parts of whole time steps
 (``ModelSpec.split_unit``: steps that attend only within themselves, so the parts' rows concatenated
-equal one forward's), one WorkItem each, their embeddings gathered on the job. Lives on the event
-loop, beside engine.py, which calls it."""
+equal one forward's), one WorkItem each, their embeddings gathered by the job's ``ClipParts``
+(engine/jobs.py). Lives on the event loop, beside engine.py, which calls it."""
 
 from __future__ import annotations
-
-import torch
 
 from ..config import ServiceConfig
 from ..errors import ResourceExhausted
 from ..models.base import ModelFront
 from ..preprocess.staged import clip_part
-from .batch_queue import BatchQueue, WorkItem
+from .batch_queue import WorkItem
 from .jobs import Job
 from .types import Grid
 
@@ -51,23 +49,3 @@ def work_items(job: Job, front: ModelFront, budget: int) -> list[WorkItem]:
                      (min(start + steps, t) - start, h, w), job, part=n)
             for n, start in enumerate(range(0, t, steps))]
 
-
-def withdraw_parts(job: Job, queue: BatchQueue) -> None:
-    """A split clip nobody waits for, or one of whose parts failed: its parts not yet taken leave the
-    queue; those a worker took run and are ignored (the job is no longer running)."""
-    for item in job.items:
-        queue.remove(item)
-    job.parts = []
-
-
-def gather(job: Job, item: WorkItem, embedding: torch.Tensor) -> torch.Tensor | None:
-    """One item's embedding: the job's whole embedding once every part has come back (the parts' rows in
-    order), else None."""
-    if len(job.items) < 2:
-        return embedding
-    job.parts.append((item.part, embedding))
-    if len(job.parts) < len(job.items):
-        return None
-    whole = torch.cat([e for _, e in sorted(job.parts, key=lambda p: p[0])])
-    job.parts = []
-    return whole

@@ -34,11 +34,11 @@ from ..preprocess.staged import StagedInput, check_patch_bytes
 from .admission import Admission
 from .batch_queue import BatchQueue, WorkItem
 from .cache import CacheEntry, EmbeddingCache
-from .clip_parts import check_size, gather, withdraw_parts, work_items
+from .clip_parts import check_size, work_items
 from .devices_pool import InProcessDevice, WorkerProcesses
 from .facts import PixelLimits, model_info
 from .fair_slots import Caller
-from .jobs import Job, Wait, await_prepared, completed, detached, image_result
+from .jobs import ClipParts, Job, JobState, Wait, await_prepared, completed, detached, image_result
 from .keys import content_keys
 from .preparation import EXPENSIVE, PreparePools
 from .types import Grid, ImageInput, ImageResult
@@ -115,7 +115,7 @@ class Engine:
             self._watch_task.cancel()
         for item in self._queue.close():
             job: Job = item.job
-            job.state = "failed"
+            job.state = JobState.FAILED
             self._inflight.pop(job.key, None)
             if not job.done.done():
                 job.done.set_exception(Unavailable("server is shutting down"))
@@ -285,8 +285,8 @@ class Engine:
             else:
                 payload = await self._pools.prepared(self._prepare_sync, image, self.pixel_limits.ordinary, caller)
         except Exception as exc:
-            if job.state == "preparing":
-                job.state = "failed"
+            if job.state is JobState.PREPARING:
+                job.state = JobState.FAILED
                 self._drop(job)  # a later request for the same bytes gets its own attempt
             job.prepared.set_exception(detached(exc))
             return
@@ -296,9 +296,9 @@ class Engine:
         elif job.clip is not None:
             self.metrics.video_decode_seconds.observe(job.timing.preprocess_ms / 1000.0)
             self.metrics.video_frames_decoded.inc(len(set(job.clip.indices)))
-        if job.state != "preparing":  # abandoned while it was being prepared
+        if job.state is not JobState.PREPARING:  # abandoned while it was being prepared
             return
-        job.payload, job.grid, job.state = payload, payload.grid, "prepared"
+        job.payload, job.grid, job.state = payload, payload.grid, JobState.PREPARED
         job.prepared.set_result(None)
 
     def _prepare_sync(self, image: ImageInput, expensive_pool: bool) -> StagedInput | object:
@@ -318,37 +318,38 @@ class Engine:
         return check_patch_bytes(image.data, image.patch_dtype, image.grid, self.front.spec.patch_dim)
 
     def _enqueue(self, job: Job) -> None:
-        if job.state != "prepared":
+        if job.state is not JobState.PREPARED:
             return  # already queued by another request, or further along
         if self._closed:
             raise Unavailable("server is draining")
-        job.items = work_items(job, self.front, self.config.max_batch_tokens)
+        job.parts = ClipParts(work_items(job, self.front, self.config.max_batch_tokens))
         job.payload = None  # the items hold it now; freed as soon as the forwards are done
-        job.state = "queued"
-        for item in job.items:
+        job.state = JobState.QUEUED
+        for item in job.parts.items:
             self._queue.put(item)
 
     def _leave(self, job: Job) -> None:
         """One waiting image slot is done with the job (streamed it, failed or was cancelled)."""
         job.refs -= 1
-        if job.state == "done":
+        if job.state is JobState.DONE:
             if job.stored:
                 self.cache.release(job.key)
             return
-        if job.refs > 0 or job.state in ("failed", "abandoned"):
+        if job.refs > 0 or job.state in (JobState.FAILED, JobState.ABANDONED):
             return
-        split = len(job.items) > 1
-        if job.state == "preparing" and job.task is not None:
+        split = job.parts.split
+        if job.state is JobState.PREPARING and job.task is not None:
             job.task.cancel()  # its decode stops: a waiting clip never starts, a running one at its next frame
-        if job.state == "running" and not split:
+        if job.state is JobState.RUNNING and not split:
             return  # its forward is under way; the result will still be cached
         # Nobody waits any more and no forward has taken it: drop it and free its slot.
-        if job.state == "queued" and not split and not self._queue.remove(job.items[0]):
+        if job.state is JobState.QUEUED and not split and not self._queue.remove(job.parts.items[0]):
             return  # the worker took it a moment ago; its result will still be cached
         if split:  # a clip over several forwards: the parts not yet taken are dropped, those taken ignored
-            withdraw_parts(job, self._queue)
-        job.state = "abandoned"
-        job.items, job.payload = [], None
+            job.parts.withdraw(self._queue)
+        job.state = JobState.ABANDONED
+        job.parts.release()
+        job.payload = None
         self.metrics.images_abandoned.inc()
         self._drop(job)
 
@@ -365,15 +366,14 @@ class Engine:
         now = time.perf_counter()
         for item in items:
             job: Job = item.job
-            if job.state == "queued":
-                job.state = "running"
+            if job.state is JobState.QUEUED:
+                job.state = JobState.RUNNING
                 job.timing.queue_ms = (now - item.enqueued_at) * 1000.0
                 self.metrics.queue_seconds.observe(now - item.enqueued_at)
-            elif job.state != "running":
+            elif job.state is not JobState.RUNNING:
                 continue
-            job.parts_started += 1
             # A split clip still waits while any part does: its slot goes with its last part.
-            if job.holds_slot and job.parts_started >= len(job.items):
+            if job.parts.start() and job.holds_slot:
                 job.holds_slot = False
                 self._admission.release()
 
@@ -390,26 +390,26 @@ class Engine:
             job: Job = item.job
             error = outcome.item_errors.get(i) or outcome.error
             embedding: torch.Tensor | None = next(embeddings) if error is None else None
-            if job.state in ("failed", "abandoned"):  # another part of this clip failed, or nobody waits
+            if job.state in (JobState.FAILED, JobState.ABANDONED):  # another part of this clip failed, or nobody waits
                 continue
             # A clip split over forwards: the forwards of its parts together.
-            job.timing.forward_ms = forward_ms + (job.timing.forward_ms if len(job.items) > 1 else 0.0)
+            job.timing.forward_ms = forward_ms + (job.timing.forward_ms if job.parts.split else 0.0)
             if error is None:
                 rows = int(embedding.shape[0])  # a shape: no device sync
-                embedding = gather(job, item, embedding)
+                embedding = job.parts.gather(item, embedding)
                 m.record_encoded(device, item.num_patches, rows, "video" if job.clip is not None else "image",
                                  complete=embedding is not None)
                 if embedding is None:
                     continue  # the clip's other parts are still to come
-            elif len(job.items) > 1:
-                withdraw_parts(job, self._queue)  # one part failed: the clip has failed, the others need not run
-            job.items = []
+            elif job.parts.split:
+                job.parts.withdraw(self._queue)  # one part failed: the clip has failed, the others need not run
+            job.parts.release()
             self._drop(job)  # out of the in-flight map; a split clip that failed early gives its slot back
             if error is not None:
-                job.state = "failed"
+                job.state = JobState.FAILED
                 job.done.set_exception(error)
                 continue
-            job.state = "done"
+            job.state = JobState.DONE
             # Pin once per request still waiting: each unpins after streaming it.
             job.stored = self.config.cache_bytes > 0 and self.cache.put(job.key, embedding, job.grid,
                                                                         pins=job.refs, clip=job.clip)

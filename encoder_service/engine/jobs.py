@@ -4,16 +4,83 @@ and of one request's image slot waiting for it. Lives on the event loop."""
 from __future__ import annotations
 
 import asyncio
+import enum
 import functools
 import traceback
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from ..errors import EncoderError, ResourceExhausted
 from ..preprocess.staged import StagedInput
-from .batch_queue import WorkItem
+from .batch_queue import BatchQueue, WorkItem
 from .cache import CacheEntry, EmbeddingCache
 from .types import ClipFrames, Grid, ImageInput, ImageResult, Timing
+
+
+class JobState(enum.Enum):
+    """Where a job is: PREPARING -> PREPARED -> QUEUED -> RUNNING -> DONE | FAILED | ABANDONED."""
+
+    PREPARING = "preparing"
+    PREPARED = "prepared"
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    ABANDONED = "abandoned"
+
+
+class ClipParts:
+    """A job's forward work once it is queued: its items (one, or a clip's parts in order, as
+    ``clip_parts.work_items`` cut it), how many of them entered a forward, and a split clip's embeddings
+    as they come back. Whether the job is split is fixed when it is cut, not read from the items still
+    held: those are let go (they hold the payload) while a split clip's parts may still come back."""
+
+    def __init__(self, items: Sequence[WorkItem] = ()) -> None:
+        self._items = tuple(items)
+        self._count = len(self._items)
+        self._started = 0
+        self._embeddings: list[tuple[int, torch.Tensor]] = []
+
+    @property
+    def items(self) -> tuple[WorkItem, ...]:
+        """The items still held (none once released)."""
+        return self._items
+
+    @property
+    def split(self) -> bool:
+        """Whether the job was cut into several forwards (a clip over --max-batch-tokens)."""
+        return self._count > 1
+
+    def start(self) -> bool:
+        """One item entered a forward; True once every item has (the job waits for no forward to start)."""
+        self._started += 1
+        return self._started >= self._count
+
+    def gather(self, item: WorkItem, embedding: torch.Tensor) -> torch.Tensor | None:
+        """One item's embedding: the job's whole embedding once every part has come back (the parts'
+        rows in order), else None."""
+        if not self.split:
+            return embedding
+        self._embeddings.append((item.part, embedding))
+        if len(self._embeddings) < self._count:
+            return None
+        whole = torch.cat([e for _, e in sorted(self._embeddings, key=lambda p: p[0])])
+        self._embeddings = []
+        return whole
+
+    def withdraw(self, queue: BatchQueue) -> None:
+        """A split clip nobody waits for, or one of whose parts failed: its parts not yet taken leave the
+        queue; those a worker took run and are ignored (the job is no longer running)."""
+        for item in self._items:
+            queue.remove(item)
+        self._embeddings = []
+
+    def release(self) -> None:
+        """Lets go of the items and of any embeddings gathered: the payload is freed as soon as no forward
+        holds it either."""
+        self._items, self._embeddings = (), []
 
 
 @dataclass(eq=False)
@@ -22,13 +89,11 @@ class Job:
 
     key: str
     refs: int = 1  # requests (image slots) still waiting for it
-    state: str = "preparing"  # preparing -> prepared -> queued -> running -> done | failed | abandoned
+    state: JobState = JobState.PREPARING
     payload: StagedInput | None = None  # what the device worker turns into patches
     grid: Grid | None = None
-    items: list[WorkItem] = field(default_factory=list)  # queued: one, or a clip's parts in order
-    parts: list = field(default_factory=list)  # a split clip: each part's embedding, once computed
+    parts: ClipParts = field(default_factory=ClipParts)  # its forward work, once queued
     holds_slot: bool = True  # an admission slot, until it (a split clip: its last part) enters a forward or is dropped
-    parts_started: int = 0  # items that entered a forward
     stored: bool = False  # whether the cache took it (then each remaining ref holds a pin)
     timing: Timing = field(default_factory=Timing)
     clip: ClipFrames | None = None  # a clip's sampled frames, once prepared
