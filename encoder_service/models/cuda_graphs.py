@@ -11,7 +11,7 @@ the graph of the smallest budget B >= N that holds it:
 * every attention pattern is padded to a fixed number of sequences (zero-length ones at the end) and
   a fixed longest sequence (``encoder_service.metadata.pad_attention``; the family says which
   pattern gets which), so every plan has the shape it had at capture;
-* the batch's metadata and plans are staged as for an eager forward (host-to-device copies, device
+* the batch's metadata and plans are prepared as for an eager forward (host-to-device copies, device
   work such as a position table's resampling) and copied into the graph's own buffers
   (``copy_into``), its pixels into the graph's input buffer; the graph replays; the real images'
   rows, which come first, are copied out.
@@ -28,7 +28,7 @@ eagerly, as does every batch of a backend whose plans are not tensors (``static_
 
 Memory: the graphs are captured from the largest budget down into one shared memory pool (they
 never run at once: one device worker replays them in stream order), so the ladder holds about the
-largest budget's activations, plus each budget's input buffer and staged metadata.
+largest budget's activations, plus each budget's input buffer and prepared metadata.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ DEFAULT_TOP = 3072
 
 
 class NotStatic(Exception):
-    """A batch whose staged metadata does not fit a graph's buffers: it runs eagerly."""
+    """A batch whose prepared metadata does not fit a graph's buffers: it runs eagerly."""
 
 
 def ladder(top: int, bottom: int = LADDER_BOTTOM) -> tuple[int, ...]:
@@ -112,7 +112,7 @@ def full_capacity(budget: int) -> int:
 
 
 def copy_into(static: Any, fresh: Any) -> None:
-    """Refreshes a graph's staged metadata in place from a new batch's: each tensor copied into
+    """Refreshes a graph's prepared metadata in place from a new batch's: each tensor copied into
     the graph's (same shape and dtype), every other value equal. Raises NotStatic otherwise."""
     if isinstance(static, torch.Tensor):
         if not isinstance(fresh, torch.Tensor) or fresh.shape != static.shape or fresh.dtype != static.dtype:
@@ -140,13 +140,13 @@ def copy_into(static: Any, fresh: Any) -> None:
 
 @dataclass(frozen=True)
 class GraphForward:
-    """A family's forward split for graphs. ``metadata``, ``pad`` and ``stage`` run eagerly before
+    """A family's forward split for graphs. ``metadata``, ``pad`` and ``prepare`` run eagerly before
     each replay; only ``run`` is captured."""
 
     metadata: Callable[[list[Grid]], Any]  # host metadata of a batch's grids
     pad: Callable[[Any, int], Any]  # that metadata with every attention pattern at the budget's fixed shape
-    stage: Callable[[Any], Any]  # host-to-device copies, plans, grid-dependent device work
-    run: Callable[[torch.Tensor, Any], torch.Tensor]  # device work only, on staged metadata
+    prepare: Callable[[Any], Any]  # host-to-device copies, plans, grid-dependent device work
+    run: Callable[[torch.Tensor, Any], torch.Tensor]  # device work only, on prepared metadata
     merge: int  # spatial merge size: the filler's sides are multiples of it
 
 
@@ -154,7 +154,7 @@ class GraphForward:
 class _Graph:
     budget: int
     pixels: torch.Tensor  # the input buffer the graph reads
-    staged: Any  # the metadata and plans it reads
+    prepared: Any  # the metadata and plans it reads
     graph: torch.cuda.CUDAGraph | None = None
     out: torch.Tensor | None = None  # the output buffer it writes
 
@@ -208,13 +208,13 @@ class BudgetGraphs:
             try:
                 entry = self._static(budget)
                 # Outside the capture first: kernels compile, libraries build their plans and graphs.
-                self.forward.run(entry.pixels, entry.staged)
+                self.forward.run(entry.pixels, entry.prepared)
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: other threads of the server (request handlers pinning host memory)
                 # may keep making CUDA calls while this one captures.
                 with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                    entry.out = self.forward.run(entry.pixels, entry.staged)
+                    entry.out = self.forward.run(entry.pixels, entry.prepared)
                 entry.graph = graph
                 self._graphs[budget] = entry
             except Exception as exc:  # a kernel that cannot be captured at this budget
@@ -234,8 +234,8 @@ class BudgetGraphs:
 
     def _static(self, budget: int) -> _Graph:
         pixels = torch.zeros(budget, self.patch_dim, dtype=self.dtype, device=self.device)
-        staged = self.forward.stage(self._padded([], 0, budget))
-        return _Graph(budget, pixels, staged)
+        prepared = self.forward.prepare(self._padded([], 0, budget))
+        return _Graph(budget, pixels, prepared)
 
     def run(self, pixels: torch.Tensor, grids: Sequence[Grid], rows: int) -> torch.Tensor | None:
         """The batch's ``rows`` output rows from the smallest captured budget that holds it, or None
@@ -246,16 +246,16 @@ class BudgetGraphs:
             if budget < patches or entry is None:
                 continue
             try:
-                fresh = self.forward.stage(self._padded(grids, patches, budget))
+                fresh = self.forward.prepare(self._padded(grids, patches, budget))
                 if entry.graph is not None:
-                    copy_into(entry.staged, fresh)
+                    copy_into(entry.prepared, fresh)
             except (NotStatic, ValueError):  # more sequences than this budget holds: a larger one may
                 continue
             entry.pixels[:patches].copy_(pixels)
             if entry.graph is not None:
                 entry.graph.replay()
                 out = entry.out
-            else:  # static_buffers(): the padded forward, eagerly, on the staged metadata as it came
+            else:  # static_buffers(): the padded forward, eagerly, on the prepared metadata as it came
                 out = self.forward.run(entry.pixels, fresh)
             self.replays += 1
             # A fresh tensor: the buffer is overwritten by the next replay, and callers keep this one.

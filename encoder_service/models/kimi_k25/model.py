@@ -304,37 +304,37 @@ class KimiK25VisionTower(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, meta: RasterBatchMetadata, backend: AttentionBackend
                 ) -> torch.Tensor:
-        return self.run(pixel_values, self.stage(meta, backend, pixel_values.device), backend)
+        return self.run(pixel_values, self.prepare(meta, backend, pixel_values.device), backend)
 
-    def stage(self, meta: RasterBatchMetadata, backend: AttentionBackend, device: torch.device) -> Staged:
+    def prepare(self, meta: RasterBatchMetadata, backend: AttentionBackend, device: torch.device) -> Prepared:
         """What depends on the batch's grids: host-to-device copies, the attention plan and the
         position table resampled to each grid (device work, eager: a graph replays only ``run``)."""
         pool = meta.pool
         frames = host_to_device(pool.frames, device) if pool.max_frames > 1 else None
-        return Staged(host_to_device(meta.position_ids, device), host_to_device(pool.index, device), frames,
+        return Prepared(host_to_device(meta.position_ids, device), host_to_device(pool.index, device), frames,
                       pool.max_frames, self.position_embedding(meta.grids), backend.prepare(meta.attention))
 
-    def run(self, pixel_values: torch.Tensor, staged: Staged, backend: AttentionBackend) -> torch.Tensor:
-        """The forward on staged metadata: device work only."""
+    def run(self, pixel_values: torch.Tensor, prepared: Prepared, backend: AttentionBackend) -> torch.Tensor:
+        """The forward on prepared metadata: device work only."""
         tower = self.vision_tower
         x = tower.patch_embed(pixel_values)
-        x = x + staged.position_embedding.to(x.dtype)
-        cos, sin = self.rotary(staged.position_ids)
+        x = x + prepared.position_embedding.to(x.dtype)
+        cos, sin = self.rotary(prepared.position_ids)
         for block in tower.encoder.blocks:
-            x = block(x, cos, sin, backend, staged.plan)
+            x = block(x, cos, sin, backend, prepared.plan)
         x = tower.encoder.final_layernorm(x)
 
-        if staged.max_frames == 1:
-            slots = x[staged.pool_index[:, 0]]  # images only: the merger is a pure reordering
+        if prepared.max_frames == 1:
+            slots = x[prepared.pool_index[:, 0]]  # images only: the merger is a pure reordering
         else:
             padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
-            slots = padded[staged.pool_index].sum(dim=1) / staged.pool_frames.to(x.dtype)[:, None]
+            slots = padded[prepared.pool_index].sum(dim=1) / prepared.pool_frames.to(x.dtype)[:, None]
         return self.mm_projector(slots)
 
 
 @dataclass
-class Staged:
-    """A batch's metadata on the device (``KimiK25VisionTower.stage``)."""
+class Prepared:
+    """A batch's metadata on the device (``KimiK25VisionTower.prepare``)."""
 
     position_ids: torch.Tensor  # int64 [patches, 2]
     pool_index: torch.Tensor  # int64 [slots, max_frames]
@@ -449,6 +449,6 @@ class KimiK25VisionModel(VisionModel):
             return dataclasses.replace(meta, attention=pad_attention(meta.attention, full_capacity(budget), budget))
 
         return GraphForward(metadata=lambda grids: build_raster_metadata(grids, spatial), pad=pad,
-                            stage=lambda meta: module.stage(meta, backend, self.device),
-                            run=lambda pixels, staged: module.run(pixels, staged, backend),
+                            prepare=lambda meta: module.prepare(meta, backend, self.device),
+                            run=lambda pixels, prepared: module.run(pixels, prepared, backend),
                             merge=spatial.spatial_merge_size)

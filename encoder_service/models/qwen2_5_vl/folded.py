@@ -83,7 +83,7 @@ def fold_norms(tower) -> None:
     tower.pending_out = pending
 
 
-def run_blocks(tower, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend, staged) -> torch.Tensor:
+def run_blocks(tower, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend, prepared) -> torch.Tensor:
     """All blocks on the folded weights; ``x`` (the permuted patch embeddings) is updated in place.
     Every fused step goes through ``tower.ops``; full-attention layers through the backend."""
     n = x.shape[0]
@@ -93,9 +93,9 @@ def run_blocks(tower, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bac
         affine = (ops.rms_scale(x, block.pending_in, eps), block.qkv_bias)
         acc = F.linear(x, block.attn.qkv.weight, block.qkv_shift)
         if i in tower.full_blocks:
-            out = ops.attention(acc, affine, cos, sin, heads, staged.full_plan, backend)
+            out = ops.attention(acc, affine, cos, sin, heads, prepared.full_plan, backend)
         else:
-            out = ops.window_attention(acc, affine, cos, sin, heads, staged.window_plan, backend)
+            out = ops.window_attention(acc, affine, cos, sin, heads, prepared.window_plan, backend)
         # A provider that went through a backend with padded_head_dim hands back padded heads.
         padded = out.shape[-1]
         proj_w = block.attn.proj.weight if padded == cfg.head_dim else _padded_proj(block, padded)

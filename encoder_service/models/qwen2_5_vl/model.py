@@ -171,8 +171,8 @@ class PatchMerger(nn.Module):
 
 
 @dataclass
-class Staged:
-    """A batch's metadata on the device and its attention plans (Qwen2_5_VisionTower.stage)."""
+class Prepared:
+    """A batch's metadata on the device and its attention plans (Qwen2_5_VisionTower.prepare)."""
 
     window_index: torch.Tensor
     reverse_index: torch.Tensor
@@ -211,25 +211,25 @@ class Qwen2_5_VisionTower(nn.Module):
         return emb.cos(), emb.sin()
 
     def forward(self, pixel_values: torch.Tensor, meta: BatchMetadata, backend: AttentionBackend) -> torch.Tensor:
-        return self.run(pixel_values, self.stage(meta, backend, pixel_values.device, pixel_values.dtype), backend)
+        return self.run(pixel_values, self.prepare(meta, backend, pixel_values.device, pixel_values.dtype), backend)
 
-    def stage(self, meta: BatchMetadata, backend: AttentionBackend, device: torch.device, dtype: torch.dtype
-              ) -> Staged:
+    def prepare(self, meta: BatchMetadata, backend: AttentionBackend, device: torch.device, dtype: torch.dtype
+                ) -> Prepared:
         """Every host->device copy of the batch's metadata and every attention plan, once, without a
         sync. What ``run`` reads depends only on the batch's grids (a graph replays ``run`` on the
-        staged metadata of each batch, copied into its buffers: models/cuda_graphs.py)."""
-        return Staged(host_to_device(meta.window_index, device), host_to_device(meta.reverse_window_index, device),
-                      host_to_device(meta.position_ids, device), backend.prepare(meta.full),
-                      self.ops.prepare_windows(meta.window, backend, device))
+        prepared metadata of each batch, copied into its buffers: models/cuda_graphs.py)."""
+        return Prepared(host_to_device(meta.window_index, device), host_to_device(meta.reverse_window_index, device),
+                        host_to_device(meta.position_ids, device), backend.prepare(meta.full),
+                        self.ops.prepare_windows(meta.window, backend, device))
 
-    def run(self, pixel_values: torch.Tensor, staged: Staged, backend: AttentionBackend) -> torch.Tensor:
-        """The forward on staged metadata: device work only, no host->device copies."""
+    def run(self, pixel_values: torch.Tensor, prepared: Prepared, backend: AttentionBackend) -> torch.Tensor:
+        """The forward on prepared metadata: device work only, no host->device copies."""
         x = self.patch_embed(pixel_values)
         n, dim = x.shape
-        x = x.view(n // self.unit, self.unit, dim)[staged.window_index].view(n, dim)
-        cos, sin = self.rotary(staged.position_ids)
-        x = folded.run_blocks(self, x, cos, sin, backend, staged)
-        return self.merger(x)[staged.reverse_index]
+        x = x.view(n // self.unit, self.unit, dim)[prepared.window_index].view(n, dim)
+        cos, sin = self.rotary(prepared.position_ids)
+        x = folded.run_blocks(self, x, cos, sin, backend, prepared)
+        return self.merger(x)[prepared.reverse_index]
 
 
 class Qwen2_5_VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
@@ -287,8 +287,8 @@ class Qwen2_5_VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
                 window=pad_attention(meta.window, budget // spatial.merge_unit, window_tokens))
 
         return GraphForward(metadata=lambda grids: build_metadata(grids, spatial), pad=pad,
-                            stage=lambda meta: module.stage(meta, backend, self.device, self.dtype),
-                            run=lambda pixels, staged: module.run(pixels, staged, backend),
+                            prepare=lambda meta: module.prepare(meta, backend, self.device, self.dtype),
+                            run=lambda pixels, prepared: module.run(pixels, prepared, backend),
                             merge=spatial.spatial_merge_size)
 
     @torch.inference_mode()

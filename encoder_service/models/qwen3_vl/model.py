@@ -82,8 +82,8 @@ class Qwen3VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
             return dataclasses.replace(meta, attention=pad_attention(meta.attention, full_capacity(budget), budget))
 
         return GraphForward(metadata=self.metadata, pad=pad,
-                            stage=lambda meta: module.stage(meta, backend, self.device),
-                            run=lambda pixels, staged: module.run(pixels, staged, backend),
+                            prepare=lambda meta: module.prepare(meta, backend, self.device),
+                            run=lambda pixels, prepared: module.run(pixels, prepared, backend),
                             merge=self.cfg.spatial_merge_size)
 
     @torch.inference_mode()

@@ -134,8 +134,8 @@ class PatchMerger(nn.Module):
 
 
 @dataclass
-class Staged:
-    """A batch's metadata on the device and its attention plan (``Qwen3VLVisionTower.stage``)."""
+class Prepared:
+    """A batch's metadata on the device and its attention plan (``Qwen3VLVisionTower.prepare``)."""
 
     packed: torch.Tensor  # float32 [patches, PACKED_WIDTH] (metadata.py)
     plan: Any  # the backend's plan for one sequence per frame
@@ -168,11 +168,11 @@ class Qwen3VLVisionTower(nn.Module):
                 backend: AttentionBackend) -> torch.Tensor:
         """[patches, patch_dim] -> [tokens, feature_levels * out_hidden_size]: the main merger's
         output, then each deepstack level in the order of ``deepstack_visual_indexes``."""
-        return self.run(pixel_values, self.stage(meta, backend, pixel_values.device), backend)
+        return self.run(pixel_values, self.prepare(meta, backend, pixel_values.device), backend)
 
-    def stage(self, meta: Qwen3VLBatchMetadata, backend: AttentionBackend, device: torch.device) -> Staged:
+    def prepare(self, meta: Qwen3VLBatchMetadata, backend: AttentionBackend, device: torch.device) -> Prepared:
         """The batch's one host-to-device copy and its attention plan; no sync."""
-        return Staged(host_to_device(meta.packed(), device), backend.prepare(meta.attention))
+        return Prepared(host_to_device(meta.packed(), device), backend.prepare(meta.attention))
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # [N, 2] (row, col) -> [N, 2, head_dim/4] -> [N, head_dim/2] (rows' angles, then columns')
@@ -190,9 +190,9 @@ class Qwen3VLVisionTower(nn.Module):
             out = out + table[indices[:, tap]] * weights[:, tap:tap + 1]
         return out
 
-    def run(self, pixel_values: torch.Tensor, staged: Staged, backend: AttentionBackend) -> torch.Tensor:
-        """The forward on staged metadata: device work only."""
-        packed = staged.packed
+    def run(self, pixel_values: torch.Tensor, prepared: Prepared, backend: AttentionBackend) -> torch.Tensor:
+        """The forward on prepared metadata: device work only."""
+        packed = prepared.packed
         x = self.patch_embed(pixel_values)
         pos = self.position_embedding(packed[:, INDEX_COLUMNS].long(), packed[:, WEIGHT_COLUMNS])
         x = x + pos.to(x.dtype)
@@ -201,7 +201,7 @@ class Qwen3VLVisionTower(nn.Module):
         heads, act, blocks = self.cfg.num_heads, self.cfg.hidden_act, list(self.blocks)
         qkv = self._pre(x, *blocks[0].pre_args(), cos, sin, heads)
         for i, block in enumerate(blocks):
-            out = backend.forward(*qkv, staged.plan)
+            out = backend.forward(*qkv, prepared.plan)
             if i + 1 < len(blocks):
                 x, *qkv = self._between(x, out, block.post_args(), blocks[i + 1].pre_args(), cos, sin, heads, act)
             else:
