@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import pytest
+
 from encoder_service.benchmarks.forward import grids_for, model_flops
 from encoder_service.models.presets import PRESETS
 from encoder_service.models.qwen2_5_vl.model import Qwen2_5_VisionConfig
@@ -17,13 +19,13 @@ def test_qwen_7b_costs_about_1_4_gflop_per_patch_at_1008px():
 
 
 def test_the_service_benchmark_runs_end_to_end_through_the_cli(tmp_path):
-    # `encoder-service bench --service`: a real server process, client processes, JPEGs, a report.
+    # `encoder-service bench service`: a real server process, client processes, JPEGs, a report.
     import json
     import subprocess
     import sys
 
     out = tmp_path / "service.json"
-    subprocess.run([sys.executable, "-m", "encoder_service", "bench", "--service", "--model", "tiny-qwen2.5-vl",
+    subprocess.run([sys.executable, "-m", "encoder_service", "bench", "service", "--model", "tiny-qwen2.5-vl",
                     # 12 images a level: the server's counters are read over HTTP at the window's start,
                     # and on a loaded machine a level of 4 (0.1 s) could end before that read, leaving the
                     # window without images and the level without per-image server figures.
@@ -33,7 +35,7 @@ def test_the_service_benchmark_runs_end_to_end_through_the_cli(tmp_path):
                     "--transports", "stream,shared-memory", "--out", str(out), "--", "--max-batch-tokens", "65536"],
                    check=True, capture_output=True, timeout=240)
     report = json.loads(out.read_text())
-    assert report["command"].startswith("encoder-service bench --service --model tiny-qwen2.5-vl")
+    assert report["command"].startswith("encoder-service bench service --model tiny-qwen2.5-vl")
     assert report["model"].startswith("tiny-qwen2.5-vl with 2 block(s)")  # --depth: a cut checkpoint served
     assert sorted(report["forward_only"]["by_batch"]) == ["1", "2"] and report["forward_only"]["batch"] == 2
     # The server process's CPU per image (Linux /proc): the front end's cost.
@@ -47,8 +49,43 @@ def test_the_service_benchmark_runs_end_to_end_through_the_cli(tmp_path):
     assert report["cache_hits"][1]["embedding_bytes"] == report["cache_hits"][0]["embedding_bytes"] > 0
 
 
+@pytest.mark.parametrize(("argv", "runs"), [
+    (["bench", "forward", "--out", "r.json"], ("forward", ["--out", "r.json"])),
+    (["bench", "service", "--seconds", "1", "--", "--cache-bytes", "0"],
+     ("service", ["--seconds", "1", "--", "--cache-bytes", "0"])),
+    (["bench", "video", "--clips", "2"], ("video", ["--clips", "2"])),
+])
+def test_bench_runs_the_named_benchmark_with_the_rest_of_the_arguments(monkeypatch, capsys, argv, runs):
+    from encoder_service import cli
+
+    ran = []
+    monkeypatch.setattr(cli, "_run_benchmark", lambda name, args: ran.append((name, args)) or 0)
+    assert cli.main(argv) == 0
+    assert ran == [runs] and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(("argv", "runs"), [
+    (["bench"], ("forward", [])),
+    (["bench", "--out", "r.json", "--iters", "3"], ("forward", ["--out", "r.json", "--iters", "3"])),
+    (["bench", "--service", "--seconds", "1", "--", "--video-decode", "nvdec"],
+     ("service", ["--seconds", "1", "--", "--video-decode", "nvdec"])),
+    (["bench", "--service", "--model", "m", "--video", "--clips", "2", "--", "--video"],
+     ("video", ["--model", "m", "--clips", "2", "--", "--video"])),  # after "--": the server's, left as it is
+])
+def test_the_spellings_from_before_the_subcommands_still_run_with_a_one_line_notice(monkeypatch, capsys, argv, runs):
+    # Scripts written for `bench --service [--video]` and `bench --out ...` keep working for one release.
+    from encoder_service import cli
+
+    ran = []
+    monkeypatch.setattr(cli, "_run_benchmark", lambda name, args: ran.append((name, args)) or 0)
+    assert cli.main(argv) == 0
+    assert ran == [runs]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "deprecated" in err and f"encoder-service bench {runs[0]} " in err
+
+
 def test_the_video_benchmark_measures_clips_and_images_of_their_token_size_through_one_server(tmp_path):
-    # `encoder-service bench --service --video`: MP4 clips, then images as large as one temporal slice
+    # `encoder-service bench video`: MP4 clips, then images as large as one temporal slice
     # of them, through one real server process from client processes; tokens/s of both and their ratio.
     import json
     import subprocess
@@ -57,13 +94,14 @@ def test_the_video_benchmark_measures_clips_and_images_of_their_token_size_throu
     from pytest import approx
 
     out = tmp_path / "video.json"
-    subprocess.run([sys.executable, "-m", "encoder_service", "bench", "--service", "--video",
+    subprocess.run([sys.executable, "-m", "encoder_service", "bench", "video",
                     "--model", "tiny-qwen2.5-vl", "--device", "cpu", "--dtype", "float32", "--clip-seconds", "2",
                     "--frame-sizes", "64x48", "--source-fps", "10", "--clips", "2", "--distinct-clips", "2",
                     "--images-per-level", "6", "--concurrency", "1", "--seconds", "2", "--client-procs", "1",
                     "--client-start-s", "2", "--out", str(out)],
                    check=True, capture_output=True, timeout=240)
     report = json.loads(out.read_text())
+    assert report["command"].startswith("encoder-service bench video --model tiny-qwen2.5-vl")
     [group] = report["video"]["groups"]
     assert group["frames"] == 4 and group["grid_thw"][0] == 2  # 2 s at 2 fps: 4 frames, 2 temporal patches
     [clips] = report["video_runs"]

@@ -47,3 +47,20 @@ def test_script_answers_help(answers, script):
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("usage:"), result.stdout[:500] + result.stderr[-2000:]
     assert "--help" in result.stdout
+
+
+@pytest.mark.parametrize("benchmark", ["", "forward", "service", "video"])
+def test_the_bench_subcommands_answer_help_and_only_forward_imports_torch(benchmark):
+    # `encoder-service bench BENCHMARK --help`; forward imports torch at the top, the others must not wait for it.
+    words = ["bench", *filter(None, [benchmark]), "--help"]
+    code = ("import sys\nfrom encoder_service.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    assert not e.code, e.code\nprint('torch imported:', 'torch' in sys.modules)")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([sys.executable, "-c", code, *words], cwd=REPO_ROOT, env=env, text=True,
+                            capture_output=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith(f"usage: encoder-service {' '.join(words[:-1])} "), result.stdout[:500]
+    assert result.stdout.rstrip().endswith(f"torch imported: {benchmark == 'forward'}")
+    assert result.stderr == ""
+    if not benchmark:
+        assert all(name in result.stdout for name in ("forward", "service", "video"))

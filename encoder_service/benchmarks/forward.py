@@ -1,6 +1,6 @@
 """ViT throughput on one GPU: our backends against transformers' reference, same random weights.
 
-    encoder-service bench --out results.json            (or: python -m encoder_service.benchmarks.forward)
+    encoder-service bench forward --out results.json    (or: python -m encoder_service.benchmarks.forward)
 
 Cases (Qwen2.5-VL-7B vision sizes, bf16): (a) 8 images of 1008x1008, (b) a mixed batch from
 224x224 to 1344x1344, (c) 64 images of 448x448. Pixels are already on the GPU for every contender
@@ -115,8 +115,9 @@ def transformers_reference(cfg_dict: dict, state: dict):
     return model
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="encoder-service bench", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="encoder-service bench forward", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="qwen2.5-vl-7b")
     parser.add_argument("--backends", default="all",
                         help="comma list of our backends, or 'all' (every one that runs here); 'auto' times "
@@ -237,8 +238,8 @@ def main(argv=None) -> int:
         time_model(f"flashinfer-cudnn +compile({args.try_compile_mode})", compiled_with_mode)
 
     summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
-               "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "gemm_tflops": ceiling,
-               "results": results}
+               "date": time.strftime("%Y-%m-%d"), "command": " ".join(["encoder-service bench forward", *argv]),
+               "gemm_tflops": ceiling, "results": results}
     print("\n| contender | case | images/s back to back | ms | images/s alone | ms | share of GEMM ceiling |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for r in results:

@@ -1,6 +1,6 @@
 """The service as users run it: a real server process, client processes, photo-like JPEGs.
 
-    encoder-service bench --service --model qwen2.5-vl-7b --device cuda --dtype bfloat16 \
+    encoder-service bench service --model qwen2.5-vl-7b --device cuda --dtype bfloat16 \
         --out results.json [-- EXTRA SERVE FLAGS]
     (the same as: python -m encoder_service.benchmarks.service ...)
 
@@ -14,7 +14,8 @@ Reports, in one run on one machine:
 - cache hits of the same embedding: latency p50/p99 from one client, and throughput from 32;
 - the ratio of new-image throughput to the forward-only figure.
 
-With ``--video``, clips and then images of the same token size through one server instead (video.py).
+``encoder-service bench video`` runs clips and then images of the same token size through one server
+instead, with these options and video.py's.
 
 Clients run in ``--client-procs`` processes (each with threads), so the client side is not the
 bottleneck of a Python GIL. ``--server-cwd`` runs the server from another checkout (a baseline) with
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import video
+from . import video as video_bench
 from .report import forward_totals, forward_under_load, summary
 from .service_clients import CLIENT_SHARED_MEMORY, SHM, cache_hits, drive, make_images
 
@@ -168,23 +169,33 @@ def split_serve_args(argv: list[str] | None) -> tuple[list[str], list[str]]:
     return argv[:i], argv[i + 1:]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, video: bool = False) -> int:
+    """``encoder-service bench service``, or with ``video`` ``encoder-service bench video``: both drive one
+    server the same way, and video's options add to these."""
     argv, serve_args = split_serve_args(argv)
-    p = argparse.ArgumentParser(prog="encoder-service bench --service", description=__doc__.split("\n\n")[0])
+    name = "video" if video else "service"
+    p = argparse.ArgumentParser(prog=f"encoder-service bench {name}",
+                                description=(video_bench.__doc__ if video else __doc__).split("\n\n")[0])
+
+    def images_only(text: str | None = None) -> str | None:
+        # Video never reads these, yet takes them: scripts written for `bench --service --video` pass them.
+        return argparse.SUPPRESS if video else text
+
     p.add_argument("--model", default="qwen2.5-vl-7b")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--attn-backend", default="auto")
-    p.add_argument("--image-size", type=int, default=1008, help="side of the new images' JPEGs (square)")
-    p.add_argument("--concurrency", default=None, help="comma-separated client counts (1,8,32; --video: 1,16)")
+    p.add_argument("--image-size", type=int, default=1008, help=images_only("side of the new images' JPEGs (square)"))
+    p.add_argument("--concurrency", default="1,16" if video else "1,8,32", help="comma-separated client counts")
     p.add_argument("--seconds", type=float, default=15.0, help="measured time per concurrency level")
-    p.add_argument("--images-per-level", type=int, default=None,
-                   help="distinct JPEGs generated per level (1200; --video: at most this many, 100000)")
+    p.add_argument("--images-per-level", type=int, default=100000 if video else 1200,
+                   help="images a level sends, at most (a level also ends after --seconds)" if video
+                   else "distinct JPEGs generated per level")
     p.add_argument("--client-procs", type=int, default=8)
-    p.add_argument("--hit-iters", type=int, default=50)
-    p.add_argument("--forward-iters", type=int, default=10)
+    p.add_argument("--hit-iters", type=int, default=50, help=images_only())
+    p.add_argument("--forward-iters", type=int, default=10, help=images_only())
     p.add_argument("--forward-batches", default="1,4,8",
-                   help="batch sizes of the forward-only figure (the largest is the one ratios use)")
+                   help=images_only("batch sizes of the forward-only figure (the largest is the one ratios use)"))
     p.add_argument("--client-start-s", type=float, default=8.0,
                    help="seconds the client processes get to start and warm up before a level's measured window")
     p.add_argument("--repeat-images", action="store_true",
@@ -194,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="serve the model with only this many blocks (a checkpoint written for the run): "
                         "the forward becomes a small part of an image's cost, so what is measured is the "
                         "front end (decode, hashing, transport) and the device's preprocessing")
-    p.add_argument("--no-forward-only", action="store_true")
-    p.add_argument("--no-hits", action="store_true")
+    p.add_argument("--no-forward-only", action="store_true", help=images_only())
+    p.add_argument("--no-hits", action="store_true", help=images_only())
     p.add_argument("--transports", default="stream",
                    help=f"comma-separated: stream (embeddings on the gRPC stream), {SHM} (written into the "
                         f"client's shared memory; the server gets --shared-memory on), default (a plain "
@@ -204,12 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-timeout-s", type=float, default=600)
     p.add_argument("--label", default="")
     p.add_argument("--out", type=Path, default=None)
-    video.add_arguments(p)
+    if video:
+        video_bench.add_arguments(p)
     args = p.parse_args(argv)
-    if args.concurrency is None:
-        args.concurrency = "1,16" if args.video else "1,8,32"
-    if args.images_per_level is None:
-        args.images_per_level = 100000 if args.video else 1200
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
     if not transports or set(transports) - set(CLIENT_SHARED_MEMORY):
         p.error(f"--transports: some of {', '.join(CLIENT_SHARED_MEMORY)}, got {args.transports!r}")
@@ -218,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     args.serve_args = serve_args
     levels = [int(c) for c in args.concurrency.split(",")]
     runs = [(c, t) for c in levels for t in transports]
-    command = " ".join(["encoder-service bench --service", *argv, *(["--", *serve_args] if serve_args else [])])
+    command = " ".join([f"encoder-service bench {name}", *argv, *(["--", *serve_args] if serve_args else [])])
 
     result: dict = {"label": args.label, "date": time.strftime("%Y-%m-%d %H:%M"), "host": platform.node(),
                     "cpus": os.cpu_count(), "command": command,
@@ -236,8 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         out_dir = (args.out.parent if args.out else Path.cwd()) / f"{args.model}-depth{args.depth}"
         args.model = str(write_shallow_checkpoint(args.model, args.depth, out_dir))
         result["model"] = f"{result['model']} with {args.depth} block(s) ({args.model})"
-    if args.video:
-        return video.run_video(args, result, levels, transports, start_server, stop_process)
+    if video:
+        return video_bench.run_video(args, result, levels, transports, start_server, stop_process)
     t0 = time.perf_counter()
     images = make_images(args.images_per_level * len(runs), first_seed=1000, procs=min(16, os.cpu_count() or 2),
                          size=args.image_size)

@@ -1,4 +1,4 @@
-"""The service benchmark's client side (``encoder-service bench --service``, see service.py): photo-like
+"""The service benchmark's client side (``encoder-service bench service``, see service.py): photo-like
 JPEGs, client processes that drive the server at a concurrency level, and cache hits of one embedding."""
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""Video through the service (``encoder-service bench --service --video``): clips, then images of the
-same token size, through ONE real server process (the same serve flags for both halves) from client
-processes.
+"""Video through the service: clips, then images of the same token size, through ONE real server
+process (the same serve flags for both halves) from client processes.
 
-    encoder-service bench --service --video --model qwen2.5-vl-7b --device cuda --dtype bfloat16 \
+    encoder-service bench video --model qwen2.5-vl-7b --device cuda --dtype bfloat16 \
         --clip-seconds 10,30 --frame-sizes 448x448,1280x720 --concurrency 1,16 --out video.json \
         -- --max-batch-tokens 131072 --video-decode-processes 12
 
@@ -25,6 +24,7 @@ Reports, in one run:
 Every request is new work: ``--distinct-clips`` clips (and as many JPEGs) are encoded per group, and
 each request takes one of them made distinct by a number in an MP4 ``free`` box (a JPEG comment for
 images): another content hash, so never a cache hit, with the same decode and forward work.
+The options besides these are the service benchmark's (service.py), which runs this one.
 """
 
 from __future__ import annotations
@@ -49,9 +49,7 @@ NOISE = 8.0
 
 
 def add_arguments(p) -> None:
-    g = p.add_argument_group("video (--video)")
-    g.add_argument("--video", action="store_true",
-                   help="clips and then images of the same token size through one server (see video.py)")
+    g = p.add_argument_group("video")
     g.add_argument("--clip-seconds", default="10,30", help="clip lengths in seconds, comma-separated")
     g.add_argument("--frame-sizes", default="448x448,1280x720", help="WIDTHxHEIGHT of the clips' frames (even)")
     g.add_argument("--sample-fps", type=float, default=2.0, help="the fps each request asks the server to sample")
