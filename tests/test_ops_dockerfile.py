@@ -67,7 +67,7 @@ def test_the_image_can_run_every_feature_the_readme_offers():
     client's proxy extra for encoder-client proxy: every extra the README tells users to install."""
     installs = " ".join(_pip_installs())
     assert re.search(r'"torchvision==\$\{TORCHVISION_VERSION\}"', installs)
-    readme = (REPO_ROOT / "README.md").read_text()
+    readme = " ".join(p.read_text() for p in [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))])
     offered = set(re.findall(r"pip install [^\n]*?'(\./client|\.)\[(\w+)\]'", readme))
     assert {("./client", "proxy"), (".", "sglang")} <= offered, offered
     for package, extra in offered:

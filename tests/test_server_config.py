@@ -75,14 +75,24 @@ def test_make_checkpoint_writes_a_loadable_checkpoint(tmp_path, capsys):
     assert model.spec.model_type == "qwen2_5_vl" and model.spec.hidden_size == 48
 
 
-def test_the_readmes_options_table_lists_every_serve_option():
-    from dataclasses import fields
+def test_the_options_page_lists_exactly_the_serve_options(capsys):
+    """docs/options.md's table equals ``serve --help``: a row for every flag and every ServiceConfig
+    field, and no row for a flag that serve does not take (a renamed or removed option)."""
+    import re
 
     from conftest import REPO_ROOT
 
-    from encoder_service.config import ServiceConfig
-
-    readme = (REPO_ROOT / "README.md").read_text()
-    # The first cell of the options table's rows (a flag named only in prose is not listed).
-    listed = " ".join(line.split("|")[1] for line in readme.splitlines() if line.startswith("| `--"))
-    assert [f.name for f in fields(ServiceConfig) if f"`--{f.name.replace('_', '-')}`" not in listed] == []
+    page = (REPO_ROOT / "docs" / "options.md").read_text()
+    # The flags in the first cell of the options table's rows (a flag named only in prose is not listed).
+    rows = [line.split("|")[1] for line in page.splitlines() if line.startswith("| `--")]
+    listed = [flag for cell in rows for flag in re.findall(r"`(--[a-z0-9-]+)`", cell)]
+    assert len(listed) == len(set(listed)), sorted(flag for flag in set(listed) if listed.count(flag) > 1)
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--help"])
+    assert info.value.code == 0
+    # argparse puts each option at the start of its own line, indented by two spaces.
+    offered = set(re.findall(r"^  (--[a-z0-9-]+)", capsys.readouterr().out, re.M)) - {"--help"}
+    fields_flags = {"--" + f.name.replace("_", "-") for f in fields(ServiceConfig)}
+    assert fields_flags <= offered
+    assert sorted(offered - set(listed)) == [], "serve options without a row in docs/options.md"
+    assert sorted(set(listed) - offered) == [], "rows of docs/options.md for flags serve does not take"

@@ -358,8 +358,7 @@ def test_the_readme_encoder_command_parses():
 
     from encoder_service.config_flags import parse_serve_args
 
-    readme = (REPO_ROOT / "README.md").read_text()
-    section = readme.split("## Using it with SGLang", 1)[1].split("\n## ", 1)[0]
+    section = (REPO_ROOT / "docs" / "sglang.md").read_text()
     commands = [c for c in re.findall(r"```bash\n(.*?)```", section, re.S)[0].replace("\\\n", " ").splitlines()
                 if c.strip().startswith("encoder-service serve")]
     assert len(commands) == 1

@@ -43,13 +43,13 @@ from vllm.v1.outputs import ECConnectorOutput
 from vllm.v1.request import Request
 from vllm.v1.worker.ec_connector_model_runner_mixin import ECConnectorModelRunnerMixin
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+VLLM_PAGE = Path(__file__).resolve().parent.parent / "docs" / "vllm.md"
 TESTED_VLLM = "0.33.0"
 
 
 def readme_config() -> dict:
     """The --ec-transfer-config JSON of the README's "Using it with vLLM" section."""
-    section = README.read_text().split("## Using it with vLLM", 1)[1].split("\n## ", 1)[0]
+    section = VLLM_PAGE.read_text()
     (raw,) = re.findall(r"--ec-transfer-config \\\n\s*'(\{.*?\})'", section, flags=re.S)
     return json.loads(raw)
 
@@ -171,7 +171,7 @@ def test_the_readme_config_is_the_one_the_tests_use():
 def test_the_readme_encoder_command_parses():
     from encoder_service.config_flags import parse_serve_args
 
-    section = README.read_text().split("## Using it with vLLM", 1)[1].split("\n## ", 1)[0]
+    section = VLLM_PAGE.read_text()
     block = re.findall(r"```bash\n(.*?)```", section, re.S)[0].replace("\\\n", " ")
     (command,) = [c for c in block.splitlines() if c.strip().startswith("encoder-service serve")]
     config = parse_serve_args(shlex.split(command.split("#")[0])[2:], environ={})

@@ -151,7 +151,7 @@ class Engine:
 def ec_transfer_config(encoder_target: str) -> dict:
     """The README's --ec-transfer-config, pointed at the test's encoder, with the video modality the README
     adds for clips."""
-    section = (REPO_ROOT / "README.md").read_text().split("## Using it with vLLM", 1)[1].split("\n## ", 1)[0]
+    section = (REPO_ROOT / "docs" / "vllm.md").read_text()
     (raw,) = re.findall(r"--ec-transfer-config \\\n\s*'(\{.*?\})'", section, flags=re.S)
     config = json.loads(raw)
     config["ec_connector_extra_config"] = {**config["ec_connector_extra_config"], "encoder": encoder_target,
