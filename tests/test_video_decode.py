@@ -31,7 +31,7 @@ from encoder_service.preprocess.video_decode import (
     decode_frames,
     probe,
 )
-from encoder_service.preprocess.video_pool import CANCEL_GRACE_S, START_ATTEMPTS, DecodedClip, VideoDecodePool
+from encoder_service.preprocess.video_pool import CANCEL_GRACE_S, START_ATTEMPTS, SampledFrames, VideoDecodePool
 
 LIMITS = VideoLimits(max_bytes=1 << 24, max_frames=256, max_seconds=60.0, max_frame_pixels=1 << 20,
                      max_decode_seconds=10.0)
@@ -258,7 +258,7 @@ def run(coro):
 def test_pool_decodes_like_in_process(pool):
     data = clip("webm", "libvpx-vp9")
     got = run(pool.decode(data, vi.first_frame, LIMITS))
-    assert isinstance(got, DecodedClip)
+    assert isinstance(got, SampledFrames)
     assert got.facts == probe(data, LIMITS) and got.indices == [0]
     assert np.array_equal(got.frames, decode_frames(data, [0], LIMITS))
     with pytest.raises(ResourceExhausted, match="--max-video-frames 10"):
@@ -277,7 +277,7 @@ def test_pool_survives_a_crash(pool, fault, exit_code):
     crashed, fine = run(both())
     assert isinstance(crashed, InvalidInput) and f"crashed on this clip (decode process exit code {exit_code})" in str(
         crashed)
-    assert isinstance(fine, DecodedClip)  # the call on the other process is not lost
+    assert isinstance(fine, SampledFrames)  # the call on the other process is not lost
     assert pool.replaced == replaced + 1
     assert run(pool.decode(data, vi.first_frame, LIMITS)).frames.shape == (1, 48, 64, 3)
 
@@ -309,7 +309,7 @@ def test_pool_fuzz_never_breaks(pool):
                                     return_exceptions=True)
 
     for result in run(all_of_them()):
-        assert isinstance(result, (DecodedClip, InvalidInput, ResourceExhausted)), repr(result)
+        assert isinstance(result, (SampledFrames, InvalidInput, ResourceExhausted)), repr(result)
         assert not isinstance(result, EncoderError) or result.code in ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED")
     assert run(pool.decode(clip(), vi.first_frame, LIMITS)).frames.shape == (1, 48, 64, 3)
 

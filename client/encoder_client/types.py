@@ -13,6 +13,10 @@ from encoder_client.protocol import ModelInfo, encoder_pb2
 
 __all__ = ["EncodedImage", "HashRef", "ImageInput", "ModelInfo", "Video"]  # ModelInfo: encoder_client.protocol's
 
+# The server states the rule in these words too (encoder_service/preprocess/video_sampling.py): a caller reads
+# one wording whether the client refuses the clip before sending it or the server does.
+FPS_XOR_NUM_FRAMES = "fps and num_frames are exclusive; give one of them"
+
 
 @dataclass(frozen=True)
 class HashRef:
@@ -53,7 +57,7 @@ class Video:
         if (self.data_or_path is None) == (self.frames is None):
             raise ValueError("Video takes a container (data_or_path) or frames, exactly one of them")
         if self.fps is not None and self.num_frames is not None:
-            raise ValueError("Video: fps and num_frames are exclusive; give one of them")
+            raise ValueError(f"Video: {FPS_XOR_NUM_FRAMES}")
         for name in ("fps", "num_frames", "min_frames", "max_frames", "min_pixels", "max_pixels", "frames_fps"):
             value = getattr(self, name)
             if value is not None and not value > 0:

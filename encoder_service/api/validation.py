@@ -15,6 +15,7 @@ from ..config import chunk_budget
 from ..engine import Engine, ImageInput
 from ..engine.types import VideoInput, VideoSampling
 from ..errors import EncoderError, InvalidInput, PermissionDenied
+from ..preprocess.video_sampling import REFERENCES, check_fps_xor_num_frames
 from ..sink_allowlist import SinkAllowlist, parse_target
 from . import dtypes
 
@@ -103,9 +104,6 @@ def _parse_image(index: int, image: encoder_pb2.Image, engine: Engine) -> ImageI
     raise InvalidInput("no source set: give encoded, patches, video or content_hash")
 
 
-SAMPLING_REFERENCES = ("transformers", "vllm")
-
-
 def _parse_video(index: int, video: encoder_pb2.Video) -> ImageInput:
     """A clip's wire form checked: a container or frames (one of them), sampling settings that make
     sense; what the clip holds is checked when it is decoded."""
@@ -114,11 +112,10 @@ def _parse_video(index: int, video: encoder_pb2.Video) -> ImageInput:
     if any(not frame for frame in video.frames):
         raise InvalidInput("video.frames holds an empty frame")
     s = video.sampling
-    reference = s.reference or SAMPLING_REFERENCES[0]
-    if reference not in SAMPLING_REFERENCES:
-        raise InvalidInput(f"video.sampling.reference {s.reference!r} is not one of {', '.join(SAMPLING_REFERENCES)}")
-    if s.fps and s.num_frames:
-        raise InvalidInput("video.sampling: fps and num_frames are exclusive; give one of them")
+    reference = s.reference or REFERENCES[0]
+    if reference not in REFERENCES:
+        raise InvalidInput(f"video.sampling.reference {s.reference!r} is not one of {', '.join(REFERENCES)}")
+    check_fps_xor_num_frames(s.fps or None, s.num_frames or None, "video.sampling")  # the wire's 0: not given
     for name in ("fps", "frames_fps"):
         value = getattr(s, name) if name == "fps" else video.frames_fps
         if not math.isfinite(value) or value < 0:

@@ -23,7 +23,7 @@ from ..offload import run_to_the_end
 from ..preprocess.interrupt import interrupt_when
 from ..preprocess.staged import Grid, StagedInput, clip_budget
 from ..preprocess.video_decode import VideoLimits
-from ..preprocess.video_pool import DecodedClip, VideoDecodePool, child_memory_bytes
+from ..preprocess.video_pool import SampledFrames, VideoDecodePool, child_memory_bytes
 from .clip_parts import check_size
 from .devices import gpu_indices
 from .fair_slots import Caller, FairSlots
@@ -101,7 +101,7 @@ class VideoPreparer:
         timestamps = front.video_front.timestamps(decoded.facts, used)
         return payload, ClipFrames(tuple(int(i) for i in used), tuple(float(t) for t in timestamps))
 
-    def _staged(self, front: ModelFront, video: VideoInput, decoded: DecodedClip, deadline: float,
+    def _staged(self, front: ModelFront, video: VideoInput, decoded: SampledFrames, deadline: float,
                 stop: threading.Event) -> tuple[StagedInput, list[int]]:
         """The family's staging of the decoded frames (a staging thread), refused before any resize
         when the clip is over the budgets, stopped between groups of frames when cancelled or late."""

@@ -12,9 +12,9 @@ import torch
 
 from ..errors import InvalidInput
 from ..preprocess import video_decode
-from ..preprocess.staged import DecodedClip, RawPatches, StagedInput
+from ..preprocess.staged import DecodedClip
 from ..preprocess.video_decode import VideoLimits
-from ..preprocess.video_sampling import ClipFacts, VideoSampling
+from ..preprocess.video_sampling import REFERENCES, ClipFacts, VideoSampling, source_seconds
 from .spec import Grid
 
 
@@ -25,21 +25,22 @@ class VideoFront:
 
     ``sample(clip, sampling)``: the source frame indices the caller's reference samples (ClipFacts,
     VideoSampling of preprocess/video_sampling.py); raises InvalidInput where the reference fails.
-    ``process(frames, indices, sampling)``: sampled uint8 frames [T, H, W, 3] -> (pixel values
-    float32 [t*h*w, patch_dim], grid (t, h, w), the indices used: padding repeats the last frame),
-    exactly as the family's video processor computes ``pixel_values_videos`` / ``video_grid_thw``.
-    ``timestamps(clip, indices)``: each used frame's time in seconds (empty when the fps is unknown).
-    ``stage(frames, indices, sampling, mode)``, where the family has it: what ``process`` computes, split
-    as images are (``DecodedClip``: uint8 frames for the device, which resizes in torch mode and
-    normalizes and patchifies in every mode, giving ``process``'s values in pil mode), with the indices
-    used; the engine prefers it. Without it, ``process``'s float32 values travel as patches.
+    ``stage(frames, indices, sampling, mode)``: sampled uint8 frames [T, H, W, 3] -> (``DecodedClip``,
+    the indices used: padding repeats the last frame), the family's video processor split as images are:
+    uint8 frames for the device, which resizes in torch mode and normalizes and patchifies in every mode.
+    ``process(frames, indices, sampling)``: what ``stage`` and the device half compute together, on the
+    CPU: (pixel values float32 [t*h*w, patch_dim], grid (t, h, w), the indices used), exactly as the
+    family's video processor computes ``pixel_values_videos`` / ``video_grid_thw``: the reference that
+    ``stage`` is held to (it gives these values in pil mode).
+    ``timestamps(clip, indices)``: each used frame's time in seconds (empty when the fps is unknown);
+    every family's is the source's (``source_seconds``), what a response's ``frame_timestamps_s`` says.
     """
 
     sample: Callable[..., Sequence[int]]
+    stage: Callable[..., tuple[DecodedClip, Sequence[int]]]
     process: Callable[..., tuple[np.ndarray, Grid, Sequence[int]]]
-    timestamps: Callable[..., Sequence[float]]
-    references: tuple[str, ...] = ("transformers", "vllm")
-    stage: Callable[..., tuple[DecodedClip, Sequence[int]]] | None = None
+    timestamps: Callable[..., Sequence[float]] = source_seconds
+    references: tuple[str, ...] = REFERENCES
     pixel_bounds: bool = True  # whether a request's min_pixels / max_pixels apply (Kimi-K2.5: no)
 
     def sample_frames(self, clip: ClipFacts, sampling: VideoSampling) -> list[int]:
@@ -59,21 +60,15 @@ class VideoFront:
         return list(range(clip.total_frames))
 
     def staged(self, frames: np.ndarray, indices: Sequence[int], sampling: VideoSampling, mode: str
-               ) -> tuple[StagedInput, list[int]]:
-        """The sampled frames as the device takes them, with the indices used: uint8 frames where the family
-        stages clips (``stage``), else its processor's float32 values as patches."""
-        if self.stage is not None:
-            clip, used = self.stage(frames, indices, sampling, mode)
-            return clip, [int(i) for i in used]
-        pixel_values, grid, used = self.process(frames, indices, sampling)
-        data = np.ascontiguousarray(pixel_values, dtype=np.float32).tobytes()
-        return RawPatches(data, "float32", tuple(grid)), [int(i) for i in used]
-
+               ) -> tuple[DecodedClip, list[int]]:
+        """The sampled frames as the device takes them (``stage``), with the indices used as ints."""
+        clip, used = self.stage(frames, indices, sampling, mode)
+        return clip, [int(i) for i in used]
 
 
 class VideoHooks:
-    """Mixed into ``VisionModel``: families with a video path override ``video_front`` and, where the device
-    half takes their clips as frames, ``_clip_value_table`` and ``_patchify_clip``."""
+    """Mixed into ``VisionModel``: families with a video path override ``video_front`` and the device half of
+    their clips' frames, ``_clip_value_table`` and ``_patchify_clip``."""
 
     # pyav: clips decode with FFmpeg on the CPU; nvdec: on a GPU's video decoder (preprocess/video_nvdec.py).
     video_decode: str = "pyav"
@@ -98,7 +93,7 @@ class VideoHooks:
 
     def _clip_value_table(self) -> torch.Tensor | None:
         """float32 [3, 256] on the CPU for a clip's frames (the video processor's rescale + normalize);
-        None: the family takes no clips as frames (``DecodedClip``)."""
+        None: the family takes no video."""
         return None
 
     def _patchify_clip(self, frames: torch.Tensor) -> torch.Tensor:

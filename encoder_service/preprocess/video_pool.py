@@ -80,7 +80,10 @@ DECODER_NICENESS = 10
 
 
 @dataclass(frozen=True)
-class DecodedClip:
+class SampledFrames:
+    """A decoder process's answer: what it learned of the clip and the frames it sampled, not yet staged for
+    the device (``staged.DecodedClip`` is that)."""
+
     facts: ClipFacts
     indices: list[int]  # what indices_fn chose: row i of frames is frame indices[i]
     frames: np.ndarray  # uint8 [len(indices), H, W, 3] RGB
@@ -219,8 +222,8 @@ def _number(value, name: str, *, optional: bool = False, integer: bool = False):
     return value
 
 
-def clip_from_answer(answer: dict, fd: int | None, limits: VideoLimits) -> DecodedClip:
-    """A child's JSON answer (and the descriptor that came with it, owned here) as a DecodedClip, or the
+def clip_from_answer(answer: dict, fd: int | None, limits: VideoLimits) -> SampledFrames:
+    """A child's JSON answer (and the descriptor that came with it, owned here) as SampledFrames, or the
     error it reports. BadAnswer for anything a correct child does not send: a wrong type, a shape or
     index out of the limits, frames without their memfd, a memfd not sealed or of the wrong size."""
     status = answer.get("status")
@@ -257,7 +260,7 @@ def clip_from_answer(answer: dict, fd: int | None, limits: VideoLimits) -> Decod
             os.close(fd)
         raise
     frames = frames_from_memfd(fd, (n, height, width, 3))
-    return DecodedClip(ClipFacts(total, fps, duration), indices, frames)
+    return SampledFrames(ClipFacts(total, fps, duration), indices, frames)
 
 
 class _Child:
@@ -387,7 +390,7 @@ class VideoDecodePool:
             log.warning("video decode process replaced before its call: %s (exit code %s)", why, code)
         return child, why
 
-    def _call(self, job: tuple, limits: VideoLimits, stop: threading.Event) -> DecodedClip:
+    def _call(self, job: tuple, limits: VideoLimits, stop: threading.Event) -> SampledFrames:
         try:
             child = self._idle.get(timeout=self.start_timeout_s)
         except queue.Empty:  # every child busy: a caller past the slots the pool was sized for
@@ -452,7 +455,7 @@ class VideoDecodePool:
             if poller.poll(max(1, int(min(left, _CANCEL_POLL_S) * 1000))):
                 return True
 
-    async def _run(self, job: tuple, limits: VideoLimits) -> DecodedClip:
+    async def _run(self, job: tuple, limits: VideoLimits) -> SampledFrames:
         if self._closed:
             raise Unavailable("the video decode pool is closed (the server is stopping)")
         stop = threading.Event()
@@ -463,7 +466,7 @@ class VideoDecodePool:
             self._stops.discard(stop)
 
     async def decode(self, data: bytes, indices_fn: Callable[[ClipFacts], list[int]],
-                     limits: VideoLimits) -> DecodedClip:
+                     limits: VideoLimits) -> SampledFrames:
         """Probe ``data``, choose frames with ``indices_fn(facts)`` (a picklable callable: a
         module-level function or a ``functools.partial`` of one) and decode them, in a child process.
         Raises what ``probe``/``decode_frames``/``indices_fn`` raise (InvalidInput, ResourceExhausted),
@@ -472,7 +475,7 @@ class VideoDecodePool:
         return await self._run(("container", _out_of_band(data), indices_fn), limits)
 
     async def decode_frames(self, frames: list[bytes], fps: float | None, indices_fn: Callable[[ClipFacts], list[int]],
-                            limits: VideoLimits) -> DecodedClip:
+                            limits: VideoLimits) -> SampledFrames:
         """A clip given as encoded frames: ``indices_fn`` chooses among them, and the chosen ones are
         decoded in a child (``video_decode.sample_frame_list``), as ``decode`` does a container."""
         return await self._run(("frames", ([_out_of_band(f) for f in frames], fps), indices_fn), limits)

@@ -20,6 +20,7 @@ import torch
 
 from ..errors import InvalidInput
 
+# The references a clip can be sampled as; the first is the default (a request that names none).
 REFERENCES = ("transformers", "vllm")
 
 
@@ -80,6 +81,18 @@ class VideoSampling:
         if fields["fps"] is not None:
             fields["fps"] = float(fields["fps"])
         return fields
+
+
+def check_fps_xor_num_frames(fps: float | None, num_frames: int | None, what: str) -> None:
+    """An ``InvalidInput`` naming ``what`` where both ``fps`` and ``num_frames`` are given, in the client's
+    wording: the wire refuses the pair whatever the reference, a family's sampler where its reference does
+    (transformers' video processors; vLLM's Qwen loaders ignore the count)."""
+    if fps is not None and num_frames is not None:
+        # Imported here, not above: the decoder processes import this module, and the client's package would
+        # bring its gRPC stack into each of them.
+        from encoder_client.types import FPS_XOR_NUM_FRAMES
+
+        raise InvalidInput(f"{what}: {FPS_XOR_NUM_FRAMES}")
 
 
 def arange_indices(total: int, count: int) -> list[int]:

@@ -77,10 +77,10 @@ from ...preprocess.staged import (
 from ...preprocess.video_sampling import (
     ClipFacts,
     VideoSampling,
+    check_fps_xor_num_frames,
     check_indices,
     describe,
     linspace_indices,
-    source_seconds,
 )
 from ..video_hooks import VideoFront
 from .metadata import clip_chunks
@@ -220,9 +220,7 @@ def sample_frame_indices(clip: ClipFacts, sampling: VideoSampling,
             raise InvalidInput(f"{what}: sampling by fps needs the clip's fps, which the container does not give")
         sample_fps = min(sampling.fps if sampling.fps is not None else cfg.fps, source_fps)
         return check_indices(linspace_indices(total, max(round(total * sample_fps / source_fps), 1)), clip, what)
-    if sampling.fps is not None and sampling.num_frames is not None:
-        raise InvalidInput(f"{what}: fps and num_frames are mutually exclusive in transformers' "
-                           "Kimi_K25VideoProcessor; give one")
+    check_fps_xor_num_frames(sampling.fps, sampling.num_frames, what)  # Kimi_K25VideoProcessor refuses both
     count = sampling.num_frames
     if count is None:
         if source_fps is None:
@@ -290,11 +288,11 @@ def preprocess_video(frames: np.ndarray, config: KimiK25VideoConfig | None = Non
 
 def video_front(config: KimiK25VideoConfig) -> VideoFront:
     """This family's video path bound to ``config`` (the engine's ``ModelFront.video_front``): the
-    sampling above, ``process_clip``, and each used frame's source time (``source_seconds``: a chunk's
-    timestamp is its first frame's, see the module docstring)."""
+    sampling above, ``stage_clip`` and ``process_clip``; the timestamps are ``VideoFront``'s, each used
+    frame's source time (a chunk's timestamp is its first frame's, see the module docstring)."""
     return VideoFront(sample=functools.partial(sample_frame_indices, config=config),
-                      process=functools.partial(process_clip, config=config), timestamps=source_seconds,
-                      stage=functools.partial(stage_clip, config=config), pixel_bounds=False)
+                      stage=functools.partial(stage_clip, config=config),
+                      process=functools.partial(process_clip, config=config), pixel_bounds=False)
 
 
 def stage_clip(frames: np.ndarray, indices: list[int], sampling: VideoSampling, mode: str, *,

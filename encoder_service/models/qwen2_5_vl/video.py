@@ -52,10 +52,10 @@ from ...preprocess.video_sampling import (
     ClipFacts,
     VideoSampling,
     arange_indices,
+    check_fps_xor_num_frames,
     check_indices,
     describe,
     pad_to_multiple,
-    source_seconds,
 )
 from ..video_hooks import VideoFront
 from .preprocess import _CLIP_MEAN, _CLIP_STD, PatchLayout, smart_resize
@@ -93,10 +93,7 @@ class Qwen2VLVideoConfig(PatchLayout):
     max_video_tokens: int = 128000
 
     def __post_init__(self) -> None:
-        settings.check_positive_ints(self, ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size",
-                                            "merge_size", "min_frames", "max_frames", "max_video_tokens"))
-        if self.min_pixels > self.max_pixels:
-            raise InvalidInput(f"video processor config: min_pixels {self.min_pixels} > max_pixels {self.max_pixels}")
+        check_video_config(self)
         settings.check_normalization(self)
 
     @classmethod
@@ -113,6 +110,14 @@ class Qwen2VLVideoConfig(PatchLayout):
                   if v is not None}
         return dataclasses.replace(self, **bounds) if bounds else self
 
+
+def check_video_config(cfg: Any) -> None:
+    """The checks the Qwen video processors' settings share (Qwen3-VL's ``Qwen3VLVideoConfig`` too): counts
+    and bounds positive, ``min_pixels`` <= ``max_pixels``."""
+    settings.check_positive_ints(cfg, ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size",
+                                       "min_frames", "max_frames", "max_video_tokens"))
+    if cfg.min_pixels > cfg.max_pixels:
+        raise InvalidInput(f"video processor config: min_pixels {cfg.min_pixels} > max_pixels {cfg.max_pixels}")
 
 
 def video_config_kwargs(config: Mapping[str, Any], fields: tuple[str, ...], *, top_level_pixels: bool
@@ -150,9 +155,7 @@ def sample_frame_indices(clip: ClipFacts, sampling: VideoSampling,
 
 
 def _transformers_indices(clip: ClipFacts, sampling: VideoSampling, cfg: Qwen2VLVideoConfig, what: str) -> list[int]:
-    if sampling.fps is not None and sampling.num_frames is not None:
-        raise InvalidInput(f"{what}: fps and num_frames are mutually exclusive in transformers' "
-                           "Qwen2VLVideoProcessor; give one")
+    check_fps_xor_num_frames(sampling.fps, sampling.num_frames, what)  # Qwen2VLVideoProcessor refuses both
     total, tp = clip.total_frames, cfg.temporal_patch_size
     if sampling.num_frames is not None:
         count = round(sampling.num_frames / tp) * tp
@@ -194,13 +197,6 @@ def _vllm_indices(clip: ClipFacts, sampling: VideoSampling, what: str) -> list[i
     max_frames = min(sampling.max_frames if sampling.max_frames is not None else VLLM_MAX_FRAMES, VLLM_MAX_FRAMES)
     count = _fps_count(clip, fps, VLLM_TEMPORAL_PATCH_SIZE, min_frames, max_frames, what)
     return [min(i, clip.total_frames - 1) for i in arange_indices(clip.total_frames, count)]
-
-
-def frame_timestamps(clip: ClipFacts, indices: list[int]) -> list[float]:
-    """Each sampled frame's time in seconds (index / source fps; 24 fps where unknown, as the references
-    assume)."""
-    fps = clip.known_fps or ASSUMED_FPS
-    return [i / fps for i in indices]
 
 
 def second_per_grid_t(clip: ClipFacts, indices: list[int], config: Qwen2VLVideoConfig | None = None) -> float:
@@ -277,8 +273,8 @@ def video_front(config: Qwen2VLVideoConfig, sample=sample_frame_indices, geometr
     """This family's video path bound to ``config`` (the engine's ``ModelFront.video_front``); Qwen3-VL's
     with its own ``sample`` and ``geometry``, the patch layout being this one."""
     return VideoFront(sample=functools.partial(sample, config=config),
-                      process=functools.partial(process_clip, config=config, geometry=geometry),
-                      timestamps=source_seconds, stage=functools.partial(stage_clip, config=config, geometry=geometry))
+                      stage=functools.partial(stage_clip, config=config, geometry=geometry),
+                      process=functools.partial(process_clip, config=config, geometry=geometry))
 
 
 def stage_clip(frames: np.ndarray, indices: list[int], sampling: VideoSampling, mode: str, *, config, geometry

@@ -40,6 +40,7 @@ from ...preprocess.decode import MAX_ASPECT_RATIO
 from ...preprocess.video_sampling import (
     ClipFacts,
     VideoSampling,
+    check_fps_xor_num_frames,
     check_indices,
     describe,
     linspace_indices,
@@ -47,7 +48,7 @@ from ...preprocess.video_sampling import (
 )
 from ..qwen2_5_vl import video as qwen2_video
 from ..qwen2_5_vl.preprocess import PatchLayout
-from ..qwen2_5_vl.video import video_config_kwargs
+from ..qwen2_5_vl.video import check_video_config, video_config_kwargs
 from ..video_hooks import VideoFront
 
 ASSUMED_FPS = 24.0  # the references' fps for a clip whose container does not give one
@@ -82,10 +83,7 @@ class Qwen3VLVideoConfig(PatchLayout):
     max_video_tokens: int = 768
 
     def __post_init__(self) -> None:
-        settings.check_positive_ints(self, ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size",
-                                            "merge_size", "min_frames", "max_frames", "max_video_tokens"))
-        if self.min_pixels > self.max_pixels:
-            raise InvalidInput(f"video processor config: min_pixels {self.min_pixels} > max_pixels {self.max_pixels}")
+        check_video_config(self)
         if not self.fps > 0:
             raise InvalidInput(f"video processor config: fps must be positive, got {self.fps!r}")
         settings.check_normalization(self)
@@ -122,9 +120,7 @@ def sample_frame_indices(clip: ClipFacts, sampling: VideoSampling,
             # own fps and frame bounds, from the loaded frames: indices into the clip alike.
             indices = _by_fps(clip.total_frames, source_fps, cfg.fps, cfg.min_frames, cfg.max_frames)
     else:
-        if sampling.fps is not None and sampling.num_frames is not None:
-            raise InvalidInput(f"{what}: fps and num_frames are mutually exclusive in transformers' "
-                               "Qwen3VLVideoProcessor; give one")
+        check_fps_xor_num_frames(sampling.fps, sampling.num_frames, what)  # Qwen3VLVideoProcessor refuses both
         cfg = cfg.for_request(sampling)
         if sampling.num_frames is not None:
             indices = linspace_indices(clip.total_frames, sampling.num_frames)
