@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .api import serve  # imports grpc and the engine only when serving
 
     code = asyncio.run(serve(config))
-    if config.device.startswith("cuda"):
+    if config.placement.kind == "cuda":  # this process's GPU, or its workers' (--devices)
         # Everything is stopped and drained. Interpreter teardown would only make the cuDNN
         # frontend's nanobind module print hundreds of "leaked instance" lines into the log (its
         # objects live in module-level caches); leave without it.

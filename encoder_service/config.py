@@ -342,7 +342,8 @@ class ServiceConfig:
 
     def __post_init__(self) -> None:
         if self.devices.strip():
-            # With worker processes, ``device`` is the kind of device they run on (cpu or cuda).
+            # With worker processes, ``device`` is the kind of device they run on (cpu or cuda). Kept for
+            # what reads it; code that must tell the two meanings apart reads ``placement`` instead.
             entries = device_entries(self.devices)
             kind = "cpu" if entries and all(e == "cpu" for e in entries) else "cuda"
             object.__setattr__(self, "device", kind)
@@ -360,17 +361,7 @@ class ServiceConfig:
     def cuda_graph_budgets(self) -> tuple[int, ...] | None:
         """``--cuda-graphs`` read: None for auto (the model's ladder), () for off, else the budgets
         asked for. ValueError for anything else."""
-        value = self.cuda_graphs.strip().lower()
-        if value in ("auto", "off"):
-            return None if value == "auto" else ()
-        try:
-            budgets = tuple(sorted({int(v) for v in value.split(",") if v.strip()}))
-        except ValueError:
-            budgets = ()
-        if not budgets or budgets[0] < 1:
-            raise ValueError(f"cuda-graphs {self.cuda_graphs!r}: auto, off, or token budgets in patches, "
-                             "comma-separated (e.g. 1024,4096)")
-        return budgets
+        return _cuda_graph_budgets(self.cuda_graphs)
 
     @property
     def worker_count(self) -> int:
@@ -411,6 +402,214 @@ class ServiceConfig:
     @property
     def uses_default_model(self) -> bool:
         return not self.model
+
+    # --- the groups each component is handed (as vLLM's VllmConfig hands out ModelConfig, ...) ------------
+    # The fields above stay the one declaration of every flag (config_flags.py derives them); a group is a
+    # read-only view of the resolved values one component needs, built once, small enough to pickle.
+
+    @functools.cached_property
+    def placement(self) -> Placement:
+        """Where the model runs: ``--device`` in this process, or ``--devices``' worker processes (whose
+        kind, cpu or cuda, is what ``device`` then holds: see ``__post_init__``)."""
+        if self.devices:  # as the engine always chose (a blank --devices fails when the workers start)
+            return OnWorkers(self.devices, kind="cuda" if self.device.startswith("cuda") else "cpu")
+        return OnDevice(self.device)
+
+    @functools.cached_property
+    def loading(self) -> LoadingConfig:
+        return LoadingConfig(model=self.model, device=self.device, dtype=self.dtype, attn_backend=self.attn_backend,
+                             ops=self.ops, preprocess=self.preprocess, decode=self.decode,
+                             video_decode=self.video_decode, cuda_graphs=self.cuda_graphs,
+                             max_batch_tokens=self.max_batch_tokens, log_level=self.log_level)
+
+    @functools.cached_property
+    def batching(self) -> BatchingConfig:
+        return BatchingConfig(max_batch_tokens=self.max_batch_tokens, batch_wait_ms=self.batch_wait_ms,
+                              max_queue_images=self.max_queue_images)
+
+    @functools.cached_property
+    def video(self) -> VideoConfig:
+        return VideoConfig(max_bytes=self.max_video_bytes, max_frames=self.max_video_frames,
+                           max_patches=self.max_video_patches, max_decoded_bytes=self.max_video_decoded_bytes,
+                           max_seconds=self.max_video_seconds, max_decode_seconds=self.max_video_decode_seconds,
+                           max_pixels_per_sample=self.max_video_pixels_per_sample,
+                           decode_processes=self.video_decode_processes,
+                           max_decodes_waiting=self.max_video_decodes_waiting, decode=self.video_decode)
+
+    @functools.cached_property
+    def security(self) -> SecurityConfig:
+        return SecurityConfig(tls_cert=self.tls_cert, tls_key=self.tls_key, tls_client_ca=self.tls_client_ca,
+                              auth_token_file=self.auth_token_file,
+                              max_requests_per_client=self.max_requests_per_client,
+                              relayed=self.grpc_processes > 0, sink_tls_ca=self.sink_tls_ca,
+                              sink_tls_cert=self.sink_tls_cert, sink_tls_key=self.sink_tls_key)
+
+    @functools.cached_property
+    def sglang(self) -> SglangConfig:
+        return SglangConfig(port=self.sglang_compat_port, tokens=self.sglang_compat_tokens,
+                            send_timeout_s=self.sglang_send_timeout_s, max_held_bytes=self.sglang_max_held_bytes,
+                            allow_url_fetch=self.allow_url_fetch, url_fetch_allowlist=self.url_fetch_allowlist)
+
+    @functools.cached_property
+    def requests(self) -> RequestLimits:
+        return RequestLimits(max_message_bytes=self.max_message_bytes,
+                             max_images_per_request=self.max_images_per_request,
+                             max_chunk_bytes=self.max_chunk_bytes, sink_timeout_s=self.sink_timeout_s,
+                             sink_allowlist=self.sink_allowlist)
+
+    @functools.cached_property
+    def metrics_endpoint(self) -> MetricsConfig:
+        return MetricsConfig(port=self.metrics_port, host=self.metrics_host)
+
+
+@dataclass(frozen=True)
+class OnDevice:
+    """No ``--devices``: the model runs in this process, on ``device`` (cpu, cuda, cuda:1, ...)."""
+
+    device: str
+
+    @property
+    def kind(self) -> str:
+        return "cuda" if self.device.startswith("cuda") else "cpu"
+
+
+@dataclass(frozen=True)
+class OnWorkers:
+    """``--devices``: one worker process per entry of ``devices``; this process never touches a device.
+    ``devices``: the flag as given (engine/devices.py parses it); ``kind``: what the workers run on, cpu
+    or cuda (``--device`` is not used then)."""
+
+    devices: str
+    kind: str
+
+
+# Where the model runs: the meaning ``--device`` had, made a type instead of a rewritten field.
+Placement = OnDevice | OnWorkers
+
+
+@dataclass(frozen=True)
+class LoadingConfig:
+    """What shapes the model a worker loads (engine/loading.py): all a worker process is sent.
+    ``device``: ``--device`` as resolved (with ``--devices`` each worker is told its own device)."""
+
+    model: str
+    device: str
+    dtype: str
+    attn_backend: str
+    ops: str
+    preprocess: str
+    decode: str
+    video_decode: str
+    cuda_graphs: str
+    max_batch_tokens: int  # the largest CUDA graph budget --cuda-graphs auto captures
+    log_level: str  # a worker process sets up its own logging
+
+    @property
+    def model_or_default(self) -> str:
+        return self.model or DEFAULT_PRESET
+
+    @property
+    def cuda_graph_budgets(self) -> tuple[int, ...] | None:
+        """``--cuda-graphs`` read (``ServiceConfig.cuda_graph_budgets``: one rule, checked at start-up)."""
+        return _cuda_graph_budgets(self.cuda_graphs)
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    """How the engine's queue is filled and emptied: admission, and the batches the workers take."""
+
+    max_batch_tokens: int
+    batch_wait_ms: float
+    max_queue_images: int
+
+    @property
+    def batch_wait_s(self) -> float:
+        return self.batch_wait_ms / 1000.0
+
+
+@dataclass(frozen=True)
+class VideoConfig:
+    """The clip limits and the decoder processes (engine/video_preparation.py, engine/clip_parts.py)."""
+
+    max_bytes: int  # 0: no video
+    max_frames: int
+    max_patches: int
+    max_decoded_bytes: int
+    max_seconds: float
+    max_decode_seconds: float
+    max_pixels_per_sample: int
+    decode_processes: int
+    max_decodes_waiting: int
+    decode: str  # pyav or nvdec
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    """The gRPC port's TLS, tokens and per-client limits, and TLS toward the sinks (api/security/).
+    ``relayed``: calls reach this process through --grpc-processes' relays."""
+
+    tls_cert: str
+    tls_key: str
+    tls_client_ca: str
+    auth_token_file: str
+    max_requests_per_client: int
+    relayed: bool
+    sink_tls_ca: str
+    sink_tls_cert: str
+    sink_tls_key: str
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert)
+
+    @property
+    def sink_tls(self) -> bool:
+        return bool(self.sink_tls_ca or self.sink_tls_cert)
+
+
+@dataclass(frozen=True)
+class SglangConfig:
+    """The SGLang-compatible front end (api/sglang/front_end.py)."""
+
+    port: int  # -1: off
+    tokens: str  # on / off
+    send_timeout_s: float
+    max_held_bytes: int
+    allow_url_fetch: str
+    url_fetch_allowlist: SinkAllowlist  # allow_url_fetch, parsed once
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one call may ask of a front end (the VisionEncoder port's and the SGLang port's alike)."""
+
+    max_message_bytes: int
+    max_images_per_request: int
+    max_chunk_bytes: int
+    sink_timeout_s: float
+    sink_allowlist: SinkAllowlist  # --allowed-sinks, parsed once
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """The Prometheus endpoint: port (-1: none, 0: any free one) and address."""
+
+    port: int
+    host: str
+
+
+def _cuda_graph_budgets(cuda_graphs: str) -> tuple[int, ...] | None:
+    value = cuda_graphs.strip().lower()
+    if value in ("auto", "off"):
+        return None if value == "auto" else ()
+    try:
+        budgets = tuple(sorted({int(v) for v in value.split(",") if v.strip()}))
+    except ValueError:
+        budgets = ()
+    if not budgets or budgets[0] < 1:
+        raise ValueError(f"cuda-graphs {cuda_graphs!r}: auto, off, or token budgets in patches, "
+                         "comma-separated (e.g. 1024,4096)")
+    return budgets
 
 
 def url_fetch_pattern(entry: str) -> str:

@@ -176,16 +176,17 @@ def test_unusable_certificate_files_are_named(pki, tmp_path):
     not_pem = tmp_path / "garbage.key"
     not_pem.write_text("hello")
     with pytest.raises(TLSFileError, match=f"tls-key {not_pem}: not a PEM file"):
-        build_security(parse_serve_args(["--tls-cert", str(server.cert), "--tls-key", str(not_pem)], environ={}))
+        build_security(parse_serve_args(["--tls-cert", str(server.cert), "--tls-key", str(not_pem)],
+                                        environ={}).security)
     mismatched = parse_serve_args(["--tls-cert", str(server.cert), "--tls-key", str(pki["b_server"].key)], environ={})
     with pytest.raises(TLSFileError, match=f"certificate {server.cert} with key {pki['b_server'].key}: not a usable"):
-        build_security(mismatched)
+        build_security(mismatched.security)
     bad_ca = parse_serve_args(["--tls-cert", str(server.cert), "--tls-key", str(server.key),
                                "--tls-client-ca", str(server.key)], environ={})
     with pytest.raises(TLSFileError, match=f"tls-client-ca {server.key}: not a PEM CA certificate bundle"):
-        build_security(bad_ca)
+        build_security(bad_ca.security)
     with pytest.raises(TLSFileError, match=f"sink-tls-ca {not_pem}: not a PEM file"):
-        build_security(parse_serve_args(["--sink-tls-ca", str(not_pem)], environ={}))
+        build_security(parse_serve_args(["--sink-tls-ca", str(not_pem)], environ={}).security)
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -817,8 +817,8 @@ def test_the_sglang_port_shares_the_main_ports_token_file_and_client_counts(tmp_
     flags = ["--sglang-compat-port", "0", "--auth-token-file", str(tokens), "--max-requests-per-client", "2"]
     for setting, by_token in (("on", True), ("off", False)):
         config = parse_serve_args([*flags, "--sglang-compat-tokens", setting], environ={})
-        security = build_security(config)
-        port = sglang_port_security(config, security, LIMITED_METHODS)
+        security = build_security(config.security)
+        port = sglang_port_security(config.sglang, config.security, security, LIMITED_METHODS)
         kinds = [type(i) for i in port.interceptors]
         assert kinds == ([TokenAuthInterceptor] if by_token else []) + [PerClientLimitInterceptor]
         assert port.by_token is by_token and port.interceptors[-1].by_token is by_token

@@ -153,15 +153,16 @@ async def _start_sglang_compat(config: ServiceConfig, gate: EngineGate, metrics:
                                calls: CallBook, health_servicer: health.aio.HealthServicer, security: Security):
     """The SGLang-compatible port (api/sglang/front_end.py) when --sglang-compat-port asks for it;
     None when it is off; raises RuntimeError (the message says why) when it cannot start."""
-    if config.sglang_compat_port < 0:
+    if config.sglang.port < 0:
         return None
     try:
         from .sglang.front_end import SglangCompatServer
     except ImportError as exc:
         raise RuntimeError(f"--sglang-compat-port needs the sglang extra (pip install "
                            f"'encoder-service[sglang]'): {exc}") from None
-    return await SglangCompatServer.start(config, gate, metrics, calls, health_servicer, _grpc_options(config),
-                                          security)
+    # The front end gets its own group and the two it shares with the main port, not the whole config.
+    return await SglangCompatServer.start(config.host, config.sglang, config.requests, config.security, gate, metrics,
+                                          calls, health_servicer, _grpc_options(config), security)
 
 
 def _gib(n: int) -> str:
@@ -263,7 +264,7 @@ async def serve(config: ServiceConfig) -> int:
     the engine, the servicer's sink channels and threads, the relays' socket directory."""
     memory.limit_arenas()  # before the decode and worker threads exist (see encoder_service/memory.py)
     raise_open_file_limit()  # descriptors are held by the request (see encoder_service/fd_limit.py)
-    if config.device.startswith("cuda"):
+    if config.placement.kind == "cuda":  # the model's GPU(s), in this process or in --devices' workers
         # Streamed responses reuse mapped memory (same module). Not where this process or its
         # workers compute on the CPU: there CPU kernels' float32 results depend on where buffers
         # lie, and heap-served buffers lie differently call by call (seen in 1e-6 differences
@@ -282,7 +283,7 @@ async def serve(config: ServiceConfig) -> int:
         if relays is not None:
             resources.callback(relays.discard)
         try:
-            security = build_security(config, relay_regions=relays.regions if relays else None)
+            security = build_security(config.security, relay_regions=relays.regions if relays else None)
         except SecurityFileError as exc:  # reads the --tls-*, --auth-token-file and --sink-tls-* files
             log.error("cannot start: %s", exc)
             return 1
@@ -315,9 +316,10 @@ async def serve(config: ServiceConfig) -> int:
             log.error("cannot start the SGLang-compatible port: %s", exc)
             return 1
         log.info("security: %s", "; ".join(security.summary))
-        if config.metrics_port >= 0:
-            metrics_port = metrics.serve_http(config.metrics_port, config.metrics_host)
-            log.info("metrics on http://%s:%d/metrics", config.metrics_host, metrics_port)
+        endpoint = config.metrics_endpoint
+        if endpoint.port >= 0:
+            metrics_port = metrics.serve_http(endpoint.port, endpoint.host)
+            log.info("metrics on http://%s:%d/metrics", endpoint.host, metrics_port)
 
         if config.uses_default_model:
             log.info("no --model given: serving the built-in %s preset (random weights) on %s",

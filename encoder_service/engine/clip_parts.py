@@ -5,7 +5,7 @@ equal one forward's), one WorkItem each, their embeddings gathered by the job's 
 
 from __future__ import annotations
 
-from ..config import ServiceConfig
+from ..config import BatchingConfig, VideoConfig
 from ..errors import ResourceExhausted
 from ..models.base import ModelFront
 from ..preprocess.staged import clip_part
@@ -14,27 +14,29 @@ from .jobs import Job
 from .types import Grid
 
 
-def check_size(front: ModelFront, config: ServiceConfig, grid: Grid, what: str = "image") -> None:
+def check_size(front: ModelFront, batching: BatchingConfig, video: VideoConfig, grid: Grid,
+               what: str = "image") -> None:
     """RESOURCE_EXHAUSTED where an image is over one forward, or a clip (``what``) over
-    --max-video-patches or with a single step over one forward; a larger clip is cut (``work_items``)."""
+    --max-video-patches or with a single step over one forward; a larger clip is cut (``work_items``).
+    Two groups: one forward's size is batching's, a clip's whole size video's."""
     n = front.num_patches(grid)
-    if what == "clip" and n > config.max_video_patches:
+    if what == "clip" and n > video.max_patches:
         raise ResourceExhausted(
             f"clip has {n} patches (grid {list(grid)}), more than --max-video-patches "
-            f"{config.max_video_patches} allows; sample fewer or smaller frames")
+            f"{video.max_patches} allows; sample fewer or smaller frames")
     if what == "clip" and (unit := front.spec.split_unit) and grid[0] > 1:
         t, h, w = grid
-        if (part := min(unit, t) * h * w) <= config.max_batch_tokens:
+        if (part := min(unit, t) * h * w) <= batching.max_batch_tokens:
             return
         raise ResourceExhausted(
             f"clip has {n} patches (grid {list(grid)}); even its smallest part ({min(unit, t)} of its {t} "
-            f"time steps, {part} patches) is more than --max-batch-tokens {config.max_batch_tokens} "
+            f"time steps, {part} patches) is more than --max-batch-tokens {batching.max_batch_tokens} "
             "allows in one forward pass; sample smaller frames")
-    if n > config.max_batch_tokens:
+    if n > batching.max_batch_tokens:
         advice = "send a smaller image" if what == "image" else "sample fewer or smaller frames"
         raise ResourceExhausted(
             f"{what} has {n} patches (grid {list(grid)}), more than --max-batch-tokens "
-            f"{config.max_batch_tokens} allows in one forward pass; {advice}")
+            f"{batching.max_batch_tokens} allows in one forward pass; {advice}")
 
 
 def work_items(job: Job, front: ModelFront, budget: int) -> list[WorkItem]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..config import check_devices, device_entries
+from ..config import OnWorkers, Placement, check_devices, device_entries
 
 
 @dataclass(frozen=True)
@@ -51,12 +51,13 @@ def parse_devices(spec: str) -> list[WorkerDevice]:
     return [WorkerDevice.parse(e, i) for i, e in enumerate(entries)]
 
 
-def gpu_indices(devices: str, device: str) -> tuple[int, ...]:
+def gpu_indices(placement: Placement) -> tuple[int, ...]:
     """The GPUs this node serves, as this process counts them (``--devices``, else ``--device``)."""
-    if devices.strip() == "all":
-        return tuple(range(len(parse_devices(devices))))
-    if devices.strip():
-        return tuple(int(e.removeprefix("cuda:")) for e in device_entries(devices) if e != "cpu")
+    if isinstance(placement, OnWorkers):
+        if placement.devices.strip() == "all":
+            return tuple(range(len(parse_devices(placement.devices))))
+        return tuple(int(e.removeprefix("cuda:")) for e in device_entries(placement.devices) if e != "cpu")
+    device = placement.device
     return (int(device.partition(":")[2] or 0),) if device.startswith("cuda") else ()
 
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..config import ServiceConfig
+from ..config import BatchingConfig, LoadingConfig, OnWorkers
 from ..metrics import ServiceMetrics
 from ..models.served import ServedModel
 from .batch_queue import BatchQueue, WorkItem
@@ -27,8 +27,10 @@ BatchDone = Callable[[BatchOutcome], None]
 class InProcessDevice:
     """The model in this process, driven by one ``DeviceWorker`` thread."""
 
-    def __init__(self, config: ServiceConfig, metrics: ServiceMetrics, model: ServedModel | None = None) -> None:
-        self.config = config
+    def __init__(self, loading: LoadingConfig, batching: BatchingConfig, metrics: ServiceMetrics,
+                 model: ServedModel | None = None) -> None:
+        self.loading = loading  # loads on loading.device (--device)
+        self.batching = batching
         self.metrics = metrics
         self.model = model
         self._worker: DeviceWorker | None = None
@@ -43,10 +45,10 @@ class InProcessDevice:
         """Loads the model if needed and runs its warm-up; returns (ModelFront, warm-up seconds)."""
         loop = asyncio.get_running_loop()
         if self.model is None:
-            self.model = await loop.run_in_executor(None, load_model, self.config)
+            self.model = await loop.run_in_executor(None, load_model, self.loading)
         self._worker = DeviceWorker(
-            self.model, queue, max_batch_patches=self.config.max_batch_tokens,
-            batch_wait_s=self.config.batch_wait_ms / 1000.0, loop=loop,
+            self.model, queue, max_batch_patches=self.batching.max_batch_tokens,
+            batch_wait_s=self.batching.batch_wait_s, loop=loop,
             on_batch_start=lambda batch: on_batch_start(batch, self.label), on_batch_done=on_batch_done)
         m = self.model.spec.spatial_merge_size
         warmup_s = await asyncio.wrap_future(self._worker.start((1, 2 * m, 2 * m)))
@@ -77,9 +79,11 @@ class WorkerProcesses:
     """One ``WorkerProcess`` per entry of ``--devices``; serving while any of them is up.
     ``setup``: a picklable function each worker process calls before it loads its model (tests)."""
 
-    def __init__(self, config: ServiceConfig, metrics: ServiceMetrics,
-                 setup: Callable[[], None] | None = None) -> None:
-        self.config = config
+    def __init__(self, placement: OnWorkers, loading: LoadingConfig, batching: BatchingConfig,
+                 metrics: ServiceMetrics, setup: Callable[[], None] | None = None) -> None:
+        self.placement = placement
+        self.loading = loading  # sent to each worker process, and nothing more of the config
+        self.batching = batching
         self.metrics = metrics
         self._setup = setup
         self.workers: list[WorkerProcess] = []
@@ -97,7 +101,7 @@ class WorkerProcesses:
         """Starts every worker and waits for each one's warm-up; returns (ModelFront, the slowest
         warm-up). Fails, with every worker stopped, if one cannot start or they disagree."""
         loop = asyncio.get_running_loop()
-        devices = parse_devices(self.config.devices)
+        devices = parse_devices(self.placement.devices)
         threads = max(1, (os.cpu_count() or 1) // len(devices))
         # The front end's own torch work is copying bytes in and out of the hand-off buffers. With
         # torch's intra-op pool those copies woke OpenMP threads that then spin-wait: on one H100
@@ -107,7 +111,7 @@ class WorkerProcesses:
         torch.set_num_threads(1)
         self._on_serving = on_serving
         self.workers = [
-            WorkerProcess(self.config, device, queue, loop=loop,
+            WorkerProcess(self.loading, self.batching, device, queue, loop=loop,
                           on_batch_start=lambda batch, label=device.label: on_batch_start(batch, label),
                           on_batch_done=on_batch_done, on_state=self._on_worker_state, threads=threads,
                           setup=self._setup)

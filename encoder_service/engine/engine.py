@@ -24,7 +24,7 @@ import torch
 from encoder_client.protocol.model_info import ModelInfo
 
 from .. import __version__
-from ..config import ServiceConfig
+from ..config import OnWorkers, ServiceConfig
 from ..errors import InvalidInput, NotFound, Unavailable
 from ..metrics import ServiceMetrics
 from ..models.base import validate_grid
@@ -63,20 +63,25 @@ class Engine:
 
     def __init__(self, config: ServiceConfig, model: ServedModel | None = None, *, metrics: ServiceMetrics,
                  worker_setup: Callable[[], None] | None = None) -> None:
+        # The engine composes the components: each is handed only its group of the config.
         self.config = config
+        self.batching = config.batching
+        self.video = config.video
         self.metrics = metrics
-        self.devices = (WorkerProcesses(config, metrics, worker_setup) if config.devices
-                        else InProcessDevice(config, metrics, model))
+        placement = config.placement
+        self.devices = (WorkerProcesses(placement, config.loading, config.batching, metrics, worker_setup)
+                        if isinstance(placement, OnWorkers)
+                        else InProcessDevice(config.loading, config.batching, metrics, model))
         self.front = model.front() if model is not None else None  # a ModelFront, once known
         self.cache = EmbeddingCache(config.cache_bytes, on_evict=lambda _entry: metrics.cache_evictions.inc())
-        self._admission = Admission(config.max_queue_images, metrics.queue_images)
+        self._admission = Admission(config.batching.max_queue_images, metrics.queue_images)
         self._watchdog = Watchdog(config.watchdog_timeout_s, metrics.worker_stalled,
-                                  batch_wait_s=config.batch_wait_ms / 1000.0)
+                                  batch_wait_s=config.batching.batch_wait_s)
         self._queue = BatchQueue()
         self._inflight: dict[str, Job] = {}
         self._tasks: set[asyncio.Task] = set()
         self._pools = PreparePools(config.preprocess_threads)
-        self._videos = VideoPreparer(config)
+        self._videos = VideoPreparer(config.video, config.batching, placement)
         self._closed = False
         self._started = False
         self._watch_task: asyncio.Task | None = None
@@ -99,7 +104,7 @@ class Engine:
         self.metrics.track_engine(model_id=d.model_id, model_type=d.model_type, attn_backend=d.attention_backend,
                                   device=d.device, dtype=d.dtype, cache=self.cache,
                                   cache_capacity_bytes=self.config.cache_bytes,
-                                  queue_capacity_images=self.config.max_queue_images,
+                                  queue_capacity_images=self.batching.max_queue_images,
                                   device_memory=self.devices.memory_sources())
         self._started = True
         self._update_serving()
@@ -171,7 +176,7 @@ class Engine:
     def engine_facts(self) -> dict[str, object]:
         """The reported facts the engine adds to the model's: where it runs, the limits in force."""
         return {"device": self.devices.label, "cache_namespace": self.namespace,
-                "max_image_pixels": self.max_image_pixels, "max_batch_tokens": self.config.max_batch_tokens,
+                "max_image_pixels": self.max_image_pixels, "max_batch_tokens": self.batching.max_batch_tokens,
                 "max_message_bytes": self.config.max_message_bytes, "version": __version__,
                 **self._videos.facts(self.front)}
 
@@ -189,7 +194,7 @@ class Engine:
     def check_grid(self, grid: Sequence[int]) -> Grid:
         """A patches grid checked against the model's rules and the batch limit (before queueing)."""
         checked = validate_grid(grid, self.front.spec)
-        check_size(self.front, self.config, checked, "clip" if checked[0] > 1 else "image")
+        check_size(self.front, self.batching, self.video, checked, "clip" if checked[0] > 1 else "image")
         return checked
 
     def lookup(self, content_hashes: Sequence[str]) -> list[bool]:
@@ -281,7 +286,7 @@ class Engine:
         try:
             if image.kind == "video":
                 payload, job.clip = await self._videos.prepare(self.front, image.video, self.max_image_pixels, caller)
-                check_size(self.front, self.config, payload.grid, "clip")
+                check_size(self.front, self.batching, self.video, payload.grid, "clip")
             else:
                 payload = await self._pools.prepared(self._prepare_sync, image, self.pixel_limits.ordinary, caller)
         except Exception as exc:
@@ -313,7 +318,7 @@ class Engine:
                     decoded = self.front.decode_image(image.data, self.max_image_pixels)
             except decode.ExpensiveImage:
                 return EXPENSIVE
-            check_size(self.front, self.config, decoded.grid)
+            check_size(self.front, self.batching, self.video, decoded.grid)
             return decoded
         return check_patch_bytes(image.data, image.patch_dtype, image.grid, self.front.spec.patch_dim)
 
@@ -322,7 +327,7 @@ class Engine:
             return  # already queued by another request, or further along
         if self._closed:
             raise Unavailable("server is draining")
-        job.parts = ClipParts(work_items(job, self.front, self.config.max_batch_tokens))
+        job.parts = ClipParts(work_items(job, self.front, self.batching.max_batch_tokens))
         job.payload = None  # the items hold it now; freed as soon as the forwards are done
         job.state = JobState.QUEUED
         for item in job.parts.items:

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import logging
 
-from ..config import ServiceConfig
+from ..config import LoadingConfig
 from ..models.cuda_graphs import resolve_budgets
 from ..models.served import ServedModel
 
 log = logging.getLogger(__name__)
 
 
-def load_model(config: ServiceConfig, device: str | None = None) -> ServedModel:
-    """The configured model on ``device`` (``config.device`` by default), warm-up not yet run."""
+def load_model(config: LoadingConfig, device: str | None = None) -> ServedModel:
+    """The configured model on ``device`` (``config.device``, --device, by default), warm-up not yet run.
+    Takes the loading group only: it is what a worker process is sent (process_worker.py)."""
     from ..models import load_vision_model  # pulls in torch and the kernels: not at import time
 
     model = load_vision_model(config.model_or_default, device=device or config.device, dtype=config.dtype,

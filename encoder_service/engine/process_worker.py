@@ -35,7 +35,7 @@ from multiprocessing.reduction import send_handle
 
 from encoder_client.protocol.dtypes import BY_NAME
 
-from ..config import ServiceConfig
+from ..config import BatchingConfig, LoadingConfig
 from ..errors import Unavailable
 from ..spawning import SPAWN_LOCK
 from .batch_queue import BatchQueue, WorkItem
@@ -59,12 +59,13 @@ class WorkerDied(Exception):
 class WorkerProcess:
     """The front end's side of one worker process (a thread; see the module docstring)."""
 
-    def __init__(self, config: ServiceConfig, device: WorkerDevice, queue: BatchQueue, *,
+    def __init__(self, loading: LoadingConfig, batching: BatchingConfig, device: WorkerDevice, queue: BatchQueue, *,
                  loop: asyncio.AbstractEventLoop, on_batch_start: Callable[[list[WorkItem]], None],
                  on_batch_done: Callable[[BatchOutcome], None],
                  on_state: Callable[[WorkerProcess], None], threads: int,
                  setup: Callable[[], None] | None = None) -> None:
-        self.config = config
+        self.loading = loading  # all the worker process is sent (pickled at each spawn)
+        self.batching = batching  # the batches this thread takes for it
         self.device = device
         self._queue = queue
         self._loop = loop
@@ -145,7 +146,8 @@ class WorkerProcess:
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
         proc = ctx.Process(target=child_main, name=f"encoder-worker-{self.device.label}",
-                           args=(child, self.config, self.device.device, self.device.label, self._threads, self._setup),
+                           args=(child, self.loading, self.device.device, self.device.label, self._threads,
+                                 self._setup),
                            daemon=True)
         with SPAWN_LOCK:  # CUDA_VISIBLE_DEVICES is set in our environment around the spawn
             saved = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -185,7 +187,7 @@ class WorkerProcess:
                 batch = None
                 if len(in_flight) < IN_FLIGHT:
                     idle = not in_flight and answered is None
-                    batch = self._queue.take_batch(self.config.max_batch_tokens, self.config.batch_wait_ms / 1000.0,
+                    batch = self._queue.take_batch(self.batching.max_batch_tokens, self.batching.batch_wait_s,
                                                    block=idle, idle_timeout_s=LIVENESS_CHECK_S)
                     if batch is None and idle:
                         return  # closed, and everything answered

@@ -16,7 +16,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from ..config import ServiceConfig
+from ..config import BatchingConfig, Placement, VideoConfig
 from ..errors import Cancelled, DecodeTimeout, InvalidInput, ResourceExhausted
 from ..models.base import ModelFront
 from ..offload import run_to_the_end
@@ -37,31 +37,39 @@ class VideoPreparer:
     both under one time bound (--max-video-decode-seconds). A cancelled caller's clip stops: a waiting
     one never starts, a running one stops at its next frame or group of frames."""
 
-    def __init__(self, config: ServiceConfig) -> None:
-        self.config = config
+    def __init__(self, video: VideoConfig, batching: BatchingConfig, placement: Placement) -> None:
+        """``batching``: a clip's parts must each fit one forward; ``placement``: the GPUs nvdec decodes on."""
+        self.video = video
+        self.batching = batching
+        self.placement = placement
+        self._limits: VideoLimits | None = None  # built once the frame size in force is known
         self._pool: VideoDecodePool | None = None  # started with the first clip
-        processes = config.video_decode_processes
-        self._slots = FairSlots(processes, what="video decoders", max_waiting=config.max_video_decodes_waiting,
+        processes = video.decode_processes
+        self._slots = FairSlots(processes, what="video decoders", max_waiting=video.max_decodes_waiting,
                                 flag="--max-video-decodes-waiting")
         # One staging thread per slot: a slot holder never waits for a thread.
         self._stagers = ThreadPoolExecutor(processes, thread_name_prefix="video-stage")
 
     def facts(self, front: ModelFront | None) -> dict[str, object]:
         """What ModelInfo says of video: the decoder and the references offered, and the limits."""
-        c = self.config
-        takes = front is not None and front.video_front is not None and c.max_video_bytes > 0
-        decoder = c.video_decode
+        v = self.video
+        takes = front is not None and front.video_front is not None and v.max_bytes > 0
+        decoder = v.decode
         described = f"{decoder}; frames; sampling {','.join(front.video_front.references)}" if takes else ""
-        return {"video": described, "max_video_frames": c.max_video_frames if takes else 0,
-                "max_video_seconds": c.max_video_seconds if takes else 0.0,
-                "max_video_bytes": c.max_video_bytes if takes else 0}
+        return {"video": described, "max_video_frames": v.max_frames if takes else 0,
+                "max_video_seconds": v.max_seconds if takes else 0.0,
+                "max_video_bytes": v.max_bytes if takes else 0}
 
     def limits(self, max_frame_pixels: int) -> VideoLimits:
-        c = self.config
-        return VideoLimits(max_bytes=c.max_video_bytes, max_frames=c.max_video_frames,
-                           max_seconds=c.max_video_seconds, max_frame_pixels=max_frame_pixels,
-                           max_decode_seconds=c.max_video_decode_seconds, max_decoded_bytes=c.max_video_decoded_bytes,
-                           max_pixels_per_sample=c.max_video_pixels_per_sample)
+        """The decoder's limits, built once: the frame size in force (--max-image-pixels) changes only
+        when the engine learns its model, not from one clip to the next."""
+        if self._limits is None or self._limits.max_frame_pixels != max_frame_pixels:
+            v = self.video
+            self._limits = VideoLimits(max_bytes=v.max_bytes, max_frames=v.max_frames, max_seconds=v.max_seconds,
+                                       max_frame_pixels=max_frame_pixels, max_decode_seconds=v.max_decode_seconds,
+                                       max_decoded_bytes=v.max_decoded_bytes,
+                                       max_pixels_per_sample=v.max_pixels_per_sample)
+        return self._limits
 
     @property
     def busy(self) -> bool:
@@ -70,9 +78,9 @@ class VideoPreparer:
 
     def _decoders(self, limits: VideoLimits) -> VideoDecodePool:
         if self._pool is None:
-            nvdec = self.config.video_decode == "nvdec"
-            gpus = gpu_indices(self.config.devices, self.config.device) if nvdec else ()
-            self._pool = VideoDecodePool(self.config.video_decode_processes, nvdec_gpus=gpus,
+            nvdec = self.video.decode == "nvdec"
+            gpus = gpu_indices(self.placement) if nvdec else ()
+            self._pool = VideoDecodePool(self.video.decode_processes, nvdec_gpus=gpus,
                                          memory_bytes=child_memory_bytes(limits))
         return self._pool
 
@@ -80,10 +88,10 @@ class VideoPreparer:
                       caller: Caller | None = None) -> tuple[StagedInput, ClipFrames]:
         if front.video_front is None:
             raise InvalidInput(f"{front.spec.model_type} takes no video on this server")
-        if self.config.max_video_bytes == 0:
+        if self.video.max_bytes == 0:
             raise InvalidInput("this server takes no video (--max-video-bytes 0)")
-        if video.nbytes > self.config.max_video_bytes:
-            raise ResourceExhausted(f"the clip has {video.nbytes} bytes; at most {self.config.max_video_bytes} "
+        if video.nbytes > self.video.max_bytes:
+            raise ResourceExhausted(f"the clip has {video.nbytes} bytes; at most {self.video.max_bytes} "
                                     "(--max-video-bytes)")
         limits = self.limits(max_frame_pixels)
         async with self._slots.slot(caller or Caller()):
@@ -105,7 +113,7 @@ class VideoPreparer:
                 stop: threading.Event) -> tuple[StagedInput, list[int]]:
         """The family's staging of the decoded frames (a staging thread), refused before any resize
         when the clip is over the budgets, stopped between groups of frames when cancelled or late."""
-        limits = self.config.max_video_decode_seconds
+        limits = self.video.max_decode_seconds
 
         def interrupted() -> None:
             if stop.is_set():
@@ -115,11 +123,11 @@ class VideoPreparer:
                                     f"--max-video-decode-seconds {limits:g}")
 
         def fits(frames: int, size: tuple[int, int], grid: Grid) -> None:
-            check_size(front, self.config, grid, "clip")
-            if (nbytes := frames * size[0] * size[1] * 3) > self.config.max_video_decoded_bytes:
+            check_size(front, self.batching, self.video, grid, "clip")
+            if (nbytes := frames * size[0] * size[1] * 3) > self.video.max_decoded_bytes:
                 raise ResourceExhausted(
                     f"the clip's {frames} frames resized to {size[1]}x{size[0]} take {nbytes} bytes, over the limit "
-                    f"of --max-video-decoded-bytes {self.config.max_video_decoded_bytes}; ask for smaller frames")
+                    f"of --max-video-decoded-bytes {self.video.max_decoded_bytes}; ask for smaller frames")
 
         with interrupt_when(interrupted), clip_budget(fits):
             interrupted()

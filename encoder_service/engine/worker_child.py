@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 
-from ..config import ServiceConfig
+from ..config import LoadingConfig
 from ..errors import InvalidInput
 from ..models.served import ServedModel
 from .handoff import IN_FLIGHT, POLL_S, rebuild
@@ -24,7 +24,7 @@ from .shared_buffer import SharedBuffer
 from .worker import launch_decodable
 
 
-def child_main(conn: Connection, config: ServiceConfig, device: str, label: str, threads: int,
+def child_main(conn: Connection, config: LoadingConfig, device: str, label: str, threads: int,
                setup: Callable[[], None] | None = None) -> None:
     """``setup``: called first, before the model loads: a picklable function the engine was given
     (tests put their stand-ins into the worker process with it; the server passes none)."""

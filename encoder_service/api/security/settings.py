@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from ...config import ServiceConfig
+from ...config import SecurityConfig, SglangConfig
 from ..relay.regions import RegionBoard
 from .auth import TokenAuthInterceptor, TokenFile, TokenFileError
 from .client_limits import ConcurrencyLimits, PerClientLimitInterceptor
@@ -40,7 +40,7 @@ class PortSecurity:
     summary: list[str]
 
 
-def build_security(config: ServiceConfig, relay_regions: RegionBoard | None = None) -> Security:
+def build_security(config: SecurityConfig, relay_regions: RegionBoard | None = None) -> Security:
     """Raises TLSFileError / TokenFileError (both ValueErrors) naming the file that is wrong.
     ``relay_regions``: the relay processes' regions, behind ``--grpc-processes``."""
     s = Security()
@@ -61,7 +61,7 @@ def build_security(config: ServiceConfig, relay_regions: RegionBoard | None = No
     if config.max_requests_per_client > 0:
         # After the token check: a client is identified by a token only once it was accepted.
         limiter = PerClientLimitInterceptor(config.max_requests_per_client, by_token=s.tokens is not None,
-                                            relayed=config.grpc_processes > 0, relay_regions=relay_regions)
+                                            relayed=config.relayed, relay_regions=relay_regions)
         s.interceptors.append(limiter)
         s.client_limits = limiter.limits
         s.summary.append(f"at most {config.max_requests_per_client} concurrent Encode calls per client "
@@ -73,13 +73,15 @@ def build_security(config: ServiceConfig, relay_regions: RegionBoard | None = No
     return s
 
 
-def sglang_port_security(config: ServiceConfig, security: Security, limited_methods: frozenset[str]) -> PortSecurity:
+def sglang_port_security(sglang: SglangConfig, config: SecurityConfig, security: Security,
+                         limited_methods: frozenset[str]) -> PortSecurity:
     """The SGLang port's interceptors, from the same settings as the main port's: the same token
     file (unless ``--sglang-compat-tokens off``: SGLang's client sends no token) and the same
-    per-client counts (``limited_methods``: that port's Encode)."""
+    per-client counts (``limited_methods``: that port's Encode). Two groups: the port's own
+    setting (``sglang``) and the main port's security settings it shares (``config``)."""
     interceptors: list[grpc.aio.ServerInterceptor] = []
     summary = []
-    tokens = security.tokens if config.sglang_compat_tokens == "on" else None
+    tokens = security.tokens if sglang.tokens == "on" else None
     if tokens is not None:
         interceptors.append(TokenAuthInterceptor(tokens))
         summary.append("bearer-token auth on (--auth-token-file)")

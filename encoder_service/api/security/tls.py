@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from ...config import SecurityConfig
+
 log = logging.getLogger(__name__)
 
 
@@ -86,7 +88,7 @@ def load_certificates(cert_path: str, key_path: str, client_ca_path: str = "") -
     return CertificateSet(cert, key, client_ca)
 
 
-def sink_channel_credentials(config) -> grpc.ChannelCredentials | None:
+def sink_channel_credentials(config: SecurityConfig) -> grpc.ChannelCredentials | None:
     """Credentials toward EmbeddingSinks from --sink-tls-*; None (plaintext) when none is set."""
     if not config.sink_tls:
         return None

@@ -42,7 +42,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from smg_grpc_proto import sglang_encoder_pb2, sglang_encoder_pb2_grpc
 
-from ...config import ServiceConfig
+from ...config import RequestLimits, SecurityConfig, SglangConfig
 from ...engine import ImageInput
 from ...errors import EncoderError, InvalidInput
 from ...metrics import ServiceMetrics
@@ -86,16 +86,17 @@ def _check(request: sglang_encoder_pb2.EncodeRequest, max_images: int) -> None:
 
 
 class SglangEncoderServicer(sglang_encoder_pb2_grpc.SglangEncoderServicer):
-    def __init__(self, config: ServiceConfig, gate: EngineGate, by_token: bool = False) -> None:
-        """``gate``: the engine path, its readiness and drain, shared with the VisionEncoder port;
+    def __init__(self, sglang: SglangConfig, requests: RequestLimits, gate: EngineGate, by_token: bool = False) -> None:
+        """``sglang``: this port's settings; ``requests``: the limits a call has on either port;
+        ``gate``: the engine path, its readiness and drain, shared with the VisionEncoder port;
         ``by_token``: this port checks bearer tokens, so a caller is its token."""
-        self.config = config
+        self.requests = requests
         self.gate = gate
-        self.sinks = config.sink_allowlist
-        self.fetcher = UrlFetcher(config.url_fetch_allowlist, config.max_message_bytes)
-        self.send_timeout_s = config.sglang_send_timeout_s
+        self.sinks = requests.sink_allowlist
+        self.fetcher = UrlFetcher(sglang.url_fetch_allowlist, requests.max_message_bytes)
+        self.send_timeout_s = sglang.send_timeout_s
         self.destinations = Destinations(ttl_s=self.send_timeout_s)
-        self.held = HeldBytes(config.sglang_max_held_bytes)
+        self.held = HeldBytes(sglang.max_held_bytes)
         self.pusher = ZmqPusher()
         self.by_token = by_token
 
@@ -120,7 +121,7 @@ class SglangEncoderServicer(sglang_encoder_pb2_grpc.SglangEncoderServicer):
 
     async def Encode(self, request: sglang_encoder_pb2.EncodeRequest,
                      context: grpc.aio.ServicerContext) -> sglang_encoder_pb2.EncodeResponse:
-        _check(request, self.config.max_images_per_request)
+        _check(request, self.requests.max_images_per_request)
         # Receivers named in the request are checked before any work; registered ones as they come.
         ports = list(request.embedding_port)
         endpoints = [checked_endpoint(host_port(request.prefill_host, p), self.sinks, "prefill_host:embedding_port")
@@ -184,25 +185,27 @@ class SglangCompatServer:
         self.server, self.servicer, self.port = server, servicer, port
 
     @classmethod
-    async def start(cls, config: ServiceConfig, gate: EngineGate, metrics: ServiceMetrics,
-                    calls: CallBook, health_servicer: health.aio.HealthServicer,
-                    options: list[tuple[str, int]], security: Security) -> SglangCompatServer:
-        """Raises RuntimeError when the port cannot be bound; ``options``: the main port's;
-        ``security``: the main port's (its token file and per-client counts are shared)."""
-        port_security = sglang_port_security(config, security, LIMITED_METHODS)
-        compat = SglangEncoderServicer(config, gate, by_token=port_security.by_token)
+    async def start(cls, host: str, sglang: SglangConfig, requests: RequestLimits, settings: SecurityConfig,
+                    gate: EngineGate, metrics: ServiceMetrics, calls: CallBook,
+                    health_servicer: health.aio.HealthServicer, options: list[tuple[str, int]],
+                    security: Security) -> SglangCompatServer:
+        """Raises RuntimeError when the port cannot be bound; ``host``: the main port's address;
+        ``options``: the main port's; ``security`` (built from ``settings``): the main port's (its
+        token file and per-client counts are shared)."""
+        port_security = sglang_port_security(sglang, settings, security, LIMITED_METHODS)
+        compat = SglangEncoderServicer(sglang, requests, gate, by_token=port_security.by_token)
         # The service interceptor first, as on the main port: it answers the others' refusals.
         server = grpc.aio.server(options=options, interceptors=[
             ServiceInterceptor(metrics, calls, SGLANG_ENCODER, LABEL_PREFIX), *port_security.interceptors])
         sglang_encoder_pb2_grpc.add_SglangEncoderServicer_to_server(compat, server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        port = server.add_insecure_port(f"{config.host}:{config.sglang_compat_port}")
+        port = server.add_insecure_port(f"{host}:{sglang.port}")
         await server.start()
         log.info("SGLang-compatible encoder (sglang.grpc.encoder.SglangEncoder, plaintext) on %s:%d; %s; "
                  "pushes to --allowed-sinks only; embeddings held for delivery: at most %d bytes, %g s; "
-                 "URL fetch: %s", config.host, port, "; ".join(port_security.summary),
-                 config.sglang_max_held_bytes, config.sglang_send_timeout_s,
-                 config.allow_url_fetch or "off (data URLs only)")
+                 "URL fetch: %s", host, port, "; ".join(port_security.summary),
+                 sglang.max_held_bytes, sglang.send_timeout_s,
+                 sglang.allow_url_fetch or "off (data URLs only)")
         return cls(server, compat, port)
 
     async def stop(self, grace_s: float) -> None:
