@@ -58,7 +58,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def run_preset(preset: str, iters: int, attn_backend: str = "auto") -> dict:
     config = ServiceConfig(model=preset, device="cuda", dtype="bfloat16", attn_backend=attn_backend)
     t0 = time.perf_counter()
-    model = load_model(config)
+    model = load_model(config.loading)
     load_s = time.perf_counter() - t0
     warmup_s = warm_up(model)  # the server's warm-up, then the capture of its ladder
     graphs = model.graphs
