@@ -1,17 +1,21 @@
 """What a vision model adds for video: ``VideoFront`` (a family's CPU half for clips, which the front
-end holds) and ``VideoHooks``, the video side of ``VisionModel`` (its video path, where clips decode,
-the device half's clip hooks, and ``preprocess_video``, both halves in this process)."""
+end holds), ``FamilyVideo`` (all a family supplies for clips, declared once in its package) and
+``VideoHooks``, the video side of ``VisionModel`` (its video path, where clips decode, the device half's
+clip hooks, the cache-namespace entry, and ``preprocess_video``, both halves in this process), derived
+from the family's ``FamilyVideo``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..errors import InvalidInput
 from ..preprocess import video_decode
+from ..preprocess.settings import check_patch_layout
 from ..preprocess.staged import DecodedClip
 from ..preprocess.video_decode import VideoLimits
 from ..preprocess.video_sampling import REFERENCES, ClipFacts, VideoSampling, source_seconds
@@ -66,9 +70,49 @@ class VideoFront:
         return clip, [int(i) for i in used]
 
 
+def check_patch_layouts(tower: Any, image: Any, video: Any, model_id: str) -> None:
+    """``FamilyVideo.check``'s default: the image and the video processors' patches (``patch_size``,
+    ``temporal_patch_size``, ``merge_size``) are the tower's, the image processor's named first."""
+    check_patch_layout(image, tower, model_id, "image processor")
+    check_patch_layout(video, tower, model_id, "video processor")
+
+
+@dataclass(frozen=True)
+class FamilyVideo:
+    """A family's video in one place: what its package declares (``VIDEO`` in its ``video.py``) and its
+    model names (``VIDEO = video.VIDEO``); ``VideoHooks`` derives the rest from it. ``settings`` stands for
+    the family's video processor settings (a frozen dataclass with ``fingerprint()``).
+
+    ``baseline(tower, image_file, image)``: the settings a model has without video settings of its own
+    (``tower``: the family's vision config; ``image_file``: the image processor's file as given, None for
+    none; ``image``: the settings parsed from it). A model whose settings equal it keeps the cache
+    namespace it had before video existed; others add a ``video`` entry to the fingerprint. Each family
+    says which baseline its checkpoints had then (its ``video.py``).
+    ``read(file, image)``: the settings of a video processor file (``loader.processor_configs``'s, or a
+    preset's ``video_processor_config``; ``loader.FromImageFile`` where it is the image processor's file).
+    ``check(tower, image, video, model_id)``: the processors' patches against the tower's, at load (every
+    request would fail later otherwise): InvalidInput naming the file's setting.
+    ``front(settings)``: the CPU half (``VideoFront``: sampling, ``stage``, ``process``, timestamps).
+    ``value_table(settings)``: float32 [3, 256] on the CPU, the rescale + normalize of a clip's bytes.
+    ``patchify(frames, settings)``: [T, C, H, W] normalized frames -> [num_patches, patch_dim] in the
+    model's video patch order (temporal padding included)."""
+
+    baseline: Callable[[Any, Mapping[str, Any] | None, Any], Any]
+    read: Callable[[Mapping[str, Any], Any], Any]
+    front: Callable[[Any], VideoFront]
+    value_table: Callable[[Any], torch.Tensor]
+    patchify: Callable[[torch.Tensor, Any], torch.Tensor]
+    check: Callable[[Any, Any, Any, str], None] = check_patch_layouts
+
+
 class VideoHooks:
-    """Mixed into ``VisionModel``: families with a video path override ``video_front`` and the device half of
-    their clips' frames, ``_clip_value_table`` and ``_patchify_clip``."""
+    """Mixed into ``VisionModel``: its video side, derived from the family's ``VIDEO`` (None: the family
+    takes no video). The model calls ``_bind_video`` at load and puts ``_video_fingerprint`` in its
+    ``ModelSpec.fingerprint``; ``video_config`` holds its settings (tests may replace them)."""
+
+    VIDEO: FamilyVideo | None = None
+    video_config: Any = None
+    _video_baseline: Any = None
 
     # pyav: clips decode with FFmpeg on the CPU; nvdec: on a GPU's video decoder (preprocess/video_nvdec.py).
     video_decode: str = "pyav"
@@ -87,19 +131,38 @@ class VideoHooks:
                 raise InvalidInput("video decode nvdec needs NVIDIA's PyNvVideoCodec (pip install PyNvVideoCodec)")
         self.video_decode = name
 
+    def _bind_video(self, file: Mapping[str, Any] | None, tower: Any, model_id: str, *,
+                    image_file: Mapping[str, Any] | None) -> None:
+        """Reads the video settings at load (``file``: ``ModelFamily.build``'s ``video_config``; None: the
+        family's baseline) and checks both processors' patches against ``tower``. The model has set
+        ``preprocess_config`` (its image settings, parsed from ``image_file``)."""
+        video, image = self.VIDEO, self.preprocess_config
+        self._video_baseline = video.baseline(tower, image_file, image)
+        self.video_config = self._video_baseline if file is None else video.read(file, image)
+        video.check(tower, image, self.video_config, model_id)
+
+    def _video_fingerprint(self) -> dict[str, Any]:
+        """The ``ModelSpec.fingerprint`` entry of the video settings: none where they are the family's
+        baseline, so that such a model keeps its cache namespace (``FamilyVideo.baseline``)."""
+        if self.VIDEO is None or self.video_config == self._video_baseline:
+            return {}
+        return {"video": self.video_config.fingerprint()}
+
     def video_front(self) -> VideoFront | None:
         """The family's video path bound to this model's settings; None: the family takes no video."""
-        return None
+        return None if self.VIDEO is None else self.VIDEO.front(self.video_config)
 
     def _clip_value_table(self) -> torch.Tensor | None:
         """float32 [3, 256] on the CPU for a clip's frames (the video processor's rescale + normalize);
         None: the family takes no video."""
-        return None
+        return None if self.VIDEO is None else self.VIDEO.value_table(self.video_config)
 
     def _patchify_clip(self, frames: torch.Tensor) -> torch.Tensor:
         """[T, C, H, W] normalized frames -> [num_patches, patch_dim] in the model's video patch order
         (temporal padding included)."""
-        raise NotImplementedError
+        if self.VIDEO is None:
+            raise NotImplementedError
+        return self.VIDEO.patchify(frames, self.video_config)
 
     def preprocess_video(self, video: bytes | Sequence[bytes], *, frames_fps: float | None = None,
                          **sampling) -> tuple[np.ndarray, Grid, list[int]]:

@@ -39,7 +39,7 @@ from ...metadata import SpatialConfig, pad_attention
 from ..base import Decoder, Grid, ModelSpec, VisionModel, validate_batch
 from ..cuda_graphs import GraphForward, full_capacity
 from ..layers import activation, patch_conv_as_linear
-from ..loader import FromImageFile
+from . import video
 from .metadata import RasterBatchMetadata, bicubic_resample_matrix, build_raster_metadata, expand_clips
 
 MODEL_TYPE = "kimi_k25"
@@ -347,55 +347,27 @@ class Prepared:
 class KimiK25VisionModel(VisionModel):
     """A loaded Kimi-K2.5 vision tower + projector with its preprocessing (the public API)."""
 
+    VIDEO = video.VIDEO
+
     def __init__(self, cfg: KimiK25VisionConfig, module: KimiK25VisionTower, *, model_id: str,
                  preprocess_config: dict | None, device: torch.device, dtype: torch.dtype,
                  attn_backend: str, ops: str = "auto", video_config: dict | None = None) -> None:
         from .preprocess import KimiK25PreprocessConfig
-        from .video import checkpoint_video_config, video_config_for
 
         self.preprocess_config = KimiK25PreprocessConfig.from_dict(preprocess_config or {})
-        self.video_config = checkpoint_video_config(video_config, image_file=isinstance(video_config, FromImageFile),
-                                                    image=self.preprocess_config)
-        # Patches other than the tower's would fail every request later: refused at load, naming the file.
-        for what, settings in (("preprocessor", self.preprocess_config), ("video processor", self.video_config)):
-            for name, tower in (("patch_size", cfg.patch_size), ("merge_size", cfg.merge_kernel_size[0])):
-                if getattr(settings, name) != tower:
-                    raise InvalidInput(f"{model_id!r}: the {what} config's {name} {getattr(settings, name)} "
-                                       f"differs from the vision_config's {tower}")
-        chunk = self.video_config.temporal_patch_size
-        if chunk > cfg.pos_emb_time:
-            raise InvalidInput(f"kimi_k25: the video processor's chunks of {chunk} frames (temporal_patch_size) "
-                               f"exceed the {cfg.pos_emb_time} frames of the tower's temporal position embedding "
-                               "(pos_emb_time)")
+        self._bind_video(video_config, cfg, model_id, image_file=preprocess_config)
         super().__init__(cfg, module, device=device, dtype=dtype, attn_backend=attn_backend, ops=ops)
         self.kernel = cfg.merge_kernel_size[0]
         self.spatial = SpatialConfig(self.kernel, cfg.patch_size)
-        fingerprint = {"vision_config": cfg.to_dict(), "preprocess": self.preprocess_config.fingerprint()}
-        if self.video_config != video_config_for(None, self.preprocess_config):
-            # Video settings other than the defaults with the image layout; the defaults keep the namespace.
-            fingerprint["video"] = self.video_config.fingerprint()
+        chunk = self.video_config.temporal_patch_size
         self.spec = ModelSpec(
             model_id=model_id, model_type=MODEL_TYPE, hidden_size=cfg.text_hidden_size,
             patch_size=cfg.patch_size, temporal_patch_size=1, spatial_merge_size=self.kernel,
             in_channels=cfg.in_channels,
             frames_merged=True, frames_per_chunk=chunk,  # the merger averages each chunk's frames
-            fingerprint=fingerprint,
+            fingerprint={"vision_config": cfg.to_dict(), "preprocess": self.preprocess_config.fingerprint(),
+                         **self._video_fingerprint()},
         )
-
-    def _clip_value_table(self) -> torch.Tensor:
-        from .video import value_table
-
-        return value_table(self.video_config)
-
-    def _patchify_clip(self, frames: torch.Tensor) -> torch.Tensor:
-        from .video import patchify_clip
-
-        return patchify_clip(frames, self.video_config)
-
-    def video_front(self):
-        from .video import video_front
-
-        return video_front(self.video_config)
 
     def decoder(self) -> Decoder:
         from .preprocess import decode_kimi_k25, geometry

@@ -82,7 +82,8 @@ from ...preprocess.video_sampling import (
     describe,
     linspace_indices,
 )
-from ..video_hooks import VideoFront
+from ..loader import FromImageFile
+from ..video_hooks import FamilyVideo, VideoFront
 from .metadata import clip_chunks
 from .preprocess import KimiK25PreprocessConfig, geometry
 
@@ -331,3 +332,35 @@ def process_clip(frames: np.ndarray, indices: list[int], sampling: VideoSampling
     pixels, grids = preprocess_video(frames, config)
     _, gh, gw = grids[0]
     return pixels, (int(frames.shape[0]), gh, gw), [int(i) for i in indices]
+
+
+def baseline_settings(tower, image_file: Mapping[str, Any] | None, image: KimiK25PreprocessConfig
+                      ) -> KimiK25VideoConfig:
+    """The video processor's defaults with the image layout (``video_config_for(None, image)``): a
+    checkpoint with these keeps its namespace, other video settings add theirs."""
+    return video_config_for(None, image)
+
+
+def read_settings(file: Mapping[str, Any], image: KimiK25PreprocessConfig) -> KimiK25VideoConfig:
+    """``checkpoint_video_config`` of the file found (the image processor's where the checkpoint has no
+    video file: ``loader.FromImageFile``)."""
+    return checkpoint_video_config(file, image_file=isinstance(file, FromImageFile), image=image)
+
+
+def check_layouts(tower, image: KimiK25PreprocessConfig, video: KimiK25VideoConfig, model_id: str) -> None:
+    """Patches other than the tower's would fail every request later: refused at load, naming the file;
+    so are chunks longer than the tower's temporal position embedding."""
+    for what, processor in (("preprocessor", image), ("video processor", video)):
+        for name, size in (("patch_size", tower.patch_size), ("merge_size", tower.merge_kernel_size[0])):
+            if getattr(processor, name) != size:
+                raise InvalidInput(f"{model_id!r}: the {what} config's {name} {getattr(processor, name)} "
+                                   f"differs from the vision_config's {size}")
+    chunk = video.temporal_patch_size
+    if chunk > tower.pos_emb_time:
+        raise InvalidInput(f"kimi_k25: the video processor's chunks of {chunk} frames (temporal_patch_size) "
+                           f"exceed the {tower.pos_emb_time} frames of the tower's temporal position embedding "
+                           "(pos_emb_time)")
+
+
+VIDEO = FamilyVideo(baseline=baseline_settings, read=read_settings, check=check_layouts, front=video_front,
+                    value_table=value_table, patchify=patchify_clip)

@@ -21,11 +21,10 @@ from ...attention import AttentionBackend
 from ...device import host_to_device
 from ...metadata import BatchMetadata, SpatialConfig, build_metadata, pad_attention
 from ...ops import AUTO, OpsSelection, OpTarget, select_ops
-from ...preprocess.settings import check_patch_layout
 from ..base import ModelSpec, VisionModel
 from ..cuda_graphs import GraphForward, full_capacity
 from ..layers import RMSNorm
-from . import folded
+from . import folded, video
 from .processor import Qwen2VLProcessorHooks
 
 MODEL_TYPE = "qwen2_5_vl"
@@ -236,21 +235,15 @@ class Qwen2_5_VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
     """A loaded Qwen2.5-VL vision tower with its preprocessing (the public API)."""
 
     OPS = OPS
+    VIDEO = video.VIDEO
 
     def __init__(self, cfg: Qwen2_5_VisionConfig, module: Qwen2_5_VisionTower, *, model_id: str,
                  preprocess_config: dict | None, device: torch.device, dtype: torch.dtype,
                  attn_backend: str, ops: str = AUTO, video_config: dict | None = None) -> None:
         from .preprocess import Qwen2VLPreprocessConfig
-        from .video import Qwen2VLVideoConfig
 
         self.preprocess_config = Qwen2VLPreprocessConfig.from_dict(preprocess_config or {})
-        # Qwen2.5-VL checkpoints publish no video processor config: transformers' Qwen2VLVideoProcessor
-        # then reads preprocessor_config.json, so its pixel bounds bound each frame. One that has its own
-        # (video_config: processor_config.json's video_processor or video_preprocessor_config.json) is read.
-        from_image = Qwen2VLVideoConfig.from_dict(preprocess_config or {})
-        self.video_config = from_image if video_config is None else Qwen2VLVideoConfig.from_dict(video_config)
-        check_patch_layout(self.preprocess_config, cfg, model_id, "image processor")
-        check_patch_layout(self.video_config, cfg, model_id, "video processor")
+        self._bind_video(video_config, cfg, model_id, image_file=preprocess_config)
         super().__init__(cfg, module, device=device, dtype=dtype, attn_backend=attn_backend, ops=ops)
         module.ops = self.ops
         self.spatial = SpatialConfig(cfg.spatial_merge_size, cfg.patch_size, cfg.window_size)
@@ -259,14 +252,8 @@ class Qwen2_5_VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
             patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
             spatial_merge_size=cfg.spatial_merge_size, in_channels=cfg.in_channels,
             fingerprint={"vision_config": cfg.to_dict(), "preprocess": self.preprocess_config.fingerprint(),
-                         # Video settings of the checkpoint's own; those of its image file keep the namespace.
-                         **({"video": self.video_config.fingerprint()} if self.video_config != from_image else {})},
+                         **self._video_fingerprint()},
         )
-
-    def video_front(self):
-        from .video import video_front
-
-        return video_front(self.video_config)
 
     def _ops_target(self) -> OpTarget:
         cfg = self.cfg

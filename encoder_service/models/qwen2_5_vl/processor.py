@@ -27,16 +27,3 @@ class Qwen2VLProcessorHooks:
 
     def _patchify(self, image: torch.Tensor) -> torch.Tensor:
         return qwen2_vl.patchify(image, self.preprocess_config)
-
-    # Clips: the model sets ``video_config`` (a Qwen2VLVideoConfig or Qwen3VLVideoConfig); both video
-    # processors share Qwen2-VL's value table and patch order (video.py beside this file).
-    def _clip_value_table(self) -> torch.Tensor:
-        from .video import value_table
-
-        return value_table(self.video_config)
-
-    def _patchify_clip(self, frames: torch.Tensor) -> torch.Tensor:
-        from .video import patchify_video
-
-        cfg = self.video_config
-        return patchify_video(frames, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size)

@@ -57,7 +57,7 @@ from ...preprocess.video_sampling import (
     describe,
     pad_to_multiple,
 )
-from ..video_hooks import VideoFront
+from ..video_hooks import FamilyVideo, VideoFront
 from .preprocess import _CLIP_MEAN, _CLIP_STD, PatchLayout, smart_resize
 
 DEFAULT_FPS = 2.0  # with neither fps nor num_frames (see above)
@@ -238,6 +238,11 @@ def frames_to_values(frames: np.ndarray, size: tuple[int, int], table: torch.Ten
     return torch.stack([apply_table(resize_uint8(frame.contiguous(), size), table) for frame in video])
 
 
+def patchify_clip(frames: torch.Tensor, config: Qwen2VLVideoConfig) -> torch.Tensor:
+    """``patchify_video`` with ``config``'s patch layout (Qwen3-VL's settings have the same fields)."""
+    return patchify_video(frames, config.patch_size, config.merge_size, config.temporal_patch_size)
+
+
 def patchify_video(x: torch.Tensor, patch: int, merge: int, tp: int) -> torch.Tensor:
     """[T, C, H, W] -> [t*h*w, C*tp*P*P] in ``Qwen2VLVideoProcessor.patchify``'s order, the frame count
     first padded to a multiple of ``tp`` with copies of the last frame. Rows: temporal patch, then merge
@@ -300,3 +305,20 @@ def process_clip(frames: np.ndarray, indices: list[int], sampling: VideoSampling
     cfg = config.for_request(sampling)
     pixels, grid = preprocess_video(frames, cfg, geometry)
     return pixels, grid, pad_to_multiple(list(indices), cfg.temporal_patch_size)
+
+
+def baseline_settings(tower, image_file: Mapping[str, Any] | None, image) -> Qwen2VLVideoConfig:
+    """Qwen2.5-VL checkpoints publish no video processor config: transformers' ``Qwen2VLVideoProcessor``
+    then reads ``preprocessor_config.json``, so its pixel bounds bound each frame. Those settings are the
+    baseline: a checkpoint without video settings of its own keeps its namespace."""
+    return Qwen2VLVideoConfig.from_dict(image_file or {})
+
+
+def read_settings(file: Mapping[str, Any], image) -> Qwen2VLVideoConfig:
+    """A checkpoint's own video settings (``processor_config.json``'s ``video_processor`` or
+    ``video_preprocessor_config.json``), or its image file's where it has none."""
+    return Qwen2VLVideoConfig.from_dict(file)
+
+
+VIDEO = FamilyVideo(baseline=baseline_settings, read=read_settings, front=video_front, value_table=value_table,
+                    patchify=patchify_clip)

@@ -16,32 +16,30 @@ import torch
 
 from ...errors import InvalidInput
 from ...metadata import pad_attention
-from ...preprocess.settings import check_patch_layout
 from ..base import Grid, ModelSpec, VisionModel, validate_batch
 from ..cuda_graphs import GraphForward, full_capacity
 from ..qwen2_5_vl.processor import Qwen2VLProcessorHooks
+from . import video
 from .config import Qwen3VLVisionConfig
 from .metadata import Qwen3VLBatchMetadata, build_qwen3_vl_metadata
 from .tower import Qwen3VLVisionTower
 
 
 class Qwen3VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
+    VIDEO = video.VIDEO
+
     def __init__(self, cfg: Qwen3VLVisionConfig, module: Qwen3VLVisionTower, *, model_id: str,
                  preprocess_config: dict | None, device: torch.device, dtype: torch.dtype,
                  attn_backend: str, ops: str = "auto", video_config: dict | None = None) -> None:
         from ..qwen2_5_vl.preprocess import Qwen2VLPreprocessConfig
-        from .video import Qwen3VLVideoConfig
 
         self.preprocess_config = Qwen2VLPreprocessConfig.from_dict(
             _published_preprocessor() if preprocess_config is None else preprocess_config)
-        # Without video settings (a preset), Qwen3VLVideoProcessor's class defaults, which the published
-        # video_preprocessor_config.json equals, with the tower's patch geometry. A checkpoint's are read
-        # as transformers finds them (loader.processor_configs: its preprocessor_config.json where it
-        # has no video file).
-        default_video = Qwen3VLVideoConfig(patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
-                                           merge_size=cfg.spatial_merge_size)
-        self.video_config = default_video if video_config is None else Qwen3VLVideoConfig.from_dict(video_config)
-        self._check_preprocess_matches(cfg, model_id)
+        # The processors' patches must be the tower's: otherwise every request would fail later.
+        self._bind_video(video_config, cfg, model_id, image_file=preprocess_config)
+        if cfg.in_channels != 3:
+            raise InvalidInput(f"{model_id!r}: vision_config in_channels {cfg.in_channels}; the image processor "
+                               "makes RGB patches (3 channels)")
         super().__init__(cfg, module, device=device, dtype=dtype, attn_backend=attn_backend, ops=ops)
         self.spec = ModelSpec(
             model_id=model_id, model_type=cfg.model_type, hidden_size=cfg.out_hidden_size,
@@ -49,22 +47,8 @@ class Qwen3VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
             spatial_merge_size=cfg.spatial_merge_size, in_channels=cfg.in_channels,
             feature_levels=cfg.feature_levels,
             fingerprint={"vision_config": cfg.to_dict(), "preprocess": self.preprocess_config.fingerprint(),
-                         # Video settings of the checkpoint's own; the defaults keep the namespace.
-                         **({"video": self.video_config.fingerprint()} if self.video_config != default_video else {})},
+                         **self._video_fingerprint()},
         )
-
-    def video_front(self):
-        from .video import video_front
-
-        return video_front(self.video_config)
-
-    def _check_preprocess_matches(self, cfg: Qwen3VLVisionConfig, model_id: str) -> None:
-        """The processors' patches must be the tower's: otherwise every request would fail later."""
-        check_patch_layout(self.preprocess_config, cfg, model_id, "image processor")
-        check_patch_layout(self.video_config, cfg, model_id, "video processor")
-        if cfg.in_channels != 3:
-            raise InvalidInput(f"{model_id!r}: vision_config in_channels {cfg.in_channels}; the image processor "
-                               "makes RGB patches (3 channels)")
 
     def validate(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]) -> list[Grid]:
         # Any grid the merge rules allow: the position table is resampled to any size.

@@ -49,7 +49,7 @@ from ...preprocess.video_sampling import (
 from ..qwen2_5_vl import video as qwen2_video
 from ..qwen2_5_vl.preprocess import PatchLayout
 from ..qwen2_5_vl.video import check_video_config, video_config_kwargs
-from ..video_hooks import VideoFront
+from ..video_hooks import FamilyVideo, VideoFront
 
 ASSUMED_FPS = 24.0  # the references' fps for a clip whose container does not give one
 # vLLM 0.33.0's Qwen3VLVideoBackend: its caps and defaults (load_bytes' fps=2, the sampling kwargs'
@@ -205,3 +205,21 @@ def video_front(config: Qwen3VLVideoConfig) -> VideoFront:
     """This family's video path bound to ``config`` (the engine's ``ModelFront.video_front``): Qwen2-VL's
     processing with this family's sampling and geometry."""
     return qwen2_video.video_front(config, sample=sample_frame_indices, geometry=video_geometry)
+
+
+def baseline_settings(tower, image_file: Mapping[str, Any] | None, image) -> Qwen3VLVideoConfig:
+    """Without video settings (a preset), ``Qwen3VLVideoProcessor``'s class defaults, which the published
+    ``video_preprocessor_config.json`` equals, with the tower's patch geometry: the baseline, the settings
+    that keep the namespace. A checkpoint's are read as transformers finds them (``loader.processor_configs``:
+    its ``preprocessor_config.json`` where it has no video file)."""
+    return Qwen3VLVideoConfig(patch_size=tower.patch_size, temporal_patch_size=tower.temporal_patch_size,
+                              merge_size=tower.spatial_merge_size)
+
+
+def read_settings(file: Mapping[str, Any], image) -> Qwen3VLVideoConfig:
+    return Qwen3VLVideoConfig.from_dict(file)
+
+
+# Qwen2-VL's value table and patch order (models/qwen2_5_vl/video.py) with this family's settings.
+VIDEO = FamilyVideo(baseline=baseline_settings, read=read_settings, front=video_front,
+                    value_table=qwen2_video.value_table, patchify=qwen2_video.patchify_clip)
