@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from encoder_client.protocol.dtypes import OUTPUT_DTYPES
 
+from .preprocess.decoders import IMAGE_DECODERS, VIDEO_DECODERS
 from .sink_allowlist import SinkAllowlist
 
 ENV_PREFIX = "ENCODER_SERVICE_"
@@ -239,7 +240,7 @@ class ServiceConfig:
         "process decodes on its own GPU. Its pixels differ from libjpeg's by a few levels (chroma "
         "upsampling), so it has a cache_namespace of its own. PNG, WebP, GIF and progressive, "
         "grayscale or CMYK JPEGs still decode with Pillow.",
-        choices=("pillow", "nvjpeg"))
+        choices=tuple(IMAGE_DECODERS))
     # pyav, nvdec (preprocess/video_nvdec.py)
     video_decode: str = option("pyav",
         "pyav: clips decode on the CPU with FFmpeg (PyAV), the frames transformers' read_video_pyav "
@@ -247,7 +248,7 @@ class ServiceConfig:
         "needs a CUDA --device or GPU --devices), still in the decoder processes, after PyAV has "
         "checked and counted the clip. Its RGB is within a level or two of FFmpeg's conversion, so it "
         "has a cache_namespace of its own; each decoder process holds a CUDA context.",
-        choices=("pyav", "nvdec"))
+        choices=tuple(VIDEO_DECODERS))
     # on: Encode may name an EncodeRequest.output_region (api/shared_memory.py)
     shared_memory: str = option("on",
         "on: a caller on this host may have its embeddings written into a shared-memory region "

@@ -9,6 +9,7 @@ import logging
 from ..config import LoadingConfig
 from ..models.cuda_graphs import resolve_budgets
 from ..models.served import ServedModel
+from ..preprocess.decoders import image_decoder
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +24,7 @@ def load_model(config: LoadingConfig, device: str | None = None) -> ServedModel:
                               ops=config.ops)
     model.set_decode(config.decode)
     model.set_video_decode(config.video_decode)
-    if model.decode_backend != "pillow":
+    if not image_decoder(model.decode_backend).default:  # say where images decode when it is not the usual way
         log.info("images: JPEGs decode on %s with %s, other formats with Pillow (cache namespace %s)",
                  model.device, model.decode_backend, model.cache_namespace)
     model.set_cuda_graphs(resolve_budgets(config.cuda_graph_budgets, config.max_batch_tokens, model.spec.merge_unit))

@@ -20,6 +20,7 @@ from ..config import BatchingConfig, Placement, VideoConfig
 from ..errors import Cancelled, DecodeTimeout, InvalidInput, ResourceExhausted
 from ..models.base import ModelFront
 from ..offload import run_to_the_end
+from ..preprocess.decoders import video_decoder
 from ..preprocess.interrupt import interrupt_when
 from ..preprocess.staged import Grid, StagedInput, clip_budget
 from ..preprocess.video_decode import VideoLimits
@@ -78,8 +79,8 @@ class VideoPreparer:
 
     def _decoders(self, limits: VideoLimits) -> VideoDecodePool:
         if self._pool is None:
-            nvdec = self.video.decode == "nvdec"
-            gpus = gpu_indices(self.placement) if nvdec else ()
+            # A decoder on a GPU gets the node's GPUs, its processes spread over them; PyAV none.
+            gpus = gpu_indices(self.placement) if video_decoder(self.video.decode).needs_gpu else ()
             self._pool = VideoDecodePool(self.video.decode_processes, nvdec_gpus=gpus,
                                          memory_bytes=child_memory_bytes(limits))
         return self._pool

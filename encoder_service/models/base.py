@@ -18,10 +18,10 @@ from PIL import Image
 
 from ..attention import AUTO, RaggedOnly, graph_backend, select_backend
 from ..device import host_to_device
-from ..errors import InvalidInput
 from ..ops import OpsSelection, OpTarget, no_ops, select_ops
 from ..preprocess import nvjpeg
 from ..preprocess.batch import stage_batch
+from ..preprocess.decoders import IMAGE_DEFAULT, image_decoder, video_decoder
 from ..preprocess.staged import DecodedImage, RawPatches, StagedInput, resolve_mode
 from .cuda_graphs import BudgetGraphs, CaptureReport, GraphForward
 
@@ -64,7 +64,7 @@ class ModelFront:
     cache_namespace: str
     decoder: Decoder | nvjpeg.NvjpegDecoder
     ops: str = "none"  # OpsSelection.describe(): the fused operations' providers
-    decode: str = "pillow"  # where images decode: "pillow" (CPU) or "nvjpeg" (GPU)
+    decode: str = IMAGE_DEFAULT  # where images decode: "pillow" (CPU) or "nvjpeg" (GPU), preprocess/decoders.py
     video_front: VideoFront | None = None  # the family's video path (None: it takes no video)
 
     def decode_image(self, image_bytes: bytes, max_image_pixels: int | None = None) -> DecodedImage:
@@ -93,8 +93,9 @@ class VisionModel(VideoHooks):
     # pil: resize on the CPU, bit-exact with transformers' PIL processor; torch: resize on the
     # model's device, equal to its default torchvision-backed processor (preprocess/staged.py).
     preprocess_mode: str = "pil"
-    # pillow: images decode on the CPU; nvjpeg: JPEGs decode on the GPU (preprocess/nvjpeg.py).
-    decode_backend: str = "pillow"
+    # pillow: images decode on the CPU; nvjpeg: JPEGs decode on the GPU (preprocess/nvjpeg.py). The names
+    # and what each needs: preprocess/decoders.py.
+    decode_backend: str = IMAGE_DEFAULT
     _tables: dict[tuple[torch.device, torch.dtype, str], torch.Tensor] | None = None  # value tables by device
 
     def __init__(self, cfg, module: torch.nn.Module, *, device: torch.device, dtype: torch.dtype,
@@ -138,9 +139,9 @@ class VisionModel(VideoHooks):
             "preprocess_mode": self.preprocess_mode,
             **self.spec.fingerprint,
         }
-        if self.decode_backend != "pillow":  # other pixels; Pillow's namespace stays what it was
+        if not image_decoder(self.decode_backend).default:  # other pixels; Pillow's namespace stays what it was
             payload["decode"] = self.decode_backend
-        if self.video_decode != "pyav":  # other frames; PyAV's namespace stays what it was
+        if not video_decoder(self.video_decode).default:  # other frames; PyAV's namespace stays what it was
             payload["video_decode"] = self.video_decode
         digest = hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
         return f"{self.spec.model_type}:{digest[:24]}"
@@ -156,13 +157,7 @@ class VisionModel(VideoHooks):
     def set_decode(self, name: str) -> None:
         """``pillow`` (the default) or ``nvjpeg``: JPEGs decode on this CUDA device, in ``torch``
         preprocessing only (the resize must run after the device decode)."""
-        if name not in nvjpeg.DECODERS:
-            raise InvalidInput(f"unknown decode {name!r}; valid: {', '.join(nvjpeg.DECODERS)}")
-        if name == "nvjpeg":
-            if self.preprocess_mode != "torch":
-                raise InvalidInput(f"decode nvjpeg needs preprocess torch (the resize runs on the device, "
-                                   f"after the decode); this model preprocesses in {self.preprocess_mode} mode")
-            nvjpeg.check_available(self.device)
+        image_decoder(name).require(self.device, self.preprocess_mode)
         self.decode_backend = name
 
     def decode(self, image_bytes: bytes, max_image_pixels: int | None = None) -> DecodedImage:
@@ -171,10 +166,7 @@ class VisionModel(VideoHooks):
         return self._front_decoder()(image_bytes, max_image_pixels)
 
     def _front_decoder(self) -> Decoder | nvjpeg.NvjpegDecoder:
-        decoder = self.decoder()
-        if self.decode_backend == "nvjpeg":
-            return nvjpeg.NvjpegDecoder(decoder, decoder.geometry, decoder.config)
-        return decoder
+        return image_decoder(self.decode_backend).front(self.decoder())
 
     def decoder(self) -> Decoder:
         """The family's decode function bound to this model's preprocessing settings and mode."""
@@ -228,7 +220,7 @@ class VisionModel(VideoHooks):
         factor = self.spec.patch_size * self.spec.spatial_merge_size
         rng = np.random.default_rng(0)
         images = []
-        formats = ("PNG", "JPEG" if self.decode_backend == "nvjpeg" else "PNG")
+        formats = ("PNG", "JPEG" if image_decoder(self.decode_backend).on_device else "PNG")
         for (height, width), fmt in zip(((2 * factor + 3, 2 * factor + 5), (2 * factor + 3, 4 * factor + 5)), formats):
             buffer = io.BytesIO()
             Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buffer, fmt)

@@ -15,6 +15,7 @@ import torch
 
 from ..errors import InvalidInput
 from ..preprocess import video_decode
+from ..preprocess.decoders import VIDEO_DEFAULT, video_decoder
 from ..preprocess.settings import check_patch_layout
 from ..preprocess.staged import DecodedClip
 from ..preprocess.video_decode import VideoLimits
@@ -115,20 +116,13 @@ class VideoHooks:
     _video_baseline: Any = None
 
     # pyav: clips decode with FFmpeg on the CPU; nvdec: on a GPU's video decoder (preprocess/video_nvdec.py).
-    video_decode: str = "pyav"
+    # The names and what each needs: preprocess/decoders.py.
+    video_decode: str = VIDEO_DEFAULT
 
     def set_video_decode(self, name: str) -> None:
         """``pyav`` (the default) or ``nvdec``: clips' frames decode on a CUDA device's video decoder
         (preprocess/video_nvdec.py), which must be this model's kind of device."""
-        if name not in ("pyav", "nvdec"):
-            raise InvalidInput(f"unknown video decode {name!r}; valid: pyav, nvdec")
-        if name == "nvdec":
-            from ..preprocess import video_nvdec
-
-            if self.device.type != "cuda":
-                raise InvalidInput(f"video decode nvdec needs a CUDA device; this model runs on {self.device}")
-            if not video_nvdec.available():
-                raise InvalidInput("video decode nvdec needs NVIDIA's PyNvVideoCodec (pip install PyNvVideoCodec)")
+        video_decoder(name).require(self.device)
         self.video_decode = name
 
     def _bind_video(self, file: Mapping[str, Any] | None, tower: Any, model_id: str, *,

@@ -38,7 +38,6 @@ from ..errors import BackendUnavailable, InvalidInput
 from .decode import _PIL_PARSE_ERRORS, _check_header_size, _pixel_limit
 from .staged import BytesPayload, DecodedImage, Grid
 
-DECODERS = ("pillow", "nvjpeg")
 _SOI, _EOI = b"\xff\xd8", b"\xff\xd9"
 _ORIENTATION_TAG = 0x0112
 

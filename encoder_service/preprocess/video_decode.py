@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from encoder_service.errors import DecodeTimeout, EncoderError, InvalidInput, ResourceExhausted
-from encoder_service.preprocess import interrupt, video_skip
+from encoder_service.preprocess import decoders, interrupt, video_skip
 from encoder_service.preprocess.decode import decode_budget, decode_image
 from encoder_service.preprocess.video_sampling import ClipFacts
 
@@ -395,18 +395,29 @@ def probe_and_decode(data: bytes, indices_fn, limits: VideoLimits, nvdec_gpu: in
     facts = _probe(data, limits, deadline, header)
     indices = [int(i) for i in indices_fn(facts)]
     check_decoded_bytes(len(indices), *header["size"], limits)
-    if nvdec_gpu is None:
-        return facts, indices, _decode(data, indices, limits, deadline)
+    decoder = decoders.clip_decoder(nvdec_gpu)
+    return facts, indices, decoder.decode(data, indices, facts, header, limits, deadline, nvdec_gpu)
+
+
+def pyav_frames(data: bytes, indices: list[int], facts: ClipFacts, header: dict, limits: VideoLimits,
+                deadline: float, gpu: None) -> np.ndarray:
+    """``--video-decode pyav`` (decoders.py): the frames decoded by FFmpeg, here."""
+    return _decode(data, indices, limits, deadline)
+
+
+def nvdec_frames(data: bytes, indices: list[int], facts: ClipFacts, header: dict, limits: VideoLimits,
+                 deadline: float, gpu: int) -> np.ndarray:
+    """``--video-decode nvdec`` (decoders.py): the frames decoded by NVDEC on ``gpu`` (video_nvdec.py),
+    imported here only, so that a CPU decoder process never loads PyNvVideoCodec."""
     from . import video_nvdec
 
     wanted = _check_indices(indices, limits)
     if max(wanted) >= facts.total_frames:
         raise InvalidInput(f"video has {facts.total_frames} frames; frame index {max(wanted)} is past the end")
     height, width = header["size"]
-    frames = video_nvdec.decode_frames(data, wanted, facts.total_frames, height, width,
-                                       video_nvdec.color_matrix(*header["color"]), nvdec_gpu, deadline,
-                                       limits.max_decode_seconds)
-    return facts, indices, frames
+    return video_nvdec.decode_frames(data, wanted, facts.total_frames, height, width,
+                                     video_nvdec.color_matrix(*header["color"]), gpu, deadline,
+                                     limits.max_decode_seconds)
 
 
 def decode_frame_list(frames: Sequence[bytes], limits: VideoLimits) -> np.ndarray:

@@ -49,7 +49,7 @@ import numpy as np
 
 from encoder_service.errors import Cancelled, DecodeTimeout, EncoderError, InvalidInput, ResourceExhausted, Unavailable
 from encoder_service.offload import run_to_the_end
-from encoder_service.preprocess import interrupt
+from encoder_service.preprocess import decoders, interrupt
 from encoder_service.preprocess.decoder_channel import (
     BadAnswer,
     Channel,
@@ -102,8 +102,8 @@ def child_memory_bytes(limits: VideoLimits) -> int:
 def _limit_memory(memory_bytes: int | None, nvdec_gpu: int | None) -> None:
     import resource
 
-    # Not with NVDEC: the CUDA driver's own allocations are not ours to bound.
-    if memory_bytes is not None and nvdec_gpu is None:
+    # Not for a decoder on a GPU (nvdec): the CUDA driver's own allocations are not ours to bound.
+    if memory_bytes is not None and decoders.clip_decoder(nvdec_gpu).bounds_child_memory:
         with contextlib.suppress(OSError, ValueError):  # a hard limit already lower stays
             resource.setrlimit(resource.RLIMIT_DATA, (memory_bytes, memory_bytes))
 
