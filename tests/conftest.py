@@ -19,7 +19,7 @@ from encoder_service.models.base import Decoder, ModelSpec, VisionModel
 
 # vLLM resolves its platform once per process, at the first import that asks for it, from
 # VLLM_TARGET_DEVICE (our vllm wheel is not a CPU build): set before any test module imports vLLM
-# (tests/test_video_sampling.py calls its video loaders, the connector tests build its configs),
+# (tests/video/test_video_sampling.py calls its video loaders, the connector tests build its configs),
 # whatever order pytest-xdist runs the files in.
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 

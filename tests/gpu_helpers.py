@@ -1,4 +1,4 @@
-"""What the per-model GPU tests share (tests/test_kimi_gpu.py, tests/test_qwen3_vl_gpu.py): the
+"""What the per-model GPU tests share (tests/gpu/test_kimi_gpu.py, tests/gpu/test_qwen3_vl_gpu.py): the
 marks, the CUDA backends to compare against sdpa, and the no-hidden-sync forward."""
 
 from __future__ import annotations

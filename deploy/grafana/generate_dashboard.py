@@ -3,7 +3,7 @@
     python deploy/grafana/generate_dashboard.py
 
 The JSON is generated so that every panel follows one pattern and its queries are easy to read
-here; tests/test_ops_dashboard.py fails when the JSON is stale, and tests/test_ops_prometheus.py
+here; tests/deploy/test_deploy_dashboard.py fails when the JSON is stale, and tests/deploy/test_deploy_prometheus.py
 runs every query against a real Prometheus scraping a real server.
 """
 

@@ -19,7 +19,7 @@ the graph of the smallest budget B >= N that holds it:
 Why the filler changes no real image: attention stays within a sequence, and the filler is its own
 sequence(s); every other step is per patch or per merged token (norms, projections, MLPs, rotary,
 position embeddings, the merger), and the output keeps the images in order. What can differ is
-rounding: a GEMM over B rows instead of N may pick another cuBLAS kernel. tests/test_gpu.py holds
+rounding: a GEMM over B rows instead of N may pick another cuBLAS kernel. tests/gpu/test_gpu.py holds
 each family's replays to its eager forward within a stated bf16 bound.
 
 A batch that fits no budget (more patches than the top, more sequences than a budget holds, a

@@ -9,7 +9,7 @@ the reference's by construction.
 Parity target: ``transformers.video_utils.read_video_pyav`` (transformers 5.x). For the same
 strictly increasing indices our frames equal its frames bit for bit: the same ``av.open`` of the
 same bytes, ``container.seek(0)``, ``container.decode(video=0)`` counted from 0 in presentation
-order, and ``frame.to_ndarray(format="rgb24")`` (tests/test_video_decode.py compares the two).
+order, and ``frame.to_ndarray(format="rgb24")`` (tests/video/test_video_decode.py compares the two).
 Where they differ on purpose: an index repeated in ``indices`` gives the frame once per time asked
 (read_video_pyav keeps each decoded frame once, in decode order), an index past the last decodable
 frame is an error (read_video_pyav returns fewer frames), and a Matroska/WebM header's frame count

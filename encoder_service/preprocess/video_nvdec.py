@@ -12,7 +12,7 @@ FFmpeg's; the YUV -> RGB step is not. FFmpeg (what PyAV's ``to_ndarray("rgb24")`
 ``read_video_pyav`` use) converts with the stream's matrix (BT.601 where the stream says none: NVDEC's
 own RGB output picks BT.709 for HD frames instead, a shift of up to 33 levels at 720p) and its own fixed
 point; ``nv12_to_rgb`` uses the same matrix and range and rounds to land within a level of FFmpeg's
-x86 path (tests/test_video_nvdec.py measures it on the CPU against PyAV's conversion of the same planes).
+x86 path (tests/video/test_video_nvdec.py measures it on the CPU against PyAV's conversion of the same planes).
 Only 8-bit 4:2:0 (NV12) is converted; other formats are refused with a clear error. The pixels still
 differ slightly, so the choice is part of the cache namespace.
 
@@ -40,7 +40,7 @@ _KR_KB = {601: (0.299, 0.114), 709: (0.2126, 0.0722)}
 # takes in a decoder process (NV12 surfaces, RGB and float32 temporaries), which shares the GPU.
 _GROUP = 8
 # Added before flooring, per channel (R, G, B): lands within one level of swscale's x86 fixed point on
-# 8-bit limited-range input (measured: tests/test_video_nvdec.py).
+# 8-bit limited-range input (measured: tests/video/test_video_nvdec.py).
 _BIAS = (-0.5, -1.0, -0.5)
 
 

@@ -1,4 +1,4 @@
-"""Loaded by every Python process of tests/test_vllm_engine.py's vLLM runs (this folder is first on
+"""Loaded by every Python process of tests/integrations/vllm/test_vllm_engine.py's vLLM runs (this folder is first on
 their PYTHONPATH), engine, registry-inspection and build subprocesses alike; never by the test
 suite itself.
 

@@ -1,5 +1,5 @@
 """transformers' Kimi-K2.5 vision tower and projector with given weights: the reference that the parity
-tests (tests/test_kimi_parity.py) and the benchmark (bench/kimi_throughput.py) compare against.
+tests (tests/models/kimi_k25/test_kimi_parity.py) and the benchmark (bench/kimi_throughput.py) compare against.
 transformers is imported only here, when called (it is a test dependency, not the service's)."""
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ residual, write the new residual and the normed copy, twice. Here they move 4 ti
   added by the GEMM's bias epilogue, so the consumer only computes ``rstd * acc + bias``.
 
 Projection outputs are rounded to the activation dtype before use, as the reference rounds them; the
-results match transformers up to float32 rounding on the CPU (tests/test_qwen2_5_vl_parity.py) and
-the all-torch selection within bf16 rounding on a GPU (tests/test_gpu.py). Which provider computes
+results match transformers up to float32 rounding on the CPU (tests/models/qwen2_5_vl/test_qwen2_5_vl_parity.py) and
+the all-torch selection within bf16 rounding on a GPU (tests/gpu/test_gpu.py). Which provider computes
 each fused step is the model's ``OpsSelection`` (encoder_service/ops): nothing here names a kernel.
 """
 

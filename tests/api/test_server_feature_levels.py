@@ -215,7 +215,7 @@ def test_a_model_without_levels_sends_the_same_bytes_as_before_the_field() -> No
             stub = encoder_pb2_grpc.VisionEncoderStub(channel)
             info = stub.GetModelInfo(encoder_pb2.GetModelInfoRequest())
         assert "feature_levels" not in [field.name for field, _ in info.ListFields()]
-        assert EncoderClient  # the client side of this case: tests/test_client_reassembly.py
+        assert EncoderClient  # the client side of this case: tests/client/test_client_reassembly.py
     finally:
         server.close()
 

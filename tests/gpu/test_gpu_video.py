@@ -4,7 +4,7 @@ torchvision-backed video processors run on CUDA (``device="cuda"``), Qwen's and 
 of a batch holding a clip stays free of host syncs; a clip through a real CUDA server equals the model's
 own video path; NVDEC's frames against PyAV's.
 
-Tolerance held: exact, as for images (tests/test_gpu_preprocess.py). transformers resizes the frames with
+Tolerance held: exact, as for images (tests/gpu/test_gpu_preprocess.py). transformers resizes the frames with
 ``tvF.resize`` on CUDA, which computes ``F.interpolate(bicubic, antialias=True)`` in float32 and rounds
 back to uint8, the op ours runs on the same device, then rescales and normalizes in float32 in the order
 the value table reproduces per byte; the patch order is a permutation.

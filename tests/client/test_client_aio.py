@@ -84,7 +84,7 @@ def test_async_retries_unavailable_only(target: str, fake: FakeVisionEncoder) ->
 
 
 def test_async_a_full_queue_comes_with_the_servers_retry_pushback(target: str, fake: FakeVisionEncoder) -> None:
-    # Fake only: the trailer the real server sends with a full queue (tests/test_server_lifecycle.py).
+    # Fake only: the trailer the real server sends with a full queue (tests/api/test_server_lifecycle.py).
     fake.fail_next.append(Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full",
                                   trailers=(("grpc-retry-pushback-ms", "1000"),)))
 

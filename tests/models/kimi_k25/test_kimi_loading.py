@@ -120,7 +120,8 @@ def test_model_facts():
     assert m.patch_dim == 3 * 14 * 14
     assert m.hidden_size == 64
     assert m.num_tokens((3, 4, 6)) == 6  # frames are pooled, not stacked
-    assert m.num_tokens((5, 4, 6)) == 12  # a clip: chunks of 4 and 1 frames, pooled each (tests/test_kimi_video.py)
+    # a clip: chunks of 4 and 1 frames, pooled each (tests/video/test_kimi_video.py)
+    assert m.num_tokens((5, 4, 6)) == 12
     assert [o.shape[0] for o in m.encode(_pixels(GRIDS), GRIDS)] == [12, 4]
 
 

@@ -1,7 +1,7 @@
 """``--decode nvjpeg`` with ``--devices`` without a GPU: the JPEG's bytes cross the shared-memory
-hand-off and the worker process decodes them with the Pillow stand-in (tests/test_nvjpeg_decode.py)
+hand-off and the worker process decodes them with the Pillow stand-in (tests/engine/test_nvjpeg_decode.py)
 that its engine's ``worker_setup`` installs there. The real nvJPEG behind a real ``--devices 0``
-server is a ``gpu`` test (tests/test_gpu_nvjpeg.py)."""
+server is a ``gpu`` test (tests/gpu/test_gpu_nvjpeg.py)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ class BoomStandIn(PillowStandIn):
 
 def install_stand_in(bad: tuple[bytes, ...] = (), boom: tuple[bytes, ...] = ()) -> None:
     """Runs in the worker process (``Engine(worker_setup=...)``), before its model loads: what the
-    ``stand_in`` fixture of tests/test_nvjpeg_decode.py does to this process."""
+    ``stand_in`` fixture of tests/engine/test_nvjpeg_decode.py does to this process."""
     nvjpeg.device_decode = BoomStandIn(bad, boom)
     nvjpeg.check_available = lambda device: None
 

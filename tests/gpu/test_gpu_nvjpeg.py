@@ -2,7 +2,7 @@
 against Pillow's pixels, a corrupt JPEG failing alone, and a real server process that decodes on
 the GPU, against one that decodes with Pillow.
 
-The CPU tests (tests/test_nvjpeg_decode.py) pin everything around the decoder with a Pillow stand-in;
+The CPU tests (tests/engine/test_nvjpeg_decode.py) pin everything around the decoder with a Pillow stand-in;
 these check the decoder itself. nvJPEG calls that might fault run in a subprocess: an illegal memory
 access would poison this process's CUDA context for every later test."""
 

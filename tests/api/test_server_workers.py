@@ -2,7 +2,7 @@
 
 The same hand-off the GPU node uses (shared memory both ways, workers started with spawn, restart
 of a dead worker) runs here on every push; the GPU figures and the one-process-per-GPU check are
-``gpu`` tests (tests/test_gpu_workers.py).
+``gpu`` tests (tests/gpu/test_gpu_workers.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """CUDA graphs at token budgets (models/cuda_graphs.py): what can be held on the CPU. The capture
-itself needs a GPU (tests/test_gpu.py replays every family against its eager forward); here the
+itself needs a GPU (tests/gpu/test_gpu.py replays every family against its eager forward); here the
 ladder, the filler, the padded attention patterns, the refresh of a graph's buffers, and the padded
 forward of every family against its eager one (float32, tiny random-weight presets)."""
 

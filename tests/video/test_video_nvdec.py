@@ -1,7 +1,7 @@
 """``--video-decode nvdec`` on a machine without a GPU: the YUV -> RGB step it adds, measured against
 FFmpeg's (PyAV's ``to_ndarray("rgb24")``, what the CPU path and transformers' read_video_pyav give) on the
 same decoded planes; and the option refused clearly where it cannot run. NVDEC itself is a ``gpu`` test
-(tests/test_gpu_video.py)."""
+(tests/gpu/test_gpu_video.py)."""
 
 from __future__ import annotations
 

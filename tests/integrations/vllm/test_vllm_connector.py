@@ -8,7 +8,7 @@ the worker connector vLLM itself creates (``ensure_ec_transfer_initialized``). T
 server process (tiny Qwen2.5-VL preset). scripts/ci_tools.sh installs vLLM's wheel without its CUDA
 dependencies. These tests check what a real engine run cannot show: bfloat16 bytes, the staged files'
 life (held for a worker, swept, none left at shutdown), shared memory, dns routing, the row-count
-check, the settings; tests/test_vllm_engine.py runs the connector inside a real vLLM engine.
+check, the settings; tests/integrations/vllm/test_vllm_engine.py runs the connector inside a real vLLM engine.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from vllm.v1.outputs import ECConnectorOutput
 from vllm.v1.request import Request
 from vllm.v1.worker.ec_connector_model_runner_mixin import ECConnectorModelRunnerMixin
 
-VLLM_PAGE = Path(__file__).resolve().parent.parent / "docs" / "vllm.md"
+VLLM_PAGE = Path(__file__).resolve().parents[3] / "docs" / "vllm.md"
 TESTED_VLLM = "0.33.0"
 
 
@@ -215,7 +215,7 @@ def test_staged_tensors_equal_the_servers_embeddings(encoder, connectors, dtype)
     assert stats.data["bytes_staged"] == sum(r.num_tokens * r.hidden_size for r in images) * (
         4 if dtype == "float32" else 2)
     # The worker connector counts its loads; whether vLLM reports them is its model runner's doing
-    # (the V1 runner does not ask: tests/test_vllm_engine.py checks what a real engine logs).
+    # (the V1 runner does not ask: tests/integrations/vllm/test_vllm_engine.py checks what a real engine logs).
     worker_stats = ec_transfer_state.get_ec_transfer().get_ec_connector_stats()
     assert worker_stats.data["items_loaded"] == 2
 

@@ -1,6 +1,6 @@
 """``--decode nvjpeg`` without a GPU: what the CPU half hands over, the orientation, the batch path
 with a Pillow-backed stand-in for the device decoder, one undecodable JPEG failing alone, and the
-start-up errors. The real nvJPEG is tested on the GPU machine (tests/test_gpu_nvjpeg.py)."""
+start-up errors. The real nvJPEG is tested on the GPU machine (tests/gpu/test_gpu_nvjpeg.py)."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from PIL import Image
 
 from encoder_service.benchmarks.reliability.video_inputs import frame_pattern, make_clip
 
-VLLM_PAGE = Path(__file__).resolve().parent.parent / "docs" / "vllm.md"
+VLLM_PAGE = Path(__file__).resolve().parents[2] / "docs" / "vllm.md"
 NON_STREAMING_ANSWER = (b'{"id":"chatcmpl-1",  "object": "chat.completion",\n'
                         b' "choices":[{"index":0,"message":{"role":"assistant","content":"a cat"}}]}')
 SSE_EVENTS = [b'data: {"choices":[{"delta":{"content":"a"}}]}', b'data: {"choices":[{"delta":{"content":" cat"}}]}',
@@ -499,7 +499,7 @@ def test_an_image_over_the_encoders_limits_is_a_413_naming_it_and_vllm_is_not_ca
 
 def test_an_encoder_with_a_full_queue_is_a_503_with_its_retry_after(vllm):
     # Fake encoder: a full queue on cue, with the pushback the real server sends with it
-    # (tests/test_server_lifecycle.py pins that).
+    # (tests/api/test_server_lifecycle.py pins that).
     fake = FakeVisionEncoder()
     fake.fail_next.append(Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full: 64 images waiting",
                                   trailers=(("grpc-retry-pushback-ms", "1000"),)))

@@ -1,6 +1,6 @@
 """The two preprocessing modes and the CPU/device split.
 
-``pil`` is pinned bit for bit to transformers' PIL processors in test_preprocess.py and
+``pil`` is pinned bit for bit to transformers' PIL processors in test_qwen2_5_vl_preprocess.py and
 test_kimi_preprocess.py. ``torch`` is pinned to transformers' torchvision-backed processors in the
 ``gpu`` tests (torchvision cannot be installed next to CI's CPU torch); here: what holds on any
 machine.
