@@ -254,9 +254,9 @@ def test_no_import_cycle_among_the_package_modules():
 
 # What a family package may import outside itself: the shared contract. The models' contract
 # (family.py, base.py and what it re-exports from spec.py, layers.py, the checkpoint reader loader.py,
-# cuda_graphs.py, video_hooks.py's VideoFront), the ops and attention packages (never a module under them:
-# test_models_never_name_a_kernel), the shared metadata, errors and the device helpers; and any module
-# of the shared preprocess/ package.
+# cuda_graphs.py, video_hooks.py's FamilyVideo and VideoFront), the ops and attention packages (never a
+# module under them: test_models_never_name_a_kernel), the shared metadata, errors and the device helpers;
+# and any module of the shared preprocess/ package.
 SHARED_CONTRACT = ("encoder_service.errors", "encoder_service.device", "encoder_service.metadata",
                    "encoder_service.attention", "encoder_service.ops", "encoder_service.models.family",
                    "encoder_service.models.base", "encoder_service.models.spec", "encoder_service.models.layers",
@@ -360,3 +360,20 @@ def test_the_status_names_below_the_api_are_grpcs():
     from encoder_service.errors import STATUS_CODES
 
     assert tuple(code.name for code in grpc.StatusCode) == STATUS_CODES
+
+
+@pytest.mark.parametrize("package", FAMILY_PACKAGES)
+def test_a_familys_video_lives_in_its_package(package):
+    # Its video.py declares the family's whole video side (VIDEO), and its model takes exactly that: the
+    # shared VideoHooks derive the rest, so no family's video is wired anywhere else.
+    import importlib
+
+    from encoder_service.models.base import VisionModel
+    from encoder_service.models.video_hooks import FamilyVideo
+
+    video = importlib.import_module(f"{package}.video")
+    assert isinstance(video.VIDEO, FamilyVideo)
+    model = importlib.import_module(f"{package}.model")
+    classes = [c for c in vars(model).values()
+               if isinstance(c, type) and issubclass(c, VisionModel) and c.__module__ == model.__name__]
+    assert classes and all(c.VIDEO is video.VIDEO for c in classes), classes
