@@ -1,4 +1,4 @@
-"""``encoder-service``: ``serve`` runs the gRPC server; ``bench {forward,service,video}`` runs a benchmark
+"""``encoder-service``: ``serve`` runs the gRPC server; ``bench {forward,service,video,reliability}`` runs a benchmark
 (encoder_service/benchmarks); ``make-checkpoint`` writes a preset's random-weight checkpoint (transformers
 format) for trying the loader out."""
 
@@ -21,7 +21,10 @@ BENCHMARKS = {
     "forward": "the ViT's throughput on a GPU against transformers' reference, same random weights",
     "service": "the whole service as users run it: a real server process, client processes, photo-like JPEGs",
     "video": "clips, then images of the same token size, through one real server from client processes",
+    "reliability": "the reliability scenarios of tests/reliability run for long (a soak), one table of checks",
 }
+# Where a benchmark's main lives when it is not encoder_service/benchmarks/<name>.py.
+_MODULES = {"reliability": ".benchmarks.reliability.soak"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,7 +67,7 @@ def _run_benchmark(name: str, argv: list[str]) -> int:
         from .benchmarks.service import main as service_main
 
         return service_main(argv, video=True)
-    return importlib.import_module(f".benchmarks.{name}", __package__).main(argv)
+    return importlib.import_module(_MODULES.get(name, f".benchmarks.{name}"), __package__).main(argv)
 
 
 def _old_bench_spelling(argv: list[str]) -> tuple[str, list[str]] | None:

@@ -1,7 +1,8 @@
 """Every script in bench/ and examples/ imports and answers ``--help`` (exit 0, a usage line) with no
 GPU, from the repository root with the repository and client/ on PYTHONPATH: a script that no longer
 imports (a moved helper, a GPU-only module imported at the top) fails here, not on the GPU machine.
-bench/__init__.py is not a script (the scenarios bench/soak.py drives are encoder_service/benchmarks/reliability)."""
+bench/__init__.py is not a script (the scenarios bench/soak.py drives are encoder_service/benchmarks/reliability,
+and so is the soak itself: bench/soak.py runs encoder_service/benchmarks/reliability/soak.py)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def test_script_answers_help(answers, script):
     assert "--help" in result.stdout
 
 
-@pytest.mark.parametrize("benchmark", ["", "forward", "service", "video"])
+@pytest.mark.parametrize("benchmark", ["", "forward", "service", "video", "reliability"])
 def test_the_bench_subcommands_answer_help_and_only_forward_imports_torch(benchmark):
     # `encoder-service bench BENCHMARK --help`; forward imports torch at the top, the others must not wait for it.
     words = ["bench", *filter(None, [benchmark]), "--help"]
@@ -63,4 +64,4 @@ def test_the_bench_subcommands_answer_help_and_only_forward_imports_torch(benchm
     assert result.stdout.rstrip().endswith(f"torch imported: {benchmark == 'forward'}")
     assert result.stderr == ""
     if not benchmark:
-        assert all(name in result.stdout for name in ("forward", "service", "video"))
+        assert all(name in result.stdout for name in ("forward", "service", "video", "reliability"))
