@@ -28,7 +28,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # the tests' fake vLLM server
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' shared helpers
+sys.path.insert(0, str(ROOT / "tests" / "epd"))  # the tests' fake vLLM server
 
 from aiohttp import web  # noqa: E402
 from encoder_client.integrations.proxy import EpdProxy, ProxySettings  # noqa: E402
