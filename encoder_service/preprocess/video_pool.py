@@ -316,14 +316,17 @@ class VideoDecodePool:
     ``start_timeout_s``: how long a new child may take to start (imports), not counted in a call's bound.
     ``nvdec_gpus``: the children decode frames with NVDEC (``--video-decode nvdec``), spread over these GPUs.
     ``memory_bytes``: each CPU child's RLIMIT_DATA (``child_memory_bytes``); None: no bound of its own.
+    ``cancel_grace_s``: how long a child told to stop may take to answer before it is killed.
     """
 
     def __init__(self, processes: int = 2, *, grace_s: float = 2.0, start_timeout_s: float = 60.0,
-                 nvdec_gpus: tuple[int, ...] = (), memory_bytes: int | None = None) -> None:
+                 nvdec_gpus: tuple[int, ...] = (), memory_bytes: int | None = None,
+                 cancel_grace_s: float = CANCEL_GRACE_S) -> None:
         if processes < 1:
             raise ValueError("a video decode pool needs at least one process")
         self._ctx = multiprocessing.get_context("spawn")
         self.grace_s, self.start_timeout_s, self.memory_bytes = grace_s, start_timeout_s, memory_bytes
+        self.cancel_grace_s = cancel_grace_s
         self._lock = threading.Lock()
         self._closed = False
         self._idle: queue.SimpleQueue[_Child] = queue.SimpleQueue()
@@ -407,8 +410,8 @@ class VideoDecodePool:
             try:
                 child.channel.send(job_message((*job, limits)), deadline)
                 if not self._answered_unless(stop, child, deadline):
-                    child.channel.send(CANCEL, time.monotonic() + CANCEL_GRACE_S)
-                    answer, fd = receive_json(child.channel, time.monotonic() + CANCEL_GRACE_S)
+                    child.channel.send(CANCEL, time.monotonic() + self.cancel_grace_s)
+                    answer, fd = receive_json(child.channel, time.monotonic() + self.cancel_grace_s)
                     if fd is not None:
                         os.close(fd)
                     raise Cancelled("the clip's request was cancelled; its decode stopped")
@@ -417,7 +420,8 @@ class VideoDecodePool:
             except TimeoutError:
                 child, _ = self._renew(child)
                 if stop.is_set():
-                    log.info("video decode process killed: it did not stop within %.1f s of a cancel", CANCEL_GRACE_S)
+                    log.info("video decode process killed: it did not stop within %.1f s of a cancel",
+                             self.cancel_grace_s)
                     raise Cancelled("the clip's request was cancelled; its decode was stopped") from None
                 log.warning("video decode process killed: no answer within %.1f s", bound)
                 raise DecodeTimeout(

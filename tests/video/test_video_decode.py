@@ -31,7 +31,7 @@ from encoder_service.preprocess.video_decode import (
     decode_frames,
     probe,
 )
-from encoder_service.preprocess.video_pool import CANCEL_GRACE_S, START_ATTEMPTS, SampledFrames, VideoDecodePool
+from encoder_service.preprocess.video_pool import START_ATTEMPTS, SampledFrames, VideoDecodePool
 
 LIMITS = VideoLimits(max_bytes=1 << 24, max_frames=256, max_seconds=60.0, max_frame_pixels=1 << 20,
                      max_decode_seconds=10.0)
@@ -587,7 +587,10 @@ def test_a_child_that_dies_starting_costs_its_caller_nothing():
 def test_a_cancelled_decode_stops_at_its_next_frame_and_frees_its_child():
     """The caller goes away mid-decode: the child is told, stops between two frames, and answers;
     it is not killed, and the next clip decodes on it at once. (A clip of 200 noisy 800x800 PNG
-    frames, which takes seconds to decode; the same bytes 200 times travel once in the pickle.)"""
+    frames, which takes seconds to decode; the same bytes 200 times travel once in the pickle.)
+    The child runs at nice +10: on a busy host (CI's other worker and its servers) its answer can take
+    longer than the server's 1 s before it is killed, so the pool here waits up to 10 s for it; that it
+    stopped early is measured against the same clip's whole decode, timed on the same child."""
     noise = np.random.default_rng(0).integers(0, 256, (800, 800, 3), dtype=np.uint8)
     out = io.BytesIO()
     Image.fromarray(noise).save(out, format="PNG", compress_level=1)
@@ -604,11 +607,14 @@ def test_a_cancelled_decode_stops_at_its_next_frame_and_frees_its_child():
             await task
         return time.monotonic() - started
 
-    with VideoDecodePool(1) as single:
+    with VideoDecodePool(1, cancel_grace_s=10.0) as single:
         run(single.decode(clip(), vi.first_frame, LIMITS))  # started and warm
+        started = time.monotonic()
+        run(single.decode_frames(frames, None, vi.every_frame, limits))
+        whole = time.monotonic() - started
         stopped_in = run(cancel_mid_decode(single))
-        assert stopped_in < CANCEL_GRACE_S
-        assert single.replaced == 0  # it stopped by itself
+        assert stopped_in < whole / 2, (stopped_in, whole)  # it stopped, well before the decode's end
+        assert single.replaced == 0  # by itself: it was not killed
         assert run(single.decode(clip(), vi.first_frame, LIMITS)).frames.shape == (1, 48, 64, 3)
 
 
