@@ -390,15 +390,15 @@ class ServiceConfig:
 
     @property
     def tls(self) -> bool:
-        return bool(self.tls_cert)
+        return self.security.tls
 
     @property
     def sink_tls(self) -> bool:
-        return bool(self.sink_tls_ca or self.sink_tls_cert)
+        return self.security.sink_tls
 
     @property
     def model_or_default(self) -> str:
-        return self.model or DEFAULT_PRESET
+        return self.loading.model_or_default
 
     @property
     def uses_default_model(self) -> bool:
