@@ -125,7 +125,10 @@ def test_pushed_embeddings_equal_the_streamed_ones(sink_encoder, sink):
 
 def test_a_sink_that_stays_down_fails_only_its_request_with_unavailable(sink_encoder):
     down = f"127.0.0.1:{free_port()}"
-    before = sink_metric(sink_encoder, "unavailable")
+    # A closed port answers each connect with a refusal (unavailable); on a busy host the last try may
+    # still be connecting when the bound runs out (deadline). Either is this one push's failure.
+    reasons = ("unavailable", "deadline")
+    before = sum(sink_metric(sink_encoder, r) for r in reasons)
     with EncoderClient(sink_encoder.target, retries=0) as client, ThreadPoolExecutor(2) as pool:
         failing = pool.submit(client.encode_to_sink, [patches(3)], down, sink_request_id="lost")
         others = [client.encode([patches(10 + i)]) for i in range(3)]
@@ -134,7 +137,7 @@ def test_a_sink_that_stays_down_fails_only_its_request_with_unavailable(sink_enc
     assert exc.value.code == grpc.StatusCode.UNAVAILABLE
     assert f"sink {down} did not take the push within {SINK_TIMEOUT_S:g} s" in exc.value.details
     assert all(len(r) == 1 for r in others)
-    assert sink_metric(sink_encoder, "unavailable") == before + 1
+    assert sum(sink_metric(sink_encoder, r) for r in reasons) == before + 1
     assert "127.0.0.1:" not in "".join(line for line in _metrics(sink_encoder) if "sink_push" in line
                                        and 'pattern="127.0.0.1:*"' not in line)
 
