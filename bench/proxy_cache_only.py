@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "tests" / "epd"))  # the tests' fake vLLM server
 
 from aiohttp import web  # noqa: E402
 from encoder_client.integrations.proxy import EpdProxy, ProxySettings  # noqa: E402
-from test_epd_proxy import Served  # noqa: E402
+from fake_vllm import Served  # noqa: E402
 
 from encoder_service.benchmarks.reliability.server import start_server  # noqa: E402
 

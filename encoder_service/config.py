@@ -220,7 +220,7 @@ class ServiceConfig:
         "on CUDA: forwards replayed as CUDA graphs captured at start-up, one per token budget; a "
         "batch runs in the smallest budget that holds it, padded with a filler image that changes "
         "no real image's output. auto: a ladder of budgets from 256 patches up (each 1.5x or 2x "
-        "the last) to 3072 (a 672x672 image: above it replays measured slower than eager "
+        "the last) to 6144 (a 1008x1008 image: above it replays measured slower than eager "
         "forwards) or --max-batch-tokens; off: every forward eager; or budgets in "
         "patches, comma-separated (e.g. 1024,4096). Larger batches run eagerly. The start-up log "
         "says what the capture took (seconds, GPU memory).")
@@ -462,6 +462,10 @@ class ServiceConfig:
     def metrics_endpoint(self) -> MetricsConfig:
         return MetricsConfig(port=self.metrics_port, host=self.metrics_host)
 
+    @functools.cached_property
+    def relays(self) -> RelayConfig:
+        return RelayConfig(processes=self.grpc_processes, host=self.host, port=self.port, log_level=self.log_level)
+
 
 @dataclass(frozen=True)
 class OnDevice:
@@ -589,6 +593,18 @@ class RequestLimits:
     max_chunk_bytes: int
     sink_timeout_s: float
     sink_allowlist: SinkAllowlist  # --allowed-sinks, parsed once
+
+
+@dataclass(frozen=True)
+class RelayConfig:
+    """``--grpc-processes``' relay processes (api/relay/): how many, the public port they serve in this
+    process's place, and the log level they set up. They also read two groups the main port has: the
+    message sizes of ``RequestLimits`` and the port's TLS of ``SecurityConfig``."""
+
+    processes: int  # 0: no relays, this process serves the port
+    host: str
+    port: int  # 0: a free one (the first relay's, which the others share)
+    log_level: str  # a relay process sets up its own logging
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from prometheus_client.registry import Collector
 
 from . import __version__
 from .errors import STATUS_CODES
+from .modality import MODALITIES, Modality
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,6 @@ BATCH_IMAGE_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0
 VISION_ENCODER = encoder_pb2.DESCRIPTOR.services_by_name["VisionEncoder"]
 RPC_METHODS = tuple(m.name for m in VISION_ENCODER.methods)
 IMAGE_SOURCES = ("encoded", "patches", "content_hash", "video")
-MODALITIES = ("image", "video")
 
 
 _HF_CACHE_DIR = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)")
@@ -273,7 +273,7 @@ class ServiceMetrics:
         """One image of a request, by its kind (IMAGE_SOURCES), for the served model."""
         self.images.labels(source=source, model=self._model).inc()
 
-    def record_encoded(self, device: str, patches: int, tokens: int, modality: str, complete: bool = True) -> None:
+    def record_encoded(self, device: str, patches: int, tokens: int, modality: Modality, complete: bool = True) -> None:
         """One image (or clip) out of a forward: its patches in, its embedding tokens out. A part of a clip
         split over forwards counts its patches and tokens; the clip counts as encoded with its last part
         (``complete``)."""

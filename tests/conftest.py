@@ -1,21 +1,31 @@
-"""Shared fixtures. Add fixtures; keep the existing ones working."""
+"""Shared fixtures of the whole suite (a folder's own shared fixtures are in its conftest.py: tests/engine,
+tests/epd, tests/integrations/vllm). Add fixtures; keep the existing ones working.
+
+Helpers that test modules import are in plain modules beside this file, never imported from ``conftest``
+(several conftest.py files share that module name, so ``from conftest import`` would find whichever
+pytest loaded last): repo_paths.py (REPO_ROOT, import_script, find_tool), fake_model.py
+(FakeVisionModel), strict_skips.py (the CI skip rule), client_servers.py, engine_helpers.py,
+server_queue.py, worker_helpers.py, and per folder tests/engine/nvjpeg_stand_in.py, tests/epd/fake_vllm.py,
+tests/integrations/vllm/vllm_cpu_engine.py.
+"""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
-import sys
-import threading
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Callable, Iterator
 
-import numpy as np
 import pytest
-import torch
 
-from encoder_service.benchmarks.reliability.server import EncoderProcess, start_server
-from encoder_service.models.base import Decoder, ModelSpec, VisionModel
+# The shared helpers' asserts report as the test modules' own do (pytest rewrites only test modules and
+# conftest.py unless told); before anything imports them.
+pytest.register_assert_rewrite("engine_helpers", "server_queue", "worker_helpers", "fake_model", "nvjpeg_stand_in",
+                               "fake_vllm", "vllm_cpu_engine")
+
+from fake_model import FakeVisionModel  # noqa: E402
+from strict_skips import StrictSkips  # noqa: E402
+
+from encoder_service.benchmarks.reliability.server import EncoderProcess, start_server  # noqa: E402
 
 # vLLM resolves its platform once per process, at the first import that asks for it, from
 # VLLM_TARGET_DEVICE (our vllm wheel is not a CPU build): set before any test module imports vLLM
@@ -23,98 +33,7 @@ from encoder_service.models.base import Decoder, ModelSpec, VisionModel
 # whatever order pytest-xdist runs the files in.
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def import_script(relative_path: str):
-    """A script of the repository (``bench/soak.py``) imported from its file: bench/ holds scripts, not a
-    package on the path."""
-    path = REPO_ROOT / relative_path
-    name = path.stem
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-# --- a fake VisionModel for fast in-process engine tests ----------------------------------------------
-
-
-def _decode_fake(data: bytes, _config, _mode: str, max_image_pixels: int | None = None):
-    """The fake family's CPU half: ``b"img:T,H,W[:seed]"`` -> its float32 patches as raw bytes."""
-    from encoder_service.errors import InvalidInput
-    from encoder_service.preprocess.staged import RawPatches
-
-    if not data.startswith(b"img:"):
-        raise InvalidInput("not a decodable image: format not recognised")
-    parts = data[4:].decode().split(":")
-    grid = tuple(int(x) for x in parts[0].split(","))
-    seed = int(parts[1]) if len(parts) > 1 else 0
-    return RawPatches(FakeVisionModel.patches(grid, seed).tobytes(), "float32", grid)
-
-
-class FakeVisionModel(VisionModel):
-    """A VisionModel whose forward is a fixed matrix: patch_dim 4, merge 2, hidden 8. Everything
-    else (staging, validation, the pending result, the front end's view) is VisionModel's own.
-
-    Each token is the mean of its 4 merged patches times a fixed matrix. ``gate`` (a
-    threading.Event) lets a test hold the device worker inside a forward; ``batches`` records the
-    grids of every forward. Encoded "images" are ``b"img:T,H,W[:seed]"``; other bytes are not images.
-    With ``feature_levels`` > 1 each row also holds extra levels (as Qwen3-VL's deepstack does):
-    level k is the main embedding times (k + 1) plus k, concatenated after it.
-    """
-
-    cache_namespace = "fake:ns"
-
-    def __init__(self, feature_levels: int = 1) -> None:
-        self.spec = ModelSpec(model_id="fake", model_type="fake", hidden_size=8, patch_size=2,
-                              temporal_patch_size=1, spatial_merge_size=2, in_channels=1,
-                              feature_levels=feature_levels)
-        self.device = torch.device("cpu")
-        self.dtype = torch.float32
-        self.attn_backend = "none"
-        self.weight = torch.arange(32, dtype=torch.float32).reshape(4, 8) / 32.0
-        self.gate = threading.Event()
-        self.gate.set()
-        self.entered = threading.Event()  # set when a forward (not the warm-up) starts
-        self.fail_forward = 0  # n > 0: the n-th forward (not counting warm-ups) raises
-        self.batches: list[list[tuple[int, int, int]]] = []
-        self.warmups = 0
-
-    @staticmethod
-    def patches(grid: Sequence[int], seed: int = 0) -> np.ndarray:
-        n = int(np.prod(grid))
-        return np.random.default_rng(seed).standard_normal((n, 4)).astype(np.float32)
-
-    def decoder(self) -> Decoder:
-        return Decoder(_decode_fake, None, "pil")
-
-    def warmup_inputs(self):
-        from encoder_service.preprocess.staged import RawPatches
-
-        return [[RawPatches(bytes(self.num_patches(g) * 4 * 4), "float32", g)] for g in ((1, 4, 4), (1, 8, 4))]
-
-    def reference(self, pixel_values: np.ndarray) -> torch.Tensor:
-        x = torch.as_tensor(np.asarray(pixel_values, dtype=np.float32))
-        main = x.reshape(-1, 4, 4).mean(1) @ self.weight
-        if self.spec.feature_levels == 1:
-            return main
-        return torch.cat([main * (k + 1) + k for k in range(self.spec.feature_levels)], dim=1)
-
-    def encode_packed(self, pixel_values, grids):
-        checked = self.validate(pixel_values, grids)
-        # The worker's warm-up forwards are all-zero pixels (of two grid sizes).
-        if float(torch.as_tensor(pixel_values).abs().sum()) == 0.0:
-            self.warmups += 1
-        else:
-            self.batches.append([tuple(g) for g in checked])
-            self.entered.set()
-            self.gate.wait(30)
-            if len(self.batches) == self.fail_forward:
-                raise RuntimeError(f"forward {self.fail_forward} failed")
-        return self.reference(torch.as_tensor(pixel_values).numpy()), tuple(self.num_tokens(g) for g in checked)
+# --- a fake VisionModel for fast in-process engine tests (the class: fake_model.py) ---------------------
 
 
 @pytest.fixture
@@ -191,95 +110,7 @@ def encoder_server(start_encoder_server, server_mode) -> Iterator[RunningServer]
     server.stop()
 
 
-# --- tools the operations tests run (scripts/ci_tools.sh installs them) ---------------------------------
-
-
-def find_tool(name: str) -> str | None:
-    """A program on PATH or beside this Python (the .venv's bin, also when the venv is not activated)."""
-    import shutil
-
-    return shutil.which(name, path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
-
-
-# --- under CI, a skip is a failure unless the test may skip -------------------------------------------
-
-ALLOW_SKIP_MARKER = "allow_skip_on_cpu"
-
-
-def running_under_ci(environ=os.environ) -> bool:
-    """CI=true (GitHub Actions, GitLab, .ci/run) or CI=1."""
-    return environ.get("CI", "").strip().lower() in ("1", "true", "yes")
-
-
-class StrictSkips:
-    """Under CI a skipped test fails, unless it is marked ``@pytest.mark.allow_skip_on_cpu(reason)``.
-
-    A skip on the CI machine means something CI was meant to provide is missing (a tool
-    scripts/ci_tools.sh installs, a test extra, a fixture's server): left a skip, it is a green run
-    that tested nothing. Only what cannot exist on the CPU-only CI machine (a GPU, torchvision) is
-    marked as allowed, with its reason. Deselected tests (``-m "not gpu"``) never run, so never
-    skip; xfail is not a skip. A whole module skipped at import (``pytest.importorskip`` at module
-    level, ``pytest.skip(allow_module_level=True)``) cannot be marked: under CI it is an error.
-    """
-
-    def __init__(self, ci: bool | None = None) -> None:
-        self.ci = running_under_ci() if ci is None else ci
-        self.refused: list[str] = []
-
-    @staticmethod
-    def allowed_reason(item: pytest.Item) -> str | None:
-        marker = item.get_closest_marker(ALLOW_SKIP_MARKER)
-        if marker is None:
-            return None
-        reason = marker.kwargs.get("reason", marker.args[0] if marker.args else None)
-        if not isinstance(reason, str) or not reason.strip():
-            raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.{ALLOW_SKIP_MARKER} needs a reason, "
-                                    f"e.g. @pytest.mark.{ALLOW_SKIP_MARKER}(\"needs a CUDA GPU\")")
-        return reason
-
-    def pytest_report_header(self, config) -> str | None:
-        if self.ci:
-            return f"CI: a skipped test fails unless marked @pytest.mark.{ALLOW_SKIP_MARKER}(reason)"
-        return None
-
-    def pytest_collection_modifyitems(self, items) -> None:
-        for item in items:  # a marker without a reason is refused whether or not the test skips
-            self.allowed_reason(item)
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_makereport(self, item, call):
-        report = yield
-        if self.ci and report.skipped and not hasattr(report, "wasxfail") and self.allowed_reason(item) is None:
-            self._refuse(report, _skip_message(report))
-        return report
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_make_collect_report(self, collector):
-        report = yield
-        if self.ci and report.skipped:
-            self._refuse(report, _skip_message(report) + " (a whole module skipped at import)")
-        return report
-
-    def _refuse(self, report, why: str) -> None:
-        report.outcome = "failed"
-        report.longrepr = (f"skipped under CI=true, which is a failure here: {why}\n"
-                           f"Provide what the test needs in CI (scripts/ci_tools.sh, the test extras), or, if it "
-                           f"cannot exist on the CPU-only CI machine, mark the test "
-                           f"@pytest.mark.{ALLOW_SKIP_MARKER}(reason).")
-        self.refused.append(report.nodeid)
-
-    def pytest_terminal_summary(self, terminalreporter) -> None:
-        if self.refused:
-            terminalreporter.write_sep("=", f"{len(self.refused)} skip(s) refused under CI=true", red=True)
-            for nodeid in self.refused:
-                terminalreporter.write_line(nodeid)
-
-
-def _skip_message(report) -> str:
-    longrepr = report.longrepr
-    if isinstance(longrepr, tuple) and len(longrepr) == 3:  # (path, line, "Skipped: reason")
-        return str(longrepr[2])
-    return str(longrepr)
+# --- under CI, a skip is a failure unless the test may skip (strict_skips.py) ---------------------------
 
 
 def pytest_configure(config) -> None:

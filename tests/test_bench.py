@@ -183,7 +183,7 @@ def test_the_multi_gpu_scaling_benchmark_runs_its_setups_with_worker_processes(t
     import subprocess
     import sys
 
-    from conftest import REPO_ROOT
+    from repo_paths import REPO_ROOT
 
     out = tmp_path / "scaling.json"
     subprocess.run([sys.executable, "bench/multi_gpu_scaling.py", "--setups", "cpu", "--device", "cpu",

@@ -9,7 +9,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ALLOW_SKIP_MARKER, REPO_ROOT, StrictSkips, running_under_ci
+from repo_paths import REPO_ROOT
+from strict_skips import ALLOW_SKIP_MARKER, StrictSkips, running_under_ci
 
 pytest_plugins = ["pytester"]
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO_ROOT
+from repo_paths import REPO_ROOT
 
 SCRIPTS = sorted(p.relative_to(REPO_ROOT).as_posix() for folder in ("bench", "examples")
                  for p in (REPO_ROOT / folder).glob("*.py") if p.name != "__init__.py")

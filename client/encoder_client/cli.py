@@ -17,7 +17,7 @@ from encoder_client.errors import EncoderClientError
 from encoder_client.protocol import OUTPUT_DTYPES
 from encoder_client.routing import RoutingEncoderClient
 from encoder_client.security import read_token_file, tls_credentials
-from encoder_client.types import EncodedImage, Video
+from encoder_client.types import SAMPLING_REFERENCES, EncodedImage, Video
 
 ENV_PREFIX = "ENCODER_CLIENT_"
 
@@ -157,8 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"images, or clips (a file ending {', '.join(VIDEO_SUFFIXES)}: sampled by the server)")
     p.add_argument("--fps", type=float, default=None, help="clips: frames to sample per second (default: the model's)")
     p.add_argument("--num-frames", type=int, default=None, help="clips: frames to sample in all (instead of --fps)")
-    p.add_argument("--video-reference", choices=["transformers", "vllm"], default="transformers",
-                   help="clips: whose frame sampling to equal (default transformers; vllm for an encoder feeding vLLM)")
+    p.add_argument("--video-reference", choices=SAMPLING_REFERENCES, default=SAMPLING_REFERENCES[0],
+                   help=f"clips: whose frame sampling to equal (default {SAMPLING_REFERENCES[0]}; vllm for an encoder "
+                        "feeding vLLM)")
     p.add_argument("--dtype", choices=["model", *OUTPUT_DTYPES], default="model",
                    help="output dtype (default: the model's)")
     p.add_argument("--bf16-as", choices=list(BF16_AS), default=DEFAULT_BF16_AS,

@@ -16,6 +16,10 @@ __all__ = ["EncodedImage", "HashRef", "ImageInput", "ModelInfo", "Video"]  # Mod
 # The server states the rule in these words too (encoder_service/preprocess/video_sampling.py): a caller reads
 # one wording whether the client refuses the clip before sending it or the server does.
 FPS_XOR_NUM_FRAMES = "fps and num_frames are exclusive; give one of them"
+# Whose frame sampling a clip can equal, the first the default: the server's REFERENCES
+# (encoder_service/preprocess/video_sampling.py), repeated because this package never imports the server;
+# tests/client/test_client_cli.py holds the two equal.
+SAMPLING_REFERENCES = ("transformers", "vllm")
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,7 @@ class Video:
     max_frames: int | None = None
     min_pixels: int | None = None
     max_pixels: int | None = None
-    reference: str = "transformers"
+    reference: str = SAMPLING_REFERENCES[0]
     frames: tuple[bytes, ...] | list[bytes] | None = None
     frames_fps: float | None = None
 

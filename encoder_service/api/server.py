@@ -279,7 +279,9 @@ async def serve(config: ServiceConfig) -> int:
     calls = CallBook()
     gate = EngineGate(calls)  # the engine, once warm, for both front ends
     async with contextlib.AsyncExitStack() as resources:
-        relays = RelayProcesses(config, config.grpc_processes) if config.grpc_processes > 0 else None
+        # Each component gets its groups of the config; this function alone holds the whole.
+        relays = (RelayProcesses(config.relays, config.requests, config.security) if config.relays.processes > 0
+                  else None)
         if relays is not None:
             resources.callback(relays.discard)
         try:
@@ -287,7 +289,9 @@ async def serve(config: ServiceConfig) -> int:
         except SecurityFileError as exc:  # reads the --tls-*, --auth-token-file and --sink-tls-* files
             log.error("cannot start: %s", exc)
             return 1
-        servicer = VisionEncoderServicer(config, metrics, calls, gate=gate, sink_credentials=security.sink_credentials,
+        servicer = VisionEncoderServicer(config.requests, config.security, metrics, calls,
+                                         shared_memory=config.shared_memory == "on", gate=gate,
+                                         sink_credentials=security.sink_credentials,
                                          relay_regions=relays.regions if relays else None)
         resources.push_async_callback(servicer.close)
         engine = Engine(config, metrics=metrics)  # loads nothing until started

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
 
-from ..config import ServiceConfig
+from ..config import RequestLimits, SecurityConfig
 from ..engine import Engine, ImageResult
 from ..engine.fair_slots import Caller
 from ..errors import ResourceExhausted
@@ -45,21 +45,25 @@ _ids = itertools.count()
 class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
     """Serves once its gate is open (model loaded and warmed); UNAVAILABLE before and while draining."""
 
-    def __init__(self, config: ServiceConfig, metrics: ServiceMetrics, calls: CallBook, *,
-                 gate: EngineGate | None = None, relay_regions: RegionBoard | None = None,
+    def __init__(self, requests: RequestLimits, security: SecurityConfig, metrics: ServiceMetrics, calls: CallBook,
+                 *, shared_memory: bool, gate: EngineGate | None = None, relay_regions: RegionBoard | None = None,
                  sink_credentials: grpc.ChannelCredentials | None = None) -> None:
-        """``gate``: the engine's readiness, shared with the server's other front ends (by default
-        one of this servicer's own over ``calls``); ``sink_credentials``: toward the sinks
-        (``Security.sink_credentials``, from --sink-tls-*; None: plaintext)."""
-        if config.sink_tls and sink_credentials is None:
+        """Two groups of the config, not the whole: ``requests``, what one call may ask (message, chunk
+        and request sizes, the sinks and their bound), and ``security``, whom a call counts against
+        (tokens, relays) and whether sinks need TLS; ``shared_memory``: --shared-memory on (callers may
+        name their own region). ``gate``: the engine's readiness, shared with the server's other front
+        ends (by default one of this servicer's own over ``calls``); ``sink_credentials``: toward the
+        sinks (``Security.sink_credentials``, from --sink-tls-*; None: plaintext)."""
+        if security.sink_tls and sink_credentials is None:
             raise ValueError("--sink-tls-* is set: the servicer needs its credentials (Security.sink_credentials)")
-        self.config = config
+        self.requests = requests
+        self.security = security
         self.metrics = metrics
         self.gate = gate if gate is not None else EngineGate(calls)
-        self.sink_channels = SinkChannels(config.max_message_bytes, credentials=sink_credentials,
-                                          push_bound_s=config.sink_timeout_s)
-        self.sink_allowlist = config.sink_allowlist
-        self.regions = RegionTable(config.shared_memory == "on")  # callers' own regions
+        self.sink_channels = SinkChannels(requests.max_message_bytes, credentials=sink_credentials,
+                                          push_bound_s=requests.sink_timeout_s)
+        self.sink_allowlist = requests.sink_allowlist
+        self.regions = RegionTable(shared_memory)  # callers' own regions
         # Behind relays (--grpc-processes): the regions they lend, by descriptor (api/relay/regions.py).
         self.relay_regions = relay_regions
         # A few threads are enough: each copy runs at memory speed without the GIL.
@@ -83,8 +87,8 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
         started = time.perf_counter()
         first_chunk = True
         engine = self.gate.ready()
-        plan = parse_encode_request(request, engine, self.config.max_chunk_bytes, self.sink_allowlist,
-                                    self.config.max_images_per_request)
+        plan = parse_encode_request(request, engine, self.requests.max_chunk_bytes, self.sink_allowlist,
+                                    self.requests.max_images_per_request)
         request_id = request.request_id or f"{_ID_PREFIX}-{next(_ids)}"
         model_dtype = engine.describe().dtype
         caller = self._caller(context)
@@ -116,7 +120,7 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
         """This call as the engine's fair shares count it: its client (as --max-requests-per-client
         counts them), and the call itself."""
         return Caller(client_of(context.invocation_metadata(), context.peer(),
-                                by_token=bool(self.config.auth_token_file), relayed=self.config.grpc_processes > 0))
+                                by_token=bool(self.security.auth_token_file), relayed=self.security.relayed))
 
     def _region(self, request: encoder_pb2.EncodeRequest,
                 context: grpc.aio.ServicerContext) -> RegionWriter | DescriptorWriter | None:
@@ -141,7 +145,7 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
         """Each image's chunks go to the sink as it is ready; the caller gets every image's header and
         an OK status only after the sink acknowledged every image. Headers wait for the ack so that
         nothing the caller sees depends on how the sink failed (see api/sink_push.py)."""
-        sink, bound = plan.sink, self.config.sink_timeout_s
+        sink, bound = plan.sink, self.requests.sink_timeout_s
         max_chunk_bytes = min(plan.max_chunk_bytes, PUSH_MAX_CHUNK_BYTES)
         push: SinkPush | None = None
         started = 0.0

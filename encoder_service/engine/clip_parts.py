@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ..config import BatchingConfig, VideoConfig
 from ..errors import ResourceExhausted
+from ..modality import Modality
 from ..models.base import ModelFront
 from ..preprocess.staged import clip_part
 from .batch_queue import WorkItem
@@ -15,16 +16,16 @@ from .types import Grid
 
 
 def check_size(front: ModelFront, batching: BatchingConfig, video: VideoConfig, grid: Grid,
-               what: str = "image") -> None:
-    """RESOURCE_EXHAUSTED where an image is over one forward, or a clip (``what``) over
+               modality: Modality = "image") -> None:
+    """RESOURCE_EXHAUSTED where an image is over one forward, or a clip (``modality`` "video") over
     --max-video-patches or with a single step over one forward; a larger clip is cut (``work_items``).
     Two groups: one forward's size is batching's, a clip's whole size video's."""
     n = front.num_patches(grid)
-    if what == "clip" and n > video.max_patches:
+    if modality == "video" and n > video.max_patches:
         raise ResourceExhausted(
             f"clip has {n} patches (grid {list(grid)}), more than --max-video-patches "
             f"{video.max_patches} allows; sample fewer or smaller frames")
-    if what == "clip" and (unit := front.spec.split_unit) and grid[0] > 1:
+    if modality == "video" and (unit := front.spec.split_unit) and grid[0] > 1:
         t, h, w = grid
         if (part := min(unit, t) * h * w) <= batching.max_batch_tokens:
             return
@@ -33,9 +34,10 @@ def check_size(front: ModelFront, batching: BatchingConfig, video: VideoConfig, 
             f"time steps, {part} patches) is more than --max-batch-tokens {batching.max_batch_tokens} "
             "allows in one forward pass; sample smaller frames")
     if n > batching.max_batch_tokens:
-        advice = "send a smaller image" if what == "image" else "sample fewer or smaller frames"
+        noun, advice = (("image", "send a smaller image") if modality == "image"
+                        else ("clip", "sample fewer or smaller frames"))
         raise ResourceExhausted(
-            f"{what} has {n} patches (grid {list(grid)}), more than --max-batch-tokens "
+            f"{noun} has {n} patches (grid {list(grid)}), more than --max-batch-tokens "
             f"{batching.max_batch_tokens} allows in one forward pass; {advice}")
 
 

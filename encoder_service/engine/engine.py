@@ -194,7 +194,7 @@ class Engine:
     def check_grid(self, grid: Sequence[int]) -> Grid:
         """A patches grid checked against the model's rules and the batch limit (before queueing)."""
         checked = validate_grid(grid, self.front.spec)
-        check_size(self.front, self.batching, self.video, checked, "clip" if checked[0] > 1 else "image")
+        check_size(self.front, self.batching, self.video, checked, "video" if checked[0] > 1 else "image")
         return checked
 
     def lookup(self, content_hashes: Sequence[str]) -> list[bool]:
@@ -286,7 +286,7 @@ class Engine:
         try:
             if image.kind == "video":
                 payload, job.clip = await self._videos.prepare(self.front, image.video, self.max_image_pixels, caller)
-                check_size(self.front, self.batching, self.video, payload.grid, "clip")
+                check_size(self.front, self.batching, self.video, payload.grid, "video")
             else:
                 payload = await self._pools.prepared(self._prepare_sync, image, self.pixel_limits.ordinary, caller)
         except Exception as exc:

@@ -26,7 +26,6 @@ import contextlib
 import logging
 import multiprocessing
 import os
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -42,7 +41,7 @@ from .batch_queue import BatchQueue, WorkItem
 from .devices import WorkerDevice
 from .handoff import ALIGN, IN_FLIGHT, SLOTS, copy_bytes, copy_out, describe
 from .shared_buffer import SharedBuffer, grown
-from .worker import BatchOutcome, post_to_loop
+from .worker import BatchOutcome, BatchThread
 from .worker_child import child_main
 
 log = logging.getLogger(__name__)
@@ -56,7 +55,7 @@ class WorkerDied(Exception):
     pass
 
 
-class WorkerProcess:
+class WorkerProcess(BatchThread):
     """The front end's side of one worker process (a thread; see the module docstring)."""
 
     def __init__(self, loading: LoadingConfig, batching: BatchingConfig, device: WorkerDevice, queue: BatchQueue, *,
@@ -64,13 +63,11 @@ class WorkerProcess:
                  on_batch_done: Callable[[BatchOutcome], None],
                  on_state: Callable[[WorkerProcess], None], threads: int,
                  setup: Callable[[], None] | None = None) -> None:
+        super().__init__(queue, loop=loop, on_batch_start=on_batch_start, on_batch_done=on_batch_done,
+                         thread_name=f"worker-{device.label}")
         self.loading = loading  # all the worker process is sent (pickled at each spawn)
         self.batching = batching  # the batches this thread takes for it
         self.device = device
-        self._queue = queue
-        self._loop = loop
-        self._on_batch_start = on_batch_start
-        self._on_batch_done = on_batch_done
         self._on_state = on_state
         self._threads = threads
         self._setup = setup  # called in the worker process before it loads the model (tests only)
@@ -84,7 +81,6 @@ class WorkerProcess:
         self._out: list[SharedBuffer | None] = [None] * SLOTS
         self._seq = 0
         self._ready: concurrent.futures.Future[float] = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._run, name=f"worker-{device.label}", daemon=True)
 
     # --- life cycle (called from the loop) --------------------------------------------------------------
     def start(self) -> concurrent.futures.Future[float]:
@@ -100,14 +96,6 @@ class WorkerProcess:
         if not self.up and self._proc is not None:
             with contextlib.suppress(Exception):
                 self._proc.kill()
-
-    def join(self, timeout_s: float | None = None) -> None:
-        self._thread.join(timeout_s)
-
-    @property
-    def alive(self) -> bool:
-        """False once the thread ended: stopped, or an exception escaped it (the watchdog's concern)."""
-        return self._thread.is_alive()
 
     # --- the thread ---------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -308,6 +296,3 @@ class WorkerProcess:
     def _set_up(self, up: bool) -> None:
         self.up = up
         self._post(self._on_state, self)
-
-    def _post(self, fn: Callable, arg: object) -> None:
-        post_to_loop(self._loop, fn, arg)

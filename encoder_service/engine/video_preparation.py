@@ -33,10 +33,10 @@ from .types import ClipFrames, VideoInput
 
 class VideoPreparer:
     """Every clip, whatever its form, goes through ``--video-decode-processes`` slots shared fairly
-    between callers (``FairSlots``): a slot is held from the decode to the end of the staging (the
-    pil mode's resize), which runs on a thread of the slot's own, never on the image decode threads;
-    both under one time bound (--max-video-decode-seconds). A cancelled caller's clip stops: a waiting
-    one never starts, a running one stops at its next frame or group of frames."""
+    between callers (``FairSlots``): a slot is held from the decode to the end of the family's
+    ``resize`` (in pil mode, the frames' resize), which runs on a thread of the slot's own, never on the
+    image decode threads; both under one time bound (--max-video-decode-seconds). A cancelled caller's
+    clip stops: a waiting one never starts, a running one stops at its next frame or group of frames."""
 
     def __init__(self, video: VideoConfig, batching: BatchingConfig, placement: Placement) -> None:
         """``batching``: a clip's parts must each fit one forward; ``placement``: the GPUs nvdec decodes on."""
@@ -48,8 +48,8 @@ class VideoPreparer:
         processes = video.decode_processes
         self._slots = FairSlots(processes, what="video decoders", max_waiting=video.max_decodes_waiting,
                                 flag="--max-video-decodes-waiting")
-        # One staging thread per slot: a slot holder never waits for a thread.
-        self._stagers = ThreadPoolExecutor(processes, thread_name_prefix="video-stage")
+        # One resize thread per slot: a slot holder never waits for a thread.
+        self._resizers = ThreadPoolExecutor(processes, thread_name_prefix="video-resize")
 
     def facts(self, front: ModelFront | None) -> dict[str, object]:
         """What ModelInfo says of video: the decoder and the references offered, and the limits."""
@@ -74,7 +74,7 @@ class VideoPreparer:
 
     @property
     def busy(self) -> bool:
-        """Whether some clip holds a decoder slot (decoding or staging, a cancelled one until it stops)."""
+        """Whether some clip holds a decoder slot (decoding or resizing, a cancelled one until it stops)."""
         return self._slots.free < self._slots.slots
 
     def _decoders(self, limits: VideoLimits) -> VideoDecodePool:
@@ -96,7 +96,7 @@ class VideoPreparer:
                                     "(--max-video-bytes)")
         limits = self.limits(max_frame_pixels)
         async with self._slots.slot(caller or Caller()):
-            deadline = time.monotonic() + limits.max_decode_seconds  # decode and staging together
+            deadline = time.monotonic() + limits.max_decode_seconds  # decode and resize together
             pool = self._decoders(limits)
             if video.encoded:
                 sample = functools.partial(front.video_front.sample, sampling=video.sampling)
@@ -105,14 +105,14 @@ class VideoPreparer:
                 given = functools.partial(front.video_front.sample_frames, sampling=video.sampling)
                 decoded = await pool.decode_frames(list(video.frames), video.frames_fps, given, limits)
             stop = threading.Event()
-            payload, used = await run_to_the_end(self._stagers, self._staged, front, video, decoded, deadline,
+            payload, used = await run_to_the_end(self._resizers, self._resized, front, video, decoded, deadline,
                                                  stop, stop=stop)
         timestamps = front.video_front.timestamps(decoded.facts, used)
         return payload, ClipFrames(tuple(int(i) for i in used), tuple(float(t) for t in timestamps))
 
-    def _staged(self, front: ModelFront, video: VideoInput, decoded: SampledFrames, deadline: float,
-                stop: threading.Event) -> tuple[StagedInput, list[int]]:
-        """The family's staging of the decoded frames (a staging thread), refused before any resize
+    def _resized(self, front: ModelFront, video: VideoInput, decoded: SampledFrames, deadline: float,
+                 stop: threading.Event) -> tuple[StagedInput, list[int]]:
+        """The family's ``resize`` of the decoded frames (a resize thread), refused before any resize
         when the clip is over the budgets, stopped between groups of frames when cancelled or late."""
         limits = self.video.max_decode_seconds
 
@@ -124,7 +124,7 @@ class VideoPreparer:
                                     f"--max-video-decode-seconds {limits:g}")
 
         def fits(frames: int, size: tuple[int, int], grid: Grid) -> None:
-            check_size(front, self.batching, self.video, grid, "clip")
+            check_size(front, self.batching, self.video, grid, "video")
             if (nbytes := frames * size[0] * size[1] * 3) > self.video.max_decoded_bytes:
                 raise ResourceExhausted(
                     f"the clip's {frames} frames resized to {size[1]}x{size[0]} take {nbytes} bytes, over the limit "
@@ -132,9 +132,9 @@ class VideoPreparer:
 
         with interrupt_when(interrupted), clip_budget(fits):
             interrupted()
-            return front.video_front.staged(decoded.frames, decoded.indices, video.sampling, front.preprocess)
+            return front.video_front.resize_frames(decoded.frames, decoded.indices, video.sampling, front.preprocess)
 
     def close(self) -> None:
-        self._stagers.shutdown(wait=False, cancel_futures=True)
+        self._resizers.shutdown(wait=False, cancel_futures=True)
         if self._pool is not None:
             self._pool.close()

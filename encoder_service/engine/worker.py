@@ -80,19 +80,47 @@ def warm_up(model: ServedModel) -> float:
     return time.perf_counter() - started
 
 
-class DeviceWorker:
-    def __init__(self, model: ServedModel, queue: BatchQueue, *, max_batch_patches: int, batch_wait_s: float,
-                 loop: asyncio.AbstractEventLoop, on_batch_start: Callable[[list[WorkItem]], None],
-                 on_batch_done: Callable[[BatchOutcome], None]) -> None:
-        self._model = model
-        self.label = str(model.device)
+class BatchThread:
+    """What both kinds of device worker are to the front end (this module's ``DeviceWorker``, a
+    ``WorkerProcess``'s thread): a daemon thread (``_run``) that takes batches from the shared queue
+    and answers on the event loop, ``on_batch_start`` as a batch leaves and ``on_batch_done`` with its
+    outcome."""
+
+    def __init__(self, queue: BatchQueue, *, loop: asyncio.AbstractEventLoop,
+                 on_batch_start: Callable[[list[WorkItem]], None], on_batch_done: Callable[[BatchOutcome], None],
+                 thread_name: str) -> None:
         self._queue = queue
-        self._max_batch_patches = max_batch_patches
-        self._batch_wait_s = batch_wait_s
         self._loop = loop
         self._on_batch_start = on_batch_start
         self._on_batch_done = on_batch_done
-        self._thread = threading.Thread(target=self._run, name="device-worker", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def join(self, timeout_s: float | None = None) -> None:
+        self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        """False once the thread ended: stopped (the queue closed), or an exception escaped it (the
+        watchdog's concern)."""
+        return self._thread.is_alive()
+
+    def _post(self, fn: Callable, arg: object) -> None:
+        post_to_loop(self._loop, fn, arg)
+
+
+class DeviceWorker(BatchThread):
+    def __init__(self, model: ServedModel, queue: BatchQueue, *, max_batch_patches: int, batch_wait_s: float,
+                 loop: asyncio.AbstractEventLoop, on_batch_start: Callable[[list[WorkItem]], None],
+                 on_batch_done: Callable[[BatchOutcome], None]) -> None:
+        super().__init__(queue, loop=loop, on_batch_start=on_batch_start, on_batch_done=on_batch_done,
+                         thread_name="device-worker")
+        self._model = model
+        self.label = str(model.device)
+        self._max_batch_patches = max_batch_patches
+        self._batch_wait_s = batch_wait_s
         self._warmup: concurrent.futures.Future[float] = concurrent.futures.Future()
 
     def start(self, warmup_grid: tuple[int, int, int]) -> concurrent.futures.Future[float]:
@@ -100,14 +128,6 @@ class DeviceWorker:
         self._warmup_grid = warmup_grid
         self._thread.start()
         return self._warmup
-
-    def join(self, timeout_s: float | None = None) -> None:
-        self._thread.join(timeout_s)
-
-    @property
-    def alive(self) -> bool:
-        """False once the thread ended: the queue closed, or an exception escaped its loop."""
-        return self._thread.is_alive()
 
     def _run(self) -> None:
         try:
@@ -170,9 +190,6 @@ class DeviceWorker:
         log.error("forward of a batch of %d images failed", len(batch), exc_info=exc)
         return BatchOutcome(batch, None, exc, started, time.perf_counter() - started, self.label,
                             item_errors=dict(item_errors or {}))
-
-    def _post(self, fn: Callable, arg: object) -> None:
-        post_to_loop(self._loop, fn, arg)
 
 
 def launch_decodable(model: ServedModel, inputs: list) -> tuple[PendingBatch | None, dict[int, Exception]]:

@@ -11,6 +11,7 @@ import io
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,12 +19,13 @@ from PIL import Image
 
 from ..attention import AUTO, RaggedOnly, graph_backend, select_backend
 from ..device import host_to_device
+from ..modality import Modality
 from ..ops import OpsSelection, OpTarget, no_ops, select_ops
 from ..preprocess import nvjpeg
-from ..preprocess.batch import stage_batch
+from ..preprocess.batch import batch_pixel_values
 from ..preprocess.decoders import IMAGE_DEFAULT, image_decoder, video_decoder
 from ..preprocess.staged import DecodedImage, RawPatches, StagedInput, resolve_mode
-from .cuda_graphs import BudgetGraphs, CaptureReport, GraphForward
+from .cuda_graphs import BudgetGraphs, CaptureReport, GraphForward, Slots
 
 # Re-exported: the families and the engine import them from here.
 from .spec import Grid, ModelSpec, validate_batch, validate_grid  # noqa: F401
@@ -96,7 +98,7 @@ class VisionModel(VideoHooks):
     # pillow: images decode on the CPU; nvjpeg: JPEGs decode on the GPU (preprocess/nvjpeg.py). The names
     # and what each needs: preprocess/decoders.py.
     decode_backend: str = IMAGE_DEFAULT
-    _tables: dict[tuple[torch.device, torch.dtype, str], torch.Tensor] | None = None  # value tables by device
+    _tables: dict[tuple[torch.device, torch.dtype, Modality], torch.Tensor] | None = None  # value tables by device
 
     def __init__(self, cfg, module: torch.nn.Module, *, device: torch.device, dtype: torch.dtype,
                  attn_backend: str, ops: str = AUTO) -> None:
@@ -190,26 +192,27 @@ class VisionModel(VideoHooks):
         """[C, H, W] normalized image -> [num_patches, patch_dim] in the model's patch order."""
         raise NotImplementedError
 
-    def _table(self, device: torch.device, dtype: torch.dtype, kind: str = "image") -> torch.Tensor:
+    def _table(self, device: torch.device, dtype: torch.dtype, modality: Modality = "image") -> torch.Tensor:
         if self._tables is None:
             self._tables = {}
-        if (device, dtype, kind) not in self._tables:  # once per device and dtype, at warm-up: not in a forward
+        if (device, dtype, modality) not in self._tables:  # once per device and dtype, at warm-up: not in a forward
             self._tables[(device, dtype, "image")] = self._value_table().to(dtype).to(device)
             if (clip := self._clip_value_table()) is not None:
-                self._tables[(device, dtype, "clip")] = clip.to(dtype).to(device)
-        return self._tables[(device, dtype, kind)]
+                self._tables[(device, dtype, "video")] = clip.to(dtype).to(device)
+        return self._tables[(device, dtype, modality)]
 
-    def stage(self, inputs: Sequence[StagedInput], device: torch.device | None = None,
-              dtype: torch.dtype | None = None) -> torch.Tensor:
+    def pixel_values(self, inputs: Sequence[StagedInput], device: torch.device | None = None,
+                     dtype: torch.dtype | None = None) -> torch.Tensor:
         """The device half of preprocessing for a batch: [sum(patches), patch_dim] on ``device`` in
         ``dtype`` (the model's by default). One host-to-device copy of uint8 (or the client's patch
         bytes; JPEGs with ``--decode nvjpeg`` decode there), then resize / pad / normalize /
         patchify there; never waits on the device, except for nvJPEG's own decode."""
         device = self.device if device is None else device
         dtype = self.dtype if dtype is None else dtype
-        return stage_batch(inputs, device, dtype, mode=self.preprocess_mode, patch_dim=self.spec.patch_dim,
-                           table=lambda: self._table(device, dtype), patchify=self._patchify,
-                           clip_table=lambda: self._table(device, dtype, "clip"), patchify_clip=self._patchify_clip)
+        return batch_pixel_values(inputs, device, dtype, mode=self.preprocess_mode, patch_dim=self.spec.patch_dim,
+                                  table=lambda: self._table(device, dtype), patchify=self._patchify,
+                                  clip_table=lambda: self._table(device, dtype, "video"),
+                                  patchify_clip=self._patchify_clip)
 
     def warmup_inputs(self) -> list[list[StagedInput]]:
         """Batches for the start-up forwards, through the same path as requests: two token counts
@@ -234,8 +237,8 @@ class VisionModel(VideoHooks):
         """Encoded image bytes -> (patches [t*h*w, patch_dim] float32, (t, h, w)), both halves on
         the CPU in the model's preprocess mode."""
         item = self.decode(image_bytes, max_image_pixels)
-        pixels = self.stage([item], torch.device("cpu"), torch.float32)
-        return pixels.numpy(), item.grid  # host: staged on the CPU, never on the model's device
+        pixels = self.pixel_values([item], torch.device("cpu"), torch.float32)
+        return pixels.numpy(), item.grid  # host: both halves on the CPU, never on the model's device
 
     def validate(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]) -> list[Grid]:
         return validate_batch(pixel_values, grids, self.spec)
@@ -249,16 +252,17 @@ class VisionModel(VideoHooks):
         runs every forward eagerly)."""
         return None
 
-    def set_cuda_graphs(self, budgets: Sequence[int]) -> None:
+    def set_cuda_graphs(self, budgets: Sequence[int], slots: Slots | None = None) -> None:
         """Forwards at these token budgets (patches) as CUDA graphs, captured by
-        ``capture_cuda_graphs``. None where the budgets are empty, the model is not on a CUDA
-        device, no backend with static plans runs here, or the family has no graph forward."""
+        ``capture_cuda_graphs``, their attention patterns holding ``slots`` (default: ``Slots()``).
+        None where the budgets are empty, the model is not on a CUDA device, no backend with static
+        plans runs here, or the family has no graph forward."""
         self.graphs = None
         backend = graph_backend(self.backend) if budgets and self.device.type == "cuda" else None
         forward = self.graph_forward(backend) if backend is not None else None
         if forward is not None:
             self.graphs = BudgetGraphs(forward, budgets, patch_dim=self.spec.patch_dim, device=self.device,
-                                       dtype=self.dtype)
+                                       dtype=self.dtype, slots=slots)
 
     def capture_cuda_graphs(self) -> CaptureReport | None:
         """Captures the budgets' graphs (start-up, after the warm-up forwards); None without graphs."""
@@ -271,6 +275,19 @@ class VisionModel(VideoHooks):
             return None
         out = self.graphs.run(pixels, grids, sum(tokens))
         return None if out is None else (out, tokens)
+
+    def _encode_grids(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]],
+                      metadata: Callable[[list[Grid]], Any]) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """``encode_packed`` of a family whose module runs a batch as ``module(pixels, meta, backend)``,
+        ``meta = metadata(checked grids)`` telling each image's rows (``meta.tokens_per_image``, one per
+        merged patch): replayed from a CUDA graph where one holds the batch, else eagerly."""
+        checked = self.validate(pixel_values, grids)
+        x = self._pixels_to_device(pixel_values).to(self.dtype)
+        replayed = self._replayed(x, checked, tuple(self.num_tokens(g) for g in checked))
+        if replayed is not None:
+            return replayed
+        meta = metadata(checked)
+        return self.module(x, meta, self.backend), meta.tokens_per_image
 
     def _attach_backend(self, name: str, num_heads: int, head_dim: int) -> None:
         """Selects the attention backend once, at load time (fails there, with the reason)."""
@@ -314,10 +331,10 @@ class VisionModel(VideoHooks):
         on the device in the same stream, before the forward; still no host sync."""
         started = self._start_event()
         with torch.inference_mode():
-            pixel_values = self.stage(inputs)
-        staged = self._start_event()  # where the device's preprocessing ends and the forward begins
+            pixel_values = self.pixel_values(inputs)
+        preprocessed = self._start_event()  # where the device's preprocessing ends and the forward begins
         packed, tokens = self.encode_packed(pixel_values, [list(item.grid) for item in inputs])
-        return PendingEmbeddings.to_host(packed, tokens, started, staged)
+        return PendingEmbeddings.to_host(packed, tokens, started, preprocessed)
 
     def encode_async(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]
                      ) -> PendingEmbeddings:
@@ -332,16 +349,16 @@ class PendingEmbeddings:
     """Embeddings of a batch on their way to host memory."""
 
     def __init__(self, host: torch.Tensor, tokens: tuple[int, ...], done: torch.cuda.Event | None,
-                 started: torch.cuda.Event | None = None, staged: torch.cuda.Event | None = None) -> None:
+                 started: torch.cuda.Event | None = None, preprocessed: torch.cuda.Event | None = None) -> None:
         self._host = host
         self._tokens = tokens
         self._done = done
         self._started = started
-        self._staged = staged
+        self._preprocessed = preprocessed
 
     @classmethod
     def to_host(cls, packed: torch.Tensor, tokens: tuple[int, ...], started: torch.cuda.Event | None,
-                staged: torch.cuda.Event | None = None) -> PendingEmbeddings:
+                preprocessed: torch.cuda.Event | None = None) -> PendingEmbeddings:
         """Queues the copy of a device result into pinned host memory (no wait)."""
         if packed.device.type == "cpu":
             return cls(packed, tokens, None)
@@ -349,7 +366,7 @@ class PendingEmbeddings:
         host.copy_(packed, non_blocking=True)
         done = torch.cuda.Event(enable_timing=started is not None)
         done.record()
-        return cls(host, tokens, done, started, staged)
+        return cls(host, tokens, done, started, preprocessed)
 
     def device_seconds(self) -> float | None:
         """The device's time from the batch's start to its copy back (after ``wait``), if timed."""
@@ -360,9 +377,9 @@ class PendingEmbeddings:
     def device_preprocess_seconds(self) -> float | None:
         """The part of ``device_seconds`` spent preprocessing on the device (decode, resize,
         normalize, patchify) before the forward, if timed (after ``wait``)."""
-        if self._started is None or self._staged is None:
+        if self._started is None or self._preprocessed is None:
             return None
-        return self._started.elapsed_time(self._staged) / 1000.0
+        return self._started.elapsed_time(self._preprocessed) / 1000.0
 
     def ready(self) -> bool:
         """Whether ``wait`` would return at once (the copy back has landed); never blocks."""

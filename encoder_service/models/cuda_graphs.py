@@ -43,19 +43,24 @@ from typing import Any
 
 import torch
 
+from ..metadata import bucket_batch_size
+
 log = logging.getLogger(__name__)
 
 Grid = tuple[int, int, int]
 
 # The ladder's bottom: a 224x224 image is 256 patches; smaller batches are padded up to it.
 LADDER_BOTTOM = 256
-# The default ladder's top (patches), chosen by measurement (bench/graph_budgets.py, bench/RESULTS.md,
-# 2026-11-28, Qwen2.5-VL-7B on an H100, FlashInfer's cuDNN attention): replays beat the eager forward
-# up to a 672x672 image (2304 patches in the 3072 budget: 14.7 against 18.4 ms; 448x448: 6.0 against
-# 18.9 ms) and lose from 4096 patches on (4 x 448x448: 18.1 against 14.7 ms; 1008x1008: 28.0 against
-# 18.5 ms), where the eager forward is no longer launch-bound and the padded attention's slots cost
-# more than the launches saved. Batches above it run eagerly.
-DEFAULT_TOP = 3072
+# The default ladder's top (patches), chosen by measurement through a real server (bench/RESULTS.md,
+# 2026-11-28, Qwen2.5-VL-7B on one H100, FlashInfer's cuDNN attention, bf16, a lone 1008x1008 JPEG,
+# which the processor resizes to 4900 patches): with the ladder up to 6144 its p50 was 34.9 and 39.3 ms
+# against 39.2 and 44.6 ms up to 4096 (two runs, two machines; the device's forward 16.3 / 16.4 ms
+# replayed against 19.5 / 21.8 ms eager). Alone, the eager forward of that image is faster than its
+# replay (14.7 against 16.7 ms): in the server, other threads delay the eager forward's launches and
+# not a replay's. Above 6144 (two 1008x1008 images and up) replays lost alone by a third and more
+# (2 x 1008x1008 at 16384: 49.5 against 30.2 ms). Batches above the top run eagerly.
+DEFAULT_TOP = 6144
+QUARTER_STEPS_FROM = 4096
 
 
 class NotStatic(Exception):
@@ -64,13 +69,14 @@ class NotStatic(Exception):
 
 def ladder(top: int, bottom: int = LADDER_BOTTOM) -> tuple[int, ...]:
     """Budgets from ``bottom`` up to ``top``: the powers of two and 1.5 times each (256, 384, 512,
-    768, ...), so that padding adds at most half a batch (a third past 512), and ``top`` itself."""
+    768, ...), so that padding adds at most half a batch (a third past 512); from 4096 patches on,
+    where a step is milliseconds of forward, quarter steps too (4096, 5120, 6144, 7168, 8192: a
+    1008x1008 image's 4900 patches pad to 5120); and ``top`` itself."""
     out = set()
     power = bottom
     while power <= top:
-        out.add(power)
-        if power * 3 // 2 <= top:
-            out.add(power * 3 // 2)
+        steps = (4, 5, 6, 7) if power >= QUARTER_STEPS_FROM else (4, 6)
+        out.update(b for b in (power * k // 4 for k in steps) if b <= top)
         power *= 2
     if top >= bottom:
         out.add(top)
@@ -103,12 +109,39 @@ def filler_grid(patches: int, merge: int) -> Grid:
     return (1, side * merge, blocks // side * merge)
 
 
-def full_capacity(budget: int) -> int:
-    """How many sequences a budget's graph holds in a pattern whose sequences may be as long as the
-    batch (one per image or frame): 16, or one per 256 patches (a 224x224 image), plus the
-    filler's. Kernels launch work for every sequence slot up to the longest length, so the slots
-    are kept few; a batch of more frames than this runs in a larger budget, or eagerly."""
-    return max(16, budget // 256) + 1
+@dataclass(frozen=True)
+class Slots:
+    """How many sequences each attention pattern of a budget's graph holds.
+
+    Why few: a padded pattern is launched at its capacity whatever the batch, and the attention
+    kernels (cuDNN's) launch work for every sequence slot up to the pattern's longest length, so an
+    empty slot costs. With one window slot per merged token (256 at 1024 patches, 1024 at 3072), a lone
+    448x448 image of Qwen2.5-VL-7B replayed in 5.7 ms and a 672x672 one in 16.2 ms, against 4.4 and
+    9.2 ms with the default here (bench/RESULTS.md, 2026-11-28). A batch with more sequences than a
+    budget holds goes to a larger budget, or runs eagerly.
+
+    Capacities are powers of two: the kernels pad the sequence count to one (``bucket_batch_size``).
+    """
+
+    # Full attention (one sequence per image or frame): one slot per ``full_patches`` patches of the
+    # budget (a 224x224 image is 256), at least ``full_min`` and at most ``full_max``, plus the filler.
+    full_patches: int = 256
+    full_min: int = 16
+    full_max: int = 1 << 20
+    # Windowed attention (Qwen2.5-VL): the windows the budget holds when its images tile into whole
+    # windows, times ``window_factor`` for images whose sides leave partial windows, plus one per full
+    # slot; None: one window per merged token, the most any batch can have. Measured (bench/RESULTS.md,
+    # 2026-11-28): a lone 448x448 image's replay 5.7 -> 4.4 ms, a 672x672 one's 16.2 -> 9.2 ms, from
+    # one window slot per merged token to twice the tiled windows.
+    window_factor: float | None = 2.0
+
+    def full(self, budget: int) -> int:
+        return bucket_batch_size(min(self.full_max, max(self.full_min, budget // self.full_patches)) + 1)
+
+    def windows(self, budget: int, window_tokens: int, merge_unit: int) -> int:
+        if self.window_factor is None:
+            return bucket_batch_size(budget // merge_unit)
+        return bucket_batch_size(math.ceil(self.window_factor * budget / window_tokens) + self.full(budget))
 
 
 def copy_into(static: Any, fresh: Any) -> None:
@@ -144,7 +177,7 @@ class GraphForward:
     each replay; only ``run`` is captured."""
 
     metadata: Callable[[list[Grid]], Any]  # host metadata of a batch's grids
-    pad: Callable[[Any, int], Any]  # that metadata with every attention pattern at the budget's fixed shape
+    pad: Callable[[Any, int, Slots], Any]  # that metadata with every attention pattern at the budget's fixed shape
     prepare: Callable[[Any], Any]  # host-to-device copies, plans, grid-dependent device work
     run: Callable[[torch.Tensor, Any], torch.Tensor]  # device work only, on prepared metadata
     merge: int  # spatial merge size: the filler's sides are multiples of it
@@ -171,8 +204,9 @@ class BudgetGraphs:
     """The graphs of one model at its ladder of budgets (see the module docstring)."""
 
     def __init__(self, forward: GraphForward, budgets: Sequence[int], *, patch_dim: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, slots: Slots | None = None) -> None:
         self.forward = forward
+        self.slots = slots or Slots()
         self.budgets = tuple(sorted(budgets))
         self.patch_dim = patch_dim
         self.device = device
@@ -193,15 +227,19 @@ class BudgetGraphs:
         padded = list(grids)
         if budget > patches:
             padded.append(filler_grid(budget - patches, self.forward.merge))
-        return self.forward.pad(self.forward.metadata(padded), budget)
+        return self.forward.pad(self.forward.metadata(padded), budget, self.slots)
 
     @torch.inference_mode()
     def capture(self) -> CaptureReport:
         """Captures every budget, the largest first, into one memory pool. A budget whose capture
         fails is dropped (logged): its batches go to a larger budget or run eagerly."""
         started = time.perf_counter()
+        # The device's free memory with the caching allocator emptied before and after: torch.cuda.graph
+        # empties the cache itself, which returned the warm-up's blocks mid-measurement (the reserve
+        # read -276 MiB across a capture).
         torch.cuda.synchronize(self.device)
-        before = torch.cuda.memory_reserved(self.device)
+        torch.cuda.empty_cache()
+        before = torch.cuda.mem_get_info(self.device)[0]
         pool = torch.cuda.graph_pool_handle()
         failed = []
         for budget in sorted(self.budgets, reverse=True):
@@ -222,8 +260,9 @@ class BudgetGraphs:
                             budget, type(exc).__name__, exc)
                 failed.append(f"{budget}: {type(exc).__name__}: {exc}")
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         self.report = CaptureReport(self.captured, time.perf_counter() - started,
-                                    torch.cuda.memory_reserved(self.device) - before, tuple(failed))
+                                    before - torch.cuda.mem_get_info(self.device)[0], tuple(failed))
         return self.report
 
     def static_buffers(self) -> None:

@@ -30,19 +30,20 @@ class VideoFront:
 
     ``sample(clip, sampling)``: the source frame indices the caller's reference samples (ClipFacts,
     VideoSampling of preprocess/video_sampling.py); raises InvalidInput where the reference fails.
-    ``stage(frames, indices, sampling, mode)``: sampled uint8 frames [T, H, W, 3] -> (``DecodedClip``,
+    ``resize(frames, indices, sampling, mode)``: sampled uint8 frames [T, H, W, 3] -> (``DecodedClip``,
     the indices used: padding repeats the last frame), the family's video processor split as images are:
-    uint8 frames for the device, which resizes in torch mode and normalizes and patchifies in every mode.
-    ``process(frames, indices, sampling)``: what ``stage`` and the device half compute together, on the
+    uint8 frames at their target size (resized here on the CPU in pil mode; in torch mode the device
+    resizes), which the device normalizes and patchifies in every mode.
+    ``process(frames, indices, sampling)``: what ``resize`` and the device half compute together, on the
     CPU: (pixel values float32 [t*h*w, patch_dim], grid (t, h, w), the indices used), exactly as the
     family's video processor computes ``pixel_values_videos`` / ``video_grid_thw``: the reference that
-    ``stage`` is held to (it gives these values in pil mode).
+    ``resize`` is held to (it gives these values in pil mode).
     ``timestamps(clip, indices)``: each used frame's time in seconds (empty when the fps is unknown);
     every family's is the source's (``source_seconds``), what a response's ``frame_timestamps_s`` says.
     """
 
     sample: Callable[..., Sequence[int]]
-    stage: Callable[..., tuple[DecodedClip, Sequence[int]]]
+    resize: Callable[..., tuple[DecodedClip, Sequence[int]]]
     process: Callable[..., tuple[np.ndarray, Grid, Sequence[int]]]
     timestamps: Callable[..., Sequence[float]] = source_seconds
     references: tuple[str, ...] = REFERENCES
@@ -64,10 +65,10 @@ class VideoFront:
                                f"{', '.join(asked)} does not apply: leave it out")
         return list(range(clip.total_frames))
 
-    def staged(self, frames: np.ndarray, indices: Sequence[int], sampling: VideoSampling, mode: str
-               ) -> tuple[DecodedClip, list[int]]:
-        """The sampled frames as the device takes them (``stage``), with the indices used as ints."""
-        clip, used = self.stage(frames, indices, sampling, mode)
+    def resize_frames(self, frames: np.ndarray, indices: Sequence[int], sampling: VideoSampling, mode: str
+                      ) -> tuple[DecodedClip, list[int]]:
+        """The sampled frames as the device takes them (``resize``), with the indices used as ints."""
+        clip, used = self.resize(frames, indices, sampling, mode)
         return clip, [int(i) for i in used]
 
 
@@ -93,7 +94,7 @@ class FamilyVideo:
     preset's ``video_processor_config``; ``loader.FromImageFile`` where it is the image processor's file).
     ``check(tower, image, video, model_id)``: the processors' patches against the tower's, at load (every
     request would fail later otherwise): InvalidInput naming the file's setting.
-    ``front(settings)``: the CPU half (``VideoFront``: sampling, ``stage``, ``process``, timestamps).
+    ``front(settings)``: the CPU half (``VideoFront``: sampling, ``resize``, ``process``, timestamps).
     ``value_table(settings)``: float32 [3, 256] on the CPU, the rescale + normalize of a clip's bytes.
     ``patchify(frames, settings)``: [T, C, H, W] normalized frames -> [num_patches, patch_dim] in the
     model's video patch order (temporal padding included)."""
@@ -181,7 +182,7 @@ class VideoHooks:
             indices = front.sample_frames(clip, wanted)
             frames = video_decode.decode_frame_list([video[i] for i in indices], limits)
         # The service's path: the CPU half, then the device half, here on the CPU.
-        payload, used = front.staged(frames, indices, wanted, self.preprocess_mode)
-        pixel_values = self.stage([payload], torch.device("cpu"), torch.float32).numpy()  # host: staged on the CPU
+        payload, used = front.resize_frames(frames, indices, wanted, self.preprocess_mode)
+        pixel_values = self.pixel_values([payload], torch.device("cpu"), torch.float32).numpy()  # host: on the CPU
         return np.ascontiguousarray(pixel_values, dtype=np.float32), tuple(payload.grid), used
 

@@ -1,8 +1,8 @@
-"""The device half of preprocessing for a whole batch: what a model's ``stage`` runs.
+"""The device half of preprocessing for a whole batch: what a model's ``pixel_values`` runs.
 
 Inputs arrive from the CPU half in four kinds: decoded uint8 images, a clip's sampled uint8 frames,
 client patch bytes, and, with ``--decode nvjpeg``, JPEG files to decode on the device. The first three
-go to the device in one pinned staging copy (``stage_to_device``); the JPEGs in one batched nvJPEG
+go to the device in one pinned copy (``bytes_to_device``); the JPEGs in one batched nvJPEG
 call. Each image (each clip's frames) is then resized / padded, normalized through the value table
 and patchified, in the batch's order.
 """
@@ -19,19 +19,19 @@ from .staged import (
     RawPatches,
     StagedInput,
     apply_table,
+    bytes_to_device,
     clip_frames,
     fit_image,
     image_tensor,
     patches_from_bytes,
-    stage_to_device,
 )
 
 
-def stage_batch(inputs: Sequence[StagedInput | JpegImage], device: torch.device, dtype: torch.dtype, *,
-                mode: str, patch_dim: int, table: Callable[[], torch.Tensor],
-                patchify: Callable[[torch.Tensor], torch.Tensor],
-                clip_table: Callable[[], torch.Tensor] | None = None,
-                patchify_clip: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+def batch_pixel_values(inputs: Sequence[StagedInput | JpegImage], device: torch.device, dtype: torch.dtype, *,
+                       mode: str, patch_dim: int, table: Callable[[], torch.Tensor],
+                       patchify: Callable[[torch.Tensor], torch.Tensor],
+                       clip_table: Callable[[], torch.Tensor] | None = None,
+                       patchify_clip: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """[sum(patches), patch_dim] on ``device`` in ``dtype``. ``table()`` gives the value table on
     ``device`` in ``dtype``; ``patchify`` puts a normalized [C, H, W] image in the model's patch order;
     ``clip_table()`` and ``patchify_clip`` do the same for a clip's frames [T, C, H, W] (models that
@@ -45,7 +45,7 @@ def stage_batch(inputs: Sequence[StagedInput | JpegImage], device: torch.device,
         except UndecodableInputs as exc:
             raise UndecodableInputs({jpegs[i]: error for i, error in exc.errors.items()}) from None
     rest = [item for item in inputs if not isinstance(item, JpegImage)]
-    on_device = iter(stage_to_device(rest, device)) if rest else iter(())
+    on_device = iter(bytes_to_device(rest, device)) if rest else iter(())
     parts = []
     for index, item in enumerate(inputs):
         if isinstance(item, JpegImage):

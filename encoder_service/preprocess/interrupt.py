@@ -8,26 +8,19 @@ that concurrent steps each have their own."""
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
-_local = threading.local()
+from .thread_hook import ThreadHook
+
+_stop = ThreadHook()
 
 
-@contextlib.contextmanager
-def interrupt_when(stop: Callable[[], None]) -> Iterator[None]:
+def interrupt_when(stop: Callable[[], None]) -> AbstractContextManager[None]:
     """Within the block, ``check()`` on this thread calls ``stop`` (which raises to stop the work)."""
-    previous = getattr(_local, "stop", None)
-    _local.stop = stop
-    try:
-        yield
-    finally:
-        _local.stop = previous
+    return _stop.set(stop)
 
 
 def check() -> None:
     """Raises what this thread's ``interrupt_when`` says, if anything; a no-op outside of one."""
-    stop = getattr(_local, "stop", None)
-    if stop is not None:
-        stop()
+    _stop()

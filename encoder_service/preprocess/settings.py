@@ -29,6 +29,12 @@ def check_normalization(settings: Any) -> None:
         raise InvalidInput("preprocessor config: image_std has a zero")
 
 
+def check_video_fps(settings: Any) -> None:
+    """A video processor's default ``fps`` (its frames sampled per second): a positive number."""
+    if not settings.fps > 0:
+        raise InvalidInput(f"video processor config: fps must be positive, got {settings.fps!r}")
+
+
 def flag_and_normalization_kwargs(config: Mapping[str, Any], flags: Iterable[str]) -> dict[str, Any]:
     """The given ``do_*`` flags, ``rescale_factor``, ``image_mean`` and ``image_std`` that config sets."""
     kwargs: dict[str, Any] = {}

@@ -5,6 +5,7 @@ works out the grid; it ships **uint8** pixels. The device half (run by the model
 batched per forward, in the worker's stream) resizes where the mode says so, pads, rescales and
 normalizes through a 256-entry table per channel, and patchifies. Patches sent by clients travel as
 their wire bytes and are converted on the device too: no float32 array is built on the host.
+"Staged" names only this split: a ``StagedInput`` is what the CPU half hands the device half.
 
 Two modes, pinned by tests against transformers:
 - ``pil``: the resize runs on the CPU exactly as transformers' PIL processor does it (Pillow for
@@ -21,9 +22,8 @@ results on any device (a gather, no arithmetic on the device).
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,10 +34,11 @@ from encoder_client.protocol.dtypes import BY_NAME
 from ..errors import InvalidInput
 from ..torch_dtypes import torch_dtype
 from . import interrupt
+from .thread_hook import ThreadHook
 
 Grid = tuple[int, int, int]
 PREPROCESS_MODES = ("pil", "torch")
-# Staging offsets are aligned so every input can be viewed in its own dtype on the device.
+# The pinned buffer's offsets are aligned so every input can be viewed in its own dtype on the device.
 _ALIGN = 64
 
 
@@ -146,34 +147,26 @@ def check_frames(frames: np.ndarray) -> None:
 # The bytes of frames one resize call on the host takes at once: between two such groups, a resize
 # that is no longer wanted (cancelled, past its time bound) stops (``interrupt.check``).
 _HOST_RESIZE_GROUP_BYTES = 32 << 20
-_budget = threading.local()
+_budget = ThreadHook()
 
 
-@contextlib.contextmanager
-def clip_budget(fits: Callable[[int, tuple[int, int], Grid], None]) -> Iterator[None]:
+def clip_budget(fits: Callable[[int, tuple[int, int], Grid], None]) -> AbstractContextManager[None]:
     """Within the block, on this thread, ``check_clip_fits`` calls ``fits(frames, size, grid)``, which
     raises (ResourceExhausted) for a clip over the server's budgets. The engine sets it around a
-    family's ``stage``; the family calls ``check_clip_fits`` as soon as it knows the geometry."""
-    previous = getattr(_budget, "fits", None)
-    _budget.fits = fits
-    try:
-        yield
-    finally:
-        _budget.fits = previous
+    family's ``VideoFront.resize``; the family calls ``check_clip_fits`` as soon as it knows the geometry."""
+    return _budget.set(fits)
 
 
 def check_clip_fits(frames: int, size: tuple[int, int], grid: Grid) -> None:
-    """A family's stage calls this with the clip's geometry (its frames, their size after the resize,
+    """A family's ``resize`` calls this with the clip's geometry (its frames, their size after the resize,
     its grid) BEFORE it resizes anything: a clip over the budgets is refused before the memory is
     taken, whatever pixel bounds the caller asked for. A no-op outside ``clip_budget``."""
-    fits = getattr(_budget, "fits", None)
-    if fits is not None:
-        fits(frames, size, grid)
+    _budget(frames, size, grid)
 
 
 def resize_frames_on_host(frames: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     """uint8 [T, H, W, 3] -> [T, h, w, 3] with ``resize_uint8``'s CPU kernel (the pil mode's resize of a
-    clip, before it is staged), in groups of frames (each frame is resized alone by the kernel, so the
+    clip, before its device half), in groups of frames (each frame is resized alone by the kernel, so the
     groups change nothing), stopping between groups where the thread's ``interrupt_when`` says so."""
     video = host_tensor(frames).permute(0, 3, 1, 2)
     height, width = int(frames.shape[1]), int(frames.shape[2])
@@ -244,10 +237,10 @@ def host_tensor(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(array if array.flags.writeable else array.copy())
 
 
-def stage_to_device(inputs: list[StagedInput], device: torch.device) -> list[torch.Tensor]:
+def bytes_to_device(inputs: list[StagedInput], device: torch.device) -> list[torch.Tensor]:
     """Each input's host bytes as a uint8 tensor on ``device``.
 
-    On an accelerator: one pinned staging buffer for the whole batch (each input at an aligned
+    On an accelerator: one pinned buffer for the whole batch (each input at an aligned
     offset) and one asynchronous host-to-device copy; the caching host allocator keeps the buffer
     alive until the copy has run. On the CPU: zero-copy views.
     """
@@ -258,11 +251,11 @@ def stage_to_device(inputs: list[StagedInput], device: torch.device) -> list[tor
     for item in inputs:
         offsets.append(total)
         total += (item.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-    staging = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=True)
-    host = staging.numpy()
+    pinned = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=True)
+    host = pinned.numpy()
     for item, offset in zip(inputs, offsets):
         host[offset:offset + item.nbytes] = item.host_bytes()
-    on_device = staging.to(device, non_blocking=True)
+    on_device = pinned.to(device, non_blocking=True)
     return [on_device[offset:offset + item.nbytes] for item, offset in zip(inputs, offsets)]
 
 

@@ -80,7 +80,7 @@ def test_the_options_page_lists_exactly_the_serve_options(capsys):
     field, and no row for a flag that serve does not take (a renamed or removed option)."""
     import re
 
-    from conftest import REPO_ROOT
+    from repo_paths import REPO_ROOT
 
     page = (REPO_ROOT / "docs" / "options.md").read_text()
     # The flags in the first cell of the options table's rows (a flag named only in prose is not listed).

@@ -49,7 +49,8 @@ class InProcessEncoder:
 
     async def _start(self) -> None:
         self.metrics, calls = ServiceMetrics(), CallBook()
-        self.servicer = VisionEncoderServicer(self.config, self.metrics, calls)
+        self.servicer = VisionEncoderServicer(self.config.requests, self.config.security, self.metrics, calls,
+                                              shared_memory=self.config.shared_memory == "on")
         self.engine = Engine(self.config, self.model, metrics=self.metrics)
         await self.engine.start()
         self.servicer.engine = self.engine
@@ -76,7 +77,7 @@ class InProcessEncoder:
 
 @pytest.fixture
 def levels_model():
-    from conftest import FakeVisionModel
+    from fake_model import FakeVisionModel
 
     return FakeVisionModel(feature_levels=LEVELS)
 
@@ -100,7 +101,7 @@ def image(seed: int, grid=GRID) -> bytes:
 
 def model_levels(model, seed: int, grid=GRID) -> list[np.ndarray]:
     """The model's output for an image, one [num_tokens, hidden] array per level."""
-    from conftest import FakeVisionModel
+    from fake_model import FakeVisionModel
 
     rows = model.reference(FakeVisionModel.patches(grid, seed)).numpy()
     assert rows.shape[1] == model.spec.feature_levels * HIDDEN
@@ -186,7 +187,7 @@ def test_model_info_reports_three_levels_of_one_hidden_size(client) -> None:
 
 
 def test_a_model_without_levels_sends_the_same_bytes_as_before_the_field() -> None:
-    from conftest import FakeVisionModel
+    from fake_model import FakeVisionModel
 
     model = FakeVisionModel()
     server = InProcessEncoder(model)
@@ -231,7 +232,7 @@ def _varint(n: int) -> bytes:
 
 def test_the_worker_process_hand_off_sizes_its_buffer_by_whole_rows() -> None:
     """--devices workers copy a batch's packed rows out of shared memory: row_width values each."""
-    from conftest import FakeVisionModel
+    from fake_model import FakeVisionModel
 
     from encoder_service.engine.batch_queue import WorkItem
     from encoder_service.engine.handoff import copy_out

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from encoder_client import EncoderClient
 from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
+from engine_helpers import encode_all, patches, running_engine
 from prometheus_client import CollectorRegistry
-from test_engine_batching import encode_all, patches, running_engine
 
 from encoder_service.api.service_interceptor import CallBook
 from encoder_service.api.servicer import LOOKUP_SLICE, MAX_LOOKUP_HASHES, VisionEncoderServicer
@@ -39,7 +39,9 @@ def test_a_big_lookup_lets_the_event_loop_run_between_its_slices(fake_model):
             where = (0, LOOKUP_SLICE - 1, LOOKUP_SLICE, MAX_LOOKUP_HASHES - 1)  # both sides of a slice edge
             for position, content_hash in zip(where, [*cached, *cached], strict=True):
                 hashes[position] = content_hash
-            servicer = VisionEncoderServicer(ServiceConfig(), ServiceMetrics(CollectorRegistry()), CallBook())
+            config = ServiceConfig()
+            servicer = VisionEncoderServicer(config.requests, config.security, ServiceMetrics(CollectorRegistry()),
+                                             CallBook(), shared_memory=config.shared_memory == "on")
             servicer.engine = engine
             turns = 0
             stop = False

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from encoder_client import EncoderClient
-from test_server_workers import png, worker_pids
+from worker_helpers import png, worker_pids
 
 pytestmark = pytest.mark.timeout(240)
 

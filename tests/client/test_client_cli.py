@@ -8,7 +8,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from encoder_client.cli import main
+from encoder_client.cli import build_parser, main
 from encoder_client.protocol import hashing
 from encoder_client.testing import (
     FAKE_NAMESPACE,
@@ -18,6 +18,9 @@ from encoder_client.testing import (
     float32_to_bf16_bits,
     serve_fake,
 )
+from encoder_client.types import SAMPLING_REFERENCES, Video
+
+from encoder_service.preprocess.video_sampling import REFERENCES
 
 
 @pytest.fixture
@@ -122,3 +125,16 @@ def test_failure_exits_non_zero_with_one_line(
     assert err == "encoder-client: error: INVALID_ARGUMENT: image 0: not an image (bad magic)\n"
     assert main(["encode", "--target", target, "/nonexistent.jpg"]) == 1
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_the_clients_sampling_references_are_the_servers() -> None:
+    # The client package never imports the server, so it keeps its own list: this holds it to the server's,
+    # in order (the first is the default of both), and the CLI to that list.
+    assert SAMPLING_REFERENCES == REFERENCES
+    assert Video().reference == hashing.DEFAULT_SAMPLING_REFERENCE == REFERENCES[0]
+    parser, encode = build_parser(), ["encode", "--target", "localhost:1", "clip.mp4"]
+    assert parser.parse_args(encode).video_reference == REFERENCES[0]
+    for reference in REFERENCES:
+        assert parser.parse_args([*encode, "--video-reference", reference]).video_reference == reference
+    with pytest.raises(SystemExit):
+        parser.parse_args([*encode, "--video-reference", "opencv"])

@@ -6,7 +6,7 @@ import importlib.util
 import json
 import re
 
-from conftest import REPO_ROOT
+from repo_paths import REPO_ROOT
 
 GRAFANA = REPO_ROOT / "deploy" / "grafana"
 DASHBOARD = GRAFANA / "encoder-service.json"

@@ -7,7 +7,7 @@ import re
 import subprocess
 
 import pytest
-from conftest import REPO_ROOT, find_tool
+from repo_paths import REPO_ROOT, find_tool
 
 DOCKERFILE = REPO_ROOT / "deploy" / "Dockerfile"
 

@@ -16,7 +16,7 @@ from functools import cache
 
 import pytest
 import yaml
-from conftest import REPO_ROOT, find_tool
+from repo_paths import REPO_ROOT, find_tool
 
 from encoder_service.config import ENV_PREFIX, ServiceConfig
 from encoder_service.config_flags import build_config

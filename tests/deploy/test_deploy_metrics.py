@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import REPO_ROOT
 from prometheus_client.parser import text_string_to_metric_families
+from repo_paths import REPO_ROOT
 
 from encoder_service import metrics
 

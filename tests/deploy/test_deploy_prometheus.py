@@ -26,9 +26,9 @@ import grpc
 import numpy as np
 import pytest
 import yaml
-from conftest import REPO_ROOT, find_tool
 from encoder_client import EncoderClient, EncoderClientError, HashRef
 from PIL import Image
+from repo_paths import REPO_ROOT, find_tool
 
 from encoder_service.benchmarks.service import stop_process
 

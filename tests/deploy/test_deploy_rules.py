@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 import yaml
-from conftest import REPO_ROOT, find_tool
+from repo_paths import REPO_ROOT, find_tool
 
 RULES_DIR = REPO_ROOT / "deploy" / "prometheus"
 REQUIRED_ALERTS = {"EncoderServiceInstanceDown", "EncoderServiceHighErrorRatio", "EncoderServiceLatencySLOFastBurn",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from test_engine_batching import encode_all, forwards, hold_worker, joins, patches, running_engine, sample, until
+from engine_helpers import encode_all, forwards, hold_worker, joins, patches, running_engine, sample, until
 
 from encoder_service.errors import ResourceExhausted, Unavailable
 

@@ -3,77 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from prometheus_client import CollectorRegistry
+from engine_helpers import encode_all, encoded, forwards, hold_worker, joins, patches, running_engine, sample, until
 
-from encoder_service.config import ServiceConfig
-from encoder_service.engine import Engine, ImageInput
+from encoder_service.engine import ImageInput
 from encoder_service.errors import InvalidInput, ResourceExhausted
-from encoder_service.metrics import ServiceMetrics
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@contextlib.asynccontextmanager
-async def running_engine(model, **overrides):
-    """An engine recording into a registry of its own: its counts are this test's alone."""
-    engine = Engine(ServiceConfig(**{"batch_wait_ms": 0.0, **overrides}), model,
-                    metrics=ServiceMetrics(CollectorRegistry()))
-    await engine.start()
-    try:
-        yield engine
-    finally:
-        model.gate.set()
-        await engine.stop()
-
-
-def sample(engine, name: str, **labels: str) -> float:
-    """One series of the engine's registry (0 before it exists): what /metrics would show."""
-    return engine.metrics.registry.get_sample_value(name, labels) or 0.0
-
-
-def forwards(engine) -> float:
-    return sample(engine, "encoder_service_forward_batches_total", device="cpu")
-
-
-def joins(engine) -> float:
-    return sample(engine, "encoder_service_inflight_joins_total")
-
-
-def patches(index: int, grid=(1, 4, 4), seed: int = 0) -> ImageInput:
-    from conftest import FakeVisionModel
-
-    data = FakeVisionModel.patches(grid, seed).tobytes()
-    return ImageInput(index=index, kind="patches", data=data, grid=grid, patch_dtype="float32", dtype_enum=1)
-
-
-def encoded(index: int, grid=(1, 4, 4), seed: int = 0) -> ImageInput:
-    return ImageInput(index=index, kind="encoded", data=f"img:{','.join(map(str, grid))}:{seed}".encode())
-
-
-async def encode_all(engine, images):
-    return [r async for r in engine.encode(images)]
-
-
-async def until(condition, timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.002)
-
-
-async def hold_worker(engine, model, seed: int = 999) -> asyncio.Task:
-    """Starts a request whose forward blocks on model.gate; returns once the worker is inside it."""
-    model.gate.clear()
-    model.entered.clear()
-    task = asyncio.create_task(encode_all(engine, [patches(0, seed=seed)]))
-    assert await asyncio.to_thread(model.entered.wait, 5)
-    return task
 
 
 def test_embedding_equals_the_model_on_the_same_patches(fake_model):
@@ -110,7 +50,7 @@ def test_second_encode_of_same_image_is_a_cache_hit_and_runs_no_forward(fake_mod
 
 
 def test_two_engines_in_one_process_count_apart(fake_model):
-    from conftest import FakeVisionModel
+    from fake_model import FakeVisionModel
 
     async def main():
         async with running_engine(fake_model) as a, running_engine(FakeVisionModel()) as b:

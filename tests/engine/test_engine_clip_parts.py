@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 import torch
-from test_engine_batching import encode_all, patches, running_engine, sample, until
+from engine_helpers import encode_all, patches, running_engine, sample, until
 
 from encoder_service.errors import ResourceExhausted
 

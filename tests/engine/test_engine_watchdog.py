@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from engine_helpers import encode_all, hold_worker, patches, running_engine, sample, until
 from prometheus_client import CollectorRegistry
-from test_engine_batching import encode_all, hold_worker, patches, running_engine, sample, until
 
 from encoder_service.engine.watchdog import DEAD, DOWN, UP, Watchdog
 from encoder_service.metrics import ServiceMetrics

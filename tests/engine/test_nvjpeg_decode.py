@@ -10,6 +10,7 @@ import io
 import numpy as np
 import pytest
 import torch
+from nvjpeg_stand_in import forward_figures, jpeg, models, photo, stored_pixels
 from PIL import Image, ImageOps
 from prometheus_client import CollectorRegistry
 
@@ -23,64 +24,6 @@ from encoder_service.preprocess import nvjpeg
 from encoder_service.preprocess.staged import DecodedImage, RawPatches
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def photo(width: int = 90, height: int = 60, seed: int = 0) -> Image.Image:
-    """Smooth colours with some edges: JPEG-friendly, and not symmetric under any flip."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width]
-    rgb = np.stack([x * 255 // width, y * 255 // height, (x + 2 * y) % 256], axis=-1).astype(np.int16)
-    rgb += rng.integers(-20, 20, rgb.shape, dtype=np.int16)
-    return Image.fromarray(rgb.clip(0, 255).astype(np.uint8))
-
-
-def jpeg(image: Image.Image, orientation: int = 1, **save) -> bytes:
-    buffer = io.BytesIO()
-    exif = Image.Exif()
-    if orientation != 1:
-        exif[0x0112] = orientation
-    image.save(buffer, "JPEG", quality=90, exif=exif.tobytes(), **save)
-    return buffer.getvalue()
-
-
-def stored_pixels(data: bytes) -> torch.Tensor:
-    """uint8 [3, H, W] as stored in the file (no EXIF orientation): what nvJPEG returns."""
-    return torch.from_numpy(np.array(Image.open(io.BytesIO(data)).convert("RGB"))).permute(2, 0, 1).contiguous()
-
-
-class PillowStandIn:
-    """Stands in for ``torchvision.io.decode_jpeg`` on CUDA: Pillow's pixels, as stored; files in
-    ``bad`` fail as nvJPEG fails (RuntimeError), so does any batch call that holds one."""
-
-    def __init__(self, bad: tuple[bytes, ...] = ()) -> None:
-        self.bad = set(bad)
-        self.calls: list[int] = []  # files per call
-
-    def __call__(self, files, device):
-        batch = files if isinstance(files, list) else [files]
-        self.calls.append(len(batch))
-        datas = [file.numpy().tobytes() for file in batch]
-        if any(data in self.bad for data in datas):
-            raise RuntimeError("nvjpeg: the bitstream is corrupt")
-        out = [stored_pixels(data) for data in datas]
-        return out if isinstance(files, list) else out[0]
-
-
-@pytest.fixture
-def stand_in(monkeypatch):
-    """nvjpeg made 'available' on the CPU, with the Pillow stand-in as its device decoder."""
-    decoder = PillowStandIn()
-    monkeypatch.setattr(nvjpeg, "device_decode", decoder)
-    monkeypatch.setattr(nvjpeg, "check_available", lambda device: None)
-    return decoder
-
-
-def models(family: str = "tiny-qwen2.5-vl"):
-    """The same weights twice in torch preprocessing: decoding with Pillow, and with 'nvjpeg'."""
-    pillow = load_vision_model(family, preprocess="torch")
-    gpu = load_vision_model(family, preprocess="torch")
-    gpu.set_decode("nvjpeg")
-    return pillow, gpu
 
 
 # --- the CPU half ---------------------------------------------------------------------------------
@@ -156,7 +99,7 @@ def test_the_header_only_decoder_plans_the_sizes_pillow_decoding_would(family, o
 
 # --- the device half, with the stand-in ---------------------------------------------------------
 @pytest.mark.parametrize("family", ["tiny-qwen2.5-vl", "tiny-kimi-k2.5"])
-def test_a_mixed_batch_stages_the_same_patches_as_pillow_decoding(family, stand_in):
+def test_a_mixed_batch_gives_the_same_pixel_values_as_pillow_decoding(family, stand_in):
     pillow, gpu = models(family)
     png = io.BytesIO()
     photo(64, 50, seed=3).save(png, "PNG")
@@ -164,8 +107,8 @@ def test_a_mixed_batch_stages_the_same_patches_as_pillow_decoding(family, stand_
     grid = pillow.decode(files[1]).grid
     raw = RawPatches(bytes(pillow.num_patches(grid) * pillow.spec.patch_dim * 4), "float32", grid)
     with torch.inference_mode():
-        got = gpu.stage([gpu.decode(files[0]), raw, gpu.decode(files[1]), gpu.decode(files[2])])
-        want = pillow.stage([pillow.decode(files[0]), raw, pillow.decode(files[1]), pillow.decode(files[2])])
+        got = gpu.pixel_values([gpu.decode(files[0]), raw, gpu.decode(files[1]), gpu.decode(files[2])])
+        want = pillow.pixel_values([pillow.decode(files[0]), raw, pillow.decode(files[1]), pillow.decode(files[2])])
     assert torch.equal(got, want)
     assert stand_in.calls == [2]  # the batch's two JPEGs in one call; the PNG went through Pillow
 
@@ -178,7 +121,7 @@ def test_an_undecodable_jpeg_is_named_by_its_index_in_the_batch(stand_in):
     photo().save(png, "PNG")
     batch = [gpu.decode(png.getvalue()), gpu.decode(good), gpu.decode(bad)]
     with pytest.raises(nvjpeg.UndecodableInputs) as caught:
-        gpu.stage(batch)
+        gpu.pixel_values(batch)
     assert list(caught.value.errors) == [2]
     assert "nvJPEG" in str(caught.value.errors[2])
     assert stand_in.calls == [2, 1, 1]  # the batch call, then each file alone
@@ -214,20 +157,10 @@ def test_one_undecodable_jpeg_fails_alone_and_its_batch_mates_are_encoded(stand_
     ok, failed = asyncio.run(main())
     assert isinstance(failed, InvalidInput) and "could not be decoded on the device" in str(failed)
     with torch.inference_mode():
-        want, _ = pillow.encode_packed(pillow.stage([pillow.decode(good)]), [pillow.decode(good).grid])
+        want, _ = pillow.encode_packed(pillow.pixel_values([pillow.decode(good)]), [pillow.decode(good).grid])
     assert torch.equal(ok[0].embedding, want)
     # One forward, of the one image that ran: the bad one is no 0-s forward batch of its own.
     assert forward_figures(metrics) == {"batches": 1, "images": 1}
-
-
-def forward_figures(metrics: ServiceMetrics) -> dict[str, float]:
-    """Forward passes and the images through them, over every device."""
-    samples = [s for family in metrics.registry.collect() for s in family.samples]
-
-    def total(name: str) -> float:
-        return sum(s.value for s in samples if s.name == name)
-    return {"batches": total("encoder_service_forward_batches_total"),
-            "images": total("encoder_service_batch_images_sum")}
 
 
 # --- choosing it ----------------------------------------------------------------------------------

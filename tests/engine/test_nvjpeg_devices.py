@@ -1,5 +1,5 @@
 """``--decode nvjpeg`` with ``--devices`` without a GPU: the JPEG's bytes cross the shared-memory
-hand-off and the worker process decodes them with the Pillow stand-in (tests/engine/test_nvjpeg_decode.py)
+hand-off and the worker process decodes them with the Pillow stand-in (tests/engine/nvjpeg_stand_in.py)
 that its engine's ``worker_setup`` installs there. The real nvJPEG behind a real ``--devices 0``
 server is a ``gpu`` test (tests/gpu/test_gpu_nvjpeg.py)."""
 
@@ -12,15 +12,8 @@ import io
 import numpy as np
 import pytest
 import torch
+from nvjpeg_stand_in import PillowStandIn, forward_figures, jpeg, models, photo
 from prometheus_client import CollectorRegistry
-from test_nvjpeg_decode import (  # noqa: F401 (stand_in: a fixture)
-    PillowStandIn,
-    forward_figures,
-    jpeg,
-    models,
-    photo,
-    stand_in,
-)
 
 from encoder_service.config import ServiceConfig
 from encoder_service.config_flags import parse_serve_args
@@ -121,7 +114,7 @@ def in_process_embedding(model, data: bytes) -> torch.Tensor:
     """What the in-process nvjpeg path (the stand-in in this process) computes for one image."""
     item = model.decode(data)
     with torch.inference_mode():
-        return model.encode_packed(model.stage([item]), [item.grid])[0]
+        return model.encode_packed(model.pixel_values([item]), [item.grid])[0]
 
 
 @pytest.mark.usefixtures("stand_in")

@@ -20,8 +20,8 @@ import uuid
 import numpy as np
 import pytest
 import torch
-from conftest import REPO_ROOT
 from encoder_client import EncoderClient
+from repo_paths import REPO_ROOT
 
 from encoder_service.benchmarks.service import stop_process
 

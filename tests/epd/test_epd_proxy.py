@@ -3,121 +3,30 @@ aiohttp server standing in for vLLM's OpenAI API (vLLM cannot run here) that rec
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import http.client
 import io
 import json
 import re
 import shlex
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import grpc
 import pytest
-from aiohttp import web
 from client_servers import png
 from encoder_client import EncoderClient, Video, content_hash
 from encoder_client.cli import _security, build_parser
 from encoder_client.integrations.proxy import EpdProxy, ProxySettings, settings_from_args
 from encoder_client.testing import Failure, FakeVisionEncoder, serve_fake
+from fake_vllm import NON_STREAMING_ANSWER, SSE_EVENTS, Served, chat, data_url, dead_port, forwarded_images, post
 from PIL import Image
 
 from encoder_service.benchmarks.reliability.video_inputs import frame_pattern, make_clip
 
 VLLM_PAGE = Path(__file__).resolve().parents[2] / "docs" / "vllm.md"
-NON_STREAMING_ANSWER = (b'{"id":"chatcmpl-1",  "object": "chat.completion",\n'
-                        b' "choices":[{"index":0,"message":{"role":"assistant","content":"a cat"}}]}')
-SSE_EVENTS = [b'data: {"choices":[{"delta":{"content":"a"}}]}', b'data: {"choices":[{"delta":{"content":" cat"}}]}',
-              b"data: [DONE]"]
-
-
-class Served:
-    """An aiohttp app on a loopback port, run by its own event loop in a thread."""
-
-    def __init__(self, app: web.Application) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.runner = web.AppRunner(app)
-        started = threading.Event()
-
-        def main() -> None:
-            asyncio.set_event_loop(self.loop)
-            self.loop.run_until_complete(self.runner.setup())
-            self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", 0).start())
-            started.set()
-            self.loop.run_forever()
-            self.loop.run_until_complete(self.runner.cleanup())
-
-        self.thread = threading.Thread(target=main, daemon=True)
-        self.thread.start()
-        assert started.wait(30), "app did not start"
-        self.port = self.runner.addresses[0][1]
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(30)
-
-
-class FakeVllm:
-    """vLLM's OpenAI API as far as the proxy sees it; ``received`` holds each request it got."""
-
-    def __init__(self) -> None:
-        self.received: list[dict] = []
-        self.release_next_event = threading.Event()  # a streamed answer waits for it after each event
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self.chat)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/img/{name}", self.image)
-        app.router.add_get("/vid/{name}", self.video)
-        self.images: dict[str, bytes] = {}
-        self.served = Served(app)
-        self.url = f"http://127.0.0.1:{self.served.port}"
-
-    def record(self, request: web.Request, body: dict | None) -> None:
-        self.received.append({"path": request.path_qs, "headers": dict(request.headers), "body": body})
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.record(request, body)
-        if body.get("model") == "missing":
-            return web.json_response({"error": {"message": "model missing does not exist", "code": 404}}, status=404)
-        if not body.get("stream"):
-            return web.Response(body=NON_STREAMING_ANSWER, content_type="application/json",
-                                headers={"X-Fake-Vllm": "yes"})
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        for event in SSE_EVENTS:
-            self.release_next_event.clear()  # before the write: the test may release it at once
-            await response.write(event + b"\n\n")
-            await asyncio.to_thread(self.release_next_event.wait, 30)
-        await response.write_eof()
-        return response
-
-    async def health(self, request: web.Request) -> web.Response:
-        self.record(request, None)
-        return web.Response(status=200)
-
-    async def models(self, request: web.Request) -> web.Response:
-        self.record(request, None)
-        return web.Response(body=b'{"object":"list","data":[{"id":"qwen"}]}', content_type="application/json")
-
-    async def image(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.images[request.match_info["name"]], content_type="image/png")
-
-    async def video(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.images[request.match_info["name"]], content_type="video/mp4")
-
-
-@pytest.fixture(scope="module")
-def vllm():
-    fake = FakeVllm()
-    yield fake
-    fake.served.close()
 
 
 @pytest.fixture(scope="module")
@@ -140,16 +49,6 @@ def proxy(start_proxy) -> int:
     return start_proxy()
 
 
-def data_url(image: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(image).decode()
-
-
-def chat(*images: str, text: str = "what is this?", **extra) -> dict:
-    parts = [{"type": "image_url", "image_url": {"url": url}} for url in images]
-    return {"model": "qwen", "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}],
-            **extra}
-
-
 def video_data_url(clip: bytes) -> str:
     return "data:video/mp4;base64," + base64.b64encode(clip).decode()
 
@@ -166,16 +65,6 @@ def video_part(url: str) -> dict:
     return {"type": "video_url", "video_url": {"url": url}}
 
 
-def post(port: int, body: dict | bytes, path: str = "/v1/chat/completions") -> tuple[int, bytes, dict]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    payload = body if isinstance(body, bytes) else json.dumps(body).encode()
-    conn.request("POST", path, payload, {"Content-Type": "application/json", "Authorization": "Bearer sk-user"})
-    resp = conn.getresponse()
-    out = resp.status, resp.read(), dict(resp.headers)
-    conn.close()
-    return out
-
-
 def get(port: int, path: str) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     conn.request("GET", path)
@@ -183,10 +72,6 @@ def get(port: int, path: str) -> tuple[int, bytes]:
     out = resp.status, resp.read()
     conn.close()
     return out
-
-
-def forwarded_images(request: dict) -> list[dict]:
-    return [p for m in request["body"]["messages"] for p in m["content"] if p.get("type") == "image_url"]
 
 
 def forwarded_videos(request: dict) -> list[dict]:
@@ -465,14 +350,8 @@ def test_a_clip_over_the_size_limit_is_a_413(start_proxy, vllm):
     assert len(vllm.received) == before
 
 
-def _dead_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_the_encoder_being_down_is_a_503_and_vllm_is_not_called(vllm):
-    settings = ProxySettings(encoder=[f"127.0.0.1:{_dead_port()}"], vllm=vllm.url, encoder_timeout_s=5)
+    settings = ProxySettings(encoder=[f"127.0.0.1:{dead_port()}"], vllm=vllm.url, encoder_timeout_s=5)
     served = Served(EpdProxy(settings).app())
     try:
         before = len(vllm.received)
@@ -518,7 +397,7 @@ def test_an_encoder_with_a_full_queue_is_a_503_with_its_retry_after(vllm):
 
 
 def test_several_encoders_route_around_one_that_is_down(start_proxy, encoder_server, vllm):
-    port = start_proxy(encoder=[encoder_server.target, f"127.0.0.1:{_dead_port()}"])
+    port = start_proxy(encoder=[encoder_server.target, f"127.0.0.1:{dead_port()}"])
     image = png(713)
     assert post(port, chat(data_url(image)))[0] == 200
     with EncoderClient(encoder_server.target) as client:
@@ -526,7 +405,7 @@ def test_several_encoders_route_around_one_that_is_down(start_proxy, encoder_ser
 
 
 def test_vllm_being_down_is_a_502(encoder_server):
-    settings = ProxySettings(encoder=[encoder_server.target], vllm=f"http://127.0.0.1:{_dead_port()}")
+    settings = ProxySettings(encoder=[encoder_server.target], vllm=f"http://127.0.0.1:{dead_port()}")
     served = Served(EpdProxy(settings).app())
     try:
         status, answer, _ = post(served.port, chat(data_url(png(714))))
@@ -552,7 +431,7 @@ def test_importing_the_client_and_its_cli_does_not_import_aiohttp():
 
 
 def test_the_command_serves_until_terminated(encoder_server, vllm):
-    port = _dead_port()
+    port = dead_port()
     proc = subprocess.Popen([sys.executable, "-m", "encoder_client.cli", "proxy", "--encoder", encoder_server.target,
                              "--vllm", vllm.url, "--host", "127.0.0.1", "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -21,14 +21,7 @@ from encoder_client import EncoderClient, HashRef
 from encoder_client.errors import EncoderClientError
 from encoder_client.integrations.proxy import EpdProxy, ProxySettings
 from encoder_client.protocol import encoder_pb2
-from test_epd_proxy import FakeVllm, Served, _dead_port, chat, data_url, forwarded_images, post
-
-
-@pytest.fixture(scope="module")
-def vllm():
-    fake = FakeVllm()
-    yield fake
-    fake.served.close()
+from fake_vllm import Served, chat, data_url, dead_port, forwarded_images, post
 
 
 @pytest.fixture
@@ -105,7 +98,7 @@ def test_the_proxy_moves_no_rows_in_cache_mode(encoder_server, vllm, started, mo
 
 
 def test_the_proxy_in_cache_mode_routes_over_several_encoders(encoder_server, vllm, started):
-    _, port = started([encoder_server.target, f"127.0.0.1:{_dead_port()}"], vllm.url)
+    _, port = started([encoder_server.target, f"127.0.0.1:{dead_port()}"], vllm.url)
     image = png(812)
     assert post(port, chat(data_url(image)))[0] == 200
     (part,) = forwarded_images(vllm.received[-1])
@@ -146,7 +139,7 @@ def test_a_real_encoders_full_queue_is_a_503_with_retry_after_and_an_image_over_
     """RESOURCE_EXHAUSTED by its cause, from a real server: its retry-pushback trailer says a full
     queue (1000 ms: 503 with Retry-After) from a request over a limit by itself (-1: 413)."""
     from encoder_client.protocol import encoder_pb2_grpc
-    from test_server_lifecycle import one_running_one_queued
+    from server_queue import one_running_one_queued
 
     server = start_encoder_server("--max-queue-images", "1", "--max-image-pixels", "4000000")
     _, port = started([server.target], vllm.url)

@@ -168,8 +168,8 @@ def test_a_server_with_worker_processes_decodes_on_its_gpu_as_the_in_process_nvj
     # --devices 0: the front end reads only the headers and never opens a CUDA context; the JPEG's
     # bytes cross the shared-memory hand-off and the worker process decodes them with nvJPEG.
     pytest.importorskip("torchvision")
-    from conftest import import_script
     from encoder_client import EncoderClient
+    from repo_paths import import_script
 
     gpu_processes = import_script("bench/multi_gpu_scaling.py").gpu_processes
 

@@ -51,7 +51,7 @@ def test_torch_mode_equals_transformers_default_qwen_processor(size, device):
     ref, ref_grid = _transformers_qwen(data, device)
     model = load_vision_model("tiny-qwen2.5-vl", device=device, preprocess="torch")
     item = model.decode(data)
-    ours = model.stage([item], dtype=torch.float32)
+    ours = model.pixel_values([item], dtype=torch.float32)
     assert list(item.grid) == ref_grid
     diff = (ours - ref.to(ours.device)).abs().max().item()
     print(f"torch mode vs transformers, {device}, {size}: max abs diff {diff}")
@@ -70,7 +70,7 @@ def test_torch_mode_equals_transformers_kimi_processor(size, device):
     model.preprocess_config = type(model.preprocess_config)()  # the processor's defaults, as above
     model.set_preprocess_mode("torch")
     item = model.decode(data)
-    ours = model.stage([item], dtype=torch.float32)
+    ours = model.pixel_values([item], dtype=torch.float32)
     assert [list(item.grid)] == out["image_grid_thw"].tolist()
     ref = out["pixel_values"].reshape(ours.shape).to(ours.device)
     diff = (ours - ref).abs().max().item()

@@ -60,9 +60,9 @@ def test_torch_mode_clip_equals_transformers_video_processor_on_cuda(preset, sha
     out = _processor(model)(frames, do_sample_frames=False, return_tensors="pt", device="cuda")
     ref, ref_grid = out["pixel_values_videos"], out["video_grid_thw"][0].tolist()
     front = model.video_front()
-    clip, used = front.stage(frames, list(range(shape[0])), VideoSampling(), "torch")
+    clip, used = front.resize(frames, list(range(shape[0])), VideoSampling(), "torch")
     assert isinstance(clip, DecodedClip) and clip.frames.shape == frames.shape  # resized on the device
-    ours = model.stage([clip], dtype=torch.float32)
+    ours = model.pixel_values([clip], dtype=torch.float32)
     assert list(clip.grid) == ref_grid
     assert len(used) % model.video_config.temporal_patch_size == 0
     diff = (ours - ref.to(ours.device)).abs().max().item()
@@ -81,8 +81,8 @@ def test_kimi_torch_mode_clip_equals_transformers_video_processor_on_cuda(shape)
     model.video_config = KimiK25VideoConfig()  # the processor's class defaults, as the reference below
     frames = _frames(shape[0] + 1, *shape)
     out = Kimi_K25VideoProcessor()(frames, do_sample_frames=False, return_tensors="pt", device="cuda")
-    clip, _ = model.video_front().stage(frames, list(range(shape[0])), VideoSampling(), "torch")
-    ours = model.stage([clip], dtype=torch.float32)
+    clip, _ = model.video_front().resize(frames, list(range(shape[0])), VideoSampling(), "torch")
+    ours = model.pixel_values([clip], dtype=torch.float32)
     ref = out["pixel_values_videos"].reshape(ours.shape).to(ours.device)
     assert sum(g[0] for g in out["video_grid_thw"].tolist()) == clip.grid[0] == shape[0]
     diff = (ours - ref).abs().max().item()
@@ -94,7 +94,7 @@ def test_kimi_torch_mode_clip_equals_transformers_video_processor_on_cuda(shape)
 def test_forward_of_a_batch_with_a_clip_has_no_host_sync(mode):
     model = load_vision_model("tiny-qwen2.5-vl", device="cuda", dtype=torch.bfloat16, preprocess=mode)
     front = model.video_front()
-    clip, _ = front.stage(_frames(1, 6, 200, 300), list(range(6)), VideoSampling(), mode)
+    clip, _ = front.resize(_frames(1, 6, 200, 300), list(range(6)), VideoSampling(), mode)
     g = clip.grid
     raw = np.random.default_rng(0).standard_normal((g[0] * g[1] * g[2], model.patch_dim)).astype(np.float16)
     inputs = [clip, RawPatches(raw.tobytes(), "float16", g)]
@@ -110,6 +110,7 @@ def test_forward_of_a_batch_with_a_clip_has_no_host_sync(mode):
 
 
 def test_a_clip_through_a_cuda_server_equals_the_models_video_path(start_encoder_server):
+    pytest.importorskip("av", reason="the GPU machine gets PyAV only with WITH_AV=1 wheels (../shared/device)")
     from encoder_client import EncoderClient, Video
 
     from encoder_service.benchmarks.reliability.video_inputs import make_clip

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT
-from test_server_workers import kill_one_worker_under_load
+from repo_paths import REPO_ROOT
+from worker_helpers import kill_one_worker_under_load
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900), pytest.mark.allow_skip_on_cpu("needs two GPUs of one host")]
 

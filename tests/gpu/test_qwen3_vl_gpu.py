@@ -94,7 +94,7 @@ def test_torch_mode_equals_transformers_default_processor(short_qwen3_vl, size, 
     model = _model(short_qwen3_vl, "sdpa", torch.device(device), torch.float32)
     model.set_preprocess_mode("torch")
     item = model.decode(data)
-    ours = model.stage([item], dtype=torch.float32)
+    ours = model.pixel_values([item], dtype=torch.float32)
     assert [list(item.grid)] == out["image_grid_thw"].tolist()
     assert (ours - out["pixel_values"].to(ours.device)).abs().max().item() == 0.0
 

@@ -16,9 +16,9 @@ from encoder_service.models import load_vision_model
 from encoder_service.models.cuda_graphs import (
     BudgetGraphs,
     NotStatic,
+    Slots,
     copy_into,
     filler_grid,
-    full_capacity,
     ladder,
     resolve_budgets,
 )
@@ -27,10 +27,12 @@ from encoder_service.models.registry import families
 TINY = [p.name for f in families() for p in f.presets if p.name.startswith("tiny-")]
 
 
-def test_the_default_ladder_steps_by_half_or_a_third_and_ends_at_its_top():
-    assert ladder(16384) == (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+def test_the_default_ladder_steps_by_half_or_a_third_then_by_quarters_and_ends_at_its_top():
+    assert ladder(16384) == (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 5120, 6144, 7168, 8192, 10240,
+                             12288, 14336, 16384)
     assert ladder(5000) == (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 5000)
-    assert resolve_budgets(None, 16384, 4) == ladder(3072) == (256, 384, 512, 768, 1024, 1536, 2048, 3072)
+    assert resolve_budgets(None, 16384, 4) == ladder(6144) == (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096,
+                                                                5120, 6144)
     assert resolve_budgets(None, 2002, 4)[-1] == 2000  # a smaller largest batch, rounded down to the merge unit
     assert resolve_budgets((4096, 1024), 16384, 4) == (1024, 4096)
 
@@ -86,8 +88,22 @@ def test_a_graphs_buffers_are_refreshed_in_place_and_a_mismatch_is_refused():
         copy_into(static, (torch.ones(3, dtype=torch.float64), static[1], static[2]))
 
 
-def test_the_largest_budget_holds_a_few_sequences_per_slot_and_every_budget_sixteen():
-    assert full_capacity(256) == 17 and full_capacity(16384) == 65
+@pytest.mark.parametrize("slots", [Slots(), Slots(full_min=1, full_max=2, window_factor=2.0),
+                                   Slots(window_factor=None)])
+@pytest.mark.parametrize("budget", [256, 1024, 3072, 6144, 16384])
+def test_each_pattern_holds_a_power_of_two_of_sequences_and_a_lone_image_filling_its_budget(slots, budget):
+    merge_unit, window_tokens = 4, 64  # Qwen2.5-VL: 2x2 merge, windows of 4x4 merged tokens
+    full, windows = slots.full(budget), slots.windows(budget, window_tokens, merge_unit)
+    assert full & (full - 1) == 0 and windows & (windows - 1) == 0  # what cuDNN pads the count to
+    assert full >= 2  # an image and the filler
+    side = int((budget * 0.75) ** 0.5) // 2 * 2  # a lone square image of about 3/4 of the budget
+    assert windows >= -(-side // 8) ** 2 + 1  # its windows (8x8 patches each) and the filler's
+
+
+def test_without_a_window_factor_every_merged_token_may_be_its_own_window():
+    assert Slots(window_factor=None).windows(1024, 64, 4) == 256
+    assert Slots().windows(1024, 64, 4) == 64  # twice the 16 tiled windows, and 32 full slots
+    assert Slots(full_min=16, full_max=1 << 20).full(16384) == 128  # 64 slots and the filler, bucketed
 
 
 def _budget_graphs(model, budgets):
@@ -126,7 +142,7 @@ def test_a_batch_that_fits_no_budget_is_left_to_the_eager_forward(preset):
     model = load_vision_model(preset)
     graphs = _budget_graphs(model, [256])
     too_many_patches = [[1, 16, 18]]
-    too_many_frames = [[1, 2, 2]] * 17  # 17 sequences and the filler's: one more than 256 holds
+    too_many_frames = [[1, 2, 2]] * Slots().full(256)  # with the filler's: one more than 256 holds
     for grids in (too_many_patches, too_many_frames):
         pixels = torch.zeros(sum(t * h * w for t, h, w in grids), model.spec.patch_dim)
         assert graphs.run(pixels, [tuple(g) for g in grids], 1) is None

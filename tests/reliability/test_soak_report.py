@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from conftest import import_script
+from repo_paths import import_script
 
 from encoder_service.benchmarks.reliability.result import ScenarioResult
 

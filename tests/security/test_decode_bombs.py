@@ -25,10 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
-from conftest import REPO_ROOT
 from encoder_client.protocol import encoder_pb2 as pb
 from encoder_client.protocol import encoder_pb2_grpc
 from PIL import Image
+from repo_paths import REPO_ROOT
 
 from encoder_service.benchmarks.reliability.fuzz_inputs import jpeg_scan_bomb, jpeg_segments, png_chunk_bomb
 from encoder_service.errors import ResourceExhausted
@@ -261,8 +261,8 @@ def test_every_family_reports_its_max_pixels():
 def test_an_ordinary_image_never_waits_behind_images_that_are_expensive_by_their_header(fake_model):
     """Two progressive JPEGs with 86 scans (allowed, but expensive) hold their decodes until released:
     with two decode threads, an ordinary image sent after them must still be encoded meanwhile."""
-    from conftest import _decode_fake
-    from test_engine_batching import encode_all, encoded, running_engine
+    from engine_helpers import encode_all, encoded, running_engine
+    from fake_model import _decode_fake
 
     from encoder_service.engine.types import ImageInput
     from encoder_service.models.base import Decoder

@@ -16,8 +16,8 @@ import client_servers
 import grpc
 import pytest
 from certs import make_ca
-from conftest import REPO_ROOT
 from encoder_client import EncoderClient, EncoderClientError, tls_credentials
+from repo_paths import REPO_ROOT
 
 from encoder_service.api.security.settings import build_security
 from encoder_service.api.security.tls import TLSFileError

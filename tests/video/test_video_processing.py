@@ -102,7 +102,7 @@ def test_bad_frames_are_invalid_input():
         kimi.preprocess_video(np.zeros((0, 28, 28, 3), dtype=np.uint8))
 
 
-# The service's split of the same work (VideoFront.stage: uint8 frames on the CPU, then the model's device
+# The service's split of the same work (VideoFront.resize: uint8 frames on the CPU, then the model's device
 # half) against the processor's values (VideoFront.process), in both preprocess modes: pil resizes on the
 # CPU before staging, torch on the device (here the CPU, whose uint8 kernel is the reference's).
 STAGED = [("tiny-qwen2.5-vl", (3, 60, 90)), ("tiny-qwen2.5-vl", (4, 56, 56)), ("tiny-qwen3-vl", (5, 100, 140)),
@@ -122,10 +122,10 @@ def test_staged_clip_equals_the_processor_values(name, shape, mode):
     clip = frames(7, *shape)
     indices = list(range(shape[0]))
     want, want_grid, want_used = front.process(clip, indices, VideoSampling())
-    staged, used = front.stage(clip, indices, VideoSampling(), mode)
+    staged, used = front.resize(clip, indices, VideoSampling(), mode)
     assert isinstance(staged, DecodedClip) and staged.frames.dtype == np.uint8
     # Only the torch mode leaves the resize to the device.
     assert staged.frames.shape[1:3] == (shape[1:] if mode == "torch" else staged.resize_to)
-    got = model.stage([staged], torch.device("cpu"), torch.float32).numpy()
+    got = model.pixel_values([staged], torch.device("cpu"), torch.float32).numpy()
     assert staged.grid == tuple(want_grid) and list(used) == list(want_used)
     np.testing.assert_array_equal(got, want)

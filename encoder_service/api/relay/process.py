@@ -50,7 +50,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
-from ...config import ServiceConfig, chunk_budget
+from ...config import RelayConfig, RequestLimits, SecurityConfig, chunk_budget
 from ...metrics import VISION_ENCODER
 from ..interceptor_support import RELAYED_PEER, method_path
 from ..security.tls import ReloadingServerCredentials
@@ -83,9 +83,13 @@ _SERVER_MAY_STILL_WRITE = frozenset({grpc.StatusCode.CANCELLED, grpc.StatusCode.
 
 @dataclass(frozen=True)
 class RelaySpec:
-    """What the server process hands one relay."""
+    """What the server process hands one relay: its group of the config and the two it shares with the
+    main port (``requests``: the message and chunk sizes; ``security``: the port's TLS), not the whole
+    config."""
 
-    config: ServiceConfig
+    relays: RelayConfig
+    requests: RequestLimits
+    security: SecurityConfig
     upstream: str  # the server process's address: unix:/path
     regions_path: str  # the server process's region socket (api/relay/regions.py)
     port: int  # the public port to bind (0 for the first relay when --port 0)
@@ -243,14 +247,14 @@ async def _abort_like(context: grpc.aio.ServicerContext, err: grpc.aio.AioRpcErr
     await context.abort(err.code(), err.details() or "", tuple(err.trailing_metadata() or ()))
 
 
-def relay_options(config: ServiceConfig) -> list[tuple[str, int]]:
-    return [("grpc.max_receive_message_length", config.max_message_bytes),
-            ("grpc.max_send_message_length", config.max_message_bytes),
+def relay_options(requests: RequestLimits) -> list[tuple[str, int]]:
+    return [("grpc.max_receive_message_length", requests.max_message_bytes),
+            ("grpc.max_send_message_length", requests.max_message_bytes),
             ("grpc.so_reuseport", 1)]  # the relays share the port; the kernel spreads connections
 
 
 async def serve_relay(spec: RelaySpec, conn: Connection) -> int:
-    config = spec.config
+    requests, security = spec.requests, spec.security
     loop = asyncio.get_running_loop()
     stop: asyncio.Future[float] = loop.create_future()
 
@@ -263,8 +267,8 @@ async def serve_relay(spec: RelaySpec, conn: Connection) -> int:
             loop.remove_reader(conn.fileno())
             stop.set_result(float(message[1]))
 
-    channel_options = [("grpc.max_receive_message_length", config.max_message_bytes),
-                       ("grpc.max_send_message_length", config.max_message_bytes)]
+    channel_options = [("grpc.max_receive_message_length", requests.max_message_bytes),
+                       ("grpc.max_send_message_length", requests.max_message_bytes)]
     channel = grpc.aio.insecure_channel(spec.upstream, options=channel_options)
     try:
         lender = RegionLender(spec.regions_path)
@@ -272,13 +276,14 @@ async def serve_relay(spec: RelaySpec, conn: Connection) -> int:
         conn.send(("failed", f"relay {spec.index} cannot reach the server's region socket: {exc}"))
         await channel.close()
         return 1
-    relay = Relay(channel, lender, config.max_chunk_bytes)
-    server = grpc.aio.server(options=relay_options(config))
+    relay = Relay(channel, lender, requests.max_chunk_bytes)
+    server = grpc.aio.server(options=relay_options(requests))
     server.add_generic_rpc_handlers((relay,))
-    address = f"{config.host}:{spec.port}"
+    address = f"{spec.relays.host}:{spec.port}"
     try:
-        if config.tls:
-            credentials = ReloadingServerCredentials(config.tls_cert, config.tls_key, config.tls_client_ca).credentials
+        if security.tls:
+            credentials = ReloadingServerCredentials(security.tls_cert, security.tls_key,
+                                                     security.tls_client_ca).credentials
             port = server.add_secure_port(address, credentials)
         else:
             port = server.add_insecure_port(address)
@@ -299,7 +304,7 @@ async def serve_relay(spec: RelaySpec, conn: Connection) -> int:
 
 def relay_main(spec: RelaySpec, conn: Connection) -> None:
     """The relay process's entry point (started with spawn by api/relay/supervisor.py)."""
-    logging.basicConfig(level=spec.config.log_level, stream=sys.stderr,
+    logging.basicConfig(level=spec.relays.log_level, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s relay-{spec.index} %(name)s: %(message)s")
     # Ctrl-C reaches the whole process group; the server process drains, then stops the relays.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -19,7 +19,7 @@ import shutil
 import tempfile
 import time
 
-from ...config import ServiceConfig
+from ...config import RelayConfig, RequestLimits, SecurityConfig
 from .process import RelaySpec, relay_main
 from .regions import RegionBoard
 
@@ -40,11 +40,14 @@ class _Running:
 
 
 class RelayProcesses:
-    """``count`` relay processes in front of this process's unix-socket server."""
+    """``relays.processes`` relay processes in front of this process's unix-socket server. ``requests``
+    and ``security``: the main port's message sizes and TLS, which the relays serve the port with."""
 
-    def __init__(self, config: ServiceConfig, count: int) -> None:
-        self.config = config
-        self.count = count
+    def __init__(self, relays: RelayConfig, requests: RequestLimits, security: SecurityConfig) -> None:
+        self.relays = relays
+        self.requests = requests
+        self.security = security
+        self.count = relays.processes
         self._dir = tempfile.mkdtemp(prefix="encoder-service-")  # 0700: only this user reaches the socket
         self.upstream = f"unix:{os.path.join(self._dir, 'server.sock')}"
         # The relays hand their shared-memory regions over by descriptor, on this socket.
@@ -59,7 +62,7 @@ class RelayProcesses:
         when one cannot serve (the port is taken, a certificate is wrong)."""
         self.regions.start()
         try:
-            self.port = await self._start_one(0, self.config.port)
+            self.port = await self._start_one(0, self.relays.port)
             await asyncio.gather(*(self._start_one(i, self.port) for i in range(1, self.count)))
         except BaseException:
             await self.stop(0.0)
@@ -69,7 +72,7 @@ class RelayProcesses:
     async def _start_one(self, index: int, port: int) -> int:
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
-        spec = RelaySpec(self.config, self.upstream, self.regions.path, port, index)
+        spec = RelaySpec(self.relays, self.requests, self.security, self.upstream, self.regions.path, port, index)
         process = ctx.Process(target=relay_main, args=(spec, child), name=f"encoder-relay-{index}", daemon=True)
         process.start()
         child.close()  # else the relay's death would not close the pipe on our side
@@ -84,7 +87,7 @@ class RelayProcesses:
         if message[0] != "listening":
             process.join(5.0)
             raise RelayStartError(message[1])
-        log.info("relay %d (pid %d) serving %s:%d", index, process.pid, self.config.host, message[1])
+        log.info("relay %d (pid %d) serving %s:%d", index, process.pid, self.relays.host, message[1])
         watcher = asyncio.ensure_future(self._watch(running))
         self._watchers.add(watcher)
         watcher.add_done_callback(self._watchers.discard)

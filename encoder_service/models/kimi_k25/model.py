@@ -37,7 +37,7 @@ from ...device import host_to_device
 from ...errors import InvalidInput
 from ...metadata import SpatialConfig, pad_attention
 from ..base import Decoder, Grid, ModelSpec, VisionModel, validate_batch
-from ..cuda_graphs import GraphForward, full_capacity
+from ..cuda_graphs import GraphForward, Slots
 from ..layers import activation, patch_conv_as_linear
 from . import video
 from .metadata import RasterBatchMetadata, bicubic_resample_matrix, build_raster_metadata, expand_clips
@@ -413,12 +413,12 @@ class KimiK25VisionModel(VisionModel):
         return self.module(x, meta, self.backend), tuple(tokens)
 
     def graph_forward(self, backend) -> GraphForward:
-        """Token budgets' graphs of images: one pattern, ``full_capacity`` images of up to the budget.
+        """Token budgets' graphs of images: one pattern, ``slots.full`` images of up to the budget.
         A clip's pooling over its frames changes the merger's shape: batches with one run eagerly."""
         spatial, module = self.spatial, self.module
 
-        def pad(meta: RasterBatchMetadata, budget: int) -> RasterBatchMetadata:
-            return dataclasses.replace(meta, attention=pad_attention(meta.attention, full_capacity(budget), budget))
+        def pad(meta: RasterBatchMetadata, budget: int, slots: Slots) -> RasterBatchMetadata:
+            return dataclasses.replace(meta, attention=pad_attention(meta.attention, slots.full(budget), budget))
 
         return GraphForward(metadata=lambda grids: build_raster_metadata(grids, spatial), pad=pad,
                             prepare=lambda meta: module.prepare(meta, backend, self.device),

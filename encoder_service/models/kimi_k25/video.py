@@ -110,8 +110,7 @@ class KimiK25VideoConfig:
     def __post_init__(self) -> None:
         settings.check_positive_ints(self, ("max_patches", "max_side_patches", "patch_size", "merge_size",
                                             "temporal_patch_size"))
-        if not self.fps > 0:
-            raise InvalidInput(f"video processor config: fps must be positive, got {self.fps!r}")
+        settings.check_video_fps(self)
         settings.check_normalization(self)
 
     @classmethod
@@ -289,15 +288,15 @@ def preprocess_video(frames: np.ndarray, config: KimiK25VideoConfig | None = Non
 
 def video_front(config: KimiK25VideoConfig) -> VideoFront:
     """This family's video path bound to ``config`` (the engine's ``ModelFront.video_front``): the
-    sampling above, ``stage_clip`` and ``process_clip``; the timestamps are ``VideoFront``'s, each used
+    sampling above, ``resize_clip`` and ``process_clip``; the timestamps are ``VideoFront``'s, each used
     frame's source time (a chunk's timestamp is its first frame's, see the module docstring)."""
     return VideoFront(sample=functools.partial(sample_frame_indices, config=config),
-                      stage=functools.partial(stage_clip, config=config),
+                      resize=functools.partial(resize_clip, config=config),
                       process=functools.partial(process_clip, config=config), pixel_bounds=False)
 
 
-def stage_clip(frames: np.ndarray, indices: list[int], sampling: VideoSampling, mode: str, *,
-               config: KimiK25VideoConfig) -> tuple[DecodedClip, list[int]]:
+def resize_clip(frames: np.ndarray, indices: list[int], sampling: VideoSampling, mode: str, *,
+                config: KimiK25VideoConfig) -> tuple[DecodedClip, list[int]]:
     """Sampled frames -> (the clip's CPU half for the device, the indices as given): the frames as uint8
     with their size after the resize, the padded size and ONE grid ``(T, h, w)`` as ``process_clip``
     gives; resized here only in pil mode (the reference's CPU kernel: bit for bit ``preprocess_video``),

@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...attention import AttentionBackend
@@ -22,8 +21,8 @@ from ...device import host_to_device
 from ...metadata import BatchMetadata, SpatialConfig, build_metadata, pad_attention
 from ...ops import AUTO, OpsSelection, OpTarget, select_ops
 from ..base import ModelSpec, VisionModel
-from ..cuda_graphs import GraphForward, full_capacity
-from ..layers import RMSNorm
+from ..cuda_graphs import GraphForward, Slots
+from ..layers import ConvPatchEmbed3d, QkvProjections, RMSNorm
 from . import folded, video
 from .processor import Qwen2VLProcessorHooks
 
@@ -85,27 +84,6 @@ class Qwen2_5_VisionConfig:
         }
 
 
-class PatchEmbed(nn.Module):
-    """Conv3d with kernel == stride over each flattened patch is exactly a matrix product."""
-
-    def __init__(self, cfg: Qwen2_5_VisionConfig) -> None:
-        super().__init__()
-        kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        # Kept Conv3d-shaped so checkpoints load unchanged; applied as one GEMM.
-        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel, stride=kernel, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.proj.weight
-        return F.linear(x.to(w.dtype), w.view(w.shape[0], -1))
-
-
-class VisionAttention(nn.Module):
-    def __init__(self, cfg: Qwen2_5_VisionConfig) -> None:
-        super().__init__()
-        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
-
-
 class MLP(nn.Module):
     def __init__(self, cfg: Qwen2_5_VisionConfig) -> None:
         super().__init__()
@@ -124,7 +102,7 @@ class VisionBlock(nn.Module):
         self.num_heads = cfg.num_heads
         self.norm1 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = VisionAttention(cfg)
+        self.attn = QkvProjections(cfg.hidden_size)
         self.mlp = MLP(cfg)
 
     @torch.no_grad()
@@ -187,7 +165,8 @@ class Qwen2_5_VisionTower(nn.Module):
             raise ValueError(f"head_dim {cfg.head_dim} must be a multiple of 4 for the 2-D rotary embedding")
         self.cfg = cfg
         self.unit = cfg.spatial_merge_size**2
-        self.patch_embed = PatchEmbed(cfg)
+        self.patch_embed = ConvPatchEmbed3d(cfg.in_channels, cfg.hidden_size, cfg.temporal_patch_size,
+                                            cfg.patch_size, bias=False)
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg)
         half = cfg.head_dim // 2
@@ -263,15 +242,16 @@ class Qwen2_5_VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
                         window_tokens=windows * windows * cfg.spatial_merge_size**2)
 
     def graph_forward(self, backend) -> GraphForward:
-        """Token budgets' graphs: the full-attention pattern holds ``full_capacity`` frames of up to
-        the budget; the window pattern one window per merged token at most, each of up to a window."""
+        """Token budgets' graphs: the full-attention pattern holds ``slots.full`` frames of up to
+        the budget; the window pattern ``slots.windows``, each of up to a window."""
         spatial, module = self.spatial, self.module
         window_tokens = spatial.window_blocks ** 2 * spatial.merge_unit
 
-        def pad(meta: BatchMetadata, budget: int) -> BatchMetadata:
+        def pad(meta: BatchMetadata, budget: int, slots: Slots) -> BatchMetadata:
             return dataclasses.replace(
-                meta, full=pad_attention(meta.full, full_capacity(budget), budget),
-                window=pad_attention(meta.window, budget // spatial.merge_unit, window_tokens))
+                meta, full=pad_attention(meta.full, slots.full(budget), budget),
+                window=pad_attention(meta.window, slots.windows(budget, window_tokens, spatial.merge_unit),
+                                     window_tokens))
 
         return GraphForward(metadata=lambda grids: build_metadata(grids, spatial), pad=pad,
                             prepare=lambda meta: module.prepare(meta, backend, self.device, self.dtype),
@@ -281,10 +261,4 @@ class Qwen2_5_VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
     @torch.inference_mode()
     def encode_packed(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]
                       ) -> tuple[torch.Tensor, tuple[int, ...]]:
-        checked = self.validate(pixel_values, grids)
-        x = self._pixels_to_device(pixel_values).to(self.dtype)
-        replayed = self._replayed(x, checked, tuple(self.num_tokens(g) for g in checked))
-        if replayed is not None:
-            return replayed
-        meta = build_metadata(checked, self.spatial)
-        return self.module(x, meta, self.backend), meta.tokens_per_image
+        return self._encode_grids(pixel_values, grids, lambda checked: build_metadata(checked, self.spatial))

@@ -220,14 +220,17 @@ def video_geometry(num_frames: int, height: int, width: int, cfg: Qwen2VLVideoCo
             max_pixels = max(min(max_pixels, total_pixels * cfg.temporal_patch_size // num_frames),
                              int(cfg.min_pixels * 1.05))
         height, width = smart_resize(height, width, cfg.factor, cfg.min_pixels, max_pixels)
-    return (height, width), _grid(num_frames, height, width, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size)
+    return (height, width), frames_grid(num_frames, height, width, cfg)
 
 
-def _grid(num_frames: int, height: int, width: int, patch: int, merge: int, tp: int) -> tuple[int, int, int]:
-    if height % (patch * merge) or width % (patch * merge):
-        raise InvalidInput(f"video frames of {width}x{height} are not a multiple of {patch * merge} pixels per side "
+def frames_grid(num_frames: int, height: int, width: int, cfg: PatchLayout) -> tuple[int, int, int]:
+    """The grid in patches of ``num_frames`` frames of their resized ``height`` x ``width`` (the frames padded
+    to whole temporal patches); Qwen3-VL's geometry ends with it too."""
+    if height % cfg.factor or width % cfg.factor:
+        raise InvalidInput(f"video frames of {width}x{height} are not a multiple of {cfg.factor} pixels per side "
                            "(do_resize is off)")
-    return (num_frames + -num_frames % tp) // tp, height // patch, width // patch
+    tp = cfg.temporal_patch_size
+    return (num_frames + -num_frames % tp) // tp, height // cfg.patch_size, width // cfg.patch_size
 
 
 def frames_to_values(frames: np.ndarray, size: tuple[int, int], table: torch.Tensor) -> torch.Tensor:
@@ -278,12 +281,12 @@ def video_front(config: Qwen2VLVideoConfig, sample=sample_frame_indices, geometr
     """This family's video path bound to ``config`` (the engine's ``ModelFront.video_front``); Qwen3-VL's
     with its own ``sample`` and ``geometry``, the patch layout being this one."""
     return VideoFront(sample=functools.partial(sample, config=config),
-                      stage=functools.partial(stage_clip, config=config, geometry=geometry),
+                      resize=functools.partial(resize_clip, config=config, geometry=geometry),
                       process=functools.partial(process_clip, config=config, geometry=geometry))
 
 
-def stage_clip(frames: np.ndarray, indices: list[int], sampling: VideoSampling, mode: str, *, config, geometry
-               ) -> tuple[DecodedClip, list[int]]:
+def resize_clip(frames: np.ndarray, indices: list[int], sampling: VideoSampling, mode: str, *, config, geometry
+                ) -> tuple[DecodedClip, list[int]]:
     """Sampled frames -> (the clip's CPU half for the device, the indices used), with the request's pixel
     bounds: the frames as uint8 with their target size and grid, resized here only in pil mode (with the
     reference's CPU kernel: bit-exact with ``preprocess_video``); the device does the rest (the model's

@@ -17,7 +17,7 @@ import torch
 from ...errors import InvalidInput
 from ...metadata import pad_attention
 from ..base import Grid, ModelSpec, VisionModel, validate_batch
-from ..cuda_graphs import GraphForward, full_capacity
+from ..cuda_graphs import GraphForward, Slots
 from ..qwen2_5_vl.processor import Qwen2VLProcessorHooks
 from . import video
 from .config import Qwen3VLVisionConfig
@@ -59,11 +59,11 @@ class Qwen3VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
         return build_qwen3_vl_metadata(grids, cfg.spatial_merge_size, cfg.patch_size, cfg.num_grid_per_side)
 
     def graph_forward(self, backend) -> GraphForward:
-        """Token budgets' graphs: one pattern, ``full_capacity`` frames of up to the budget."""
+        """Token budgets' graphs: one pattern, ``slots.full`` frames of up to the budget."""
         module = self.module
 
-        def pad(meta: Qwen3VLBatchMetadata, budget: int) -> Qwen3VLBatchMetadata:
-            return dataclasses.replace(meta, attention=pad_attention(meta.attention, full_capacity(budget), budget))
+        def pad(meta: Qwen3VLBatchMetadata, budget: int, slots: Slots) -> Qwen3VLBatchMetadata:
+            return dataclasses.replace(meta, attention=pad_attention(meta.attention, slots.full(budget), budget))
 
         return GraphForward(metadata=self.metadata, pad=pad,
                             prepare=lambda meta: module.prepare(meta, backend, self.device),
@@ -73,13 +73,7 @@ class Qwen3VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
     @torch.inference_mode()
     def encode_packed(self, pixel_values: torch.Tensor | np.ndarray, grids: Sequence[Sequence[int]]
                       ) -> tuple[torch.Tensor, tuple[int, ...]]:
-        checked = self.validate(pixel_values, grids)
-        x = self._pixels_to_device(pixel_values).to(self.dtype)
-        replayed = self._replayed(x, checked, tuple(self.num_tokens(g) for g in checked))
-        if replayed is not None:
-            return replayed
-        meta = self.metadata(checked)
-        return self.module(x, meta, self.backend), meta.tokens_per_image
+        return self._encode_grids(pixel_values, grids, self.metadata)
 
 
 def _published_preprocessor() -> dict:

@@ -24,7 +24,7 @@ from torch import nn
 
 from ...attention import AttentionBackend
 from ...device import host_to_device
-from ..layers import activation, apply_rotary, patch_conv_as_linear
+from ..layers import ConvPatchEmbed3d, QkvProjections, activation, apply_rotary
 from .config import Qwen3VLVisionConfig
 from .metadata import INDEX_COLUMNS, POSITION_COLUMNS, WEIGHT_COLUMNS, Qwen3VLBatchMetadata
 
@@ -36,26 +36,6 @@ def rope_inv_freq(cfg: Qwen3VLVisionConfig) -> torch.Tensor:
     """float32 [head_dim / 4]: the frequencies shared by the row and the column halves."""
     half = cfg.head_dim // 2
     return 1.0 / (cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32) / half))
-
-
-class PatchEmbed(nn.Module):
-    """Conv3d with kernel == stride over each flattened (C, T, P, P) patch is a matrix product."""
-
-    def __init__(self, cfg: Qwen3VLVisionConfig) -> None:
-        super().__init__()
-        kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        # Kept Conv3d-shaped so checkpoints load unchanged; applied as one GEMM.
-        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel, stride=kernel, bias=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return patch_conv_as_linear(x, self.proj)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: Qwen3VLVisionConfig) -> None:
-        super().__init__()
-        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
 
 
 class MLP(nn.Module):
@@ -72,7 +52,7 @@ class Block(nn.Module):
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=LAYER_NORM_EPS)
         self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=LAYER_NORM_EPS)
-        self.attn = Attention(cfg)
+        self.attn = QkvProjections(cfg.hidden_size)
         self.mlp = MLP(cfg)
 
     def pre_args(self) -> tuple[torch.Tensor, ...]:
@@ -146,7 +126,8 @@ class Qwen3VLVisionTower(nn.Module):
         super().__init__()
         cfg.check()
         self.cfg = cfg
-        self.patch_embed = PatchEmbed(cfg)
+        self.patch_embed = ConvPatchEmbed3d(cfg.in_channels, cfg.hidden_size, cfg.temporal_patch_size,
+                                            cfg.patch_size, bias=True)
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg, postshuffle=False)

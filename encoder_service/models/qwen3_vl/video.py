@@ -84,8 +84,7 @@ class Qwen3VLVideoConfig(PatchLayout):
 
     def __post_init__(self) -> None:
         check_video_config(self)
-        if not self.fps > 0:
-            raise InvalidInput(f"video processor config: fps must be positive, got {self.fps!r}")
+        settings.check_video_fps(self)
         settings.check_normalization(self)
 
     @classmethod
@@ -187,11 +186,7 @@ def video_geometry(num_frames: int, height: int, width: int, cfg: Qwen3VLVideoCo
             per_frame = max(min(frame_cap, cfg.max_pixels // num_frames), int(cfg.min_pixels * 1.05))
             max_pixels = per_frame * num_frames
         height, width = smart_resize(num_frames, height, width, cfg, max_pixels)
-    if height % cfg.factor or width % cfg.factor:
-        raise InvalidInput(f"video frames of {width}x{height} are not a multiple of {cfg.factor} pixels per side "
-                           "(do_resize is off)")
-    tp = cfg.temporal_patch_size
-    return (height, width), ((num_frames + -num_frames % tp) // tp, height // cfg.patch_size, width // cfg.patch_size)
+    return (height, width), qwen2_video.frames_grid(num_frames, height, width, cfg)
 
 
 def preprocess_video(frames: np.ndarray, config: Qwen3VLVideoConfig | None = None

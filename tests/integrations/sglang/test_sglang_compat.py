@@ -354,7 +354,7 @@ def test_send_is_unimplemented_and_receive_url_is_checked(sg, server):
 
 
 def test_the_readme_encoder_command_parses():
-    from conftest import REPO_ROOT
+    from repo_paths import REPO_ROOT
 
     from encoder_service.config_flags import parse_serve_args
 

