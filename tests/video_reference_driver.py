@@ -57,7 +57,9 @@ def run_sampling(case: dict) -> dict:
     except Exception as error:  # the reference's own failure is the expected answer of some cases
         return {"error": type(error).__name__, "message": str(error)}
     meta = out["video_metadata"][0]
-    result = {"indices": [int(i) for i in meta.frames_indices], "grid": out["video_grid_thw"].tolist()}
+    # Without sampling (do_sample_frames off) the processor keeps no indices: it took every frame given.
+    taken = meta.frames_indices if meta.frames_indices is not None else range(len(video))
+    result = {"indices": [int(i) for i in taken], "grid": out["video_grid_thw"].tolist()}
     if family == "qwen2_5_vl":
         result["second_per_grid_t"] = proc.temporal_patch_size / meta.sampled_fps
     if family == "qwen3_vl":

@@ -36,7 +36,9 @@ def _input(path: Path, args: argparse.Namespace) -> bytes | Video:
     data = path.read_bytes()
     if path.suffix.lower() not in VIDEO_SUFFIXES:
         return data
-    return Video(data, fps=args.fps, num_frames=args.num_frames, reference=args.video_reference)
+    return Video(data, fps=args.fps, num_frames=args.num_frames, min_frames=args.min_frames,
+                 max_frames=args.max_frames, min_pixels=args.min_pixels, max_pixels=args.max_pixels,
+                 reference=args.video_reference, all_frames=args.all_frames)
 
 
 def _encode(args: argparse.Namespace, client: EncoderClient | RoutingEncoderClient) -> int:
@@ -157,6 +159,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"images, or clips (a file ending {', '.join(VIDEO_SUFFIXES)}: sampled by the server)")
     p.add_argument("--fps", type=float, default=None, help="clips: frames to sample per second (default: the model's)")
     p.add_argument("--num-frames", type=int, default=None, help="clips: frames to sample in all (instead of --fps)")
+    p.add_argument("--min-frames", type=int, default=None, help="clips: fewest frames fps sampling keeps")
+    p.add_argument("--max-frames", type=int, default=None, help="clips: most frames fps sampling keeps")
+    p.add_argument("--min-pixels", type=int, default=None,
+                   help="clips: the processor's lower pixel bound (per frame or per clip, as the model means it)")
+    p.add_argument("--max-pixels", type=int, default=None, help="clips: the processor's upper pixel bound")
+    p.add_argument("--all-frames", action="store_true",
+                   help="clips: every frame, none sampled (transformers' do_sample_frames=False; with none of "
+                        "the four above)")
     p.add_argument("--video-reference", choices=SAMPLING_REFERENCES, default=SAMPLING_REFERENCES[0],
                    help=f"clips: whose frame sampling to equal (default {SAMPLING_REFERENCES[0]}; vllm for an encoder "
                         "feeding vLLM)")

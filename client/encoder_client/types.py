@@ -16,10 +16,13 @@ __all__ = ["EncodedImage", "HashRef", "ImageInput", "ModelInfo", "Video"]  # Mod
 # The server states the rule in these words too (encoder_service/preprocess/video_sampling.py): a caller reads
 # one wording whether the client refuses the clip before sending it or the server does.
 FPS_XOR_NUM_FRAMES = "fps and num_frames are exclusive; give one of them"
+ALL_FRAMES_ALONE = "all_frames takes every frame; it goes with none of fps, num_frames, min_frames, max_frames"
 # Whose frame sampling a clip can equal, the first the default: the server's REFERENCES
 # (encoder_service/preprocess/video_sampling.py), repeated because this package never imports the server;
 # tests/client/test_client_cli.py holds the two equal.
 SAMPLING_REFERENCES = ("transformers", "vllm")
+# The settings that sample a clip (all_frames goes with none of them).
+SAMPLES = ("fps", "num_frames", "min_frames", "max_frames")
 
 
 @dataclass(frozen=True)
@@ -56,12 +59,15 @@ class Video:
     reference: str = SAMPLING_REFERENCES[0]
     frames: tuple[bytes, ...] | list[bytes] | None = None
     frames_fps: float | None = None
+    all_frames: bool = False  # every frame, none sampled (transformers' do_sample_frames=False)
 
     def to_proto(self) -> encoder_pb2.Video:
         if (self.data_or_path is None) == (self.frames is None):
             raise ValueError("Video takes a container (data_or_path) or frames, exactly one of them")
         if self.fps is not None and self.num_frames is not None:
             raise ValueError(f"Video: {FPS_XOR_NUM_FRAMES}")
+        if self.all_frames and any(getattr(self, n) is not None for n in SAMPLES):
+            raise ValueError(f"Video: {ALL_FRAMES_ALONE}")
         for name in ("fps", "num_frames", "min_frames", "max_frames", "min_pixels", "max_pixels", "frames_fps"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -69,7 +75,7 @@ class Video:
         sampling = encoder_pb2.VideoSampling(
             reference=self.reference, fps=self.fps or 0.0, num_frames=self.num_frames or 0,
             min_frames=self.min_frames or 0, max_frames=self.max_frames or 0,
-            min_pixels=self.min_pixels or 0, max_pixels=self.max_pixels or 0)
+            min_pixels=self.min_pixels or 0, max_pixels=self.max_pixels or 0, all_frames=bool(self.all_frames))
         if self.frames is not None:
             return encoder_pb2.Video(frames=[bytes(f) for f in self.frames], sampling=sampling,
                                      frames_fps=self.frames_fps or 0.0)

@@ -22,6 +22,8 @@ from ..errors import InvalidInput
 
 # The references a clip can be sampled as; the first is the default (a request that names none).
 REFERENCES = ("transformers", "vllm")
+# The settings that sample a clip: ``all_frames`` goes with none of them.
+SAMPLES = ("fps", "num_frames", "min_frames", "max_frames")
 
 
 @dataclass(frozen=True)
@@ -57,8 +59,16 @@ class VideoSampling:
     # per-frame (Qwen2.5-VL) or per-video (Qwen3-VL) pixel bounds, as the family's video processor means them
     min_pixels: int | None = None
     max_pixels: int | None = None
+    # Every frame, none sampled (transformers' do_sample_frames=False); alone of the four that sample.
+    all_frames: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.all_frames, bool):
+            raise InvalidInput(f"video sampling all_frames must be a bool, got {self.all_frames!r}")
+        if self.all_frames and any(getattr(self, name) is not None for name in SAMPLES):
+            from encoder_client.types import ALL_FRAMES_ALONE  # see check_fps_xor_num_frames
+
+            raise InvalidInput(f"video sampling: {ALL_FRAMES_ALONE}")
         if self.reference not in REFERENCES:
             raise InvalidInput(f"video sampling reference {self.reference!r} is not one of {', '.join(REFERENCES)}")
         fps = self.fps
@@ -78,6 +88,8 @@ class VideoSampling:
         """Every field, JSON-ready: part of the content hash (the same clip sampled differently is another
         entry). fps as a float so that 2 and 2.0 hash alike."""
         fields = asdict(self)
+        if not fields["all_frames"]:  # absent unless set: every other request keeps the key it had
+            del fields["all_frames"]
         if fields["fps"] is not None:
             fields["fps"] = float(fields["fps"])
         return fields
@@ -131,12 +143,23 @@ def check_indices(indices: list[int], clip: ClipFacts, what: str) -> list[int]:
 
 def describe(sampling: VideoSampling, clip: ClipFacts) -> str:
     """The request and the clip in words, for error messages."""
-    asked = [f"{name}={value}" for name, value in (("fps", sampling.fps), ("num_frames", sampling.num_frames),
-                                                    ("min_frames", sampling.min_frames),
-                                                    ("max_frames", sampling.max_frames)) if value is not None]
+    asked = [f"{name}={value}" for name in SAMPLES if (value := getattr(sampling, name)) is not None]
+    if sampling.all_frames:
+        asked.append("all_frames")
     fps = f"{clip.known_fps:g} fps" if clip.known_fps else "unknown fps"
     return (f"video sampling ({sampling.reference} reference, {', '.join(asked) or 'defaults'}; "
             f"clip of {clip.total_frames} frames at {fps})")
+
+
+def every_frame(clip: ClipFacts) -> list[int]:
+    """Every frame of the clip in order: what a video processor sees with ``do_sample_frames=False``."""
+    return list(range(clip.total_frames))
+
+
+def refuse_all_frames(sampling: VideoSampling, clip: ClipFacts, why: str) -> None:
+    """An ``InvalidInput`` where ``all_frames`` is asked of a reference that always samples (``why``)."""
+    if sampling.all_frames:
+        raise InvalidInput(f"{describe(sampling, clip)}: all_frames is not available here: {why}")
 
 
 def source_seconds(clip: ClipFacts, indices: list[int]) -> list[float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -138,3 +139,29 @@ def test_the_clients_sampling_references_are_the_servers() -> None:
         assert parser.parse_args([*encode, "--video-reference", reference]).video_reference == reference
     with pytest.raises(SystemExit):
         parser.parse_args([*encode, "--video-reference", "opencv"])
+
+
+def test_every_video_sampling_setting_can_be_given_from_the_shell(tmp_path: Path) -> None:
+    # Each field of the server's VideoSampling is a flag of `encode`, and reaches the Video it sends.
+    from encoder_client.cli import _input
+
+    from encoder_service.preprocess.video_sampling import VideoSampling
+
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(b"\x00" * 16)
+    values = {"fps": "2.5", "min_frames": "4", "max_frames": "9", "min_pixels": "3136", "max_pixels": "50176"}
+    argv = ["encode", "--target", "localhost:1", str(clip), "--video-reference", "vllm"]
+    for name, value in values.items():
+        argv += [f"--{name.replace('_', '-')}", value]
+    video = _input(clip, build_parser().parse_args(argv))
+    for name, value in values.items():
+        assert getattr(video, name) == type(getattr(video, name))(value), name
+    assert video.reference == "vllm" and video.num_frames is None and not video.all_frames
+    every = _input(clip, build_parser().parse_args(["encode", "--target", "localhost:1", str(clip), "--all-frames"]))
+    assert every.all_frames and every.to_proto().sampling.all_frames
+    counted = _input(clip, build_parser().parse_args(["encode", "--target", "localhost:1", str(clip),
+                                                      "--num-frames", "8"]))
+    assert counted.num_frames == 8
+    flags = {a.dest for a in build_parser()._subparsers._group_actions[0].choices["encode"]._actions}
+    for field in dataclasses.fields(VideoSampling):
+        assert ("video_reference" if field.name == "reference" else field.name) in flags, field.name

@@ -14,6 +14,7 @@ import pytest
 import torch
 from encoder_client import EncoderClient, EncoderClientError, HashRef, Video, content_hash
 from PIL import Image
+from video_references import run_references
 
 from encoder_service.benchmarks.reliability.server import wait_until
 from encoder_service.benchmarks.reliability.video_inputs import frame_pattern, make_clip, video_corpus
@@ -65,6 +66,26 @@ def test_a_clip_is_encoded_as_the_models_video_path_does_and_says_its_frames(ser
     assert list(got.frame_indices) == used and len(used) == 4
     assert got.frame_timestamps_s == pytest.approx([i / 10 for i in used])
     assert got.grid_thw[0] == 2  # 4 frames, 2 per temporal patch
+
+
+def test_a_clip_without_settings_takes_what_transformers_takes_by_default_and_all_frames_says_so(
+        server, model, tmp_path):
+    """Qwen2-VL's video processor samples nothing unless asked (do_sample_frames is off by default):
+    a 37-frame clip is 37 frames, padded to 38 (grid t 19). The service's default is the reference's,
+    and all_frames asks for it by name (another cache entry, the same embedding)."""
+    clip37 = make_clip("mp4", "libx264", frames=37, width=64, height=48, fps=8)
+    results, _ = run_references({"sampling": [{"family": "qwen2_5_vl", "total": 37, "fps": 8.0, "call": {}}]},
+                                tmp_path)
+    (reference,) = results["sampling"]
+    with EncoderClient(server.target, timeout_s=60) as client:
+        by_default, named = client.encode([Video(clip37), Video(clip37, all_frames=True)])
+    want, used = expected(model, clip37)
+    assert used[:37] == reference["indices"] == list(range(37))
+    assert [by_default.grid_thw[0]] == [g[0] for g in reference["grid"]] == [19]
+    assert list(by_default.frame_indices) == used
+    close(by_default.embedding, want)
+    close(named.embedding, want)
+    assert named.content_hash != by_default.content_hash and list(named.frame_indices) == used
 
 
 def test_a_device_worker_process_encodes_clips_and_images_in_one_batch(start_encoder_server, model, clip):

@@ -42,7 +42,13 @@ CLIPS = [
     (200, 30.0, {"min_frames": 8, "max_frames": 10}), (200, 30.0, {"fps": 0.1, "min_frames": 6}),
     (1800, 30.0, {}), (300, 29.97, {}), (301, 29.97, {"fps": 1.5}), (451, 25.0, {"fps": 4}),
     (10, 25.0, {"fps": 0.5}), (7, 7.0, {"fps": 2.5}),
+    # issue 40: transformers' Qwen2-VL takes every frame by default (37 frames: grid t 19, one pad frame),
+    # all_frames asks every family for it, a count of 37 rounds to 36, frame bounds alone sample nothing
+    (37, 8.0, {}), (37, 8.0, {"all_frames": True}), (37, 8.0, {"num_frames": 37}), (1800, 30.0, {"all_frames": True}),
+    (48, 24.0, {"min_frames": 8}), (48, None, {"all_frames": True}), (1, 30.0, {"all_frames": True}),
 ]
+# all_frames where the reference always samples: vLLM's loaders, Kimi-K2.5's processor (refused instead)
+ALWAYS_SAMPLES = {("qwen2_5_vl", "vllm"), ("qwen3_vl", "vllm"), ("kimi_k25", "transformers"), ("kimi_k25", "vllm")}
 
 
 def _sampling(request: dict, reference: str) -> VideoSampling:
@@ -52,11 +58,15 @@ def _sampling(request: dict, reference: str) -> VideoSampling:
 def _transformers_call(family: str, request: dict) -> tuple[dict, dict]:
     """(processor init kwargs, call kwargs) that ask transformers what ``request`` asks this module."""
     init: dict = {}
+    if request.get("all_frames"):
+        return init, {"do_sample_frames": False}
     call: dict = {"do_sample_frames": True}
     if family == "qwen2_5_vl":
+        # A rate or a count asks the processor to sample (do_sample_frames); without, the processor's
+        # own default (off), which reads no frame bounds.
         call |= {k: request[k] for k in ("fps", "num_frames", "min_frames", "max_frames") if k in request}
         if "fps" not in request and "num_frames" not in request:
-            call["fps"] = qwen2.DEFAULT_FPS
+            del call["do_sample_frames"]
     else:
         # A count is asked with fps=None (the class default fps=2 would conflict); the Qwen3-VL frame
         # bounds are the processor's settings.
@@ -92,10 +102,12 @@ def _cases() -> list[dict]:
             init, call = _transformers_call(family, request)
             if family == "kimi_k25" and ("min_frames" in request or "max_frames" in request):
                 continue  # no such setting in the reference (test_kimi_refuses_what_its_references_lack)
+            if request.get("all_frames") and (family, "transformers") in ALWAYS_SAMPLES:
+                continue  # test_all_frames_is_refused_where_the_reference_always_samples
             # ClipFacts' 0 fps means unknown, as None does: transformers is told None (its "unknown").
             cases.append({"family": family, "reference": "transformers", "total": total, "fps": fps or None,
                           "clip_fps": fps, "request": request, "init": init, "call": call})
-            if family == "kimi_k25":
+            if family == "kimi_k25" or request.get("all_frames"):
                 continue
             loaded = _vllm_loaded(family, total, fps, request)
             case = {"family": family, "reference": "vllm", "total": total, "fps": fps, "clip_fps": fps,
@@ -165,6 +177,28 @@ def test_the_table_holds_the_measured_differences(references):
     assert len(answer("qwen2_5_vl", "transformers", 48, {"num_frames": 3})) == 4
     assert answer("qwen2_5_vl", "transformers", 48, {"num_frames": 1}) == "ZeroDivisionError"
     assert len(answer("qwen2_5_vl", "vllm", 300, {"fps": 50})) == 150  # fps capped at 30
+    # issue 40: Qwen2-VL's processor takes every frame unless asked to sample; 37 asked rounds to 36
+    assert answer("qwen2_5_vl", "transformers", 37, {}) == list(range(37))
+    assert answer("qwen2_5_vl", "transformers", 37, {"all_frames": True}) == list(range(37))
+    assert len(answer("qwen2_5_vl", "transformers", 37, {"num_frames": 37})) == 36
+    assert answer("qwen3_vl", "transformers", 37, {"all_frames": True}) == list(range(37))
+    assert len(answer("qwen3_vl", "transformers", 37, {})) == 9  # Qwen3-VL samples at 2 fps by default
+
+
+def test_all_frames_is_refused_where_the_reference_always_samples():
+    clip = ClipFacts(37, 8.0, None)
+    for family, reference in sorted(ALWAYS_SAMPLES):
+        with pytest.raises(InvalidInput, match=r"all_frames is not available here: .*always samples"):
+            FAMILIES[family].sample_frame_indices(clip, VideoSampling(reference, all_frames=True))
+
+
+def test_all_frames_goes_with_no_setting_that_samples_and_keys_only_itself():
+    for name, value in (("fps", 2.0), ("num_frames", 8), ("min_frames", 4), ("max_frames", 9)):
+        with pytest.raises(InvalidInput, match="all_frames takes every frame; it goes with none of"):
+            VideoSampling(all_frames=True, **{name: value})
+    # Every request without it keeps the content hash it had before the field existed.
+    assert "all_frames" not in VideoSampling(fps=2).fingerprint()
+    assert VideoSampling(all_frames=True).fingerprint() != VideoSampling().fingerprint()
 
 
 def test_kimi_vllm_reference_is_the_remote_code_transcribed():

@@ -27,6 +27,10 @@ def _frame(h: hashlib._Hash, part: bytes) -> None:
     h.update(part)
 
 
+# After the reference's name (validated: one of the known names, so no name ends with it).
+ALL_FRAMES_SUFFIX = b"\x00all_frames"
+
+
 def hash_encoded(cache_namespace: str, data: bytes) -> str:
     """Hash of an encoded image (JPEG/PNG/... bytes, exactly as sent)."""
     h = hashlib.sha256()
@@ -45,13 +49,14 @@ def hash_patches(cache_namespace: str, grid_thw: Sequence[int], dtype: int, data
 
 
 def sampling_key(reference: str = "", fps: float = 0.0, num_frames: int = 0, min_frames: int = 0, max_frames: int = 0,
-                 min_pixels: int = 0, max_pixels: int = 0) -> bytes:
+                 min_pixels: int = 0, max_pixels: int = 0, all_frames: bool = False) -> bytes:
     """A clip's sampling settings as hashed (the VideoSampling message's fields; 0 = the model's
     default). fps is taken as the wire's 32-bit float, and an empty reference is the default one, so
-    a caller and the server agree whatever they spelled."""
+    a caller and the server agree whatever they spelled. ``all_frames`` adds a suffix only when set,
+    so the keys of every other request are the ones they were before the field existed."""
     name = (reference or DEFAULT_SAMPLING_REFERENCE).encode()
     return struct.pack("<fIIIQQ", float(fps), int(num_frames), int(min_frames), int(max_frames),
-                       int(min_pixels), int(max_pixels)) + name
+                       int(min_pixels), int(max_pixels)) + name + (ALL_FRAMES_SUFFIX if all_frames else b"")
 
 
 def hash_video(cache_namespace: str, sampling: bytes, *, encoded: bytes = b"", frames: Sequence[bytes] = (),

@@ -81,6 +81,7 @@ from ...preprocess.video_sampling import (
     check_indices,
     describe,
     linspace_indices,
+    refuse_all_frames,
 )
 from ..loader import FromImageFile
 from ..video_hooks import FamilyVideo, VideoFront
@@ -209,6 +210,7 @@ def sample_frame_indices(clip: ClipFacts, sampling: VideoSampling,
     ``InvalidInput`` naming the setting where that reference fails or has no such setting."""
     cfg = config or KimiK25VideoConfig()
     what = describe(sampling, clip)
+    refuse_all_frames(sampling, clip, "Kimi-K2.5's video processor always samples (fps or a frame count)")
     total, source_fps = clip.total_frames, clip.known_fps
     unsupported = ["min_frames", "max_frames", "min_pixels", "max_pixels"] + (
         ["num_frames"] if sampling.reference == "vllm" else [])

@@ -3,14 +3,18 @@ to transformers' ``Qwen2VLVideoProcessor`` (the video processor ``Qwen2_5_VLProc
 has none of its own). Qwen3-VL's video (models/qwen3_vl/video.py) reuses the patch layout here.
 
 Sampling (``sample_frame_indices``), by reference:
-- ``transformers``: ``Qwen2VLVideoProcessor.sample_frames`` with ``do_sample_frames=True``. A frame count
-  is rounded to a multiple of ``temporal_patch_size`` (Python's half-to-even ``round``: 1 -> 0, which the
-  reference divides by, 3 -> 4, 5 -> 4); by fps, ``total / fps_src * fps`` is clamped to
-  ``[min_frames, max_frames]`` and the clip, then floored to that multiple; the indices are the float32
-  ``torch.arange(0, total, total / n)``, which can end one past the clip (41 frames at 8 fps, fps=3:
-  index 41; the reference raises IndexError, here ``InvalidInput``). With neither fps nor num_frames
-  this module samples at ``DEFAULT_FPS`` (2, qwen-vl-utils' and vLLM's default): transformers' own
-  default is not to sample at all (every frame), which no service should do to a long clip.
+- ``transformers``: what ``Qwen2VLVideoProcessor`` does with the request's settings. With none of fps,
+  num_frames, min_frames, max_frames, its default: ``do_sample_frames`` is off (the class default, and
+  the checkpoint's unless it sets it), so every frame is taken. ``all_frames`` asks for that explicitly.
+  With fps or num_frames (or a checkpoint that samples), ``sample_frames`` as called with
+  ``do_sample_frames=True``; min_frames / max_frames alone sample nothing, as in the processor: a frame count (the
+  request's, else the checkpoint's ``num_frames``) is rounded to a multiple of ``temporal_patch_size``
+  (Python's half-to-even ``round``: 1 -> 0, which the reference divides by, 3 -> 4, 5 -> 4); by fps (the
+  request's, else the checkpoint's ``fps``), ``total / fps_src * fps`` is clamped to ``[min_frames,
+  max_frames]`` and the clip, then floored to that multiple; with neither, every frame. The indices are
+  the float32 ``torch.arange(0, total, total / n)``, which can end one past the clip (41 frames at 8 fps,
+  fps=3: index 41; the reference raises IndexError, here ``InvalidInput``). A long clip taken whole is
+  bounded by the server's video limits (``--max-video-frames``), which refuse it by name.
 - ``vllm``: vLLM 0.33.0's ``Qwen2VLVideoBackend`` (what its ``Qwen2VLVideoProcessor`` maps to), then the
   HF processor, which does not sample again (``do_sample_frames`` stays False for Qwen2.5-VL). The loader
   ignores a requested frame count, caps fps at 30, uses its own ``temporal_patch_size`` default 2 and
@@ -55,12 +59,13 @@ from ...preprocess.video_sampling import (
     check_fps_xor_num_frames,
     check_indices,
     describe,
+    every_frame,
     pad_to_multiple,
+    refuse_all_frames,
 )
 from ..video_hooks import FamilyVideo, VideoFront
 from .preprocess import _CLIP_MEAN, _CLIP_STD, PatchLayout, smart_resize
 
-DEFAULT_FPS = 2.0  # with neither fps nor num_frames (see above)
 ASSUMED_FPS = 24.0  # what the references assume for a clip of unknown fps (VideoMetadata.sampled_fps)
 # vLLM 0.33.0's Qwen2VLVideoBackend: its fps cap, max_frames cap, and its defaults (load_bytes' fps=2,
 # the sampling kwargs' temporal_patch_size=2, min_frames=4).
@@ -91,18 +96,30 @@ class Qwen2VLVideoConfig(PatchLayout):
     max_frames: int = 768
     cap_pixels_per_frame: bool = False  # pinned: see the module docstring
     max_video_tokens: int = 128000
+    # transformers 5.24's class defaults: no sampling unless asked (backward compatibility, its comment
+    # says), and no default fps or frame count when it samples: every frame.
+    do_sample_frames: bool = False
+    fps: float | None = None
+    num_frames: int | None = None
 
     def __post_init__(self) -> None:
         check_video_config(self)
         settings.check_normalization(self)
+        if self.fps is not None:
+            settings.check_video_fps(self)
+        if self.num_frames is not None:
+            settings.check_positive_ints(self, ("num_frames",))
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> Qwen2VLVideoConfig:
         """As ``Qwen2VLVideoProcessor(**config)`` reads it (``video_preprocessor_config.json``, or
         ``preprocessor_config.json`` where a checkpoint has no video file, as transformers falls back):
         ``size.shortest_edge`` / ``longest_edge``, overridden by top-level ``min_pixels`` / ``max_pixels``."""
-        return cls(**video_config_kwargs(config, ("min_frames", "max_frames", "max_video_tokens"),
-                                         top_level_pixels=True))
+        kwargs = video_config_kwargs(config, ("min_frames", "max_frames", "max_video_tokens", "fps", "num_frames"),
+                                     top_level_pixels=True)
+        if config.get("do_sample_frames") is not None:
+            kwargs["do_sample_frames"] = bool(config["do_sample_frames"])
+        return cls(**kwargs)
 
     def for_request(self, sampling: VideoSampling) -> Qwen2VLVideoConfig:
         """With the request's per-frame pixel bounds (a call's ``size``), where it gives them."""
@@ -156,15 +173,22 @@ def sample_frame_indices(clip: ClipFacts, sampling: VideoSampling,
 
 def _transformers_indices(clip: ClipFacts, sampling: VideoSampling, cfg: Qwen2VLVideoConfig, what: str) -> list[int]:
     check_fps_xor_num_frames(sampling.fps, sampling.num_frames, what)  # Qwen2VLVideoProcessor refuses both
+    # The processor samples where the checkpoint says so or the request names a rate or a count; frame
+    # bounds alone sample nothing (with do_sample_frames off the processor does not read them).
+    sample = not sampling.all_frames and (cfg.do_sample_frames or sampling.fps is not None
+                                          or sampling.num_frames is not None)
+    num_frames = sampling.num_frames if sampling.num_frames is not None else cfg.num_frames
+    fps = sampling.fps if sampling.fps is not None else cfg.fps
+    if not sample or (num_frames is None and fps is None):
+        return every_frame(clip)
     total, tp = clip.total_frames, cfg.temporal_patch_size
-    if sampling.num_frames is not None:
-        count = round(sampling.num_frames / tp) * tp
+    if num_frames is not None:
+        count = round(num_frames / tp) * tp
         if count == 0:
-            raise InvalidInput(f"{what}: num_frames={sampling.num_frames} rounds to 0 at temporal_patch_size {tp} "
+            raise InvalidInput(f"{what}: num_frames={num_frames} rounds to 0 at temporal_patch_size {tp} "
                                "(the reference divides by zero); ask for at least "
                                f"{tp // 2 + 1 if tp > 1 else 1} frames")
     else:
-        fps = sampling.fps if sampling.fps is not None else DEFAULT_FPS
         min_frames = sampling.min_frames if sampling.min_frames is not None else cfg.min_frames
         max_frames = sampling.max_frames if sampling.max_frames is not None else cfg.max_frames
         count = _fps_count(clip, fps, tp, min_frames, max_frames, what)
@@ -191,6 +215,7 @@ def _fps_count(clip: ClipFacts, fps: float, tp: int, min_frames: int, max_frames
 
 
 def _vllm_indices(clip: ClipFacts, sampling: VideoSampling, what: str) -> list[int]:
+    refuse_all_frames(sampling, clip, "vLLM's Qwen2-VL video loader always samples by fps")
     # Qwen2VLVideoBackend.compute_frames_index_to_sample: num_frames is not read.
     fps = min(sampling.fps if sampling.fps is not None else VLLM_DEFAULT_FPS, VLLM_MAX_FPS)
     min_frames = sampling.min_frames if sampling.min_frames is not None else VLLM_MIN_FRAMES

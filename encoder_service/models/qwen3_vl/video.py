@@ -38,13 +38,16 @@ from ...errors import InvalidInput
 from ...preprocess import settings
 from ...preprocess.decode import MAX_ASPECT_RATIO
 from ...preprocess.video_sampling import (
+    SAMPLES,
     ClipFacts,
     VideoSampling,
     check_fps_xor_num_frames,
     check_indices,
     describe,
+    every_frame,
     linspace_indices,
     pad_to_multiple,
+    refuse_all_frames,
 )
 from ..qwen2_5_vl import video as qwen2_video
 from ..qwen2_5_vl.preprocess import PatchLayout
@@ -81,6 +84,7 @@ class Qwen3VLVideoConfig(PatchLayout):
     max_frames: int = 768
     cap_pixels_per_frame: bool = False  # pinned: see the module docstring
     max_video_tokens: int = 768
+    do_sample_frames: bool = True  # transformers 5.24's class default: sample at ``fps``
 
     def __post_init__(self) -> None:
         check_video_config(self)
@@ -90,8 +94,11 @@ class Qwen3VLVideoConfig(PatchLayout):
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> Qwen3VLVideoConfig:
         """From ``video_preprocessor_config.json`` (transformers' keys; ``size`` holds the pixel bounds)."""
-        return cls(**video_config_kwargs(config, ("min_frames", "max_frames", "max_video_tokens", "fps"),
-                                         top_level_pixels=False))
+        kwargs = video_config_kwargs(config, ("min_frames", "max_frames", "max_video_tokens", "fps"),
+                                     top_level_pixels=False)
+        if config.get("do_sample_frames") is not None:
+            kwargs["do_sample_frames"] = bool(config["do_sample_frames"])
+        return cls(**kwargs)
 
     def for_request(self, sampling: VideoSampling) -> Qwen3VLVideoConfig:
         """With the request's pixel bounds, and its min/max frames as the processor's settings."""
@@ -108,6 +115,7 @@ def sample_frame_indices(clip: ClipFacts, sampling: VideoSampling,
     what = describe(sampling, clip)
     source_fps = clip.known_fps or ASSUMED_FPS
     if sampling.reference == "vllm":
+        refuse_all_frames(sampling, clip, "vLLM's Qwen3-VL video loader always samples by fps")
         # Qwen3VLVideoBackend.compute_frames_index_to_sample (num_frames is not read) ...
         fps = min(sampling.fps if sampling.fps is not None else VLLM_DEFAULT_FPS, VLLM_MAX_FPS)
         min_frames = sampling.min_frames if sampling.min_frames is not None else VLLM_MIN_FRAMES
@@ -121,7 +129,11 @@ def sample_frame_indices(clip: ClipFacts, sampling: VideoSampling,
     else:
         check_fps_xor_num_frames(sampling.fps, sampling.num_frames, what)  # Qwen3VLVideoProcessor refuses both
         cfg = cfg.for_request(sampling)
-        if sampling.num_frames is not None:
+        sample = not sampling.all_frames and (cfg.do_sample_frames
+                                              or any(getattr(sampling, name) is not None for name in SAMPLES))
+        if not sample:  # do_sample_frames off: every frame
+            indices = every_frame(clip)
+        elif sampling.num_frames is not None:
             indices = linspace_indices(clip.total_frames, sampling.num_frames)
         else:
             fps = sampling.fps if sampling.fps is not None else cfg.fps
