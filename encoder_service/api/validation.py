@@ -122,8 +122,6 @@ def _parse_video(index: int, video: encoder_pb2.Video) -> ImageInput:
             raise InvalidInput(f"video {name} must be a finite number >= 0 (0: the default), got {value}")
     if s.min_frames and s.max_frames and s.min_frames > s.max_frames:
         raise InvalidInput(f"video.sampling.min_frames {s.min_frames} is above max_frames {s.max_frames}")
-    if s.min_pixels and s.max_pixels and s.min_pixels > s.max_pixels:
-        raise InvalidInput(f"video.sampling.min_pixels {s.min_pixels} is above max_pixels {s.max_pixels}")
     sampling = VideoSampling(reference=reference, fps=s.fps or None, num_frames=s.num_frames or None,
                              min_frames=s.min_frames or None, max_frames=s.max_frames or None,
                              min_pixels=s.min_pixels or None, max_pixels=s.max_pixels or None,

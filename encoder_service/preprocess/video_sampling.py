@@ -79,10 +79,9 @@ class VideoSampling:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise InvalidInput(f"video sampling {name} must be a positive int, got {value!r}")
-        for low, high in (("min_frames", "max_frames"), ("min_pixels", "max_pixels")):
-            lo, hi = getattr(self, low), getattr(self, high)
-            if lo is not None and hi is not None and lo > hi:
-                raise InvalidInput(f"video sampling {low} {lo} > {high} {hi}")
+        # Not min_pixels <= max_pixels: transformers' video processors take them in any order.
+        if self.min_frames is not None and self.max_frames is not None and self.min_frames > self.max_frames:
+            raise InvalidInput(f"video sampling min_frames {self.min_frames} > max_frames {self.max_frames}")
 
     def fingerprint(self) -> dict[str, object]:
         """Every field, JSON-ready: part of the content hash (the same clip sampled differently is another

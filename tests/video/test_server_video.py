@@ -88,6 +88,18 @@ def test_a_clip_without_settings_takes_what_transformers_takes_by_default_and_al
     assert named.content_hash != by_default.content_hash and list(named.frame_indices) == used
 
 
+def test_pixel_bounds_are_taken_as_transformers_takes_them_not_refused(server, model, clip):
+    """A max_pixels alone under the processor's min_pixels, and bounds the wrong way round: transformers'
+    processors take both (tests/video/test_video_processing.py holds the patches to theirs); so does
+    the server."""
+    with EncoderClient(server.target, timeout_s=60) as client:
+        for bounds in ({"max_pixels": 28 * 28 * 2}, {"min_pixels": 28 * 28 * 40, "max_pixels": 28 * 28 * 2}):
+            (got,) = client.encode([Video(clip, num_frames=4, **bounds)])
+            want, used = expected(model, clip, num_frames=4, **bounds)
+            close(got.embedding, want)
+            assert list(got.frame_indices) == used
+
+
 def test_a_device_worker_process_encodes_clips_and_images_in_one_batch(start_encoder_server, model, clip):
     # The clip's uint8 frames cross to the device worker in the shared input buffer beside an image's.
     server = start_encoder_server("--devices", "cpu", "--max-video-bytes", str(1 << 20), "--batch-wait-ms", "50")

@@ -87,8 +87,36 @@ def test_request_pixel_bounds_replace_the_configs():
     assert grid == (1, 4, 4)
     cfg3 = qwen3.Qwen3VLVideoConfig().for_request(VideoSampling(max_pixels=32 * 32 * 256, min_frames=2))
     assert (cfg3.max_pixels, cfg3.min_frames) == (32 * 32 * 256, 2)
-    with pytest.raises(InvalidInput, match="min_pixels"):  # under the config's min_pixels
-        qwen3.Qwen3VLVideoConfig().for_request(VideoSampling(max_pixels=32 * 32 * 8))
+
+
+# A request's pixel bounds as transformers takes them (issue 40): a max_pixels alone under the config's
+# min_pixels (which stays), and both given the wrong way round. (family, request bounds, transformers'
+# call for the same, frames [T, H, W]).
+DEFAULT_QWEN3_MIN = qwen3.Qwen3VLVideoConfig().min_pixels
+REQUEST_BOUNDS = [
+    ("qwen2_5_vl", {"max_pixels": 50176}, {"max_pixels": 50176}, (4, 240, 400)),
+    ("qwen2_5_vl", {"min_pixels": 200704, "max_pixels": 50176}, {"min_pixels": 200704, "max_pixels": 50176},
+     (3, 300, 200)),
+    ("qwen3_vl", {"max_pixels": 32 * 32 * 8},
+     {"size": {"shortest_edge": DEFAULT_QWEN3_MIN, "longest_edge": 32 * 32 * 8}}, (4, 240, 400)),
+]
+
+
+@pytest.fixture(scope="module")
+def bound_references(tmp_path_factory):
+    cases = [{"family": f, "init": {}, "call": call, "shape": shape, "seed": 100 + i}
+             for i, (f, _, call, shape) in enumerate(REQUEST_BOUNDS)]
+    return run_references({"processing": cases}, tmp_path_factory.mktemp("video-bounds"))
+
+
+@pytest.mark.parametrize("index", range(len(REQUEST_BOUNDS)))
+def test_request_pixel_bounds_are_taken_as_transformers_takes_them(bound_references, index):
+    results, arrays = bound_references
+    family, request, _, shape = REQUEST_BOUNDS[index]
+    cfg = CONFIGS[family]().for_request(VideoSampling(**request))
+    pixels, grid = MODULES[family].preprocess_video(frames(100 + index, *shape), cfg)
+    assert [list(grid)] == results["processing"][index]["grid"]
+    assert np.array_equal(pixels, arrays[f"pixels_{index}"].reshape(len(pixels), -1))
 
 
 def test_bad_frames_are_invalid_input():

@@ -130,11 +130,11 @@ class Qwen2VLVideoConfig(PatchLayout):
 
 def check_video_config(cfg: Any) -> None:
     """The checks the Qwen video processors' settings share (Qwen3-VL's ``Qwen3VLVideoConfig`` too): counts
-    and bounds positive, ``min_pixels`` <= ``max_pixels``."""
+    and bounds positive. Not their order: transformers' processors take ``min_pixels`` above
+    ``max_pixels`` (a request giving only a ``max_pixels`` under the config's ``min_pixels``: its
+    ``smart_resize`` shrinks to ``max_pixels``), so the service does too (``for_request``)."""
     settings.check_positive_ints(cfg, ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size",
                                        "min_frames", "max_frames", "max_video_tokens"))
-    if cfg.min_pixels > cfg.max_pixels:
-        raise InvalidInput(f"video processor config: min_pixels {cfg.min_pixels} > max_pixels {cfg.max_pixels}")
 
 
 def video_config_kwargs(config: Mapping[str, Any], fields: tuple[str, ...], *, top_level_pixels: bool
