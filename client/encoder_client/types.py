@@ -39,7 +39,7 @@ class HashRef:
 @dataclass(frozen=True)
 class Video:
     """A clip, taken wherever an image is: ``Video("clip.mp4")`` or ``Video(mp4_bytes, fps=1)`` for a
-    container (MP4/WebM/MKV/MOV), or ``Video(frames=[jpeg, ...], frames_fps=30)`` for frames already
+    container (MP4, MOV, MKV, WebM, AVI), or ``Video(frames=[jpeg, ...], frames_fps=30)`` for frames already
     decoded to JPEG/PNG, in order.
 
     The server samples frames as ``reference`` does ("transformers", the default: transformers' video

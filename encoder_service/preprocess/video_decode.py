@@ -15,9 +15,11 @@ Where they differ on purpose: an index repeated in ``indices`` gives the frame o
 frame is an error (read_video_pyav returns fewer frames), and a Matroska/WebM header's frame count
 of 0 is replaced by the frames counted (read_video_pyav reports 0).
 
-Attack surface: only two demuxers are reachable (ISO BMFF, i.e. MP4/MOV, and Matroska/WebM,
+Attack surface: only three demuxers are reachable (ISO BMFF, i.e. MP4/MOV, Matroska/WebM, and AVI,
 chosen from the file's first bytes and passed to FFmpeg, so FFmpeg never probes for HLS, concat or
-any other format that opens further files) and only the decoders in ``SUPPORTED_CODECS``. Limits
+any other format that opens further files) and only the decoders in ``SUPPORTED_CODECS``. AVI (a RIFF
+list of chunks, one of FFmpeg's oldest and most fuzzed demuxers) opens no other file either; its
+usual codecs are MJPEG (every frame a JPEG, decoded under the same pixel limit) and MPEG-4 Part 2. Limits
 (``VideoLimits``) are checked from the header before any frame is decoded and again while decoding
 (headers lie): FFmpeg's own ``max_pixels`` refuses a frame over the pixel limit before allocating
 it. A decode can still crash or hang inside FFmpeg: ``video_pool.VideoDecodePool`` runs it in a
@@ -40,11 +42,16 @@ from encoder_service.preprocess.decode import decode_budget, decode_image
 from encoder_service.preprocess.video_sampling import ClipFacts
 
 # The codecs a clip may use (FFmpeg's canonical names; AV1 decodes with libdav1d). H.264, H.265, VP9
-# and AV1 are what the service promises; VP8 and MPEG-4 Part 2 are the older codecs of WebM and MP4.
-SUPPORTED_CODECS = frozenset({"h264", "hevc", "vp8", "vp9", "av1", "mpeg4"})
+# and AV1 are what the service promises; VP8 and MPEG-4 Part 2 are the older codecs of WebM, MP4 and
+# AVI, MJPEG AVI's own (what vLLM's and transformers' PyAV/OpenCV loaders take too).
+SUPPORTED_CODECS = frozenset({"h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mjpeg"})
+SUPPORTED_CONTAINERS = "MP4, MOV, MKV, WebM, AVI"
 # ISO BMFF top-level boxes a file may start with (FFmpeg's mov_probe accepts these at offset 4).
 _ISO_BOXES = (b"ftyp", b"moov", b"mdat", b"free", b"skip", b"wide", b"pnot")
 _EBML_MAGIC = b"\x1a\x45\xdf\xa3"
+# RIFF, the file's size, then the form type: "AVI " (FFmpeg's avi_probe also takes "AVIX", "AVI\x19",
+# "AMV " and "ON2 "; those are other formats or AVI's extension chunks, not a file's start).
+_RIFF_MAGIC, _AVI_FORM = b"RIFF", b"AVI "
 # FFmpeg's message for a frame over the codec's max_pixels option (libavutil/imgutils.c).
 _MAX_PIXELS_LOG = "exceeds specified max pixel count"
 
@@ -136,13 +143,15 @@ def _check_frame_size(width: int, height: int, limits: VideoLimits, what: str) -
 
 
 def container_format(data: bytes) -> str:
-    """The FFmpeg demuxer for ``data``, from its first bytes: "mov" (MP4, MOV) or "matroska"
-    (MKV, WebM); InvalidInput for anything else."""
+    """The FFmpeg demuxer for ``data``, from its first bytes: "mov" (MP4, MOV), "matroska" (MKV,
+    WebM) or "avi"; InvalidInput for anything else."""
     if data[:4] == _EBML_MAGIC:
         return "matroska"
     if len(data) >= 8 and data[4:8] in _ISO_BOXES:
         return "mov"
-    raise InvalidInput("not a decodable video: container not recognised (supported: MP4, MOV, MKV, WebM)")
+    if data[:4] == _RIFF_MAGIC and data[8:12] == _AVI_FORM:
+        return "avi"
+    raise InvalidInput(f"not a decodable video: container not recognised (supported: {SUPPORTED_CONTAINERS})")
 
 
 def _av():

@@ -100,6 +100,16 @@ def test_pixel_bounds_are_taken_as_transformers_takes_them_not_refused(server, m
             assert list(got.frame_indices) == used
 
 
+@pytest.mark.parametrize("codec", ["mjpeg", "mpeg4"])
+def test_an_avi_clip_is_taken_as_the_other_containers_are(server, model, codec):
+    avi = make_clip("avi", codec, frames=12, width=64, height=48, fps=10)
+    with EncoderClient(server.target, timeout_s=60) as client:
+        (got,) = client.encode([Video(avi, num_frames=4)])
+    want, used = expected(model, avi, num_frames=4)
+    close(got.embedding, want)
+    assert list(got.frame_indices) == used
+
+
 def test_a_device_worker_process_encodes_clips_and_images_in_one_batch(start_encoder_server, model, clip):
     # The clip's uint8 frames cross to the device worker in the shared input buffer beside an image's.
     server = start_encoder_server("--devices", "cpu", "--max-video-bytes", str(1 << 20), "--batch-wait-ms", "50")
@@ -169,7 +179,7 @@ def test_model_info_says_what_video_the_server_takes(server):
 
 
 CLEAR_ERRORS = {  # a corpus clip -> (status, words its message must hold)
-    "mov_mjpeg_unsupported": (grpc.StatusCode.INVALID_ARGUMENT, "codec"),
+    "mov_png_unsupported": (grpc.StatusCode.INVALID_ARGUMENT, "codec"),
     "mkv_no_frames": (grpc.StatusCode.INVALID_ARGUMENT, "not a decodable video"),
     "webm_vp8_size_bomb": (grpc.StatusCode.RESOURCE_EXHAUSTED, "--max-image-pixels"),
     "mp4_header_only": (grpc.StatusCode.INVALID_ARGUMENT, ""),

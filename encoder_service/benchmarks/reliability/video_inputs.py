@@ -32,6 +32,8 @@ CLIP_KINDS: tuple[tuple[str, str, str], ...] = (
     ("webm", "libvpx", "vp8"),
     ("webm", "libvpx-vp9", "vp9"),
     ("webm", "libsvtav1", "av1"),
+    ("avi", "mpeg4", "mpeg4"),
+    ("avi", "mjpeg", "mjpeg"),  # make_clip gives it the full-range yuvj420p it needs
 )
 
 
@@ -60,6 +62,8 @@ def make_clip(container: str = "mp4", codec: str = "libx264", frames: int = 12, 
     demuxes as packets FFmpeg discards. ``pattern``: frame i's pixels (frame_pattern, moving_gradient)."""
     import av
 
+    if codec == "mjpeg" and pix_fmt == "yuv420p":
+        pix_fmt = "yuvj420p"  # FFmpeg's MJPEG encoder takes full-range YUV only
     buf = io.BytesIO()
     with av.open(buf, "w", format=container) as out:
         stream = out.add_stream(codec, rate=fps)
@@ -193,7 +197,7 @@ def video_corpus() -> dict[str, bytes]:
         "webm_vp9": webm,
         "webm_vp8": make_clip("webm", "libvpx"),
         "mp4_mpeg4_one_frame": make_clip("mp4", "mpeg4", frames=1),
-        "mov_mjpeg_unsupported": make_clip("mov", "mjpeg", pix_fmt="yuvj420p"),
+        "mov_png_unsupported": make_clip("mov", "png", pix_fmt="rgb24"),
         "mkv_no_frames": matroska_without_frames(),
         "webm_vp8_size_bomb": vp8_size_bomb(),
         "mp4_truncated_half": good[: len(good) // 2],
