@@ -38,7 +38,8 @@ def _input(path: Path, args: argparse.Namespace) -> bytes | Video:
         return data
     return Video(data, fps=args.fps, num_frames=args.num_frames, min_frames=args.min_frames,
                  max_frames=args.max_frames, min_pixels=args.min_pixels, max_pixels=args.max_pixels,
-                 reference=args.video_reference, all_frames=args.all_frames)
+                 reference=args.video_reference, all_frames=args.all_frames,
+                 cap_pixels_per_frame=None if args.cap_pixels_per_frame is None else args.cap_pixels_per_frame == "on")
 
 
 def _encode(args: argparse.Namespace, client: EncoderClient | RoutingEncoderClient) -> int:
@@ -167,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all-frames", action="store_true",
                    help="clips: every frame, none sampled (transformers' do_sample_frames=False; with none of "
                         "the four above)")
+    p.add_argument("--cap-pixels-per-frame", choices=["on", "off"], default=None,
+                   help="clips: the processor's per-frame pixel cap (default: the model's setting)")
     p.add_argument("--video-reference", choices=SAMPLING_REFERENCES, default=SAMPLING_REFERENCES[0],
                    help=f"clips: whose frame sampling to equal (default {SAMPLING_REFERENCES[0]}; vllm for an encoder "
                         "feeding vLLM)")

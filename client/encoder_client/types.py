@@ -60,6 +60,7 @@ class Video:
     frames: tuple[bytes, ...] | list[bytes] | None = None
     frames_fps: float | None = None
     all_frames: bool = False  # every frame, none sampled (transformers' do_sample_frames=False)
+    cap_pixels_per_frame: bool | None = None  # the processor's per-frame pixel cap; None: the model's setting
 
     def to_proto(self) -> encoder_pb2.Video:
         if (self.data_or_path is None) == (self.frames is None):
@@ -76,6 +77,8 @@ class Video:
             reference=self.reference, fps=self.fps or 0.0, num_frames=self.num_frames or 0,
             min_frames=self.min_frames or 0, max_frames=self.max_frames or 0,
             min_pixels=self.min_pixels or 0, max_pixels=self.max_pixels or 0, all_frames=bool(self.all_frames))
+        if self.cap_pixels_per_frame is not None:
+            sampling.cap_pixels_per_frame = bool(self.cap_pixels_per_frame)
         if self.frames is not None:
             return encoder_pb2.Video(frames=[bytes(f) for f in self.frames], sampling=sampling,
                                      frames_fps=self.frames_fps or 0.0)

@@ -122,12 +122,13 @@ def _parse_video(index: int, video: encoder_pb2.Video) -> ImageInput:
             raise InvalidInput(f"video {name} must be a finite number >= 0 (0: the default), got {value}")
     if s.min_frames and s.max_frames and s.min_frames > s.max_frames:
         raise InvalidInput(f"video.sampling.min_frames {s.min_frames} is above max_frames {s.max_frames}")
+    cap = s.cap_pixels_per_frame if s.HasField("cap_pixels_per_frame") else None
     sampling = VideoSampling(reference=reference, fps=s.fps or None, num_frames=s.num_frames or None,
                              min_frames=s.min_frames or None, max_frames=s.max_frames or None,
                              min_pixels=s.min_pixels or None, max_pixels=s.max_pixels or None,
-                             all_frames=s.all_frames)
+                             all_frames=s.all_frames, cap_pixels_per_frame=cap)
     key = sampling_key(s.reference, s.fps, s.num_frames, s.min_frames, s.max_frames, s.min_pixels, s.max_pixels,
-                       s.all_frames)
+                       s.all_frames, cap)
     clip = VideoInput(sampling=sampling, sampling_key=key, encoded=video.encoded, frames=tuple(video.frames),
                       frames_fps=video.frames_fps if video.frames else 0.0)
     return ImageInput(index=index, kind="video", video=clip)

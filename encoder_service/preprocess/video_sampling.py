@@ -61,10 +61,14 @@ class VideoSampling:
     max_pixels: int | None = None
     # Every frame, none sampled (transformers' do_sample_frames=False); alone of the four that sample.
     all_frames: bool = False
+    # The processor's per-frame pixel cap (transformers' cap_pixels_per_frame); None: the model's setting.
+    cap_pixels_per_frame: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.all_frames, bool):
             raise InvalidInput(f"video sampling all_frames must be a bool, got {self.all_frames!r}")
+        if self.cap_pixels_per_frame is not None and not isinstance(self.cap_pixels_per_frame, bool):
+            raise InvalidInput(f"video sampling cap_pixels_per_frame must be a bool, got {self.cap_pixels_per_frame!r}")
         if self.all_frames and any(getattr(self, name) is not None for name in SAMPLES):
             from encoder_client.types import ALL_FRAMES_ALONE  # see check_fps_xor_num_frames
 
@@ -89,6 +93,8 @@ class VideoSampling:
         fields = asdict(self)
         if not fields["all_frames"]:  # absent unless set: every other request keeps the key it had
             del fields["all_frames"]
+        if fields["cap_pixels_per_frame"] is None:
+            del fields["cap_pixels_per_frame"]
         if fields["fps"] is not None:
             fields["fps"] = float(fields["fps"])
         return fields

@@ -110,6 +110,17 @@ def test_an_avi_clip_is_taken_as_the_other_containers_are(server, model, codec):
     assert list(got.frame_indices) == used
 
 
+def test_the_per_frame_cap_is_a_request_setting_keyed_as_the_client_computes_it(server, model, clip):
+    with EncoderClient(server.target, timeout_s=60) as client:
+        namespace = client.model_info().cache_namespace
+        unset, on, off = client.encode([Video(clip, num_frames=4, cap_pixels_per_frame=c) for c in (None, True, False)])
+    for got, cap in ((unset, None), (on, True), (off, False)):
+        want, _ = expected(model, clip, num_frames=4, cap_pixels_per_frame=cap)
+        close(got.embedding, want)
+        assert got.content_hash == content_hash(Video(clip, num_frames=4, cap_pixels_per_frame=cap), namespace)
+    assert len({unset.content_hash, on.content_hash, off.content_hash}) == 3
+
+
 def test_a_device_worker_process_encodes_clips_and_images_in_one_batch(start_encoder_server, model, clip):
     # The clip's uint8 frames cross to the device worker in the shared input buffer beside an image's.
     server = start_encoder_server("--devices", "cpu", "--max-video-bytes", str(1 << 20), "--batch-wait-ms", "50")

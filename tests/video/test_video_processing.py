@@ -18,7 +18,7 @@ from encoder_service.errors import InvalidInput
 from encoder_service.models.kimi_k25 import video as kimi
 from encoder_service.models.qwen2_5_vl import video as qwen2
 from encoder_service.models.qwen3_vl import video as qwen3
-from encoder_service.preprocess.video_sampling import VideoSampling
+from encoder_service.preprocess.video_sampling import ClipFacts, VideoSampling
 
 CONFIGS = {"qwen2_5_vl": qwen2.Qwen2VLVideoConfig, "qwen3_vl": qwen3.Qwen3VLVideoConfig,
            "kimi_k25": kimi.KimiK25VideoConfig}
@@ -87,14 +87,24 @@ def test_request_pixel_bounds_replace_the_configs():
     assert grid == (1, 4, 4)
     cfg3 = qwen3.Qwen3VLVideoConfig().for_request(VideoSampling(max_pixels=32 * 32 * 256, min_frames=2))
     assert (cfg3.max_pixels, cfg3.min_frames) == (32 * 32 * 256, 2)
+    for cap in (True, False):  # the request's cap over the config's, either way
+        capped = VideoSampling(cap_pixels_per_frame=cap)
+        assert qwen2.Qwen2VLVideoConfig(cap_pixels_per_frame=not cap).for_request(capped).cap_pixels_per_frame is cap
+        assert qwen3.Qwen3VLVideoConfig(cap_pixels_per_frame=not cap).for_request(capped).cap_pixels_per_frame is cap
+    with pytest.raises(InvalidInput, match="no cap_pixels_per_frame setting"):
+        kimi.sample_frame_indices(ClipFacts(20, 10.0, None), VideoSampling(cap_pixels_per_frame=False))
 
 
-# A request's pixel bounds as transformers takes them (issue 40): a max_pixels alone under the config's
-# min_pixels (which stays), and both given the wrong way round. (family, request bounds, transformers'
-# call for the same, frames [T, H, W]).
+# A request's pixel bounds and per-frame cap as transformers takes them (issue 40): a max_pixels alone
+# under the config's min_pixels (which stays), both given the wrong way round, the cap on and off.
+# (family, request bounds, transformers' call for the same, frames [T, H, W]).
 DEFAULT_QWEN3_MIN = qwen3.Qwen3VLVideoConfig().min_pixels
 REQUEST_BOUNDS = [
     ("qwen2_5_vl", {"max_pixels": 50176}, {"max_pixels": 50176}, (4, 240, 400)),
+    # the per-frame cap asked by the request, as a processor call asks it (issue 40; for Qwen2.5-VL the
+    # cap bites only past ~300 frames at its max_video_tokens: CASES holds it with a small one)
+    ("qwen3_vl", {"cap_pixels_per_frame": True}, {"cap_pixels_per_frame": True}, (8, 360, 480)),
+    ("qwen3_vl", {"cap_pixels_per_frame": False}, {"cap_pixels_per_frame": False}, (8, 360, 480)),
     ("qwen2_5_vl", {"min_pixels": 200704, "max_pixels": 50176}, {"min_pixels": 200704, "max_pixels": 50176},
      (3, 300, 200)),
     ("qwen3_vl", {"max_pixels": 32 * 32 * 8},

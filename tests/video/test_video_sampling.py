@@ -199,6 +199,8 @@ def test_all_frames_goes_with_no_setting_that_samples_and_keys_only_itself():
     # Every request without it keeps the content hash it had before the field existed.
     assert "all_frames" not in VideoSampling(fps=2).fingerprint()
     assert VideoSampling(all_frames=True).fingerprint() != VideoSampling().fingerprint()
+    assert "cap_pixels_per_frame" not in VideoSampling().fingerprint()
+    assert len({str(VideoSampling(cap_pixels_per_frame=c).fingerprint()) for c in (None, True, False)}) == 3
 
 
 def test_kimi_vllm_reference_is_the_remote_code_transcribed():

@@ -29,6 +29,7 @@ def _frame(h: hashlib._Hash, part: bytes) -> None:
 
 # After the reference's name (validated: one of the known names, so no name ends with it).
 ALL_FRAMES_SUFFIX = b"\x00all_frames"
+CAP_PIXELS_SUFFIX = {False: b"\x00cap_pixels_per_frame=0", True: b"\x00cap_pixels_per_frame=1"}
 
 
 def hash_encoded(cache_namespace: str, data: bytes) -> str:
@@ -49,14 +50,17 @@ def hash_patches(cache_namespace: str, grid_thw: Sequence[int], dtype: int, data
 
 
 def sampling_key(reference: str = "", fps: float = 0.0, num_frames: int = 0, min_frames: int = 0, max_frames: int = 0,
-                 min_pixels: int = 0, max_pixels: int = 0, all_frames: bool = False) -> bytes:
+                 min_pixels: int = 0, max_pixels: int = 0, all_frames: bool = False,
+                 cap_pixels_per_frame: bool | None = None) -> bytes:
     """A clip's sampling settings as hashed (the VideoSampling message's fields; 0 = the model's
     default). fps is taken as the wire's 32-bit float, and an empty reference is the default one, so
-    a caller and the server agree whatever they spelled. ``all_frames`` adds a suffix only when set,
-    so the keys of every other request are the ones they were before the field existed."""
+    a caller and the server agree whatever they spelled. ``all_frames`` and ``cap_pixels_per_frame``
+    add a suffix only when set, so the keys of every other request are the ones they were before the
+    fields existed."""
     name = (reference or DEFAULT_SAMPLING_REFERENCE).encode()
     return struct.pack("<fIIIQQ", float(fps), int(num_frames), int(min_frames), int(max_frames),
-                       int(min_pixels), int(max_pixels)) + name + (ALL_FRAMES_SUFFIX if all_frames else b"")
+                       int(min_pixels), int(max_pixels)) + name + (ALL_FRAMES_SUFFIX if all_frames else b"") + (
+        b"" if cap_pixels_per_frame is None else CAP_PIXELS_SUFFIX[bool(cap_pixels_per_frame)])
 
 
 def hash_video(cache_namespace: str, sampling: bytes, *, encoded: bytes = b"", frames: Sequence[bytes] = (),

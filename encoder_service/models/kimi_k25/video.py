@@ -212,7 +212,7 @@ def sample_frame_indices(clip: ClipFacts, sampling: VideoSampling,
     what = describe(sampling, clip)
     refuse_all_frames(sampling, clip, "Kimi-K2.5's video processor always samples (fps or a frame count)")
     total, source_fps = clip.total_frames, clip.known_fps
-    unsupported = ["min_frames", "max_frames", "min_pixels", "max_pixels"] + (
+    unsupported = ["min_frames", "max_frames", "min_pixels", "max_pixels", "cap_pixels_per_frame"] + (
         ["num_frames"] if sampling.reference == "vllm" else [])
     asked = [name for name in unsupported if getattr(sampling, name) is not None]
     if asked:

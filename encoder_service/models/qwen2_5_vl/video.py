@@ -25,8 +25,9 @@ torchvision one. Each frame is resized with ``F.interpolate(uint8, bicubic, anti
 uint8 kernel on the CPU (what ``tvF.resize`` runs there, as the image ``torch`` mode does:
 preprocess/staged.py), rescaled and normalized through the torchvision value table, padded to a multiple
 of ``temporal_patch_size`` by repeating the last frame, and patchified as the processor does.
-``cap_pixels_per_frame`` is pinned False, what transformers 5.24 does when it is unset (with a warning)
-and what vLLM 0.33.0 gets: the per-frame pixel bounds alone apply.
+``cap_pixels_per_frame`` (qwen-vl-utils' per-frame budget) is the request's where it sets it, else the
+checkpoint's, else False: what transformers 5.24 does when it is unset (with a warning that the default
+will change) and what vLLM 0.33.0 gets; the per-frame pixel bounds alone apply then.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ class Qwen2VLVideoConfig(PatchLayout):
     do_normalize: bool = True
     min_frames: int = 4
     max_frames: int = 768
-    cap_pixels_per_frame: bool = False  # pinned: see the module docstring
+    cap_pixels_per_frame: bool = False  # transformers 5.24's unset default: see the module docstring
     max_video_tokens: int = 128000
     # transformers 5.24's class defaults: no sampling unless asked (backward compatibility, its comment
     # says), and no default fps or frame count when it samples: every frame.
@@ -122,9 +123,9 @@ class Qwen2VLVideoConfig(PatchLayout):
         return cls(**kwargs)
 
     def for_request(self, sampling: VideoSampling) -> Qwen2VLVideoConfig:
-        """With the request's per-frame pixel bounds (a call's ``size``), where it gives them."""
-        bounds = {k: v for k, v in (("min_pixels", sampling.min_pixels), ("max_pixels", sampling.max_pixels))
-                  if v is not None}
+        """With the request's per-frame pixel bounds (a call's ``size``) and per-frame cap, where it gives them."""
+        bounds = {k: v for k, v in (("min_pixels", sampling.min_pixels), ("max_pixels", sampling.max_pixels),
+                                    ("cap_pixels_per_frame", sampling.cap_pixels_per_frame)) if v is not None}
         return dataclasses.replace(self, **bounds) if bounds else self
 
 

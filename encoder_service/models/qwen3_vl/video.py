@@ -19,10 +19,10 @@ Both fail, and so does this module (``InvalidInput``), for a sampling of fewer f
 
 Processing (``preprocess_video``): the torchvision path, as for Qwen2-VL, with Qwen3-VL's
 ``smart_resize``, whose pixel bounds are per video (frames x height x width, the frame count rounded to
-``temporal_patch_size``). ``cap_pixels_per_frame`` is pinned False: what transformers 5.24 does when it is
-unset (it warns that the default will become True; the published ``video_preprocessor_config.json`` does
-not set it) and what vLLM 0.33.0 gets; True (qwen-vl-utils' per-frame cap) is computed as transformers
-does when a config asks for it.
+``temporal_patch_size``). ``cap_pixels_per_frame`` is the request's where it sets it, else the
+checkpoint's, else False: what transformers 5.24 does when it is unset (it warns that the default will
+become True; the published ``video_preprocessor_config.json`` does not set it) and what vLLM 0.33.0 gets;
+True (qwen-vl-utils' per-frame cap) is computed as transformers does.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class Qwen3VLVideoConfig(PatchLayout):
     fps: float = 2.0
     min_frames: int = 4
     max_frames: int = 768
-    cap_pixels_per_frame: bool = False  # pinned: see the module docstring
+    cap_pixels_per_frame: bool = False  # transformers 5.24's unset default: see the module docstring
     max_video_tokens: int = 768
     do_sample_frames: bool = True  # transformers 5.24's class default: sample at ``fps``
 
@@ -101,9 +101,10 @@ class Qwen3VLVideoConfig(PatchLayout):
         return cls(**kwargs)
 
     def for_request(self, sampling: VideoSampling) -> Qwen3VLVideoConfig:
-        """With the request's pixel bounds, and its min/max frames as the processor's settings."""
+        """With the request's pixel bounds and per-frame cap, and its min/max frames as the processor's settings."""
         changes = {k: v for k, v in (("min_pixels", sampling.min_pixels), ("max_pixels", sampling.max_pixels),
-                                     ("min_frames", sampling.min_frames), ("max_frames", sampling.max_frames))
+                                     ("min_frames", sampling.min_frames), ("max_frames", sampling.max_frames),
+                                     ("cap_pixels_per_frame", sampling.cap_pixels_per_frame))
                    if v is not None}
         return dataclasses.replace(self, **changes) if changes else self
 

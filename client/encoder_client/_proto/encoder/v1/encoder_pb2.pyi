@@ -55,7 +55,7 @@ class Video(_message.Message):
     def __init__(self, encoded: _Optional[bytes] = ..., frames: _Optional[_Iterable[bytes]] = ..., sampling: _Optional[_Union[VideoSampling, _Mapping]] = ..., frames_fps: _Optional[float] = ...) -> None: ...
 
 class VideoSampling(_message.Message):
-    __slots__ = ("reference", "fps", "num_frames", "min_frames", "max_frames", "min_pixels", "max_pixels", "all_frames")
+    __slots__ = ("reference", "fps", "num_frames", "min_frames", "max_frames", "min_pixels", "max_pixels", "all_frames", "cap_pixels_per_frame")
     REFERENCE_FIELD_NUMBER: _ClassVar[int]
     FPS_FIELD_NUMBER: _ClassVar[int]
     NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class VideoSampling(_message.Message):
     MIN_PIXELS_FIELD_NUMBER: _ClassVar[int]
     MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
     ALL_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    CAP_PIXELS_PER_FRAME_FIELD_NUMBER: _ClassVar[int]
     reference: str
     fps: float
     num_frames: int
@@ -72,7 +73,8 @@ class VideoSampling(_message.Message):
     min_pixels: int
     max_pixels: int
     all_frames: bool
-    def __init__(self, reference: _Optional[str] = ..., fps: _Optional[float] = ..., num_frames: _Optional[int] = ..., min_frames: _Optional[int] = ..., max_frames: _Optional[int] = ..., min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ..., all_frames: _Optional[bool] = ...) -> None: ...
+    cap_pixels_per_frame: bool
+    def __init__(self, reference: _Optional[str] = ..., fps: _Optional[float] = ..., num_frames: _Optional[int] = ..., min_frames: _Optional[int] = ..., max_frames: _Optional[int] = ..., min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ..., all_frames: _Optional[bool] = ..., cap_pixels_per_frame: _Optional[bool] = ...) -> None: ...
 
 class Sink(_message.Message):
     __slots__ = ("target", "request_id")
