@@ -171,6 +171,7 @@ class Reassembler:
             latency_ms=(time.monotonic() - self._started_s) * 1000.0,
             frame_indices=tuple(last.frame_indices),
             frame_timestamps_s=tuple(last.frame_timestamps_s),
+            sampled_frame_indices=tuple(last.sampled_frame_indices),
         )
 
 

@@ -130,6 +130,9 @@ class EncodedImage:
     # the source states its fps, their timestamps in seconds; empty for an image.
     frame_indices: tuple[int, ...] = ()
     frame_timestamps_s: tuple[float, ...] = ()
+    # A clip: the frames its sampling reference lists (transformers' metadata, vLLM's loader), which is
+    # frame_indices without the padding frame.
+    sampled_frame_indices: tuple[int, ...] = ()
 
     @property
     def feature_levels(self) -> int:

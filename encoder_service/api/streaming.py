@@ -42,7 +42,7 @@ def _template(result: ImageResult, name: str, request_id: str) -> encoder_pb2.Em
 
 
 # What only an image's last chunk carries.
-LAST_CHUNK_FIELDS = ("timing", "frame_indices", "frame_timestamps_s")
+LAST_CHUNK_FIELDS = ("timing", "frame_indices", "frame_timestamps_s", "sampled_frame_indices")
 
 
 def _last_fields(result: ImageResult) -> encoder_pb2.EmbeddingChunk:
@@ -53,6 +53,7 @@ def _last_fields(result: ImageResult) -> encoder_pb2.EmbeddingChunk:
     if result.clip is not None:
         last.frame_indices.extend(result.clip.indices)
         last.frame_timestamps_s.extend(result.clip.timestamps_s)
+        last.sampled_frame_indices.extend(result.clip.sampled)
     return last
 
 

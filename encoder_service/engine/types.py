@@ -39,6 +39,7 @@ class ClipFrames:
 
     indices: tuple[int, ...]
     timestamps_s: tuple[float, ...] = ()
+    sampled: tuple[int, ...] = ()  # the frames the reference lists: ``indices`` without the padding
 
 
 @dataclass(frozen=True)

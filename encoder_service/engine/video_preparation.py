@@ -108,7 +108,8 @@ class VideoPreparer:
             payload, used = await run_to_the_end(self._resizers, self._resized, front, video, decoded, deadline,
                                                  stop, stop=stop)
         timestamps = front.video_front.timestamps(decoded.facts, used)
-        return payload, ClipFrames(tuple(int(i) for i in used), tuple(float(t) for t in timestamps))
+        return payload, ClipFrames(tuple(int(i) for i in used), tuple(float(t) for t in timestamps),
+                                   tuple(int(i) for i in decoded.indices))
 
     def _resized(self, front: ModelFront, video: VideoInput, decoded: SampledFrames, deadline: float,
                  stop: threading.Event) -> tuple[StagedInput, list[int]]:

@@ -82,10 +82,14 @@ def test_a_clip_without_settings_takes_what_transformers_takes_by_default_and_al
     want, used = expected(model, clip37)
     assert used[:37] == reference["indices"] == list(range(37))
     assert [by_default.grid_thw[0]] == [g[0] for g in reference["grid"]] == [19]
-    assert list(by_default.frame_indices) == used
+    assert list(by_default.frame_indices) == used == [*range(37), 36]  # what the tower saw: one padding frame
+    assert list(by_default.sampled_frame_indices) == reference["indices"]  # what transformers' metadata lists
     close(by_default.embedding, want)
     close(named.embedding, want)
     assert named.content_hash != by_default.content_hash and list(named.frame_indices) == used
+    with EncoderClient(server.target, timeout_s=60) as client:
+        (hit,) = client.encode([Video(clip37)])
+    assert hit.cache_hit and hit.sampled_frame_indices == by_default.sampled_frame_indices
 
 
 def test_pixel_bounds_are_taken_as_transformers_takes_them_not_refused(server, model, clip):

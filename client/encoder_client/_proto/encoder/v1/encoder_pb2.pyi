@@ -113,7 +113,7 @@ class SharedMemoryRegion(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., key: _Optional[bytes] = ...) -> None: ...
 
 class EmbeddingChunk(_message.Message):
-    __slots__ = ("request_id", "image_index", "content_hash", "grid_thw", "num_tokens", "hidden_size", "dtype", "token_offset", "data", "last", "cache_hit", "timing", "num_images", "feature_levels", "region_offset", "region_bytes", "frame_indices", "frame_timestamps_s")
+    __slots__ = ("request_id", "image_index", "content_hash", "grid_thw", "num_tokens", "hidden_size", "dtype", "token_offset", "data", "last", "cache_hit", "timing", "num_images", "feature_levels", "region_offset", "region_bytes", "frame_indices", "frame_timestamps_s", "sampled_frame_indices")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,7 @@ class EmbeddingChunk(_message.Message):
     REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
     FRAME_INDICES_FIELD_NUMBER: _ClassVar[int]
     FRAME_TIMESTAMPS_S_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FRAME_INDICES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     image_index: int
     content_hash: str
@@ -150,7 +151,8 @@ class EmbeddingChunk(_message.Message):
     region_bytes: int
     frame_indices: _containers.RepeatedScalarFieldContainer[int]
     frame_timestamps_s: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, request_id: _Optional[str] = ..., image_index: _Optional[int] = ..., content_hash: _Optional[str] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., token_offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., cache_hit: _Optional[bool] = ..., timing: _Optional[_Union[ServerTiming, _Mapping]] = ..., num_images: _Optional[int] = ..., feature_levels: _Optional[int] = ..., region_offset: _Optional[int] = ..., region_bytes: _Optional[int] = ..., frame_indices: _Optional[_Iterable[int]] = ..., frame_timestamps_s: _Optional[_Iterable[float]] = ...) -> None: ...
+    sampled_frame_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., image_index: _Optional[int] = ..., content_hash: _Optional[str] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., token_offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., cache_hit: _Optional[bool] = ..., timing: _Optional[_Union[ServerTiming, _Mapping]] = ..., num_images: _Optional[int] = ..., feature_levels: _Optional[int] = ..., region_offset: _Optional[int] = ..., region_bytes: _Optional[int] = ..., frame_indices: _Optional[_Iterable[int]] = ..., frame_timestamps_s: _Optional[_Iterable[float]] = ..., sampled_frame_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ServerTiming(_message.Message):
     __slots__ = ("queue_ms", "preprocess_ms", "forward_ms")
