@@ -25,6 +25,7 @@ from ..preprocess.interrupt import interrupt_when
 from ..preprocess.staged import Grid, StagedInput, clip_budget
 from ..preprocess.video_decode import VideoLimits
 from ..preprocess.video_pool import SampledFrames, VideoDecodePool, child_memory_bytes
+from ..preprocess.video_sampling import source_seconds
 from .clip_parts import check_size
 from .devices import gpu_indices
 from .fair_slots import Caller, FairSlots
@@ -107,7 +108,7 @@ class VideoPreparer:
             stop = threading.Event()
             payload, used = await run_to_the_end(self._resizers, self._resized, front, video, decoded, deadline,
                                                  stop, stop=stop)
-        timestamps = front.video_front.timestamps(decoded.facts, used)
+        timestamps = source_seconds(decoded.facts, used)
         return payload, ClipFrames(tuple(int(i) for i in used), tuple(float(t) for t in timestamps),
                                    tuple(int(i) for i in decoded.indices))
 

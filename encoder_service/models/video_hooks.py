@@ -19,7 +19,7 @@ from ..preprocess.decoders import VIDEO_DEFAULT, video_decoder
 from ..preprocess.settings import check_patch_layout
 from ..preprocess.staged import DecodedClip
 from ..preprocess.video_decode import VideoLimits
-from ..preprocess.video_sampling import REFERENCES, ClipFacts, VideoSampling, source_seconds
+from ..preprocess.video_sampling import REFERENCES, ClipFacts, VideoSampling
 from .spec import Grid
 
 
@@ -38,14 +38,13 @@ class VideoFront:
     CPU: (pixel values float32 [t*h*w, patch_dim], grid (t, h, w), the indices used), exactly as the
     family's video processor computes ``pixel_values_videos`` / ``video_grid_thw``: the reference that
     ``resize`` is held to (it gives these values in pil mode).
-    ``timestamps(clip, indices)``: each used frame's time in seconds (empty when the fps is unknown);
-    every family's is the source's (``source_seconds``), what a response's ``frame_timestamps_s`` says.
+    A response's ``frame_timestamps_s`` are the source's times of the frames used, the same for every
+    family (``video_sampling.source_seconds``): no hook.
     """
 
     sample: Callable[..., Sequence[int]]
     resize: Callable[..., tuple[DecodedClip, Sequence[int]]]
     process: Callable[..., tuple[np.ndarray, Grid, Sequence[int]]]
-    timestamps: Callable[..., Sequence[float]] = source_seconds
     references: tuple[str, ...] = REFERENCES
     pixel_bounds: bool = True  # whether a request's min_pixels / max_pixels apply (Kimi-K2.5: no)
 

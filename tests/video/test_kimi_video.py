@@ -95,9 +95,8 @@ def test_video_front_gives_one_grid_for_the_clip_and_no_padding(model):
     assert grid == (6, *chunk_grids[0][1:]) and clip_chunks(grid, 4) == chunk_grids
     assert used == indices  # nothing padded
     clip = ClipFacts(30, 10.0, 3.0)
-    assert front.timestamps(clip, used) == source_seconds(clip, used)
-    assert front.timestamps(clip, used)[::4] == kimi.chunk_timestamps(clip, used)  # a chunk's time: its first frame's
-    assert front.timestamps(ClipFacts(30, None, None), used) == []
+    assert source_seconds(clip, used)[::4] == kimi.chunk_timestamps(clip, used)  # a chunk's time: its first frame's
+    assert source_seconds(ClipFacts(30, None, None), used) == []
 
 
 def test_pixel_bounds_are_refused_for_kimi_which_has_none(model):

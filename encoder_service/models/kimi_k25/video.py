@@ -290,7 +290,7 @@ def preprocess_video(frames: np.ndarray, config: KimiK25VideoConfig | None = Non
 
 def video_front(config: KimiK25VideoConfig) -> VideoFront:
     """This family's video path bound to ``config`` (the engine's ``ModelFront.video_front``): the
-    sampling above, ``resize_clip`` and ``process_clip``; the timestamps are ``VideoFront``'s, each used
+    sampling above, ``resize_clip`` and ``process_clip``; the response's timestamps are each used
     frame's source time (a chunk's timestamp is its first frame's, see the module docstring)."""
     return VideoFront(sample=functools.partial(sample_frame_indices, config=config),
                       resize=functools.partial(resize_clip, config=config),
