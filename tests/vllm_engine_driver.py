@@ -15,6 +15,9 @@ lines start with @@, anything else there is vLLM's log):
       greedy, top-5 logprobs; each request's tokens, logprobs and finish reason (a video: its frames as
       one uint8 [T, H, W, 3] array with metadata at fps 2, which vLLM's processor takes as they are:
       no loader, no sampling)
+  {"op": "chat", "messages": [...], "max_tokens": N}
+      ``LLM.chat`` of OpenAI-style messages (a clip as a ``video_url`` data URL of its container, which
+      vLLM's own loader decodes and samples), greedy, top-5 logprobs; the answer as for generate
   {"op": "tower_calls"}  how often the model's vision tower (``model.visual``) has run, counted by a
       forward hook put on through ``LLM.apply_model``
   {"op": "stats"}        the "EC Transfer metrics" line vLLM's own stat logger logs now
@@ -114,7 +117,7 @@ def _video(frames: list, fps: float = 2.0):
 def engine(path: str, ec_transfer_config: str | None) -> None:
     import numpy as np
     from PIL import Image
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     kwargs = {"model": path, "dtype": "float32", "max_model_len": 1024, "max_num_seqs": 4, "enforce_eager": True,
               "seed": 0, "limit_mm_per_prompt": {"image": 2, "video": 1}, "mm_processor_cache_gb": 0,
@@ -149,14 +152,9 @@ def engine(path: str, ec_transfer_config: str | None) -> None:
                 if uuids:
                     prompt["multi_modal_uuids"] = uuids
                 prompts.append(prompt)
-            params = SamplingParams(temperature=0, max_tokens=command.get("max_tokens", 4), logprobs=5,
-                                    ignore_eos=True)
-            answer = []
-            for result in llm.generate(prompts, params, use_tqdm=False):
-                completion = result.outputs[0]
-                answer.append({"tokens": list(completion.token_ids), "finish_reason": completion.finish_reason,
-                               "logprobs": [{str(k): v.logprob for k, v in step.items()}
-                                            for step in (completion.logprobs or [])]})
+            answer = _answers(llm.generate(prompts, _greedy(command), use_tqdm=False))
+        elif command["op"] == "chat":
+            answer = _answers(llm.chat(command["messages"], _greedy(command), use_tqdm=False))
         elif command["op"] == "tower_calls":
             answer = llm.apply_model(lambda model: model.visual._test_calls)
         elif command["op"] == "stats":
@@ -165,6 +163,22 @@ def engine(path: str, ec_transfer_config: str | None) -> None:
         else:
             answer = {"error": f"unknown op {command['op']}"}
         print("@@" + json.dumps(answer), file=out, flush=True)
+
+
+def _greedy(command: dict):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=command.get("max_tokens", 4), logprobs=5, ignore_eos=True)
+
+
+def _answers(results) -> list[dict]:
+    answer = []
+    for result in results:
+        completion = result.outputs[0]
+        answer.append({"tokens": list(completion.token_ids), "finish_reason": completion.finish_reason,
+                       "logprobs": [{str(k): v.logprob for k, v in step.items()}
+                                    for step in (completion.logprobs or [])]})
+    return answer
 
 
 if __name__ == "__main__":

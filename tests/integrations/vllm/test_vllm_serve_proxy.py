@@ -240,3 +240,34 @@ def test_chat_with_a_clip_through_the_proxy_equals_monolithic_vllm(encoder, mode
         assert time.monotonic() < deadline, (stats, vllm_server.log()[-4000:])
         time.sleep(0.5)
     assert stats["items_failed"] == 0 and stats["requests_failed"] == 0, stats
+
+
+def test_chat_with_an_mp4_clip_through_the_proxy_equals_monolithic_vllm(encoder, model_path, vllm_server, monolithic,
+                                                                        proxy):
+    """A container clip as a video_url: vLLM's own loader (OpenCV) decodes and samples it at its default
+    fps in both engines; the encoder samples as vLLM does (Video(reference="vllm"), the proxy's --video-fps
+    2) and decodes with PyAV, whose frames equal OpenCV's. The EPD engine never runs its tower."""
+    from encoder_service.benchmarks.reliability.video_inputs import make_clip
+
+    clip = make_clip("mp4", "libx264", frames=24, width=112, height=84, fps=8)
+    url = "data:video/mp4;base64," + base64.b64encode(clip).decode()
+    with EncoderClient(encoder.target, timeout_s=60) as client:
+        uuid = content_hash(Video(clip, reference="vllm", fps=2.0), client.cache_namespace())
+        assert client.lookup([uuid]) == [False]
+        fetched = ec_transfer_stats(vllm_server)["items_fetched"]
+        (want,) = monolithic.call("chat", messages=chat(model_path, {"type": "video_url",
+                                                                   "video_url": {"url": url}})["messages"],
+                                  max_tokens=MAX_TOKENS)
+        status, body = post(proxy.port, chat(model_path, {"type": "video_url", "video_url": {"url": url}}))
+        assert status == 200, body
+        (choice,) = json.loads(body)["choices"]
+        assert_same_as_monolithic(choice["token_ids"], [step["logprob"] for step in choice["logprobs"]["content"]],
+                                  choice["finish_reason"], want)
+        assert client.lookup([uuid]) == [True]  # the proxy had the encoder cache the clip
+        (encoded,) = client.encode([Video(clip, reference="vllm", fps=2.0)])
+    assert encoded.cache_hit and len(encoded.sampled_frame_indices) >= 4  # vLLM's loader: 2 fps, at least 4
+    deadline = time.monotonic() + 30  # vLLM's tower did not run: it fetched the clip's embedding
+    while (stats := ec_transfer_stats(vllm_server))["items_fetched"] < fetched + 1:
+        assert time.monotonic() < deadline, (stats, vllm_server.log()[-4000:])
+        time.sleep(0.5)
+    assert stats["items_failed"] == 0 and stats["requests_failed"] == 0, stats
