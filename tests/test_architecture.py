@@ -377,3 +377,19 @@ def test_a_familys_video_lives_in_its_package(package):
     classes = [c for c in vars(model).values()
                if isinstance(c, type) and issubclass(c, VisionModel) and c.__module__ == model.__name__]
     assert classes and all(c.VIDEO is video.VIDEO for c in classes), classes
+
+
+def _names(path: Path) -> set[str]:
+    """Every name a file's code uses or imports (docstrings and comments aside)."""
+    tree = ast.parse(path.read_text())
+    used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    used |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    used |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for alias in node.names}
+    return used
+
+
+def test_only_the_api_assembly_holds_the_whole_service_config():
+    # Each API component gets its config group (requests, security, relays); api/server.py builds them.
+    api = _files("api")
+    holders = sorted(str(p.relative_to(PACKAGE)) for p in api if "ServiceConfig" in _names(p))
+    assert holders == ["api/server.py"]
