@@ -130,9 +130,7 @@ class Slots:
     full_max: int = 1 << 20
     # Windowed attention (Qwen2.5-VL): the windows the budget holds when its images tile into whole
     # windows, times ``window_factor`` for images whose sides leave partial windows, plus one per full
-    # slot; None: one window per merged token, the most any batch can have. Measured (bench/RESULTS.md,
-    # 2026-11-28): a lone 448x448 image's replay 5.7 -> 4.4 ms, a 672x672 one's 16.2 -> 9.2 ms, from
-    # one window slot per merged token to twice the tiled windows.
+    # slot; None: one window per merged token, the most any batch can have (measured: the class docstring).
     window_factor: float | None = 2.0
 
     def full(self, budget: int) -> int:

@@ -19,7 +19,7 @@ from ..preprocess.decoders import VIDEO_DEFAULT, video_decoder
 from ..preprocess.settings import check_patch_layout
 from ..preprocess.staged import DecodedClip
 from ..preprocess.video_decode import VideoLimits
-from ..preprocess.video_sampling import REFERENCES, ClipFacts, VideoSampling
+from ..preprocess.video_sampling import REFERENCES, SAMPLES, ClipFacts, VideoSampling
 from .spec import Grid
 
 
@@ -55,8 +55,7 @@ class VideoFront:
         False, so every frame is kept, and a sampling setting, which vLLM would ignore, is refused."""
         if sampling.reference != "vllm":
             return [int(i) for i in self.sample(clip, sampling)]
-        names = ("fps", "num_frames", "min_frames", "max_frames") + (() if self.pixel_bounds else
-                                                                     ("min_pixels", "max_pixels"))
+        names = SAMPLES + (() if self.pixel_bounds else ("min_pixels", "max_pixels"))
         asked = [name for name in names if getattr(sampling, name) is not None]
         if asked:
             raise InvalidInput(f"a clip given as frames with the vllm reference is taken as it is (vLLM does not "

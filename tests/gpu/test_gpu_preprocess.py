@@ -10,6 +10,7 @@ import io
 import numpy as np
 import pytest
 import torch
+from gpu_helpers import no_device_sync
 from PIL import Image
 
 from encoder_service.models import PRESETS, load_vision_model
@@ -87,12 +88,8 @@ def test_forward_with_device_preprocessing_has_no_host_sync(preset, mode):
     raw = np.random.default_rng(0).standard_normal((g[0] * g[1] * g[2], model.patch_dim)).astype(np.float16)
     inputs.append(RawPatches(raw.tobytes(), "float16", g))
     model.encode_inputs_async(inputs).wait()  # warm: first calls compile and plan
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_device_sync():
         pending = model.encode_inputs_async(inputs)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     out = pending.wait()  # the batch's one explicit wait
     assert [e.shape[0] for e in out] == [model.num_tokens(i.grid) for i in inputs]
     assert 0 < pending.device_preprocess_seconds() < pending.device_seconds()  # a part of the batch's time

@@ -209,6 +209,24 @@ def test_a_uuid_the_encoder_does_not_cache_is_a_400_naming_the_part(model_path, 
     assert vllm_chat_requests(vllm_server) == before  # vLLM never called
 
 
+def assert_clip_chat_through_the_proxy_answers(proxy, model_path: Path, url: str, want: dict) -> None:
+    """A chat with the clip at ``url`` as its one video_url part, through the proxy, answers ``want``."""
+    status, body = post(proxy.port, chat(model_path, {"type": "video_url", "video_url": {"url": url}}))
+    assert status == 200, body
+    (choice,) = json.loads(body)["choices"]
+    assert_same_as_monolithic(choice["token_ids"], [step["logprob"] for step in choice["logprobs"]["content"]],
+                              choice["finish_reason"], want)
+
+
+def assert_one_more_item_fetched(vllm_server, fetched: int) -> None:
+    """vLLM's connector fetched one more item than ``fetched`` (within 30 s), and none failed."""
+    deadline = time.monotonic() + 30
+    while (stats := ec_transfer_stats(vllm_server))["items_fetched"] < fetched + 1:
+        assert time.monotonic() < deadline, (stats, vllm_server.log()[-4000:])
+        time.sleep(0.5)
+    assert stats["items_failed"] == 0 and stats["requests_failed"] == 0, stats
+
+
 def jpeg(seed: int, width: int = 112, height: int = 84) -> bytes:
     pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
     out = io.BytesIO()
@@ -229,17 +247,9 @@ def test_chat_with_a_clip_through_the_proxy_equals_monolithic_vllm(encoder, mode
         # otherwise, but vLLM then hashes every uuid with it: README, the uuid contract).
         (want,) = monolithic.generate([[]], videos=[[(frames, None)]], video_fps=1.0)
         fetched = ec_transfer_stats(vllm_server)["items_fetched"]
-        status, body = post(proxy.port, chat(model_path, {"type": "video_url", "video_url": {"url": url}}))
-        assert status == 200, body
-        (choice,) = json.loads(body)["choices"]
-        assert_same_as_monolithic(choice["token_ids"], [step["logprob"] for step in choice["logprobs"]["content"]],
-                                  choice["finish_reason"], want)
+        assert_clip_chat_through_the_proxy_answers(proxy, model_path, url, want)
         assert client.lookup([uuid]) == [True]  # the proxy had the encoder cache the clip
-    deadline = time.monotonic() + 30
-    while (stats := ec_transfer_stats(vllm_server))["items_fetched"] < fetched + 1:
-        assert time.monotonic() < deadline, (stats, vllm_server.log()[-4000:])
-        time.sleep(0.5)
-    assert stats["items_failed"] == 0 and stats["requests_failed"] == 0, stats
+    assert_one_more_item_fetched(vllm_server, fetched)
 
 
 def test_chat_with_an_mp4_clip_through_the_proxy_equals_monolithic_vllm(encoder, model_path, vllm_server, monolithic,
@@ -258,16 +268,8 @@ def test_chat_with_an_mp4_clip_through_the_proxy_equals_monolithic_vllm(encoder,
         (want,) = monolithic.call("chat", messages=chat(model_path, {"type": "video_url",
                                                                    "video_url": {"url": url}})["messages"],
                                   max_tokens=MAX_TOKENS)
-        status, body = post(proxy.port, chat(model_path, {"type": "video_url", "video_url": {"url": url}}))
-        assert status == 200, body
-        (choice,) = json.loads(body)["choices"]
-        assert_same_as_monolithic(choice["token_ids"], [step["logprob"] for step in choice["logprobs"]["content"]],
-                                  choice["finish_reason"], want)
+        assert_clip_chat_through_the_proxy_answers(proxy, model_path, url, want)
         assert client.lookup([uuid]) == [True]  # the proxy had the encoder cache the clip
         (encoded,) = client.encode([Video(clip, reference="vllm", fps=2.0)])
     assert encoded.cache_hit and len(encoded.sampled_frame_indices) >= 4  # vLLM's loader: 2 fps, at least 4
-    deadline = time.monotonic() + 30  # vLLM's tower did not run: it fetched the clip's embedding
-    while (stats := ec_transfer_stats(vllm_server))["items_fetched"] < fetched + 1:
-        assert time.monotonic() < deadline, (stats, vllm_server.log()[-4000:])
-        time.sleep(0.5)
-    assert stats["items_failed"] == 0 and stats["requests_failed"] == 0, stats
+    assert_one_more_item_fetched(vllm_server, fetched)  # vLLM's tower did not run: it fetched the clip's embedding
