@@ -241,6 +241,15 @@ class ServiceConfig:
         "upsampling), so it has a cache_namespace of its own. PNG, WebP, GIF and progressive, "
         "grayscale or CMYK JPEGs still decode with Pillow.",
         choices=tuple(IMAGE_DECODERS))
+    # auto, front-end, workers (preprocess/worker_decode.py)
+    decode_in: str = option("auto",
+        "where --decode pillow runs with --devices: workers: each device's worker process decodes "
+        "the JPEGs and PNGs of its own batches (the front end reads only their headers and checks "
+        "every limit), so decode capacity grows with the GPUs; front-end: the server process decodes "
+        "every image, as with one device; auto: workers when --devices starts worker processes. The "
+        "same decoder on the same bytes: embeddings and cache_namespace do not change. WebP, GIF and "
+        "the images the expensive-decode pool takes still decode in the front end.",
+        choices=("auto", "front-end", "workers"))
     # pyav, nvdec (preprocess/video_nvdec.py)
     video_decode: str = option("pyav",
         "pyav: clips decode on the CPU with FFmpeg (PyAV), the frames transformers' read_video_pyav "
@@ -258,15 +267,17 @@ class ServiceConfig:
         "request's key, which only the object's owner can read: no caller can have it write into "
         "another's region. off: every response on the stream.",
         choices=("off", "on"))
-    # processes that serve the gRPC port for this one (api/relay/process.py); 0 = this process serves it
-    grpc_processes: int = option(0,
+    # processes that serve the gRPC port for this one (api/relay/process.py); 0 = this process serves it;
+    # -1 = derived from --devices and the cores (_device_defaults)
+    grpc_processes: int = option(-1,
         "N > 0: N processes of their own serve the gRPC port (SO_REUSEPORT; TLS ends there) and "
         "relay each call to this process over a private unix socket; what this process writes "
         "for them goes through shared memory, so streaming the responses (gRPC copies and sends "
         "every message on one thread per process) runs in N processes instead of beside the "
         "decode, cache and batching. One cache, one batch queue, one set of metrics, as with 0. "
-        "Like vLLM's --api-server-count. Needs /dev/shm room for the responses in flight.",
-        at_least=0)
+        "Like vLLM's --api-server-count. Needs /dev/shm room for the responses in flight. -1: 0 "
+        "with one device; with --devices of several GPUs, 2 a GPU, at most a quarter of the cores.",
+        at_least=0, note="or -1: 2 a GPU with several --devices GPUs, else 0")
     # Security (README "Security"): every path empty = that feature off.
     # PEM certificate chain of the gRPC port; with tls_key
     tls_cert: str = option("",
@@ -366,7 +377,17 @@ class ServiceConfig:
 
     @property
     def worker_count(self) -> int:
-        """Devices served by this node (``--devices all`` counts as one until the workers start)."""
+        """Devices served by this node. ``--devices all``: the GPUs CUDA_VISIBLE_DEVICES names, else those the
+        driver lists (/proc/driver/nvidia/gpus; one where it lists none). Read without the CUDA runtime:
+        the server process never initialises it."""
+        if self.devices.strip() == "all":
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if visible is not None:
+                return max(1, len(device_entries(visible)))
+            try:
+                return max(1, len(os.listdir("/proc/driver/nvidia/gpus")))
+            except OSError:
+                return 1
         return max(1, len(device_entries(self.devices)))
 
     @property
@@ -415,6 +436,13 @@ class ServiceConfig:
         if self.devices:  # as the engine always chose (a blank --devices fails when the workers start)
             return OnWorkers(self.devices, kind="cuda" if self.device.startswith("cuda") else "cpu")
         return OnDevice(self.device)
+
+    @property
+    def decode_in_workers(self) -> bool:
+        """``--decode-in`` resolved: whether worker processes decode the front end's JPEGs and PNGs."""
+        return (self.decode_in == "workers"
+                or (self.decode_in == "auto" and bool(self.devices.strip())
+                    and not IMAGE_DECODERS[self.decode].on_device))
 
     @functools.cached_property
     def loading(self) -> LoadingConfig:
@@ -640,14 +668,18 @@ def _device_defaults(device: str, workers: int = 1) -> dict[str, int]:
     """A GPU encodes ~70 1008x1008 images/s: decoding them needs several threads (more with more
     GPUs), and 1 GiB would hold only ~110 of their embeddings. The CPU keeps small numbers."""
     if device == "cpu":
-        return {"cache_bytes": 1 * GiB, "preprocess_threads": 2, "video_decode_processes": 3}
+        return {"cache_bytes": 1 * GiB, "preprocess_threads": 2, "video_decode_processes": 3, "grpc_processes": 0}
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         ram = 64 * GiB
+    cores = os.cpu_count() or 2
     return {"cache_bytes": int(min(16 * GiB, ram // 4)),
-            "preprocess_threads": max(2, min(8 * workers, (os.cpu_count() or 2) - 2)),
-            "video_decode_processes": max(3, min(16 * workers, (os.cpu_count() or 2) // 2))}
+            "preprocess_threads": max(2, min(8 * workers, cores - 2)),
+            "video_decode_processes": max(3, min(16 * workers, cores // 2)),
+            # Streamed responses: one process copies and sends ~100-140 1008x1008 embeddings a second,
+            # less than two GPUs make (bench/RESULTS.md): with several, relays stream them.
+            "grpc_processes": min(2 * workers, cores // 4) if workers > 1 else 0}
 
 
 def device_entries(devices: str) -> list[str]:

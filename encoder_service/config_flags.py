@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import Field, fields
 
 from .config import ENV_PREFIX, ServiceConfig, check_devices
+from .preprocess.decoders import IMAGE_DECODERS
 
 
 def _flag(name: str) -> str:
@@ -72,6 +73,10 @@ def _check(c: ServiceConfig) -> None:
         if meta["above"] is not None and value <= meta["above"]:
             problems.append(f"{_flag(f.name)} must be > {meta['above']}{note}")
     problems.extend(check_devices(c.devices))
+    if c.decode_in == "workers" and not c.devices.strip():
+        problems.append("decode-in workers needs --devices: without it no worker process runs")
+    if c.decode_in == "workers" and IMAGE_DECODERS[c.decode].on_device:
+        problems.append(f"decode-in workers is where a CPU decoder runs; --decode {c.decode} decodes on the device")
     try:
         _ = c.cuda_graph_budgets
     except ValueError as exc:

@@ -31,6 +31,7 @@ from ..models.base import validate_grid
 from ..models.served import ServedModel
 from ..preprocess import decode
 from ..preprocess.staged import StagedInput, check_patch_bytes
+from ..preprocess.worker_decode import EncodedImage, decoding_in_workers
 from .admission import Admission
 from .batch_queue import BatchQueue, WorkItem
 from .cache import CacheEntry, EmbeddingCache
@@ -98,6 +99,8 @@ class Engine:
         forwards; returns the warm-up seconds (the slowest worker's)."""
         self.front, warmup_s = await self.devices.start(self._queue, self._on_batch_start, self._on_batch_done,
                                                         self._update_serving)
+        if self.config.decode_in_workers and isinstance(self.devices, WorkerProcesses):
+            self.front = decoding_in_workers(self.front, self.config.max_decode_seconds)
         self.namespace = self.front.cache_namespace
         self._set_pixel_limits()
         d = self.describe()
@@ -296,7 +299,9 @@ class Engine:
             job.prepared.set_exception(detached(exc))
             return
         job.timing.preprocess_ms = (time.perf_counter() - started) * 1000.0
-        if image.kind == "encoded":
+        if isinstance(payload, EncodedImage):
+            pass  # its decode is still to come, in a worker: observed with its batch (_on_batch_done)
+        elif image.kind == "encoded":
             self.metrics.preprocess_seconds.observe(job.timing.preprocess_ms / 1000.0)
         elif job.clip is not None:
             self.metrics.video_decode_seconds.observe(job.timing.preprocess_ms / 1000.0)
@@ -397,6 +402,9 @@ class Engine:
             embedding: torch.Tensor | None = next(embeddings) if error is None else None
             if job.state in (JobState.FAILED, JobState.ABANDONED):  # another part of this clip failed, or nobody waits
                 continue
+            if isinstance(item.payload, EncodedImage):  # its decode ran in the worker, before the forward
+                job.timing.preprocess_ms += outcome.host_decode_s * 1000.0
+                m.preprocess_seconds.observe(job.timing.preprocess_ms / 1000.0)
             # A clip split over forwards: the forwards of its parts together.
             job.timing.forward_ms = forward_ms + (job.timing.forward_ms if job.parts.split else 0.0)
             if error is None:

@@ -32,10 +32,11 @@ def copy_bytes(dst, src) -> None:
 
 
 def describe(offset: int, payload) -> tuple:
-    """One input (decoded image, a clip's frames, a JPEG file to decode on the device, or client patches) at
-    ``offset`` of the input buffer, as a tuple."""
+    """One input (decoded image, a clip's frames, a JPEG file to decode on the device, an image file the
+    worker decodes, or client patches) at ``offset`` of the input buffer, as a tuple."""
     from ..preprocess.nvjpeg import JpegImage
     from ..preprocess.staged import DecodedClip, DecodedImage
+    from ..preprocess.worker_decode import EncodedImage
 
     if isinstance(payload, DecodedImage):
         return ("image", offset, payload.nbytes, payload.pixels.shape, payload.resize_to, payload.pad_to,
@@ -45,6 +46,9 @@ def describe(offset: int, payload) -> tuple:
     if isinstance(payload, JpegImage):
         return ("jpeg", offset, payload.nbytes, payload.orientation, payload.size, payload.resize_to,
                 payload.pad_to, payload.grid)
+    if isinstance(payload, EncodedImage):
+        return ("encoded", offset, payload.nbytes, payload.resize_to, payload.pad_to, payload.grid,
+                payload.max_image_pixels, payload.decode_seconds)
     return ("patches", offset, payload.nbytes, payload.dtype, payload.grid)
 
 
@@ -52,6 +56,7 @@ def rebuild(buffer: SharedBuffer, described: tuple):
     """The worker's side of ``describe``: the input as a view of the shared buffer (no copy)."""
     from ..preprocess.nvjpeg import JpegImage
     from ..preprocess.staged import DecodedClip, DecodedImage, RawPatches
+    from ..preprocess.worker_decode import EncodedImage
 
     if described[0] == "image":
         _, offset, nbytes, shape, resize_to, pad_to, grid = described
@@ -67,6 +72,10 @@ def rebuild(buffer: SharedBuffer, described: tuple):
         _, offset, nbytes, orientation, size, resize_to, pad_to, grid = described
         return JpegImage(memoryview(buffer.view(offset, nbytes)), orientation, tuple(size), tuple(resize_to),
                          tuple(pad_to), tuple(grid))
+    if described[0] == "encoded":  # decoded by the worker before its batch launches (the slot is not reused)
+        _, offset, nbytes, resize_to, pad_to, grid, max_image_pixels, seconds = described
+        return EncodedImage(memoryview(buffer.view(offset, nbytes)), tuple(resize_to), tuple(pad_to), tuple(grid),
+                            max_image_pixels, seconds)
     _, offset, nbytes, dtype, grid = described
     return RawPatches(memoryview(buffer.view(offset, nbytes)), dtype, tuple(grid))
 

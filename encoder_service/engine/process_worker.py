@@ -1,13 +1,14 @@
 """A device worker in its own process: one per device of ``--devices``.
 
-The front end (event loop, decode, hashing, cache, admission) stays in the server's process and
-never initialises CUDA. Each ``WorkerProcess`` is a thread of the front end that pulls batches from
-the shared ``BatchQueue`` whenever its worker has room (at most two batches in flight, one on the
-device and the next one staged), so the least busy device takes the next batch. It writes the
-batch's uint8 pixels (or client patch bytes, or JPEG files with ``--decode nvjpeg``) into shared
-memory, sends their layout over a pipe, and copies the embeddings back out of shared memory when
-the worker answers (images its device could not decode fail alone). Only CPU memory and plain
-Python objects cross the boundary.
+The front end (event loop, image headers, hashing, cache, admission) stays in the server's process
+and never initialises CUDA. Each ``WorkerProcess`` is a thread of the front end that pulls batches
+from the shared ``BatchQueue`` whenever its worker has room (at most two batches in flight, one on
+the device and the next one staged), so the least busy device takes the next batch. It writes the
+batch's inputs into shared memory (JPEG and PNG files, which the worker decodes: see
+preprocess/worker_decode.py; uint8 pixels the front end decoded; clips' frames; client patch bytes),
+sends their layout over a pipe, and copies the embeddings back out of shared memory when the worker
+answers (images the worker could not decode fail alone). Only CPU memory and plain Python objects
+cross the boundary.
 
 The child (worker_child.py), started with spawn, loads the model on its device (the only device it
 can see: ``CUDA_VISIBLE_DEVICES`` is set to it, so no stray context lands on another GPU), runs
@@ -252,13 +253,13 @@ class WorkerProcess(BatchThread):
 
     def _deliver(self, entry: tuple[int, int, list[WorkItem], float], msg: tuple) -> None:
         _, slot, batch, started = entry
-        _, _, forward_s, preprocess_s, self.memory, failed = msg
+        _, _, forward_s, preprocess_s, self.memory, failed, decode_s = msg
         # Images the worker's device could not decode fail alone, as in-process (worker.py).
         rest = [item for index, item in enumerate(batch) if index not in failed]
         # Its output slot is written again only by the batch three after it: not yet sent.
         embeddings = copy_out(self._out[slot], rest, self.front) if rest else []
         self._post(self._on_batch_done, BatchOutcome(batch, embeddings, None, started, forward_s if rest else 0.0,
-                                                     self.device.label, preprocess_s, failed))
+                                                     self.device.label, preprocess_s, failed, decode_s))
 
     def _fail(self, batch: list[WorkItem], started: float, error: BaseException) -> None:
         self._post(self._on_batch_done, BatchOutcome(batch, None, error, started, time.perf_counter() - started,

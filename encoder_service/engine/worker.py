@@ -46,6 +46,9 @@ class BatchOutcome:
     # Items that failed alone before the forward (a JPEG the device could not decode), by their
     # index in items: their batch mates ran without them.
     item_errors: dict[int, BaseException] = field(default_factory=dict)
+    # The worker process's decode of the image files the front end handed on (preprocess/worker_decode.py):
+    # wall seconds for the batch, before its forward.
+    host_decode_s: float = 0.0
 
     @property
     def ran(self) -> list[WorkItem]:

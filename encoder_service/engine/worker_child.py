@@ -12,6 +12,7 @@ import pickle
 import signal
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
@@ -19,6 +20,7 @@ from multiprocessing.reduction import recv_handle
 from ..config import LoadingConfig
 from ..errors import InvalidInput
 from ..models.served import ServedModel
+from ..preprocess.worker_decode import decode_encoded
 from .handoff import IN_FLIGHT, POLL_S, rebuild
 from .shared_buffer import SharedBuffer
 from .worker import launch_decodable
@@ -51,8 +53,12 @@ def child_main(conn: Connection, config: LoadingConfig, device: str, label: str,
         with contextlib.suppress(Exception):
             conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(("ready", model.front(), warmup_s))
-    _ChildLoop(conn, model).run()
+    front = model.front()
+    conn.send(("ready", front, warmup_s))
+    # The images the front end hands on undecoded (preprocess/worker_decode.py) decode on these threads
+    # while the device runs the batch before: this process's share of the host's cores.
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="decode") as decodes:
+        _ChildLoop(conn, model, front.decoder, decodes).run()
     # Interpreter teardown would only make the cuDNN frontend's nanobind module print hundreds of
     # "leaked instance" lines (its objects live in module caches): everything is answered, leave.
     logging.shutdown()
@@ -68,17 +74,20 @@ class _Launched:
     slot: int
     out_bytes: int  # the embedding bytes of the images launched (those that decoded)
     pending: object | None = None  # the model's PendingEmbeddings
-    failed: dict[int, Exception] = field(default_factory=dict)  # images the device could not decode
+    failed: dict[int, Exception] = field(default_factory=dict)  # images this process or its device could not decode
     error: Exception | None = None  # the whole batch failed
+    decode_s: float = 0.0  # the host decode of the images the front end handed on undecoded
 
     def ready(self) -> bool:
         return self.pending is None or self.pending.ready()
 
 
 class _ChildLoop:
-    def __init__(self, conn: Connection, model: ServedModel) -> None:
+    def __init__(self, conn: Connection, model: ServedModel, decoder: Callable, decodes: Executor) -> None:
         self.conn = conn
         self.model = model
+        self.decoder = decoder  # the family's CPU decoder, for images handed on undecoded
+        self.decodes = decodes
         self.buffers: dict[tuple[str, int], SharedBuffer] = {}
 
     def _next_message(self, pending: deque[_Launched]) -> tuple | None:
@@ -122,14 +131,19 @@ class _ChildLoop:
         _, seq, slot, described, out_sizes = msg
         try:
             inputs = [rebuild(self.buffers[("in", slot)], d) for d in described]
+            # Image files decode here first (the batch ahead runs on the device meanwhile); one that
+            # fails is left out and fails alone.
+            inputs, failed, decode_s = decode_encoded(inputs, self.decoder, self.decodes)
+            kept = [index for index in range(len(inputs)) if index not in failed]
             # Host bytes are copied into the model's staging buffer (or read, on the CPU; JPEGs are
             # decoded) before this returns: the input slot is free for the batch after next from here on.
-            batch, failed = launch_decodable(self.model, inputs)
+            batch, on_device = launch_decodable(self.model, [inputs[i] for i in kept]) if kept else (None, {})
+            failed.update({kept[position]: error for position, error in on_device.items()})
         except Exception as exc:
             # Answered in its turn, after the batch ahead of it: never out of order.
             return _Launched(seq, slot, 0, error=exc)
         out_bytes = sum(size for index, size in enumerate(out_sizes) if index not in failed)
-        return _Launched(seq, slot, out_bytes, batch, failed)
+        return _Launched(seq, slot, out_bytes, batch, failed, decode_s=decode_s)
 
     def _finish(self, entry: _Launched) -> None:
         if entry.error is not None:
@@ -152,7 +166,7 @@ class _ChildLoop:
                 preprocess_s = entry.pending.device_preprocess_seconds()
             failed = {index: _portable(error) for index, error in entry.failed.items()}
             self.conn.send(("done", entry.seq, device_s if device_s is not None else 0.0, preprocess_s,
-                            _device_memory(self.model), failed))
+                            _device_memory(self.model), failed, entry.decode_s))
         except Exception as exc:
             self._send_error(entry.seq, exc)
 

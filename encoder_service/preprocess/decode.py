@@ -22,6 +22,7 @@ import threading
 import time
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
@@ -81,6 +82,7 @@ DECODE_BYTES_PER_LIMIT_PIXEL = 12
 
 # What Pillow raises from a header or a pixel stream it cannot parse. zlib/struct errors escape
 # some plugins unwrapped; EOFError comes from GIF/WebP frame readers.
+_ORIENTATION_TAG = 0x0112  # EXIF Orientation
 _PIL_PARSE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, struct.error, zlib.error)
 
 
@@ -284,6 +286,12 @@ def decode_budget(seconds: float | None, expensive_pixels: int | None = None) ->
         _budget.seconds, _budget.expensive_pixels = previous
 
 
+def routing_expensive() -> bool:
+    """Whether this thread's ``decode_budget`` sends expensive images elsewhere: the ordinary decode
+    threads' budget (the expensive pool's decodes everything it is given)."""
+    return getattr(_budget, "expensive_pixels", None) is not None
+
+
 def _route(pixels: int, scans: int) -> None:
     """Raises ExpensiveImage where the thread's ``decode_budget`` sends expensive images elsewhere."""
     expensive_pixels = getattr(_budget, "expensive_pixels", None)
@@ -330,6 +338,82 @@ def open_image(data: bytes, max_image_pixels: int | None) -> Image.Image:
     ``MAX_JPEG_SCANS`` scans, and when the decode outlasts its ``decode_budget``; ExpensiveImage
     where the ``decode_budget`` sends expensive images elsewhere.
     """
+    image = _opened(data, max_image_pixels)
+    try:
+        image.load()
+    except Image.DecompressionBombError as e:
+        raise ResourceExhausted(f"image is over the pixel limit: {e}") from None
+    except _PIL_PARSE_ERRORS as e:
+        raise InvalidInput(f"image data is truncated or corrupt: {type(e).__name__}: {e}") from None
+
+    try:
+        # in_place: no orientation tag (the usual case) must not cost a copy of the pixels.
+        ImageOps.exif_transpose(image, in_place=True)
+    except _PIL_PARSE_ERRORS as e:
+        raise InvalidInput(f"image has malformed EXIF metadata: {type(e).__name__}: {e}") from None
+    return image
+
+
+@dataclass(frozen=True)
+class Header:
+    """What an image's header says, every limit of ``open_image`` checked: its format and its size as
+    displayed (after the EXIF orientation)."""
+
+    format: str
+    height: int
+    width: int
+
+
+def read_header(data: bytes, max_image_pixels: int | None) -> Header | None:
+    """The header of a JPEG or PNG, with every check ``open_image`` makes before it decodes a pixel
+    (same errors, ``ExpensiveImage`` included), and no pixel decoded; None for other formats, and for
+    a PNG that may carry its orientation after its pixels (an eXIf chunk after IDAT: Pillow reads it
+    only while decoding), whose displayed size only the decode can tell."""
+    if data[:2] != b"\xff\xd8" and data[:8] != b"\x89PNG\r\n\x1a\n":
+        return None
+    if data[:1] == b"\x89" and _png_exif_after_pixels(data):
+        return None
+    image = _opened(data, max_image_pixels)
+    if image.format not in ("JPEG", "PNG", "MPO"):
+        return None
+    orientation = 1
+    # A JPEG's EXIF is in its header (APP1); a PNG's only where it comes before the pixels (a later one
+    # was ruled out above; asking Pillow for a PNG's EXIF when its header had none would decode it).
+    if image.format != "PNG" or "exif" in image.info:
+        try:
+            orientation = image.getexif().get(_ORIENTATION_TAG, 1)
+        except _PIL_PARSE_ERRORS as e:
+            raise InvalidInput(f"image has malformed EXIF metadata: {type(e).__name__}: {e}") from None
+    width, height = image.size
+    if orientation in (5, 6, 7, 8):  # a quarter turn (exif_transpose): the sides swap
+        width, height = height, width
+    return Header(image.format, height, width)
+
+
+_MAX_PNG_CHUNKS_WALKED = 4096  # a real PNG has a few dozen to a few hundred (IDAT in 8-64 KB chunks)
+
+
+def _png_exif_after_pixels(data: bytes) -> bool:
+    """Whether a PNG may hold an eXIf chunk after its first IDAT: its chunk headers walked by their
+    lengths (searching the whole file for the four letters cost 7 ms for 9 MB). True too where the walk
+    cannot tell (more chunks than ``_MAX_PNG_CHUNKS_WALKED``, or a length past the end)."""
+    offset, seen_pixels = 8, False
+    for _ in range(_MAX_PNG_CHUNKS_WALKED):
+        if offset + 8 > len(data):
+            return True
+        length, kind = int.from_bytes(data[offset:offset + 4], "big"), data[offset + 4:offset + 8]
+        if kind == b"IEND":
+            return False
+        if kind == b"IDAT":
+            seen_pixels = True
+        elif kind == b"eXIf" and seen_pixels:
+            return True
+        offset += 12 + length  # length, type, data, CRC
+    return True
+
+
+def _opened(data: bytes, max_image_pixels: int | None) -> Image.Image:
+    """Pillow's image of ``data`` with its header parsed and every limit checked; no pixel decoded."""
     if ImageFile.LOAD_TRUNCATED_IMAGES:
         # With this flag Pillow silently pads a truncated image with black and we would encode
         # (and cache) garbage. Someone in the process turned it on; fail loudly, not wrongly.
@@ -367,19 +451,6 @@ def open_image(data: bytes, max_image_pixels: int | None) -> Image.Image:
     if webp is None:
         _check_memory(image.format, *image.size, _bytes_per_pixel(image), limit)
         _route(image.width * image.height, scans)
-
-    try:
-        image.load()
-    except Image.DecompressionBombError as e:
-        raise ResourceExhausted(f"image is over the pixel limit: {e}") from None
-    except _PIL_PARSE_ERRORS as e:
-        raise InvalidInput(f"image data is truncated or corrupt: {type(e).__name__}: {e}") from None
-
-    try:
-        # in_place: no orientation tag (the usual case) must not cost a copy of the pixels.
-        ImageOps.exif_transpose(image, in_place=True)
-    except _PIL_PARSE_ERRORS as e:
-        raise InvalidInput(f"image has malformed EXIF metadata: {type(e).__name__}: {e}") from None
     return image
 
 
