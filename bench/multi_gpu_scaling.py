@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from encoder_service.benchmarks.report import forward_totals, forward_under_load  # noqa: E402
-from encoder_service.benchmarks.service import split_serve_args, start_server, stop_process  # noqa: E402
+from encoder_service.benchmarks.service import children_cpu, split_serve_args, start_server, stop_process  # noqa: E402
 from encoder_service.benchmarks.service_clients import SHM, drive, make_images  # noqa: E402
 
 
@@ -74,6 +74,38 @@ def profile(pid: int, stem: Path) -> None:
                        stderr=subprocess.DEVNULL, timeout=60)
 
 
+def images_by_device(args) -> dict[str, float]:
+    """Images each device ran so far (``encoder_service_batch_images_sum{device}``), from /metrics."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{args.metrics_port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {sample.labels["device"]: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == "encoder_service_batch_images_sum"}
+
+
+def cpu_by_process(before: dict, after: dict, log_text: str) -> dict:
+    """Over the measured window: each worker's CPU per image it ran, and the relays' (every other child
+    of the server: --grpc-processes) per image of the node."""
+    workers = {int(pid): label for label, pid in re.findall(r"worker on (\S+) \(pid (\d+)\)", log_text)}
+    images = after["images"] - before["images"]
+    out: dict = {"worker_cpu_ms_per_image": {}}
+    relays = 0.0
+    for pid, seconds in after["children"].items():
+        spent = seconds - before["children"].get(pid, 0.0)
+        if pid in workers:
+            label = workers[pid]
+            ran = after["by_device"].get(label, 0.0) - before["by_device"].get(label, 0.0)
+            out["worker_cpu_ms_per_image"][label] = 1000 * spent / ran if ran else None
+        else:
+            relays += spent
+    if images:
+        out["relays_cpu_ms_per_image"] = 1000 * relays / images
+    return out
+
+
 def run_setup(devices: str, images: list[bytes], args) -> dict:
     # "in-process": the one-device server without worker processes (--device cuda), for comparison.
     args.serve_args = [*args.extra] if devices == "in-process" else ["--devices", devices, *args.extra]
@@ -97,14 +129,18 @@ def run_setup(devices: str, images: list[bytes], args) -> dict:
     looker.start()
     try:
         result = drive(target, args.concurrency, images, args, warmup=2, transport=args.transport,
-                       sample=lambda: forward_totals(args))
+                       sample=lambda: {**forward_totals(args), "children": children_cpu(proc.pid),
+                                       "by_device": images_by_device(args)})
     finally:
         looker.join()
         stop_process(proc)
     window = result.pop("window", {})
     # Over the measured window: the front-end process's own CPU per image (the workers are other
     # processes), and the devices' forward time per image summed over devices.
-    result.update(forward_under_load(window.get("before"), window.get("after")))
+    before, after = window.get("before"), window.get("after")
+    result.update(forward_under_load(before, after))
+    if before and after:
+        result.update(cpu_by_process(before, after, log_path.read_text()))
     result["devices"] = devices
     result["gpu_processes"] = snapshot
     return result
@@ -158,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
               f"  p50 {r.get('latency_p50_ms', 0):.0f} ms p99 {r.get('latency_p99_ms', 0):.0f} ms  server p50: "
               f"queue {r.get('server_queue_ms_p50', 0):.1f} preprocess {r.get('server_preprocess_ms_p50', 0):.1f} "
               f"forward {r.get('server_forward_ms_p50', 0):.1f} ms; front-end CPU "
-              f"{r.get('server_cpu_ms_per_image', 0):.1f} ms an image, clients' CPU "
+              f"{r.get('server_cpu_ms_per_image', 0):.1f} ms an image, relays "
+              f"{r.get('relays_cpu_ms_per_image', 0):.1f}, workers "
+              f"{r.get('worker_cpu_ms_per_image', {})}, clients' CPU "
               f"{r.get('client_cpu_ms_per_image', 0):.1f} ms an image", flush=True)
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))

@@ -135,7 +135,12 @@ def start_server(args, log_path: Path) -> tuple[subprocess.Popen, str]:
 def children_cpu_seconds(pid: int) -> float:
     """CPU seconds of ``pid``'s live child processes (its relays with --grpc-processes, its device
     workers with --devices), from /proc; 0 where there is no /proc."""
-    total, tick = 0.0, os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    return sum(children_cpu(pid).values())
+
+
+def children_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds of each of ``pid``'s live child processes, by pid, from /proc; {} where there is none."""
+    found, tick = {}, os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
         if not entry.isdigit():
             continue
@@ -145,8 +150,8 @@ def children_cpu_seconds(pid: int) -> float:
         except OSError:
             continue
         if int(fields[1]) == pid:  # fields after the name: state, ppid, ..., utime (12), stime (13)
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+            found[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    return found
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
