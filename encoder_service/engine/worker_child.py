@@ -39,8 +39,12 @@ def child_main(conn: Connection, config: LoadingConfig, device: str, label: str,
     try:
         import torch
 
-        if device == "cpu":
-            torch.set_num_threads(max(1, threads))
+        # On the CPU the forward runs on this process's share of the cores. On a GPU the host's torch work
+        # is copying embeddings into the shared buffer: with torch's default intra-op pool (every core)
+        # those copies woke OpenMP threads that then spin-wait, in every worker: on a 64-core host with 4
+        # GPUs each worker burned 240-310 ms of CPU an image that way, starving the decode threads of all
+        # of them (bench/RESULTS.md). One thread copies at memory speed.
+        torch.set_num_threads(max(1, threads) if device == "cpu" else 1)
         if setup is not None:
             setup()
         from .loading import load_model
