@@ -7,17 +7,21 @@ image processor; pixels bounded to 56*56 .. 112*112 so an image is at most 16 to
 chat template, and the model saved with ``save_pretrained``. The text model's head_dim is 64: vLLM's
 CPU attention kernels refuse smaller ones.
 
-``engine PATH [EC_TRANSFER_CONFIG_JSON]``: one ``vllm.LLM`` (V1 engine, on the CPU, the engine core
-in this process), then JSON commands on stdin, one answer per line on stdout after a line @@READY (answer
+``engine PATH [EC_TRANSFER_CONFIG_JSON|null] [ENGINE_KWARGS_JSON]``: one ``vllm.LLM`` (V1 engine, on the CPU,
+the engine core in this process; ENGINE_KWARGS: more ``LLM`` arguments, e.g. the engine's
+``mm_processor_kwargs``), then JSON commands on stdin, one answer per line on stdout after a line @@READY (answer
 lines start with @@, anything else there is vLLM's log):
   {"op": "generate", "requests": [{"images": [[png_base64, uuid or null], ...],
-                                   "videos": [[[frame_png_base64, ...], uuid or null], ...]}, ...], "max_tokens": N}
-      greedy, top-5 logprobs; each request's tokens, logprobs and finish reason (a video: its frames as
-      one uint8 [T, H, W, 3] array with metadata at fps 2, which vLLM's processor takes as they are:
-      no loader, no sampling)
+                                   "videos": [[[frame_png_base64, ...], uuid or null], ...]}, ...], "max_tokens": N,
+   "mm_processor_kwargs": {...} or absent}
+      greedy, top-5 logprobs; each request's tokens, logprobs, finish reason and prompt length in tokens
+      (a video: its frames as one uint8 [T, H, W, 3] array with metadata at fps 2, which vLLM's processor
+      takes as they are: no loader, no sampling unless the request's mm_processor_kwargs ask it to)
   {"op": "chat", "messages": [...], "max_tokens": N}
       ``LLM.chat`` of OpenAI-style messages (a clip as a ``video_url`` data URL of its container, which
       vLLM's own loader decodes and samples), greedy, top-5 logprobs; the answer as for generate
+  {"op": "mm_hash", "uuid": ..., "mm_processor_kwargs": {...}}  the key vLLM's own hasher gives a video item
+      of that uuid in a request with those kwargs
   {"op": "tower_calls"}  how often the model's vision tower (``model.visual``) has run, counted by a
       forward hook put on through ``LLM.apply_model``
   {"op": "stats"}        the "EC Transfer metrics" line vLLM's own stat logger logs now
@@ -114,7 +118,7 @@ def _video(frames: list, fps: float = 2.0):
                               "do_sample_frames": False}
 
 
-def engine(path: str, ec_transfer_config: str | None) -> None:
+def engine(path: str, ec_transfer_config: str | None, engine_kwargs: str | None = None) -> None:
     import numpy as np
     from PIL import Image
     from vllm import LLM
@@ -122,8 +126,9 @@ def engine(path: str, ec_transfer_config: str | None) -> None:
     kwargs = {"model": path, "dtype": "float32", "max_model_len": 1024, "max_num_seqs": 4, "enforce_eager": True,
               "seed": 0, "limit_mm_per_prompt": {"image": 2, "video": 1}, "mm_processor_cache_gb": 0,
               "disable_log_stats": False}
-    if ec_transfer_config:
+    if ec_transfer_config and json.loads(ec_transfer_config):
         kwargs["ec_transfer_config"] = json.loads(ec_transfer_config)
+    kwargs |= json.loads(engine_kwargs or "{}")
     llm = LLM(**kwargs)
     metrics = _MetricsLines()
     logging.getLogger("vllm").addHandler(metrics)
@@ -140,6 +145,8 @@ def engine(path: str, ec_transfer_config: str | None) -> None:
                                   for png in frames], command.get("video_fps", 2.0))
                           for frames, _ in req.get("videos", [])]
                 prompt = {"prompt": PROMPT_HEAD + IMAGE * len(images) + VIDEO * len(videos) + PROMPT_TAIL}
+                if command.get("mm_processor_kwargs"):  # the request's own (vLLM hashes every uuid with them)
+                    prompt["mm_processor_kwargs"] = command["mm_processor_kwargs"]
                 data, uuids = {}, {}
                 for modality, items, given in (("image", images, req["images"]),
                                                ("video", videos, req.get("videos", []))):
@@ -155,6 +162,15 @@ def engine(path: str, ec_transfer_config: str | None) -> None:
             answer = _answers(llm.generate(prompts, _greedy(command), use_tqdm=False))
         elif command["op"] == "chat":
             answer = _answers(llm.chat(command["messages"], _greedy(command), use_tqdm=False))
+        elif command["op"] == "mm_hash":
+            # vLLM's key for a video item given with a uuid and a request's mm_processor_kwargs, by its own
+            # hasher, with this engine's model id and hash algorithm (multimodal/processing/inputs.py)
+            from vllm.multimodal.hasher import MultiModalHasher
+
+            config = llm.llm_engine.model_config
+            answer = MultiModalHasher.hash_kwargs(config.get_multimodal_config().mm_hasher_algorithm,
+                                                  model_id=config.model, video=command["uuid"],
+                                                  mm_processor_kwargs=command["mm_processor_kwargs"])
         elif command["op"] == "tower_calls":
             answer = llm.apply_model(lambda model: model.visual._test_calls)
         elif command["op"] == "stats":
@@ -176,6 +192,7 @@ def _answers(results) -> list[dict]:
     for result in results:
         completion = result.outputs[0]
         answer.append({"tokens": list(completion.token_ids), "finish_reason": completion.finish_reason,
+                       "prompt_tokens": len(result.prompt_token_ids or []),
                        "logprobs": [{str(k): v.logprob for k, v in step.items()}
                                     for step in (completion.logprobs or [])]})
     return answer
@@ -185,4 +202,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "build":
         build(sys.argv[2], int(sys.argv[4]) if len(sys.argv) > 4 else 7)
     else:
-        engine(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)
+        engine(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None, sys.argv[4] if len(sys.argv) > 4 else None)

@@ -126,9 +126,5 @@ def content_hash(image: ImageInput, cache_namespace: str) -> str:
 
 def video_hash(cache_namespace: str, video: encoder_pb2.Video) -> str:
     """The content hash of a clip as the server computes it (``hashing.hash_video``)."""
-    s = video.sampling
-    key = hashing.sampling_key(s.reference, s.fps, s.num_frames, s.min_frames, s.max_frames, s.min_pixels,
-                               s.max_pixels, s.all_frames,
-                               s.cap_pixels_per_frame if s.HasField("cap_pixels_per_frame") else None)
-    return hashing.hash_video(cache_namespace, key, encoded=video.encoded, frames=list(video.frames),
-                              frames_fps=video.frames_fps)
+    return hashing.hash_video(cache_namespace, hashing.wire_sampling_key(video.sampling), encoded=video.encoded,
+                              frames=list(video.frames), frames_fps=video.frames_fps)

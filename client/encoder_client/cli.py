@@ -39,7 +39,14 @@ def _input(path: Path, args: argparse.Namespace) -> bytes | Video:
     return Video(data, fps=args.fps, num_frames=args.num_frames, min_frames=args.min_frames,
                  max_frames=args.max_frames, min_pixels=args.min_pixels, max_pixels=args.max_pixels,
                  reference=args.video_reference, all_frames=args.all_frames,
-                 cap_pixels_per_frame=None if args.cap_pixels_per_frame is None else args.cap_pixels_per_frame == "on")
+                 cap_pixels_per_frame=_on_off(args.cap_pixels_per_frame), processor_fps=args.processor_fps,
+                 processor_num_frames=args.processor_num_frames,
+                 processor_do_sample_frames=_on_off(args.processor_do_sample_frames))
+
+
+def _on_off(value: str | None) -> bool | None:
+    """An on|off flag's value: None where it is not given (the model's or vLLM's own)."""
+    return None if value is None else value == "on"
 
 
 def _encode(args: argparse.Namespace, client: EncoderClient | RoutingEncoderClient) -> int:
@@ -170,6 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "the four above)")
     p.add_argument("--cap-pixels-per-frame", choices=["on", "off"], default=None,
                    help="clips: the processor's per-frame pixel cap (default: the model's setting)")
+    p.add_argument("--processor-fps", type=float, default=None,
+                   help="clips, --video-reference vllm: vLLM's processor-level fps (a request's "
+                        "mm_processor_kwargs fps; the settings above are its loader's)")
+    p.add_argument("--processor-num-frames", type=int, default=None,
+                   help="clips, --video-reference vllm: vLLM's processor-level frame count (mm_processor_kwargs)")
+    p.add_argument("--processor-do-sample-frames", choices=["on", "off"], default=None,
+                   help="clips, --video-reference vllm: whether vLLM's processor samples again (mm_processor_kwargs' "
+                        "do_sample_frames; default: what vLLM sets)")
     p.add_argument("--video-reference", choices=SAMPLING_REFERENCES, default=SAMPLING_REFERENCES[0],
                    help=f"clips: whose frame sampling to equal (default {SAMPLING_REFERENCES[0]}; vllm for an encoder "
                         "feeding vLLM)")

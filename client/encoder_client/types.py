@@ -61,6 +61,12 @@ class Video:
     frames_fps: float | None = None
     all_frames: bool = False  # every frame, none sampled (transformers' do_sample_frames=False)
     cap_pixels_per_frame: bool | None = None  # the processor's per-frame pixel cap; None: the model's setting
+    # With reference="vllm" only: vLLM's HF-processor level, a request's mm_processor_kwargs (fps,
+    # num_frames, do_sample_frames), which samples again from the frames vLLM's loader kept (the settings
+    # above are the loader's); None: not given.
+    processor_fps: float | None = None
+    processor_num_frames: int | None = None
+    processor_do_sample_frames: bool | None = None
 
     def to_proto(self) -> encoder_pb2.Video:
         if (self.data_or_path is None) == (self.frames is None):
@@ -69,7 +75,8 @@ class Video:
             raise ValueError(f"Video: {FPS_XOR_NUM_FRAMES}")
         if self.all_frames and any(getattr(self, n) is not None for n in SAMPLES):
             raise ValueError(f"Video: {ALL_FRAMES_ALONE}")
-        for name in ("fps", "num_frames", "min_frames", "max_frames", "min_pixels", "max_pixels", "frames_fps"):
+        for name in ("fps", "num_frames", "min_frames", "max_frames", "min_pixels", "max_pixels", "frames_fps",
+                     "processor_fps", "processor_num_frames"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"Video: {name} must be > 0, got {value!r}")
@@ -79,6 +86,10 @@ class Video:
             min_pixels=self.min_pixels or 0, max_pixels=self.max_pixels or 0, all_frames=bool(self.all_frames))
         if self.cap_pixels_per_frame is not None:
             sampling.cap_pixels_per_frame = bool(self.cap_pixels_per_frame)
+        sampling.processor_fps = self.processor_fps or 0.0
+        sampling.processor_num_frames = self.processor_num_frames or 0
+        if self.processor_do_sample_frames is not None:
+            sampling.processor_do_sample_frames = bool(self.processor_do_sample_frames)
         if self.frames is not None:
             return encoder_pb2.Video(frames=[bytes(f) for f in self.frames], sampling=sampling,
                                      frames_fps=self.frames_fps or 0.0)

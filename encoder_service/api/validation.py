@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from encoder_client.protocol import BY_NAME, encoder_pb2, sampling_key
+from encoder_client.protocol import BY_NAME, encoder_pb2, wire_sampling_key
 
 from ..config import chunk_budget
 from ..engine import Engine, ImageInput
@@ -122,13 +122,18 @@ def _parse_video(index: int, video: encoder_pb2.Video) -> ImageInput:
             raise InvalidInput(f"video {name} must be a finite number >= 0 (0: the default), got {value}")
     if s.min_frames and s.max_frames and s.min_frames > s.max_frames:
         raise InvalidInput(f"video.sampling.min_frames {s.min_frames} is above max_frames {s.max_frames}")
+    if not math.isfinite(s.processor_fps) or s.processor_fps < 0:
+        raise InvalidInput(f"video processor_fps must be a finite number >= 0 (0: not given), got {s.processor_fps}")
     cap = s.cap_pixels_per_frame if s.HasField("cap_pixels_per_frame") else None
     sampling = VideoSampling(reference=reference, fps=s.fps or None, num_frames=s.num_frames or None,
                              min_frames=s.min_frames or None, max_frames=s.max_frames or None,
                              min_pixels=s.min_pixels or None, max_pixels=s.max_pixels or None,
-                             all_frames=s.all_frames, cap_pixels_per_frame=cap)
-    key = sampling_key(s.reference, s.fps, s.num_frames, s.min_frames, s.max_frames, s.min_pixels, s.max_pixels,
-                       s.all_frames, cap)
+                             all_frames=s.all_frames, cap_pixels_per_frame=cap,
+                             processor_fps=s.processor_fps or None,
+                             processor_num_frames=s.processor_num_frames or None,
+                             processor_do_sample_frames=(s.processor_do_sample_frames
+                                                         if s.HasField("processor_do_sample_frames") else None))
+    key = wire_sampling_key(s)
     clip = VideoInput(sampling=sampling, sampling_key=key, encoded=video.encoded, frames=tuple(video.frames),
                       frames_fps=video.frames_fps if video.frames else 0.0)
     return ImageInput(index=index, kind="video", video=clip)

@@ -19,7 +19,7 @@ from ..preprocess.decoders import VIDEO_DEFAULT, video_decoder
 from ..preprocess.settings import check_patch_layout
 from ..preprocess.staged import DecodedClip
 from ..preprocess.video_decode import VideoLimits
-from ..preprocess.video_sampling import REFERENCES, SAMPLES, ClipFacts, VideoSampling
+from ..preprocess.video_sampling import PROCESSOR_SAMPLES, REFERENCES, SAMPLES, ClipFacts, VideoSampling
 from .spec import Grid
 
 
@@ -47,20 +47,29 @@ class VideoFront:
     process: Callable[..., tuple[np.ndarray, Grid, Sequence[int]]]
     references: tuple[str, ...] = REFERENCES
     pixel_bounds: bool = True  # whether a request's min_pixels / max_pixels apply (Kimi-K2.5: no)
+    # whether vLLM's processor-level settings apply (``sample`` then takes ``frames_given``; Kimi-K2.5: no,
+    # vLLM has no video path for it)
+    processor_level: bool = True
 
     def sample_frames(self, clip: ClipFacts, sampling: VideoSampling) -> list[int]:
         """The indices of a clip given as its frames: what ``sample`` picks, except for the ``vllm``
         reference, which takes such frames as they come. vLLM has no loader for them (a ``video/jpeg`` data
         URL, or decoded arrays with their metadata) and calls its processor with ``do_sample_frames``
-        False, so every frame is kept, and a sampling setting, which vLLM would ignore, is refused."""
+        False, so every frame is kept, and a loader setting, which vLLM would ignore, is refused. The
+        processor-level settings (vLLM's ``mm_processor_kwargs``) are that call's, as for a container: the
+        family's ``sample`` with ``frames_given``."""
         if sampling.reference != "vllm":
             return [int(i) for i in self.sample(clip, sampling)]
-        names = SAMPLES + (() if self.pixel_bounds else ("min_pixels", "max_pixels"))
+        names = SAMPLES + (() if self.pixel_bounds else ("min_pixels", "max_pixels")) + (
+            () if self.processor_level else PROCESSOR_SAMPLES)
         asked = [name for name in names if getattr(sampling, name) is not None]
         if asked:
             raise InvalidInput(f"a clip given as frames with the vllm reference is taken as it is (vLLM does not "
-                               f"sample frames it is given; this model's video processor takes no pixel bounds); "
+                               f"sample frames it is given; this model's video processor takes no pixel bounds "
+                               f"nor, where vLLM has no video path for it, processor settings); "
                                f"{', '.join(asked)} does not apply: leave it out")
+        if sampling.processor_settings():
+            return [int(i) for i in self.sample(clip, sampling, frames_given=True)]
         return list(range(clip.total_frames))
 
     def resize_frames(self, frames: np.ndarray, indices: Sequence[int], sampling: VideoSampling, mode: str

@@ -4,7 +4,11 @@
 Two small value types cross the layers: ``ClipFacts``, what the container decoder learned of a clip, and
 ``VideoSampling``, what the caller asked for, including the reference to be equal to (``transformers``,
 the default for direct callers, or ``vllm``, what vLLM does end to end: its video loader, then its call of
-the HF processor). Both are part of the content hash (``VideoSampling.fingerprint``). The index helpers
+the HF processor). vLLM applies a request's sampling at two levels: its loader's (``media_io_kwargs``, or
+the server's ``--media-io-kwargs``: ``fps``, ``min_frames``, ``max_frames`` here) and its HF processor's
+(``mm_processor_kwargs``: ``processor_fps``, ``processor_num_frames``, ``processor_do_sample_frames``
+here, with the ``vllm`` reference only), which samples again from the frames the loader kept. Both are
+part of the content hash (``VideoSampling.fingerprint``). The index helpers
 below reproduce the two index formulas the references use, in the references' own arithmetic: a float32
 ``torch.arange`` stepping ``total / n`` (which can emit an index one past the end), and a rounded
 ``numpy.linspace`` over ``[0, total - 1]`` (which repeats frames when ``n > total``).
@@ -18,12 +22,16 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from ..errors import InvalidInput
+from ..errors import InvalidInput, ResourceExhausted
 
 # The references a clip can be sampled as; the first is the default (a request that names none).
 REFERENCES = ("transformers", "vllm")
 # The settings that sample a clip: ``all_frames`` goes with none of them.
 SAMPLES = ("fps", "num_frames", "min_frames", "max_frames")
+# vLLM's HF-processor level (a request's ``mm_processor_kwargs``: fps, num_frames, do_sample_frames), which
+# samples again from what its loader kept: only with the ``vllm`` reference (transformers' processor is
+# the one level the other reference has, and the four above are its settings).
+PROCESSOR_SAMPLES = ("processor_fps", "processor_num_frames", "processor_do_sample_frames")
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,11 @@ class VideoSampling:
     all_frames: bool = False
     # The processor's per-frame pixel cap (transformers' cap_pixels_per_frame); None: the model's setting.
     cap_pixels_per_frame: bool | None = None
+    # vLLM's processor level (mm_processor_kwargs' fps, num_frames, do_sample_frames); None: not given,
+    # the processor's own (do_sample_frames: what vLLM's model sets from the loader's metadata).
+    processor_fps: float | None = None
+    processor_num_frames: int | None = None
+    processor_do_sample_frames: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.all_frames, bool):
@@ -75,11 +88,19 @@ class VideoSampling:
             raise InvalidInput(f"video sampling: {ALL_FRAMES_ALONE}")
         if self.reference not in REFERENCES:
             raise InvalidInput(f"video sampling reference {self.reference!r} is not one of {', '.join(REFERENCES)}")
-        fps = self.fps
-        if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not math.isfinite(fps)
-                                or fps <= 0):
-            raise InvalidInput(f"video sampling fps must be a positive number, got {fps!r}")
-        for name in ("num_frames", "min_frames", "max_frames", "min_pixels", "max_pixels"):
+        if self.processor_do_sample_frames is not None and not isinstance(self.processor_do_sample_frames, bool):
+            raise InvalidInput("video sampling processor_do_sample_frames must be a bool, got "
+                               f"{self.processor_do_sample_frames!r}")
+        if self.reference != "vllm" and (asked := self.processor_settings()):
+            raise InvalidInput(f"video sampling {', '.join(asked)}: vLLM's processor-level settings (its "
+                               "mm_processor_kwargs) go with the vllm reference only; with transformers, fps, "
+                               "num_frames and all_frames are the processor's")
+        for name in ("fps", "processor_fps"):
+            fps = getattr(self, name)
+            if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float))
+                                    or not math.isfinite(fps) or fps <= 0):
+                raise InvalidInput(f"video sampling {name} must be a positive number, got {fps!r}")
+        for name in ("num_frames", "min_frames", "max_frames", "min_pixels", "max_pixels", "processor_num_frames"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise InvalidInput(f"video sampling {name} must be a positive int, got {value!r}")
@@ -93,11 +114,17 @@ class VideoSampling:
         fields = asdict(self)
         if not fields["all_frames"]:  # absent unless set: every other request keeps the key it had
             del fields["all_frames"]
-        if fields["cap_pixels_per_frame"] is None:
-            del fields["cap_pixels_per_frame"]
-        if fields["fps"] is not None:
-            fields["fps"] = float(fields["fps"])
+        for name in ("cap_pixels_per_frame", *PROCESSOR_SAMPLES):  # likewise
+            if fields[name] is None:
+                del fields[name]
+        for name in ("fps", "processor_fps"):
+            if fields.get(name) is not None:
+                fields[name] = float(fields[name])
         return fields
+
+    def processor_settings(self) -> list[str]:
+        """The names of the processor-level settings the request gives (``PROCESSOR_SAMPLES``)."""
+        return [name for name in PROCESSOR_SAMPLES if getattr(self, name) is not None]
 
 
 def check_fps_xor_num_frames(fps: float | None, num_frames: int | None, what: str) -> None:
@@ -112,6 +139,19 @@ def check_fps_xor_num_frames(fps: float | None, num_frames: int | None, what: st
         raise InvalidInput(f"{what}: {FPS_XOR_NUM_FRAMES}")
 
 
+# The most frame indices a sampling may ask for, checked before any list of them is made: a caller's
+# num_frames of 2**31 would otherwise have numpy allocate 16 GiB for the indices alone, before any limit
+# on the clip's frames, patches or bytes is reached. Above --max-video-frames' default (18,000), so a
+# count any real clip needs passes here and meets those limits.
+MAX_SAMPLED_FRAMES = 1 << 16
+
+
+def _check_count(count: int) -> None:
+    if count > MAX_SAMPLED_FRAMES:
+        raise ResourceExhausted(f"video sampling asks for {count} frames, over the limit of {MAX_SAMPLED_FRAMES} "
+                                "frames sampled from one clip")
+
+
 def arange_indices(total: int, count: int) -> list[int]:
     """``torch.arange(0, total, total / count).int()``: float32 steps of ``total / count`` from 0, truncated.
 
@@ -119,12 +159,14 @@ def arange_indices(total: int, count: int) -> list[int]:
     frame on some inputs; the float32 step can also emit one more index than ``count``, the last equal to
     ``total``. ``count`` must be positive (the caller names the failing setting).
     """
+    _check_count(count)
     return torch.arange(0, total, total / count).int().tolist()
 
 
 def linspace_indices(total: int, count: int) -> list[int]:
     """``np.linspace(0, total - 1, count).round().astype(int)``: ``count`` indices spread over the clip,
     rounded half to even; with ``count > total`` some frames repeat."""
+    _check_count(count)
     return np.linspace(0, total - 1, count).round().astype(int).tolist()
 
 
@@ -148,12 +190,37 @@ def check_indices(indices: list[int], clip: ClipFacts, what: str) -> list[int]:
 
 def describe(sampling: VideoSampling, clip: ClipFacts) -> str:
     """The request and the clip in words, for error messages."""
-    asked = [f"{name}={value}" for name in SAMPLES if (value := getattr(sampling, name)) is not None]
+    asked = [f"{name}={value}" for name in SAMPLES + PROCESSOR_SAMPLES
+             if (value := getattr(sampling, name)) is not None]
     if sampling.all_frames:
         asked.append("all_frames")
     fps = f"{clip.known_fps:g} fps" if clip.known_fps else "unknown fps"
     return (f"video sampling ({sampling.reference} reference, {', '.join(asked) or 'defaults'}; "
             f"clip of {clip.total_frames} frames at {fps})")
+
+
+def processor_samples(sampling: VideoSampling, default: bool) -> bool:
+    """Whether vLLM's HF-processor call samples again: the request's ``do_sample_frames``
+    (mm_processor_kwargs) where it gives one, else ``default``, what happens without it (Qwen3-VL: vLLM
+    sets it from the loader's metadata, on where the loader kept every frame; Qwen2.5-VL: the processor's
+    own setting)."""
+    if sampling.processor_do_sample_frames is not None:
+        return sampling.processor_do_sample_frames
+    return default
+
+
+def pick_loaded(loaded: list[int], picks: list[int], what: str) -> list[int]:
+    """The clip's indices of the processor's ``picks`` among the frames vLLM's loader kept (``loaded``).
+
+    vLLM hands its HF processor the loaded frames with the clip's metadata (its total frame count and
+    fps), so the processor's picks, computed over the whole clip, index the loaded frames: where the
+    loader kept every frame they are clip indices; where it did not, a pick past the loaded frames is
+    the reference's IndexError, here an ``InvalidInput``."""
+    if any(not 0 <= i < len(loaded) for i in picks):
+        raise InvalidInput(f"{what}: vLLM's processor picks frame {max(picks)} of the {len(loaded)} its loader "
+                           "kept (it samples over the whole clip, and fails there with IndexError); leave "
+                           "processor_do_sample_frames to vLLM, or have the loader keep every frame")
+    return [loaded[i] for i in picks]
 
 
 def every_frame(clip: ClipFacts) -> list[int]:

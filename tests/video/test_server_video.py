@@ -169,6 +169,69 @@ def test_frames_for_vllm_are_taken_as_they_come(server, model):
     assert got.frame_timestamps_s == pytest.approx([0, 0.5, 1, 1.5, 2, 2])
 
 
+def _vllm_qwen3_then_processor(total: int, fps: float, loader: dict, variants: list[dict], tmp_path) -> list[dict]:
+    """What vLLM 0.33.0 feeds the Qwen3-VL tower for a container clip, for each of ``variants`` (a request's
+    mm_processor_kwargs): its loader's classmethod here (the request's media_io_kwargs), then its HF
+    processor in the reference subprocess, called on the loaded frames as vLLM's own Qwen3-VL processor
+    calls it (there, from the loader's metadata; tests/video/test_video_sampling.py holds the table)."""
+    from vllm.multimodal.video import Qwen3VLVideoBackend as backend
+    from vllm.multimodal.video_decoders import VideoSourceMetadata, VideoTargetMetadata
+
+    source = backend._prepare_source(VideoSourceMetadata(total, fps, total / fps))
+    loaded = [int(i) for i in backend.compute_frames_index_to_sample(
+        source, VideoTargetMetadata(num_frames=32, fps=loader.get("fps", 2), max_duration=300))]
+    cases = [{"family": "qwen3_vl", "total": total, "fps": fps, "loaded": loaded, "mm_processor_kwargs": kwargs,
+              "metadata_do_sample_frames": len(loaded) == total} for kwargs in variants]
+    results, _ = run_references({"sampling": cases}, tmp_path)
+    return results["sampling"]
+
+
+def test_vllms_processor_kwargs_sample_again_as_vllm_does(start_encoder_server, tmp_path):
+    """Issue 40: Qwen3-VL, a 30-frame 10 fps clip, vLLM's loader at fps=30 keeps all 30 and its processor
+    samples them again at its own 2 fps: 6. With mm_processor_kwargs fps=30 too, the processor keeps all
+    30. The server samples both as vLLM does (processor_fps: the processor's level) under two keys, each
+    embedding the model's own path for those frames."""
+    server = start_encoder_server("--model", "tiny-qwen3-vl", "--max-video-bytes", str(1 << 20))
+    model = load_vision_model("tiny-qwen3-vl", device="cpu", dtype=torch.float32)
+    clip30 = make_clip("mp4", "libx264", frames=30, width=64, height=48, fps=10)
+    loader_only, both = _vllm_qwen3_then_processor(30, 10.0, {"fps": 30}, [{}, {"fps": 30}], tmp_path)
+    assert len(loader_only["indices"]) == 6 and both["indices"] == list(range(30))  # the issue's numbers
+    with EncoderClient(server.target, timeout_s=120) as client:
+        namespace = client.model_info().cache_namespace
+        six, thirty = client.encode([Video(clip30, reference="vllm", fps=30),
+                                     Video(clip30, reference="vllm", fps=30, processor_fps=30)])
+    assert list(six.sampled_frame_indices) == loader_only["indices"]
+    assert list(thirty.sampled_frame_indices) == both["indices"]
+    assert [six.grid_thw[0], thirty.grid_thw[0]] == [loader_only["grid"][0][0], both["grid"][0][0]]
+    assert thirty.content_hash == content_hash(Video(clip30, reference="vllm", fps=30, processor_fps=30), namespace)
+    assert thirty.content_hash != six.content_hash
+    for got, processor in ((six, {}), (thirty, {"processor_fps": 30})):
+        want, used = expected(model, clip30, reference="vllm", fps=30, **processor)
+        close(np.concatenate([got.embedding, *got.deepstack], axis=1), want)  # every level
+        assert list(got.frame_indices) == used
+
+
+def test_processor_kwargs_on_frames_for_vllm_sample_only_where_vllm_would(server, model, tmp_path):
+    """Frames given with the vllm reference: vLLM's processor samples them only where the request's
+    mm_processor_kwargs turn do_sample_frames on (Qwen2.5-VL's processor default is off), then at their fps."""
+    frames = [png(i) for i in range(8)]
+    case = {"family": "qwen2_5_vl", "total": 8, "fps": 2.0, "loaded": list(range(8)),
+            "call": {"fps": 1, "do_sample_frames": True}}
+    results, _ = run_references({"sampling": [case, {**case, "call": {"fps": 1}}]}, tmp_path)
+    sampled, unsampled = (r["indices"] for r in results["sampling"])
+    with EncoderClient(server.target, timeout_s=60) as client:
+        got, kept = client.encode([
+            Video(frames=frames, frames_fps=2, reference="vllm", processor_fps=1, processor_do_sample_frames=True),
+            Video(frames=frames, frames_fps=2, reference="vllm", processor_fps=1)])
+        with pytest.raises(EncoderClientError, match="go with the vllm reference only") as info:
+            client.encode([Video(frames=frames, frames_fps=2, processor_fps=1)])
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert list(got.sampled_frame_indices) == sampled == [0, 2, 4, 6]
+    assert list(kept.sampled_frame_indices) == unsampled == list(range(8))
+    want, _ = expected(model, frames, frames_fps=2, reference="vllm", processor_fps=1, processor_do_sample_frames=True)
+    close(got.embedding, want)
+
+
 def test_the_same_clip_sampled_alike_is_one_entry_and_sampled_otherwise_another(server, clip):
     with EncoderClient(server.target, timeout_s=60) as client:
         namespace = client.model_info().cache_namespace
@@ -377,3 +440,25 @@ def test_decoder_processes_killed_from_outside_cost_no_clip(server):
         assert got.grid_thw[0] == 1 and not got.cache_hit
         assert not set(decoder_pids(server.proc.pid)) & set(killed)
     assert server.health() == "SERVING"
+
+
+def test_a_huge_frame_count_is_refused_before_its_indices_are_made(start_encoder_server, clip):
+    # Qwen3-VL samples num_frames by numpy.linspace, repeats allowed: 2**31 - 1 frames would be 16 GiB of
+    # indices before any limit on the clip's frames, patches or bytes is reached.
+    server = start_encoder_server("--model", "tiny-qwen3-vl", "--max-video-bytes", str(1 << 20))
+    before = rss_bytes(server.pid)
+    with EncoderClient(server.target, timeout_s=60) as client:
+        for video in (Video(clip, num_frames=2**31 - 1),
+                      Video(clip, reference="vllm", fps=30, processor_num_frames=2**31 - 1)):
+            with pytest.raises(EncoderClientError) as err:
+                client.encode([video])
+            assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details
+            assert "65536 frames sampled from one clip" in err.value.details, err.value.details
+        (ok,) = client.encode([Video(clip, num_frames=4)])
+    assert ok.num_tokens > 0
+    assert rss_bytes(server.pid) - before < 200 << 20
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))

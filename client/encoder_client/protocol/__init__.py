@@ -24,7 +24,14 @@ from encoder_client.protocol.dtypes import (
     dtype_name,
     wire_numpy_dtype,
 )
-from encoder_client.protocol.hashing import HASH_VERSION, hash_encoded, hash_patches, hash_video, sampling_key
+from encoder_client.protocol.hashing import (
+    HASH_VERSION,
+    hash_encoded,
+    hash_patches,
+    hash_video,
+    sampling_key,
+    wire_sampling_key,
+)
 from encoder_client.protocol.model_info import ModelInfo
 from encoder_client.protocol.stubs import encoder_pb2, encoder_pb2_grpc
 
@@ -47,4 +54,5 @@ __all__ = [
     "hash_video",
     "sampling_key",
     "wire_numpy_dtype",
+    "wire_sampling_key",
 ]

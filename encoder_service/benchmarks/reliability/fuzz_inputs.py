@@ -204,7 +204,12 @@ def videos(draw) -> pb.Video:
         fps=draw(st.sampled_from([0.0, 0.5, 2.0, 30.0, 1e9, float("nan"), -1.0])),
         num_frames=draw(st.sampled_from([0, 0, 1, 2, 3, 4, 1000, UINT32_MAX])),
         min_frames=draw(st.sampled_from([0, 0, 1, 8])), max_frames=draw(st.sampled_from([0, 0, 2, 768])),
-        max_pixels=draw(st.sampled_from([0, 0, 1, 28 * 28 * 4, 2**40])))
+        max_pixels=draw(st.sampled_from([0, 0, 1, 28 * 28 * 4, 2**40])),
+        processor_fps=draw(st.sampled_from([0.0, 0.0, 1.0, 30.0, float("nan"), -1.0])),
+        processor_num_frames=draw(st.sampled_from([0, 0, 1, 8, UINT32_MAX])))
+    do_sample = draw(st.sampled_from([None, None, True, False]))
+    if do_sample is not None:
+        sampling.processor_do_sample_frames = do_sample
     how = draw(st.sampled_from(["corpus", "corpus", "frames", "random"]))
     if how == "frames":
         frames = draw(st.lists(st.sampled_from(sorted(CORPUS)), min_size=0, max_size=4))

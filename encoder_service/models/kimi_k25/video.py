@@ -75,6 +75,7 @@ from ...preprocess.staged import (
     torchvision_value_table,
 )
 from ...preprocess.video_sampling import (
+    PROCESSOR_SAMPLES,
     ClipFacts,
     VideoSampling,
     check_fps_xor_num_frames,
@@ -212,8 +213,9 @@ def sample_frame_indices(clip: ClipFacts, sampling: VideoSampling,
     what = describe(sampling, clip)
     refuse_all_frames(sampling, clip, "Kimi-K2.5's video processor always samples (fps or a frame count)")
     total, source_fps = clip.total_frames, clip.known_fps
-    unsupported = ["min_frames", "max_frames", "min_pixels", "max_pixels", "cap_pixels_per_frame"] + (
-        ["num_frames"] if sampling.reference == "vllm" else [])
+    # PROCESSOR_SAMPLES: vLLM has no Kimi-K2.5 video path, so no processor call to give them to.
+    unsupported = ["min_frames", "max_frames", "min_pixels", "max_pixels", "cap_pixels_per_frame",
+                   *PROCESSOR_SAMPLES] + (["num_frames"] if sampling.reference == "vllm" else [])
     asked = [name for name in unsupported if getattr(sampling, name) is not None]
     if asked:
         raise InvalidInput(f"{what}: Kimi-K2.5's {sampling.reference} reference has no {', '.join(asked)} setting")
@@ -294,7 +296,8 @@ def video_front(config: KimiK25VideoConfig) -> VideoFront:
     frame's source time (a chunk's timestamp is its first frame's, see the module docstring)."""
     return VideoFront(sample=functools.partial(sample_frame_indices, config=config),
                       resize=functools.partial(resize_clip, config=config),
-                      process=functools.partial(process_clip, config=config), pixel_bounds=False)
+                      process=functools.partial(process_clip, config=config), pixel_bounds=False,
+                      processor_level=False)
 
 
 def resize_clip(frames: np.ndarray, indices: list[int], sampling: VideoSampling, mode: str, *,

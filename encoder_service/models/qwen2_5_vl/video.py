@@ -18,7 +18,12 @@ Sampling (``sample_frame_indices``), by reference:
 - ``vllm``: vLLM 0.33.0's ``Qwen2VLVideoBackend`` (what its ``Qwen2VLVideoProcessor`` maps to), then the
   HF processor, which does not sample again (``do_sample_frames`` stays False for Qwen2.5-VL). The loader
   ignores a requested frame count, caps fps at 30, uses its own ``temporal_patch_size`` default 2 and
-  ``max_frames`` <= 768, rejects an unknown source fps, and clamps the index past the end.
+  ``max_frames`` <= 768, rejects an unknown source fps, and clamps the index past the end. The request's
+  processor-level settings (vLLM's ``mm_processor_kwargs``: ``processor_fps``, ``processor_num_frames``,
+  ``processor_do_sample_frames``) are that call's: the processor samples only with
+  ``processor_do_sample_frames`` on (or a checkpoint that samples), then as transformers does with that
+  fps or count over the whole clip, its picks indexing the frames the loader kept (past them: vLLM's
+  IndexError, here ``InvalidInput``); a processor fps alone samples nothing, as in vLLM.
 
 Processing (``preprocess_video``): transformers has no PIL video processor, so there is one path: the
 torchvision one. Each frame is resized with ``F.interpolate(uint8, bicubic, antialias=True)``, PyTorch's
@@ -62,6 +67,8 @@ from ...preprocess.video_sampling import (
     describe,
     every_frame,
     pad_to_multiple,
+    pick_loaded,
+    processor_samples,
     refuse_all_frames,
 )
 from ..video_hooks import FamilyVideo, VideoFront
@@ -161,14 +168,28 @@ def video_config_kwargs(config: Mapping[str, Any], fields: tuple[str, ...], *, t
     return kwargs | settings.flag_and_normalization_kwargs(config, ("do_resize", "do_rescale", "do_normalize"))
 
 
-def sample_frame_indices(clip: ClipFacts, sampling: VideoSampling,
-                         config: Qwen2VLVideoConfig | None = None) -> list[int]:
+def sample_frame_indices(clip: ClipFacts, sampling: VideoSampling, config: Qwen2VLVideoConfig | None = None,
+                         frames_given: bool = False) -> list[int]:
     """The clip's frame indices the reference ``sampling.reference`` feeds Qwen2.5-VL, in order (they may
-    repeat); an ``InvalidInput`` naming the setting where that reference fails."""
+    repeat); an ``InvalidInput`` naming the setting where that reference fails. ``frames_given``: the
+    clip came as its frames, which vLLM loads as they are (no loader sampling)."""
     cfg = config or Qwen2VLVideoConfig()
     what = describe(sampling, clip)
     if sampling.reference == "vllm":
-        return _vllm_indices(clip, sampling, what)
+        refuse_all_frames(sampling, clip, "vLLM's Qwen2-VL video loader always samples by fps")
+        loaded = every_frame(clip) if frames_given else _vllm_indices(clip, sampling, what)
+        # Then its HF-processor call, which samples again only where its do_sample_frames is on: the
+        # request's (mm_processor_kwargs), else the processor's own (vLLM drops the loader's metadata flag
+        # for Qwen2.5-VL), with the request's processor fps or count, over the whole clip.
+        if not processor_samples(sampling, cfg.do_sample_frames):
+            return loaded
+        asked = VideoSampling(fps=sampling.processor_fps, num_frames=sampling.processor_num_frames)
+        if asked.fps is None and asked.num_frames is None and cfg.fps is None and cfg.num_frames is None:
+            # Qwen2VLVideoProcessor.sample_frames then compares num_frames None with the clip (TypeError)
+            raise InvalidInput(f"{what}: vLLM's processor samples with neither an fps nor a frame count (the "
+                               "reference fails there); give processor_fps or processor_num_frames")
+        picks = _transformers_indices(clip, asked, dataclasses.replace(cfg, do_sample_frames=True), what)
+        return pick_loaded(loaded, picks, what)
     return _transformers_indices(clip, sampling, cfg, what)
 
 
@@ -216,7 +237,6 @@ def _fps_count(clip: ClipFacts, fps: float, tp: int, min_frames: int, max_frames
 
 
 def _vllm_indices(clip: ClipFacts, sampling: VideoSampling, what: str) -> list[int]:
-    refuse_all_frames(sampling, clip, "vLLM's Qwen2-VL video loader always samples by fps")
     # Qwen2VLVideoBackend.compute_frames_index_to_sample: num_frames is not read.
     fps = min(sampling.fps if sampling.fps is not None else VLLM_DEFAULT_FPS, VLLM_MAX_FPS)
     min_frames = sampling.min_frames if sampling.min_frames is not None else VLLM_MIN_FRAMES

@@ -13,7 +13,13 @@ Sampling (``sample_frame_indices``), by reference:
 - ``vllm``: vLLM 0.33.0's ``Qwen3VLVideoBackend`` (fps capped at 30, a requested count ignored, unknown
   source fps taken as 24, ``max_frames`` <= 768), then its HF-processor call: where the loader kept every
   frame of the clip, vLLM marks the video ``do_sample_frames`` and the processor samples again at its
-  own fps (a 30-frame 10 fps clip at fps=30: the loader keeps 30, the processor 6).
+  own fps (a 30-frame 10 fps clip at fps=30: the loader keeps 30, the processor 6). The request's
+  processor-level settings (vLLM's ``mm_processor_kwargs``: ``processor_fps``, ``processor_num_frames``,
+  ``processor_do_sample_frames``) are that call's: with ``processor_fps=30`` too, the processor keeps all
+  30. Its picks are over the whole clip and index the loaded frames (vLLM hands it those with the clip's
+  metadata): ``processor_do_sample_frames`` forced on after a loader that sampled picks past them, which
+  fails there as in vLLM. A clip given as frames is loaded whole, and sampled only where the request's
+  ``processor_do_sample_frames`` says so (vLLM's metadata for frames says False).
 Both fail, and so does this module (``InvalidInput``), for a sampling of fewer frames than
 ``temporal_patch_size``: the processor's ``smart_resize`` rejects it.
 
@@ -47,6 +53,8 @@ from ...preprocess.video_sampling import (
     every_frame,
     linspace_indices,
     pad_to_multiple,
+    pick_loaded,
+    processor_samples,
     refuse_all_frames,
 )
 from ..qwen2_5_vl import video as qwen2_video
@@ -108,25 +116,23 @@ class Qwen3VLVideoConfig(PatchLayout):
                    if v is not None}
         return dataclasses.replace(self, **changes) if changes else self
 
-def sample_frame_indices(clip: ClipFacts, sampling: VideoSampling,
-                         config: Qwen3VLVideoConfig | None = None) -> list[int]:
+def sample_frame_indices(clip: ClipFacts, sampling: VideoSampling, config: Qwen3VLVideoConfig | None = None,
+                         frames_given: bool = False) -> list[int]:
     """The clip's frame indices the reference ``sampling.reference`` feeds Qwen3-VL, in order (they may
-    repeat); an ``InvalidInput`` naming the setting where that reference fails."""
+    repeat); an ``InvalidInput`` naming the setting where that reference fails. ``frames_given``: the
+    clip came as its frames, which vLLM loads as they are (no loader sampling; its metadata says
+    do_sample_frames False)."""
     cfg = config or Qwen3VLVideoConfig()
     what = describe(sampling, clip)
     source_fps = clip.known_fps or ASSUMED_FPS
     if sampling.reference == "vllm":
         refuse_all_frames(sampling, clip, "vLLM's Qwen3-VL video loader always samples by fps")
-        # Qwen3VLVideoBackend.compute_frames_index_to_sample (num_frames is not read) ...
-        fps = min(sampling.fps if sampling.fps is not None else VLLM_DEFAULT_FPS, VLLM_MAX_FPS)
-        min_frames = sampling.min_frames if sampling.min_frames is not None else VLLM_MIN_FRAMES
-        max_frames = min(sampling.max_frames if sampling.max_frames is not None else VLLM_MAX_FRAMES,
-                         VLLM_MAX_FRAMES)
-        indices = _by_fps(clip.total_frames, source_fps, fps, min_frames, max_frames)
-        if len(indices) == clip.total_frames:
-            # ... and where it kept every frame, the HF processor samples again (do_sample_frames) at its
-            # own fps and frame bounds, from the loaded frames: indices into the clip alike.
-            indices = _by_fps(clip.total_frames, source_fps, cfg.fps, cfg.min_frames, cfg.max_frames)
+        indices = every_frame(clip) if frames_given else _vllm_loaded(clip, sampling, source_fps)
+        # ... then its HF-processor call: where the loader kept every frame of the clip vLLM marks the video
+        # do_sample_frames (unless the request's mm_processor_kwargs say), and the processor samples the
+        # loaded frames again, at the request's processor fps or count, else its own fps.
+        if processor_samples(sampling, not frames_given and len(indices) == clip.total_frames):
+            indices = pick_loaded(indices, _processor_picks(clip, sampling, cfg, source_fps, what), what)
     else:
         check_fps_xor_num_frames(sampling.fps, sampling.num_frames, what)  # Qwen3VLVideoProcessor refuses both
         cfg = cfg.for_request(sampling)
@@ -143,6 +149,26 @@ def sample_frame_indices(clip: ClipFacts, sampling: VideoSampling,
         raise InvalidInput(f"{what}: samples {len(indices)} frame(s), fewer than temporal_patch_size "
                            f"{cfg.temporal_patch_size}, which the reference's Qwen3VLVideoProcessor rejects")
     return check_indices(indices, clip, what)
+
+
+def _vllm_loaded(clip: ClipFacts, sampling: VideoSampling, source_fps: float) -> list[int]:
+    """Qwen3VLVideoBackend.compute_frames_index_to_sample (num_frames is not read)."""
+    fps = min(sampling.fps if sampling.fps is not None else VLLM_DEFAULT_FPS, VLLM_MAX_FPS)
+    min_frames = sampling.min_frames if sampling.min_frames is not None else VLLM_MIN_FRAMES
+    max_frames = min(sampling.max_frames if sampling.max_frames is not None else VLLM_MAX_FRAMES, VLLM_MAX_FRAMES)
+    return _by_fps(clip.total_frames, source_fps, fps, min_frames, max_frames)
+
+
+def _processor_picks(clip: ClipFacts, sampling: VideoSampling, cfg: Qwen3VLVideoConfig, source_fps: float,
+                     what: str) -> list[int]:
+    """``Qwen3VLVideoProcessor.sample_frames`` as vLLM calls it: over the whole clip (its metadata), with
+    the request's processor fps or count (a count with fps None, as vLLM passes it), else the processor's
+    fps, within the processor's own frame bounds."""
+    check_fps_xor_num_frames(sampling.processor_fps, sampling.processor_num_frames, what)
+    if sampling.processor_num_frames is not None:
+        return linspace_indices(clip.total_frames, sampling.processor_num_frames)
+    fps = sampling.processor_fps if sampling.processor_fps is not None else cfg.fps
+    return _by_fps(clip.total_frames, source_fps, fps, cfg.min_frames, cfg.max_frames)
 
 
 def _by_fps(total: int, source_fps: float, fps: float, min_frames: int, max_frames: int) -> list[int]:

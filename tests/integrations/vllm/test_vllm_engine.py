@@ -11,11 +11,13 @@ processor, which the ``pil`` mode does not equal to the last bit) serves its vis
 Checked: greedy tokens equal and top-5 logprobs within ``LOGPROB_TOL``, for images and for a clip
 (vLLM given its decoded frames, the encoder the same frames as PNGs); the EPD engine never runs
 its own vision tower (a forward hook on ``model.visual`` put on with ``LLM.apply_model``) while the
-monolithic one does; what vLLM's stat logger reports for the connector; a uuid the encoder does not
-cache and a uuid that is no content hash fail only their request; an encoder killed mid-way fails
-the image request and the engine goes on serving (a text request in the same batch, then an image
-through the encoder restarted on the same port); that restarted encoder serves another tower
-(the control) and the output changes.
+monolithic one does; a clip with fps set per request (``mm_processor_kwargs``): the encoder's
+processor-level sampling equals vLLM's, through the connector where the kwargs are the engine's, while a
+request's own kwargs make vLLM hash the uuid into a key the encoder never had (shown, with the key); what
+vLLM's stat logger reports for the connector; a uuid the encoder does not cache and a uuid that is no
+content hash fail only their request; an encoder killed mid-way fails the image request and the engine
+goes on serving (a text request in the same batch, then an image through the encoder restarted on the
+same port); that restarted encoder serves another tower (the control) and the output changes.
 
 vLLM's CPU packaging, solved here in the open (see ``vllm_env``):
 - ``VLLM_TARGET_DEVICE=cpu``: vLLM picks its CPU platform from ``importlib.metadata.version("vllm")``
@@ -122,6 +124,55 @@ def test_a_clip_through_epd_equals_monolithic_vllm(encoder, monolithic, epd):
     (got,) = epd.generate([[(image, image_uuid)]], videos=[[(frames, clip.content_hash)]])
     assert_same_output(got, want)
     assert epd.call("tower_calls") == [0], epd.log()
+
+
+# fps set per request: vLLM's processor samples the clip again, at fps 1 (8 frames at 2 fps: 4), as a user
+# asks with a request's mm_processor_kwargs (Qwen2.5-VL's processor samples only with do_sample_frames on).
+PER_REQUEST = {"fps": 1, "do_sample_frames": True}
+
+
+@pytest.fixture(scope="module")
+def epd_sampling_at_fps_1(vllm_env, checkpoints, encoder, tmp_path_factory):
+    """An EC consumer whose engine-level mm_processor_kwargs are PER_REQUEST: the same processor call, which
+    vLLM does not hash into the uuid (only a request's own kwargs enter the key)."""
+    engine = Engine(vllm_env, checkpoints["model"], ec_transfer_config(encoder.target),
+                    tmp_path_factory.mktemp("vllm") / "epd-fps-1.log",
+                    engine_kwargs={"mm_processor_kwargs": PER_REQUEST})
+    yield engine
+    engine.stop()
+
+
+def test_a_clip_with_fps_set_per_request_is_the_encoders_and_only_vllms_uuid_hashing_stands_between(
+        encoder, monolithic, epd, epd_sampling_at_fps_1):
+    """fps set per request (mm_processor_kwargs): the encoder, asked for the same processor-level sampling
+    (Video(..., processor_fps=1, processor_do_sample_frames=True)), samples the frames vLLM's processor
+    samples, and its embedding gives monolithic vLLM's tokens and logprobs through the connector, vLLM's
+    tower never running. vLLM 0.32/0.33 stops the per-request path itself: a request's own mm_processor_kwargs
+    make vLLM key the clip by ``MultiModalHasher.hash_kwargs(model_id, video=uuid, mm_processor_kwargs=...)``
+    (multimodal/processing/inputs.py, ``get_mm_hashes``), not by the uuid, and the connector then asks the
+    encoder for a content hash nobody encoded: that request fails, naming it. The same kwargs set on the
+    engine (not hashed) go through: that is as far as the uuid contract lets this path go."""
+    frames = [png(60 + i) for i in range(8)]
+    with EncoderClient(encoder.target, timeout_s=60) as client:
+        sampled, whole = client.encode([
+            Video(frames=frames, frames_fps=2, reference="vllm", processor_fps=1, processor_do_sample_frames=True),
+            Video(frames=frames, frames_fps=2, reference="vllm")])
+    assert list(sampled.sampled_frame_indices) == [0, 2, 4, 6] and len(whole.sampled_frame_indices) == 8
+    want, unsampled = (monolithic.generate([[]], videos=[[(frames, None)]], mm_processor_kwargs=kwargs)[0]
+                       for kwargs in (PER_REQUEST, None))
+    # vLLM's processor took the request's fps: its placeholders are the encoder's 4-frame embedding's rows.
+    assert unsampled["prompt_tokens"] - want["prompt_tokens"] == whole.num_tokens - sampled.num_tokens > 0
+
+    (through_engine_kwargs,) = epd_sampling_at_fps_1.generate([[]], videos=[[(frames, sampled.content_hash)]])
+    assert_same_output(through_engine_kwargs, want)
+    assert epd_sampling_at_fps_1.call("tower_calls") == [0], epd_sampling_at_fps_1.log()
+
+    (per_request,) = epd.generate([[]], videos=[[(frames, sampled.content_hash)]], mm_processor_kwargs=PER_REQUEST)
+    assert per_request["finish_reason"] == "error", epd.log()
+    key = epd.call("mm_hash", uuid=sampled.content_hash, mm_processor_kwargs=PER_REQUEST)
+    assert key != sampled.content_hash
+    assert f"content_hash {key} is not cached" in epd.log(), epd.log()
+    assert epd.call("tower_calls") == [0]
 
 
 def test_what_vllms_stat_logger_reports_for_the_connector(encoder, epd):

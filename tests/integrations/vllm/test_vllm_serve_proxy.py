@@ -12,7 +12,9 @@ Checked: a chat completion with an image (plain, and ``"stream": true``) through
 monolithic engine's greedy tokens (tests/vllm_engine_driver.py's ``vllm.LLM``, same prompt and
 image) with their logprobs within ``LOGPROB_TOL``; the encoder caches the image (``lookup``) only
 once the proxy has sent it; an image part naming a uuid the encoder does not cache is a 400 from
-the proxy naming the part, and vLLM never sees the request (its access log).
+the proxy naming the part, and vLLM never sees the request (its access log); a clip with fps set per
+request (``mm_processor_kwargs``) is a 400 from the proxy and, sent to vLLM itself, from vLLM's server too
+(per-request kwargs need its ``--trust-request-mm-kwargs``).
 """
 
 from __future__ import annotations
@@ -273,3 +275,37 @@ def test_chat_with_an_mp4_clip_through_the_proxy_equals_monolithic_vllm(encoder,
         (encoded,) = client.encode([Video(clip, reference="vllm", fps=2.0)])
     assert encoded.cache_hit and len(encoded.sampled_frame_indices) >= 4  # vLLM's loader: 2 fps, at least 4
     assert_one_more_item_fetched(vllm_server, fetched)  # vLLM's tower did not run: it fetched the clip's embedding
+
+
+
+def test_fps_set_per_request_is_refused_by_the_proxy_and_by_vllms_server_itself(encoder, model_path, vllm_server,
+                                                                                 proxy):
+    """fps set per request (``mm_processor_kwargs``) on an mp4 clip: the proxy answers 400 (the uuid contract)
+    and vLLM never sees it; sent to vLLM's OpenAI server itself with the uuid of the clip encoded with the
+    same sampling at both of vLLM's levels, vLLM 0.32 refuses it too, by default: per-request
+    mm_processor_kwargs need ``--trust-request-mm-kwargs`` (entrypoints/generate/base/protocol.py). With that
+    flag vLLM would hash the uuid with the kwargs into a key no encoder has:
+    tests/integrations/vllm/test_vllm_engine.py shows it in the engine, and carries the same setting
+    through the connector where vLLM does not hash it (the engine's own mm_processor_kwargs)."""
+    from encoder_service.benchmarks.reliability.video_inputs import make_clip
+
+    per_request = {"fps": 1, "do_sample_frames": True}
+    clip = make_clip("mp4", "libx264", frames=8, width=112, height=84, fps=2)
+    url = "data:video/mp4;base64," + base64.b64encode(clip).decode()
+    with EncoderClient(encoder.target, timeout_s=60) as client:
+        (encoded,) = client.encode([Video(clip, reference="vllm", fps=2.0, processor_fps=1,
+                                          processor_do_sample_frames=True)])
+    # vLLM's loader at 2 fps keeps all 8 frames, its processor samples them at 1 fps
+    assert list(encoded.sampled_frame_indices) == [0, 2, 4, 6]
+    before = vllm_chat_requests(vllm_server)
+    status, body = post(proxy.port, chat(model_path, {"type": "video_url", "video_url": {"url": url}},
+                                         mm_processor_kwargs=per_request))
+    assert status == 400 and "mm_processor_kwargs not supported through the EPD proxy" in body.decode(), body
+    assert vllm_chat_requests(vllm_server) == before
+
+    part = {"type": "video_url", "video_url": {"url": url}, "uuid": encoded.content_hash}
+    status, body = post(vllm_server.port, chat(model_path, part, mm_processor_kwargs=per_request))
+    assert status == 400, body
+    error = json.loads(body)["error"]
+    assert error["message"].startswith("Per-request mm_processor_kwargs are disabled by default"), error
+    assert "--trust-request-mm-kwargs" in error["message"] and error["param"] == "mm_processor_kwargs", error

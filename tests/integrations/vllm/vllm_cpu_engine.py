@@ -41,12 +41,13 @@ def encoder_flags(path: Path) -> tuple[str, ...]:
 class Engine:
     """tests/vllm_engine_driver.py engine ... as a process; commands in, answers out."""
 
-    def __init__(self, env: dict[str, str], model: Path, ec_transfer_config: dict | None, log: Path) -> None:
+    def __init__(self, env: dict[str, str], model: Path, ec_transfer_config: dict | None, log: Path,
+                 engine_kwargs: dict | None = None) -> None:
+        """``engine_kwargs``: more ``vllm.LLM`` arguments (the engine's own mm_processor_kwargs, ...)."""
         self.log_path = log
         self._log = open(log, "w")  # noqa: SIM115  (closed in stop)
-        cmd = [sys.executable, str(DRIVER), "engine", str(model)]
-        if ec_transfer_config:
-            cmd.append(json.dumps(ec_transfer_config))
+        cmd = [sys.executable, str(DRIVER), "engine", str(model), json.dumps(ec_transfer_config),
+               json.dumps(engine_kwargs or {})]
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._log, text=True)
         assert self._read() == "READY", self.log()
@@ -69,17 +70,18 @@ class Engine:
         return self._read()
 
     def generate(self, requests: list[list[tuple[bytes, str | None]]],
-                 videos: list[list[tuple[list[bytes], str | None]]] | None = None, video_fps: float = 2.0
-                 ) -> list[dict]:
+                 videos: list[list[tuple[list[bytes], str | None]]] | None = None, video_fps: float = 2.0,
+                 mm_processor_kwargs: dict | None = None) -> list[dict]:
         """``videos``: per request, (its frames as encoded images, uuid) for each clip in it, given to vLLM
-        at ``video_fps``."""
+        at ``video_fps``; ``mm_processor_kwargs``: every request's own (as a user sets them per request)."""
         def b64(data: bytes) -> str:
             return base64.b64encode(data).decode()
 
         body = [{"images": [[b64(data), uuid] for data, uuid in images]} for images in requests]
         for request, clips in zip(body, videos or [], strict=False):
             request["videos"] = [[[b64(frame) for frame in frames], uuid] for frames, uuid in clips]
-        return self.call("generate", requests=body, max_tokens=MAX_TOKENS, video_fps=video_fps)
+        return self.call("generate", requests=body, max_tokens=MAX_TOKENS, video_fps=video_fps,
+                         mm_processor_kwargs=mm_processor_kwargs)
 
     def stop(self) -> None:
         self.proc.stdin.close()

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n.encoder_client/_proto/encoder/v1/encoder.proto\x12\nencoder.v1\"K\n\x07Patches\x12\x10\n\x08grid_thw\x18\x01 \x03(\r\x12 \n\x05\x64type\x18\x02 \x01(\x0e\x32\x11.encoder.v1.DType\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x88\x01\n\x05Image\x12\x11\n\x07\x65ncoded\x18\x01 \x01(\x0cH\x00\x12&\n\x07patches\x18\x02 \x01(\x0b\x32\x13.encoder.v1.PatchesH\x00\x12\x16\n\x0c\x63ontent_hash\x18\x03 \x01(\tH\x00\x12\"\n\x05video\x18\x04 \x01(\x0b\x32\x11.encoder.v1.VideoH\x00\x42\x08\n\x06source\"i\n\x05Video\x12\x0f\n\x07\x65ncoded\x18\x01 \x01(\x0c\x12\x0e\n\x06\x66rames\x18\x02 \x03(\x0c\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.encoder.v1.VideoSampling\x12\x12\n\nframes_fps\x18\x04 \x01(\x02\"\xe3\x01\n\rVideoSampling\x12\x11\n\treference\x18\x01 \x01(\t\x12\x0b\n\x03\x66ps\x18\x02 \x01(\x02\x12\x12\n\nnum_frames\x18\x03 \x01(\r\x12\x12\n\nmin_frames\x18\x04 \x01(\r\x12\x12\n\nmax_frames\x18\x05 \x01(\r\x12\x12\n\nmin_pixels\x18\x06 \x01(\x04\x12\x12\n\nmax_pixels\x18\x07 \x01(\x04\x12\x12\n\nall_frames\x18\x08 \x01(\x08\x12!\n\x14\x63\x61p_pixels_per_frame\x18\t \x01(\x08H\x00\x88\x01\x01\x42\x17\n\x15_cap_pixels_per_frame\"*\n\x04Sink\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"\xf3\x01\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x06images\x18\x02 \x03(\x0b\x32\x11.encoder.v1.Image\x12\'\n\x0coutput_dtype\x18\x03 \x01(\x0e\x32\x11.encoder.v1.DType\x12\x1e\n\x04sink\x18\x04 \x01(\x0b\x32\x10.encoder.v1.Sink\x12\x17\n\x0fmax_chunk_bytes\x18\x05 \x01(\r\x12\x35\n\routput_region\x18\x06 \x01(\x0b\x32\x1e.encoder.v1.SharedMemoryRegion\x12\x12\n\ncache_only\x18\x07 \x01(\x08\"=\n\x12SharedMemoryRegion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0b\n\x03key\x18\x03 \x01(\x0c\"\xc6\x03\n\x0e\x45mbeddingChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bimage_index\x18\x02 \x01(\r\x12\x14\n\x0c\x63ontent_hash\x18\x03 \x01(\t\x12\x10\n\x08grid_thw\x18\x04 \x03(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12 \n\x05\x64type\x18\x07 \x01(\x0e\x32\x11.encoder.v1.DType\x12\x14\n\x0ctoken_offset\x18\x08 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\t \x01(\x0c\x12\x0c\n\x04last\x18\n \x01(\x08\x12\x11\n\tcache_hit\x18\x0b \x01(\x08\x12(\n\x06timing\x18\x0c \x01(\x0b\x32\x18.encoder.v1.ServerTiming\x12\x12\n\nnum_images\x18\r \x01(\r\x12\x16\n\x0e\x66\x65\x61ture_levels\x18\x0e \x01(\r\x12\x15\n\rregion_offset\x18\x0f \x01(\x04\x12\x14\n\x0cregion_bytes\x18\x10 \x01(\x04\x12\x15\n\rframe_indices\x18\x11 \x03(\r\x12\x1a\n\x12\x66rame_timestamps_s\x18\x12 \x03(\x02\x12\x1d\n\x15sampled_frame_indices\x18\x13 \x03(\r\"K\n\x0cServerTiming\x12\x10\n\x08queue_ms\x18\x01 \x01(\x02\x12\x15\n\rpreprocess_ms\x18\x02 \x01(\x02\x12\x12\n\nforward_ms\x18\x03 \x01(\x02\"\'\n\rLookupRequest\x12\x16\n\x0e\x63ontent_hashes\x18\x01 \x03(\t\" \n\x0eLookupResponse\x12\x0e\n\x06\x63\x61\x63hed\x18\x01 \x03(\x08\"\x15\n\x13GetModelInfoRequest\"\x19\n\x07PushAck\x12\x0e\n\x06images\x18\x01 \x01(\r\"\xa9\x04\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12 \n\x05\x64type\x18\x04 \x01(\x0e\x32\x11.encoder.v1.DType\x12\x12\n\npatch_size\x18\x05 \x01(\r\x12\x1b\n\x13temporal_patch_size\x18\x06 \x01(\r\x12\x1a\n\x12spatial_merge_size\x18\x07 \x01(\r\x12\x11\n\tpatch_dim\x18\x08 \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x0b \x01(\t\x12\x18\n\x10max_batch_tokens\x18\x0c \x01(\r\x12\x19\n\x11max_message_bytes\x18\r \x01(\x04\x12\x18\n\x10max_image_pixels\x18\x0e \x01(\x04\x12\x0f\n\x07version\x18\x0f \x01(\t\x12\x12\n\npreprocess\x18\x10 \x01(\t\x12\x16\n\x0e\x66\x65\x61ture_levels\x18\x11 \x01(\r\x12\x15\n\rshared_memory\x18\x12 \x01(\x08\x12\x0b\n\x03ops\x18\x13 \x01(\t\x12\x0e\n\x06\x64\x65\x63ode\x18\x14 \x01(\t\x12\r\n\x05video\x18\x15 \x01(\t\x12\x18\n\x10max_video_frames\x18\x16 \x01(\r\x12\x19\n\x11max_video_seconds\x18\x17 \x01(\x02\x12\x17\n\x0fmax_video_bytes\x18\x18 \x01(\x04*i\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x04\x32\xdb\x01\n\rVisionEncoder\x12\x41\n\x06\x45ncode\x12\x19.encoder.v1.EncodeRequest\x1a\x1a.encoder.v1.EmbeddingChunk0\x01\x12?\n\x06Lookup\x12\x19.encoder.v1.LookupRequest\x1a\x1a.encoder.v1.LookupResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.encoder.v1.GetModelInfoRequest\x1a\x15.encoder.v1.ModelInfo2J\n\rEmbeddingSink\x12\x39\n\x04Push\x12\x1a.encoder.v1.EmbeddingChunk\x1a\x13.encoder.v1.PushAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n.encoder_client/_proto/encoder/v1/encoder.proto\x12\nencoder.v1\"K\n\x07Patches\x12\x10\n\x08grid_thw\x18\x01 \x03(\r\x12 \n\x05\x64type\x18\x02 \x01(\x0e\x32\x11.encoder.v1.DType\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x88\x01\n\x05Image\x12\x11\n\x07\x65ncoded\x18\x01 \x01(\x0cH\x00\x12&\n\x07patches\x18\x02 \x01(\x0b\x32\x13.encoder.v1.PatchesH\x00\x12\x16\n\x0c\x63ontent_hash\x18\x03 \x01(\tH\x00\x12\"\n\x05video\x18\x04 \x01(\x0b\x32\x11.encoder.v1.VideoH\x00\x42\x08\n\x06source\"i\n\x05Video\x12\x0f\n\x07\x65ncoded\x18\x01 \x01(\x0c\x12\x0e\n\x06\x66rames\x18\x02 \x03(\x0c\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.encoder.v1.VideoSampling\x12\x12\n\nframes_fps\x18\x04 \x01(\x02\"\xe0\x02\n\rVideoSampling\x12\x11\n\treference\x18\x01 \x01(\t\x12\x0b\n\x03\x66ps\x18\x02 \x01(\x02\x12\x12\n\nnum_frames\x18\x03 \x01(\r\x12\x12\n\nmin_frames\x18\x04 \x01(\r\x12\x12\n\nmax_frames\x18\x05 \x01(\r\x12\x12\n\nmin_pixels\x18\x06 \x01(\x04\x12\x12\n\nmax_pixels\x18\x07 \x01(\x04\x12\x12\n\nall_frames\x18\x08 \x01(\x08\x12!\n\x14\x63\x61p_pixels_per_frame\x18\t \x01(\x08H\x00\x88\x01\x01\x12\x15\n\rprocessor_fps\x18\n \x01(\x02\x12\x1c\n\x14processor_num_frames\x18\x0b \x01(\r\x12\'\n\x1aprocessor_do_sample_frames\x18\x0c \x01(\x08H\x01\x88\x01\x01\x42\x17\n\x15_cap_pixels_per_frameB\x1d\n\x1b_processor_do_sample_frames\"*\n\x04Sink\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"\xf3\x01\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x06images\x18\x02 \x03(\x0b\x32\x11.encoder.v1.Image\x12\'\n\x0coutput_dtype\x18\x03 \x01(\x0e\x32\x11.encoder.v1.DType\x12\x1e\n\x04sink\x18\x04 \x01(\x0b\x32\x10.encoder.v1.Sink\x12\x17\n\x0fmax_chunk_bytes\x18\x05 \x01(\r\x12\x35\n\routput_region\x18\x06 \x01(\x0b\x32\x1e.encoder.v1.SharedMemoryRegion\x12\x12\n\ncache_only\x18\x07 \x01(\x08\"=\n\x12SharedMemoryRegion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0b\n\x03key\x18\x03 \x01(\x0c\"\xc6\x03\n\x0e\x45mbeddingChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bimage_index\x18\x02 \x01(\r\x12\x14\n\x0c\x63ontent_hash\x18\x03 \x01(\t\x12\x10\n\x08grid_thw\x18\x04 \x03(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12 \n\x05\x64type\x18\x07 \x01(\x0e\x32\x11.encoder.v1.DType\x12\x14\n\x0ctoken_offset\x18\x08 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\t \x01(\x0c\x12\x0c\n\x04last\x18\n \x01(\x08\x12\x11\n\tcache_hit\x18\x0b \x01(\x08\x12(\n\x06timing\x18\x0c \x01(\x0b\x32\x18.encoder.v1.ServerTiming\x12\x12\n\nnum_images\x18\r \x01(\r\x12\x16\n\x0e\x66\x65\x61ture_levels\x18\x0e \x01(\r\x12\x15\n\rregion_offset\x18\x0f \x01(\x04\x12\x14\n\x0cregion_bytes\x18\x10 \x01(\x04\x12\x15\n\rframe_indices\x18\x11 \x03(\r\x12\x1a\n\x12\x66rame_timestamps_s\x18\x12 \x03(\x02\x12\x1d\n\x15sampled_frame_indices\x18\x13 \x03(\r\"K\n\x0cServerTiming\x12\x10\n\x08queue_ms\x18\x01 \x01(\x02\x12\x15\n\rpreprocess_ms\x18\x02 \x01(\x02\x12\x12\n\nforward_ms\x18\x03 \x01(\x02\"\'\n\rLookupRequest\x12\x16\n\x0e\x63ontent_hashes\x18\x01 \x03(\t\" \n\x0eLookupResponse\x12\x0e\n\x06\x63\x61\x63hed\x18\x01 \x03(\x08\"\x15\n\x13GetModelInfoRequest\"\x19\n\x07PushAck\x12\x0e\n\x06images\x18\x01 \x01(\r\"\xa9\x04\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12 \n\x05\x64type\x18\x04 \x01(\x0e\x32\x11.encoder.v1.DType\x12\x12\n\npatch_size\x18\x05 \x01(\r\x12\x1b\n\x13temporal_patch_size\x18\x06 \x01(\r\x12\x1a\n\x12spatial_merge_size\x18\x07 \x01(\r\x12\x11\n\tpatch_dim\x18\x08 \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x0b \x01(\t\x12\x18\n\x10max_batch_tokens\x18\x0c \x01(\r\x12\x19\n\x11max_message_bytes\x18\r \x01(\x04\x12\x18\n\x10max_image_pixels\x18\x0e \x01(\x04\x12\x0f\n\x07version\x18\x0f \x01(\t\x12\x12\n\npreprocess\x18\x10 \x01(\t\x12\x16\n\x0e\x66\x65\x61ture_levels\x18\x11 \x01(\r\x12\x15\n\rshared_memory\x18\x12 \x01(\x08\x12\x0b\n\x03ops\x18\x13 \x01(\t\x12\x0e\n\x06\x64\x65\x63ode\x18\x14 \x01(\t\x12\r\n\x05video\x18\x15 \x01(\t\x12\x18\n\x10max_video_frames\x18\x16 \x01(\r\x12\x19\n\x11max_video_seconds\x18\x17 \x01(\x02\x12\x17\n\x0fmax_video_bytes\x18\x18 \x01(\x04*i\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x04\x32\xdb\x01\n\rVisionEncoder\x12\x41\n\x06\x45ncode\x12\x19.encoder.v1.EncodeRequest\x1a\x1a.encoder.v1.EmbeddingChunk0\x01\x12?\n\x06Lookup\x12\x19.encoder.v1.LookupRequest\x1a\x1a.encoder.v1.LookupResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.encoder.v1.GetModelInfoRequest\x1a\x15.encoder.v1.ModelInfo2J\n\rEmbeddingSink\x12\x39\n\x04Push\x12\x1a.encoder.v1.EmbeddingChunk\x1a\x13.encoder.v1.PushAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'encoder_client._proto.encoder.v1.encoder_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=2183
-  _globals['_DTYPE']._serialized_end=2288
+  _globals['_DTYPE']._serialized_start=2308
+  _globals['_DTYPE']._serialized_end=2413
   _globals['_PATCHES']._serialized_start=62
   _globals['_PATCHES']._serialized_end=137
   _globals['_IMAGE']._serialized_start=140
@@ -40,29 +40,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VIDEO']._serialized_start=278
   _globals['_VIDEO']._serialized_end=383
   _globals['_VIDEOSAMPLING']._serialized_start=386
-  _globals['_VIDEOSAMPLING']._serialized_end=613
-  _globals['_SINK']._serialized_start=615
-  _globals['_SINK']._serialized_end=657
-  _globals['_ENCODEREQUEST']._serialized_start=660
-  _globals['_ENCODEREQUEST']._serialized_end=903
-  _globals['_SHAREDMEMORYREGION']._serialized_start=905
-  _globals['_SHAREDMEMORYREGION']._serialized_end=966
-  _globals['_EMBEDDINGCHUNK']._serialized_start=969
-  _globals['_EMBEDDINGCHUNK']._serialized_end=1423
-  _globals['_SERVERTIMING']._serialized_start=1425
-  _globals['_SERVERTIMING']._serialized_end=1500
-  _globals['_LOOKUPREQUEST']._serialized_start=1502
-  _globals['_LOOKUPREQUEST']._serialized_end=1541
-  _globals['_LOOKUPRESPONSE']._serialized_start=1543
-  _globals['_LOOKUPRESPONSE']._serialized_end=1575
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1577
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1598
-  _globals['_PUSHACK']._serialized_start=1600
-  _globals['_PUSHACK']._serialized_end=1625
-  _globals['_MODELINFO']._serialized_start=1628
-  _globals['_MODELINFO']._serialized_end=2181
-  _globals['_VISIONENCODER']._serialized_start=2291
-  _globals['_VISIONENCODER']._serialized_end=2510
-  _globals['_EMBEDDINGSINK']._serialized_start=2512
-  _globals['_EMBEDDINGSINK']._serialized_end=2586
+  _globals['_VIDEOSAMPLING']._serialized_end=738
+  _globals['_SINK']._serialized_start=740
+  _globals['_SINK']._serialized_end=782
+  _globals['_ENCODEREQUEST']._serialized_start=785
+  _globals['_ENCODEREQUEST']._serialized_end=1028
+  _globals['_SHAREDMEMORYREGION']._serialized_start=1030
+  _globals['_SHAREDMEMORYREGION']._serialized_end=1091
+  _globals['_EMBEDDINGCHUNK']._serialized_start=1094
+  _globals['_EMBEDDINGCHUNK']._serialized_end=1548
+  _globals['_SERVERTIMING']._serialized_start=1550
+  _globals['_SERVERTIMING']._serialized_end=1625
+  _globals['_LOOKUPREQUEST']._serialized_start=1627
+  _globals['_LOOKUPREQUEST']._serialized_end=1666
+  _globals['_LOOKUPRESPONSE']._serialized_start=1668
+  _globals['_LOOKUPRESPONSE']._serialized_end=1700
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1702
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1723
+  _globals['_PUSHACK']._serialized_start=1725
+  _globals['_PUSHACK']._serialized_end=1750
+  _globals['_MODELINFO']._serialized_start=1753
+  _globals['_MODELINFO']._serialized_end=2306
+  _globals['_VISIONENCODER']._serialized_start=2416
+  _globals['_VISIONENCODER']._serialized_end=2635
+  _globals['_EMBEDDINGSINK']._serialized_start=2637
+  _globals['_EMBEDDINGSINK']._serialized_end=2711
 # @@protoc_insertion_point(module_scope)

@@ -55,7 +55,7 @@ class Video(_message.Message):
     def __init__(self, encoded: _Optional[bytes] = ..., frames: _Optional[_Iterable[bytes]] = ..., sampling: _Optional[_Union[VideoSampling, _Mapping]] = ..., frames_fps: _Optional[float] = ...) -> None: ...
 
 class VideoSampling(_message.Message):
-    __slots__ = ("reference", "fps", "num_frames", "min_frames", "max_frames", "min_pixels", "max_pixels", "all_frames", "cap_pixels_per_frame")
+    __slots__ = ("reference", "fps", "num_frames", "min_frames", "max_frames", "min_pixels", "max_pixels", "all_frames", "cap_pixels_per_frame", "processor_fps", "processor_num_frames", "processor_do_sample_frames")
     REFERENCE_FIELD_NUMBER: _ClassVar[int]
     FPS_FIELD_NUMBER: _ClassVar[int]
     NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,9 @@ class VideoSampling(_message.Message):
     MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
     ALL_FRAMES_FIELD_NUMBER: _ClassVar[int]
     CAP_PIXELS_PER_FRAME_FIELD_NUMBER: _ClassVar[int]
+    PROCESSOR_FPS_FIELD_NUMBER: _ClassVar[int]
+    PROCESSOR_NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    PROCESSOR_DO_SAMPLE_FRAMES_FIELD_NUMBER: _ClassVar[int]
     reference: str
     fps: float
     num_frames: int
@@ -74,7 +77,10 @@ class VideoSampling(_message.Message):
     max_pixels: int
     all_frames: bool
     cap_pixels_per_frame: bool
-    def __init__(self, reference: _Optional[str] = ..., fps: _Optional[float] = ..., num_frames: _Optional[int] = ..., min_frames: _Optional[int] = ..., max_frames: _Optional[int] = ..., min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ..., all_frames: _Optional[bool] = ..., cap_pixels_per_frame: _Optional[bool] = ...) -> None: ...
+    processor_fps: float
+    processor_num_frames: int
+    processor_do_sample_frames: bool
+    def __init__(self, reference: _Optional[str] = ..., fps: _Optional[float] = ..., num_frames: _Optional[int] = ..., min_frames: _Optional[int] = ..., max_frames: _Optional[int] = ..., min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ..., all_frames: _Optional[bool] = ..., cap_pixels_per_frame: _Optional[bool] = ..., processor_fps: _Optional[float] = ..., processor_num_frames: _Optional[int] = ..., processor_do_sample_frames: _Optional[bool] = ...) -> None: ...
 
 class Sink(_message.Message):
     __slots__ = ("target", "request_id")
