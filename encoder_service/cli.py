@@ -1,5 +1,5 @@
-"""``encoder-service``: ``serve`` runs the gRPC server; ``bench {forward,service,video,reliability}`` runs a benchmark
-(encoder_service/benchmarks); ``make-checkpoint`` writes a preset's random-weight checkpoint (transformers
+"""``encoder-service``: ``serve`` runs the gRPC server; ``bench {forward,service,video,reliability,profile}`` runs a
+benchmark (encoder_service/benchmarks); ``make-checkpoint`` writes a preset's random-weight checkpoint (transformers
 format) for trying the loader out."""
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ BENCHMARKS = {
     "service": "the whole service as users run it: a real server process, client processes, photo-like JPEGs",
     "video": "clips, then images of the same token size, through one real server from client processes",
     "reliability": "the reliability scenarios of tests/reliability run for long (a soak), one table of checks",
+    "profile": "where a tower's forward goes, by op class (torch.profiler's kernels: GEMM, attention, norms, ...)",
 }
 # Where a benchmark's main lives when it is not encoder_service/benchmarks/<name>.py.
-_MODULES = {"reliability": ".benchmarks.reliability.soak"}
+_MODULES = {"reliability": ".benchmarks.reliability.soak", "profile": ".benchmarks.op_profile"}
 
 
 def _parser() -> argparse.ArgumentParser:
