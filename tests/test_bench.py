@@ -197,3 +197,4 @@ def test_the_multi_gpu_scaling_benchmark_runs_its_setups_with_worker_processes(t
     assert setup["devices"] == "cpu" and setup["transport"] == "shared-memory"
     assert setup["images"] > 0 and setup["ratio_to_first"] == 1.0
     assert setup["server_cpu_ms_per_image"] > 0  # the front end's own CPU, sampled over the window
+    assert setup["worker_cpu_ms_per_image"]["cpu:0"] > 0  # the worker's own, per image it ran

@@ -50,7 +50,7 @@ def test_script_answers_help(answers, script):
     assert "--help" in result.stdout
 
 
-@pytest.mark.parametrize("benchmark", ["", "forward", "service", "video", "reliability"])
+@pytest.mark.parametrize("benchmark", ["", "forward", "service", "video", "reliability", "profile"])
 def test_the_bench_subcommands_answer_help_and_only_forward_imports_torch(benchmark):
     # `encoder-service bench BENCHMARK --help`; forward imports torch at the top, the others must not wait for it.
     words = ["bench", *filter(None, [benchmark]), "--help"]
@@ -64,4 +64,4 @@ def test_the_bench_subcommands_answer_help_and_only_forward_imports_torch(benchm
     assert result.stdout.rstrip().endswith(f"torch imported: {benchmark == 'forward'}")
     assert result.stderr == ""
     if not benchmark:
-        assert all(name in result.stdout for name in ("forward", "service", "video", "reliability"))
+        assert all(name in result.stdout for name in ("forward", "service", "video", "reliability", "profile"))
