@@ -17,11 +17,13 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 
+from .. import memory
 from ..config import LoadingConfig
-from ..errors import InvalidInput
+from ..errors import EncoderError, InvalidInput
 from ..models.served import ServedModel
-from ..preprocess.worker_decode import decode_encoded
+from ..preprocess.worker_decode import Decoding, submit_decodes
 from .handoff import IN_FLIGHT, POLL_S, rebuild
+from .jobs import detached
 from .shared_buffer import SharedBuffer
 from .worker import launch_decodable
 
@@ -36,6 +38,13 @@ def child_main(conn: Connection, config: LoadingConfig, device: str, label: str,
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=config.log_level,
                         format=f"%(asctime)s %(levelname)s [worker {label}] %(name)s: %(message)s")
+    # The decode threads below allocate and free megabytes an image, as the server's do: the same bound
+    # on glibc's arenas (encoder_service/memory.py), set before any thread exists; on a GPU, large blocks
+    # kept in the heap as the server keeps them (not on the CPU, where buffer placement changes float32
+    # results: see api/server.py).
+    memory.limit_arenas()
+    if device != "cpu":
+        memory.keep_large_blocks_in_heap()
     try:
         import torch
 
@@ -71,22 +80,32 @@ def child_main(conn: Connection, config: LoadingConfig, device: str, label: str,
 
 @dataclass
 class _Launched:
-    """A batch the child took: in flight on the device (``pending``), or already failed (``error``),
-    answered in the order the batches came (the front end reads the answers in that order)."""
+    """A batch the child took: its files decoding on the pool (``decoding``), in flight on the device
+    (``pending``), or already failed (``error``), answered in the order the batches came (the front end
+    reads the answers in that order)."""
 
     seq: int
     slot: int
-    out_bytes: int  # the embedding bytes of the images launched (those that decoded)
+    out_sizes: list[int]  # each image's embedding bytes
+    inputs: list | None = None  # until launched
+    decoding: Decoding | None = None  # the files of the batch, until decoded
+    launched: bool = False
+    out_bytes: int = 0  # the embedding bytes of the images launched (those that decoded)
     pending: object | None = None  # the model's PendingEmbeddings
     failed: dict[int, Exception] = field(default_factory=dict)  # images this process or its device could not decode
     error: Exception | None = None  # the whole batch failed
     decode_s: float = 0.0  # the host decode of the images the front end handed on undecoded
 
-    def ready(self) -> bool:
-        return self.pending is None or self.pending.ready()
+    def answerable(self) -> bool:
+        """Whether answering it now would not wait: failed, or launched with its device work done."""
+        return self.error is not None or (self.launched and (self.pending is None or self.pending.ready()))
 
 
 class _ChildLoop:
+    """Batches in, answers out, in order, at most ``IN_FLIGHT`` at a time: one on the device, the next
+    decoding its files and then launched behind it, so the device never idles between the two. A batch
+    whose files are still decoding never holds up the answer of the one ahead of it."""
+
     def __init__(self, conn: Connection, model: ServedModel, decoder: Callable, decodes: Executor) -> None:
         self.conn = conn
         self.model = model
@@ -94,62 +113,90 @@ class _ChildLoop:
         self.decodes = decodes
         self.buffers: dict[tuple[str, int], SharedBuffer] = {}
 
-    def _next_message(self, pending: deque[_Launched]) -> tuple | None:
-        """The next message, or None when the oldest batch in flight should be answered now.
-
-        With one batch on the device, waits for whichever comes first: the next batch (launched at
-        once, so the device never idles between the two) or the end of the one running."""
-        if not pending:
-            return self.conn.recv()
-        while len(pending) < IN_FLIGHT:
-            if self.conn.poll(POLL_S):
-                return self.conn.recv()
-            if pending[0].ready():
-                return None
-        return None
-
     def run(self) -> None:
         pending: deque[_Launched] = deque()
         while True:
+            waiting = next((entry for entry in pending if not entry.launched and entry.error is None), None)
+            if waiting is not None and (waiting.decoding is None or waiting.decoding.done()):
+                self._launch(waiting)  # launches stay in the batches' order: only the first not launched
+                continue
+            if pending and pending[0].answerable():
+                self._finish(pending.popleft())
+                continue
             try:
-                msg = self._next_message(pending)
+                msg = self._wait(pending, waiting)
             except (EOFError, OSError):
                 return  # the front end is gone: nobody to answer
-            if msg is not None and msg[0] == "stop":
+            if msg is None:
+                continue
+            if msg[0] == "stop":
                 while pending:
                     self._finish(pending.popleft())
                 return
-            if msg is not None and msg[0] == "buffer":
+            if msg[0] == "buffer":
                 _, role, slot, size = msg
                 old = self.buffers.pop((role, slot), None)
                 if old is not None:
                     old.close()
                 self.buffers[(role, slot)] = SharedBuffer.attach(recv_handle(self.conn), size)
                 continue
-            if msg is not None:
-                pending.append(self._launch(msg))
-            if pending and (msg is None or len(pending) >= IN_FLIGHT):
-                self._finish(pending.popleft())
+            pending.append(self._take(msg))
 
-    def _launch(self, msg: tuple) -> _Launched:
+    def _wait(self, pending: deque[_Launched], waiting: _Launched | None) -> tuple | None:
+        """The next message where there is room for a batch (None after ``POLL_S`` without one, so the loop
+        looks again at the batches it holds); full, the end of a decode or of the oldest batch's device
+        work."""
+        if not pending:
+            return self.conn.recv()
+        if len(pending) < IN_FLIGHT:
+            return self.conn.recv() if self.conn.poll(POLL_S) else None
+        if waiting is not None:
+            waiting.decoding.wait(POLL_S)
+        elif pending[0].launched:
+            self._finish(pending.popleft())  # nothing else to do until it is done: wait for it there
+        return None
+
+    def _take(self, msg: tuple) -> _Launched:
+        """A batch as it arrives: its inputs read from the shared buffer, its files submitted for decoding."""
         _, seq, slot, described, out_sizes = msg
+        entry = _Launched(seq, slot, list(out_sizes))
         try:
-            inputs = [rebuild(self.buffers[("in", slot)], d) for d in described]
-            # Image files decode here first (the batch ahead runs on the device meanwhile); one that
-            # fails is left out and fails alone.
-            inputs, failed, decode_s = decode_encoded(inputs, self.decoder, self.decodes)
+            entry.inputs = [rebuild(self.buffers[("in", slot)], d) for d in described]
+            entry.decoding = submit_decodes(entry.inputs, self.decoder, self.decodes)
+        except Exception as exc:
+            entry.error = exc  # answered in its turn, after the batch ahead of it: never out of order
+        return entry
+
+    def _launch(self, entry: _Launched) -> None:
+        """Its decoded images onto the device (those that failed to decode fail alone)."""
+        try:
+            inputs, failed = entry.inputs, {}
+            if entry.decoding is not None:
+                inputs, decode_failed, entry.decode_s = entry.decoding.result()
+                # Without their tracebacks (which hold this batch's pixels in a cycle), MemoryError as
+                # RESOURCE_EXHAUSTED: what the front end keeps of a failed preparation (jobs.detached).
+                failed = {index: detached(error) for index, error in decode_failed.items()}
+                for index, error in failed.items():
+                    if not isinstance(error, EncoderError):
+                        logging.getLogger(__name__).error("decoding image %d of batch %d failed: %r", index,
+                                                          entry.seq, error)
             kept = [index for index in range(len(inputs)) if index not in failed]
             # Host bytes are copied into the model's staging buffer (or read, on the CPU; JPEGs are
             # decoded) before this returns: the input slot is free for the batch after next from here on.
             batch, on_device = launch_decodable(self.model, [inputs[i] for i in kept]) if kept else (None, {})
             failed.update({kept[position]: error for position, error in on_device.items()})
         except Exception as exc:
-            # Answered in its turn, after the batch ahead of it: never out of order.
-            return _Launched(seq, slot, 0, error=exc)
-        out_bytes = sum(size for index, size in enumerate(out_sizes) if index not in failed)
-        return _Launched(seq, slot, out_bytes, batch, failed, decode_s=decode_s)
+            entry.error = exc
+            return
+        finally:
+            entry.inputs = entry.decoding = None
+            entry.launched = True
+        entry.pending, entry.failed = batch, failed
+        entry.out_bytes = sum(size for index, size in enumerate(entry.out_sizes) if index not in failed)
 
     def _finish(self, entry: _Launched) -> None:
+        if not entry.launched and entry.error is None:  # stopping: its decodes finish first
+            self._launch(entry)
         if entry.error is not None:
             self._send_error(entry.seq, entry.error)
             return

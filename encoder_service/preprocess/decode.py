@@ -367,21 +367,23 @@ class Header:
 def read_header(data: bytes, max_image_pixels: int | None) -> Header | None:
     """The header of a JPEG or PNG, with every check ``open_image`` makes before it decodes a pixel
     (same errors, ``ExpensiveImage`` included), and no pixel decoded; None for other formats, and for
-    a PNG that may carry its orientation after its pixels (an eXIf chunk after IDAT: Pillow reads it
-    only while decoding), whose displayed size only the decode can tell."""
+    a PNG that may carry its orientation after its pixels (an eXIf or text chunk after IDAT: Pillow reads
+    those only while decoding), whose displayed size only the decode can tell."""
     if data[:2] != b"\xff\xd8" and data[:8] != b"\x89PNG\r\n\x1a\n":
         return None
-    if data[:1] == b"\x89" and _png_exif_after_pixels(data):
+    if data[:1] == b"\x89" and _png_metadata_after_pixels(data):
         return None
     image = _opened(data, max_image_pixels)
     if image.format not in ("JPEG", "PNG", "MPO"):
         return None
     orientation = 1
-    # A JPEG's EXIF is in its header (APP1); a PNG's only where it comes before the pixels (a later one
-    # was ruled out above; asking Pillow for a PNG's EXIF when its header had none would decode it).
-    if image.format != "PNG" or "exif" in image.info:
+    # A JPEG's EXIF is in its header (APP1). A PNG's orientation may be in an eXIf chunk, a "Raw profile type
+    # exif" text chunk or XMP (tiff:Orientation), all of which exif_transpose reads; those after the pixels
+    # were ruled out above, those before are in ``info`` now. PngImageFile.getexif decodes the image when
+    # ``info`` has no "exif": the base class's reads ``info`` only.
+    if image.format != "PNG" or any(key in image.info for key in _PNG_ORIENTATION_KEYS):
         try:
-            orientation = image.getexif().get(_ORIENTATION_TAG, 1)
+            orientation = Image.Image.getexif(image).get(_ORIENTATION_TAG, 1)
         except _PIL_PARSE_ERRORS as e:
             raise InvalidInput(f"image has malformed EXIF metadata: {type(e).__name__}: {e}") from None
     width, height = image.size
@@ -391,12 +393,16 @@ def read_header(data: bytes, max_image_pixels: int | None) -> Header | None:
 
 
 _MAX_PNG_CHUNKS_WALKED = 4096  # a real PNG has a few dozen to a few hundred (IDAT in 8-64 KB chunks)
+# Where Pillow finds a PNG's orientation (Image.getexif): an eXIf chunk, ImageMagick's text chunk, XMP.
+_PNG_ORIENTATION_KEYS = ("exif", "Raw profile type exif", "XML:com.adobe.xmp", "xmp")
+_PNG_METADATA_CHUNKS = (b"eXIf", b"tEXt", b"zTXt", b"iTXt")
 
 
-def _png_exif_after_pixels(data: bytes) -> bool:
-    """Whether a PNG may hold an eXIf chunk after its first IDAT: its chunk headers walked by their
-    lengths (searching the whole file for the four letters cost 7 ms for 9 MB). True too where the walk
-    cannot tell (more chunks than ``_MAX_PNG_CHUNKS_WALKED``, or a length past the end)."""
+def _png_metadata_after_pixels(data: bytes) -> bool:
+    """Whether a PNG may hold metadata that sets its orientation after its first IDAT (an eXIf chunk, or a
+    text chunk: Pillow reads those only while decoding): its chunk headers walked by their lengths
+    (searching the whole file for the letters cost 7 ms for 9 MB). True too where the walk cannot tell
+    (more chunks than ``_MAX_PNG_CHUNKS_WALKED``, or a length past the end)."""
     offset, seen_pixels = 8, False
     for _ in range(_MAX_PNG_CHUNKS_WALKED):
         if offset + 8 > len(data):
@@ -406,7 +412,7 @@ def _png_exif_after_pixels(data: bytes) -> bool:
             return False
         if kind == b"IDAT":
             seen_pixels = True
-        elif kind == b"eXIf" and seen_pixels:
+        elif kind in _PNG_METADATA_CHUNKS and seen_pixels:
             return True
         offset += 12 + length  # length, type, data, CRC
     return True

@@ -12,7 +12,7 @@ The front end's half (``WorkerDecoder``) reads only the header, with every check
 (``decode.read_header``: pixel and memory limits, aspect ratio, JPEG scans, and the expensive-image
 routing), and works out the grid from the displayed size with the family's ``geometry``. The file's
 bytes cross in the worker's shared input buffer (``EncodedImage``), where the worker runs the
-family's own decoder on them (``decode_encoded``), under the same time bound: the same function on
+family's own decoder on them (``submit_decodes``), under the same time bound: the same function on
 the same bytes, so the same pixels, and the cache namespace does not change.
 
 What stays in the front end, decoded as before: formats other than JPEG and PNG (WebP, GIF), a PNG
@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
 
 from ..errors import InvalidInput
@@ -71,33 +71,55 @@ class WorkerDecoder:
         return EncodedImage(image_bytes, resize_to, pad_to, grid, max_image_pixels, self.decode_seconds)
 
 
-def decode_encoded(inputs: Sequence, decoder: Callable[[bytes, int | None], DecodedImage],
-                   pool: Executor) -> tuple[list, dict[int, Exception], float]:
-    """The worker's half: every ``EncodedImage`` of ``inputs`` decoded by ``decoder`` on ``pool``'s
-    threads (Pillow releases the GIL), each under its own time bound. Returns the inputs with those
-    replaced by their ``DecodedImage`` (None where the decode failed), the error of each failed one by
-    its index, and the wall seconds the decodes took."""
-    started = time.perf_counter()
+@dataclass
+class Decoding:
+    """The ``EncodedImage`` inputs of one batch decoding on a worker's pool (``submit_decodes``): the worker
+    answers the batch ahead of it and launches it only once ``done``, so a slow file delays its own batch,
+    not the one before."""
+
+    inputs: list
+    futures: dict[int, Future]  # by the input's index in the batch
+    started: float
+
+    def done(self) -> bool:
+        return all(future.done() for future in self.futures.values())
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        wait(list(self.futures.values()), timeout=timeout_s)
+
+    def result(self) -> tuple[list, dict[int, Exception], float]:
+        """The inputs with each file replaced by its ``DecodedImage`` (None where its decode failed), the
+        error of each failed one by its index, and the wall seconds from submission to the last decode."""
+        ready, failed, finished = list(self.inputs), {}, self.started
+        for index, future in self.futures.items():
+            try:
+                ready[index], at = future.result()
+                finished = max(finished, at)
+            except Exception as exc:  # this image fails alone, with the error a front-end decode would give
+                ready[index], failed[index] = None, exc
+                finished = max(finished, time.perf_counter())
+        return ready, failed, finished - self.started
+
+
+def submit_decodes(inputs: Sequence, decoder: Callable[[bytes, int | None], DecodedImage],
+                   pool: Executor) -> Decoding | None:
+    """The worker's half: every ``EncodedImage`` of ``inputs`` submitted to ``pool`` (Pillow releases the
+    GIL) to be decoded by ``decoder``, each under its own time bound; None where there is none."""
     encoded = [index for index, item in enumerate(inputs) if isinstance(item, EncodedImage)]
     if not encoded:
-        return list(inputs), {}, 0.0
-    futures = {index: pool.submit(_decode_one, inputs[index], decoder) for index in encoded}
-    ready, failed = list(inputs), {}
-    for index, future in futures.items():
-        try:
-            ready[index] = future.result()
-        except Exception as exc:  # this image fails alone, with the error a front-end decode would give
-            ready[index], failed[index] = None, exc
-    return ready, failed, time.perf_counter() - started
+        return None
+    return Decoding(list(inputs), {index: pool.submit(_decode_one, inputs[index], decoder) for index in encoded},
+                    time.perf_counter())
 
 
-def _decode_one(item: EncodedImage, decoder: Callable[[bytes, int | None], DecodedImage]) -> DecodedImage:
+def _decode_one(item: EncodedImage, decoder: Callable[[bytes, int | None], DecodedImage]
+                ) -> tuple[DecodedImage, float]:
     with decode.decode_budget(item.decode_seconds):
         decoded = decoder(bytes(item.data), item.max_image_pixels)
     if tuple(decoded.grid) != tuple(item.grid) or tuple(decoded.resize_to) != tuple(item.resize_to):
         # The header promised other sizes than the pixels have: the batch was planned for the header's.
         raise InvalidInput(f"image decodes to grid {list(decoded.grid)}, its header said {list(item.grid)}")
-    return decoded
+    return decoded, time.perf_counter()
 
 
 def decoding_in_workers(front, decode_seconds: float | None):

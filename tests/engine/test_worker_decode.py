@@ -5,8 +5,8 @@ Checked here: the header says what the decode gives (sizes after EXIF orientatio
 error), the hand-off carries the file and its limits, worker processes give the embeddings the
 in-process path gives, the front end decodes no JPEG or PNG when workers exist (every PIL decode in
 this process is counted; the workers are other processes), the formats and images that stay in the
-front end, and an image whose decode fails in a worker failing alone. Against a real server process:
-a worker's decode bounded by --max-decode-seconds, the worker serving on.
+front end, an image whose decode fails in a worker failing alone in its batch, and the worker's decode
+bounded by --max-decode-seconds. Against a real server process: that bound, the worker serving on.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from encoder_client import EncoderClient
 from encoder_client.errors import EncoderClientError
 from nvjpeg_stand_in import jpeg, photo
-from PIL import Image, ImageFile
+from PIL import Image, ImageFile, PngImagePlugin
 from prometheus_client import CollectorRegistry
 
 from encoder_service.config import ServiceConfig
@@ -75,30 +75,40 @@ def test_a_jpegs_header_gives_the_size_its_decode_displays(orientation):
     assert (header.format, header.height, header.width) == ("JPEG", shown.height, shown.width)
 
 
-def exif_after_pixels(png: bytes) -> bytes:
-    """The PNG with its eXIf chunk moved after its image data (before IEND), as PNG 1.5 allowed."""
+def png_with_xmp(image: Image.Image, orientation: int) -> bytes:
+    """A PNG whose orientation is only in its XMP (what exiftool and Adobe write), which Pillow applies too."""
+    info = PngImagePlugin.PngInfo()
+    info.add_itxt("XML:com.adobe.xmp", '<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf='
+                  '"http://www.w3.org/1999/02/22-rdf-syntax-ns#"><rdf:Description xmlns:tiff='
+                  f'"http://ns.adobe.com/tiff/1.0/" tiff:Orientation="{orientation}"/></rdf:RDF></x:xmpmeta>')
+    return encoded(image, "PNG", pnginfo=info)
+
+
+def exif_after_pixels(png: bytes, kind: bytes = b"eXIf") -> bytes:
+    """The PNG with its ``kind`` chunk moved after its image data (before IEND), as PNG allows."""
     chunks, offset = [], 8
     while offset < len(png):
         length = int.from_bytes(png[offset:offset + 4], "big")
         chunks.append(png[offset:offset + 12 + length])
         offset += 12 + length
-    exif = [c for c in chunks if c[4:8] == b"eXIf"]
-    rest = [c for c in chunks if c[4:8] != b"eXIf"]
-    assert len(exif) == 1 and rest[-1][4:8] == b"IEND"
-    return png[:8] + b"".join(rest[:-1] + exif + rest[-1:])
+    moved = [c for c in chunks if c[4:8] == kind]
+    rest = [c for c in chunks if c[4:8] != kind]
+    assert len(moved) == 1 and rest[-1][4:8] == b"IEND"
+    return png[:8] + b"".join(rest[:-1] + moved + rest[-1:])
 
 
 def test_a_png_header_is_read_with_its_orientation_and_others_are_left_to_the_decode():
     image = photo(90, 60, seed=2)
-    for data in (encoded(image, "PNG"), png_with_exif(image, 6)):
+    for data in (encoded(image, "PNG"), png_with_exif(image, 6), png_with_xmp(image, 8)):
         header = decode.read_header(data, None)
         shown = decode.open_image(data, None)
         assert (header.format, header.height, header.width) == ("PNG", shown.height, shown.width)
-    assert decode.open_image(png_with_exif(image, 6), None).size == (60, 90)  # the orientation was applied
-    # Pillow reads an eXIf chunk after the pixels only while decoding: only the decode can tell the size.
-    late = exif_after_pixels(png_with_exif(image, 6))
-    assert decode.open_image(late, None).size == (60, 90)
-    assert decode.read_header(late, None) is None
+    for data in (png_with_exif(image, 6), png_with_xmp(image, 8)):
+        assert decode.open_image(data, None).size == (60, 90)  # the orientation was applied
+    # Pillow reads an eXIf or text chunk after the pixels only while decoding: only the decode can tell the size.
+    for late in (exif_after_pixels(png_with_exif(image, 6)), exif_after_pixels(png_with_xmp(image, 6), b"iTXt")):
+        assert decode.open_image(late, None).size == (60, 90)
+        assert decode.read_header(late, None) is None
     for fmt in ("WEBP", "GIF"):
         assert decode.read_header(encoded(image, fmt), None) is None
 
@@ -168,10 +178,10 @@ class CountedLoads:
         monkeypatch.setattr(ImageFile.ImageFile, "load", counted)
 
 
-def run_engine(config: ServiceConfig, images: list[bytes]) -> list:
+def run_engine(config: ServiceConfig, images: list[bytes], metrics: ServiceMetrics | None = None) -> list:
     """The images as concurrent one-image requests (a long batch wait puts them in one forward)."""
     async def main():
-        engine = Engine(config, metrics=ServiceMetrics(CollectorRegistry()))
+        engine = Engine(config, metrics=metrics or ServiceMetrics(CollectorRegistry()))
         await engine.start()
         try:
             async def encode(data):
@@ -204,13 +214,33 @@ def test_with_workers_the_front_end_decodes_no_jpeg_or_png_and_the_embeddings_do
         assert np.linalg.norm(result.embedding.numpy() - want.numpy()) <= 1e-5 * np.linalg.norm(want.numpy())
 
 
-def test_an_image_whose_decode_fails_in_a_worker_fails_alone_and_the_worker_serves_on():
+def forwards(metrics: ServiceMetrics) -> tuple[float, float]:
+    """(forwards run, images in them) as the engine counted them."""
+    registry = metrics.registry
+    return (registry.get_sample_value("encoder_service_batch_images_count", {"device": "cpu:0"}),
+            registry.get_sample_value("encoder_service_batch_images_sum", {"device": "cpu:0"}))
+
+
+def test_an_image_whose_decode_fails_in_a_worker_fails_alone_in_its_batch(monkeypatch):
+    loads = CountedLoads(monkeypatch)
     good = jpeg(photo(150, 70, seed=1))
     truncated = good[: len(good) // 2]  # the header reads; the scan data ends early
+    metrics = ServiceMetrics(CollectorRegistry())
     results = run_engine(ServiceConfig(devices="cpu", batch_wait_ms=300.0),
-                         [truncated, good, jpeg(photo(90, 60, seed=2))])
+                         [truncated, good, jpeg(photo(90, 60, seed=2))], metrics)
     assert isinstance(results[0], InvalidInput) and "truncated or corrupt" in str(results[0])
     assert not isinstance(results[1], BaseException) and not isinstance(results[2], BaseException)
+    assert loads.formats == []  # the worker decoded all three
+    assert forwards(metrics) == (1, 2)  # one batch of the three: its two good images ran without the bad one
+
+
+def test_the_workers_decode_is_bounded_by_max_decode_seconds(monkeypatch):
+    loads = CountedLoads(monkeypatch)
+    rng = np.random.default_rng(0)
+    slow = encoded(Image.fromarray(rng.integers(0, 256, (1780, 1780, 3), dtype=np.uint8)), "PNG", compress_level=6)
+    (result,) = run_engine(ServiceConfig(devices="cpu", max_decode_seconds=0.02), [slow])
+    assert isinstance(result, ResourceExhausted) and "--max-decode-seconds" in str(result), result
+    assert loads.formats == []  # refused in the worker: the front end read the header only
 
 
 def test_decode_in_workers_needs_worker_processes_and_a_cpu_decoder():
