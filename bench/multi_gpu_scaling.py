@@ -87,8 +87,9 @@ def images_by_device(args) -> dict[str, float]:
 
 
 def cpu_by_process(before: dict, after: dict, log_text: str) -> dict:
-    """Over the measured window: each worker's CPU per image it ran, and the relays' (every other child
-    of the server: --grpc-processes) per image of the node."""
+    """Over the measured window: each worker's CPU per image it ran, and the relays' per image of the node:
+    every other child of the server, the relays of --grpc-processes and also the video decoder processes
+    and multiprocessing's resource tracker, which an image load leaves idle."""
     workers = {int(pid): label for label, pid in re.findall(r"worker on (\S+) \(pid (\d+)\)", log_text)}
     images = after["images"] - before["images"]
     out: dict = {"worker_cpu_ms_per_image": {}}
