@@ -124,9 +124,31 @@ STARTED_SERVERS: list[EncoderProcess] = []
 _SERVERS_BEFORE = pytest.StashKey[int]()
 
 
+_MODULE_SERVERS_BEFORE: dict[str, int] = {}  # by module: the count when its first test began
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item) -> None:
     item.stash[_SERVERS_BEFORE] = len(STARTED_SERVERS)
+    _MODULE_SERVERS_BEFORE.setdefault(item.module.__name__, len(STARTED_SERVERS))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a module's last test (its fixtures torn down): every server its tests and fixtures started
+    stops. The factory is session-scoped, so a server a test started in its body, or a module fixture
+    that does not stop its own, would otherwise live to the session's end: dozens of idle servers, ~400 MB
+    each, left the vLLM engine tests late in the run without the memory their KV cache needs. No
+    fixture wider than a module starts a server."""
+    result = yield
+    if nextitem is not None and nextitem.module is not item.module:
+        first = _MODULE_SERVERS_BEFORE.pop(item.module.__name__, len(STARTED_SERVERS))
+        started = [server for server in STARTED_SERVERS[first:] if server.proc.poll() is None]
+        for server in started:  # all asked at once: each drains on its own
+            server.proc.send_signal(signal.SIGTERM)
+        for server in started:
+            server.stop()
+    return result
 
 
 @pytest.hookimpl(wrapper=True)

@@ -101,7 +101,9 @@ def test_a_sink_that_stays_gone_at_closing_is_unavailable_within_the_bound():
     channel = StandInChannel(2, [{"done_writing": closing_failed()}])
     with pytest.raises(SinkFailed) as info:
         asyncio.run(push_two_images(channel, timeout_s=0.5))
-    assert info.value.code == "UNAVAILABLE" and info.value.reason == "unavailable"
+    # The uniform UNAVAILABLE, never INTERNAL. Its reason (a metric label) is "deadline" where the bound ran
+    # out during a retry's backoff, which a loaded host makes likely with a 0.5 s bound (seen in CI).
+    assert info.value.code == "UNAVAILABLE" and info.value.reason in ("unavailable", "deadline")
     assert len(channel.calls) > 1
 
 
