@@ -80,9 +80,9 @@ _BYTES_PER_PIXEL_ALPHA, _BYTES_PER_PIXEL_JPEG, _BYTES_PER_PIXEL_OTHER = 20, 12, 
 # proportionally smaller size (WebP: 12/17 of the pixel limit).
 DECODE_BYTES_PER_LIMIT_PIXEL = 12
 
+_ORIENTATION_TAG = 0x0112  # EXIF Orientation
 # What Pillow raises from a header or a pixel stream it cannot parse. zlib/struct errors escape
 # some plugins unwrapped; EOFError comes from GIF/WebP frame readers.
-_ORIENTATION_TAG = 0x0112  # EXIF Orientation
 _PIL_PARSE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, struct.error, zlib.error)
 
 

@@ -35,11 +35,10 @@ import torch
 from PIL import Image
 
 from ..errors import BackendUnavailable, InvalidInput
-from .decode import _PIL_PARSE_ERRORS, _check_header_size, _pixel_limit
+from .decode import _ORIENTATION_TAG, _PIL_PARSE_ERRORS, _check_header_size, _pixel_limit
 from .staged import BytesPayload, DecodedImage, Grid
 
 _SOI, _EOI = b"\xff\xd8", b"\xff\xd9"
-_ORIENTATION_TAG = 0x0112
 
 # (resize_to, pad_to, grid) of an image of (height, width) pixels, after orientation: the family's
 # geometry for its preprocessing settings.
