@@ -76,6 +76,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", default="a,b,c")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--quantization", default="none", help="comma list of --quantization values, each timed")
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -123,10 +124,16 @@ def main(argv=None) -> int:
         del ref
         torch.cuda.empty_cache()
 
-    # The preset's seed-0 weights: the same tensors as the reference's.
-    time_backends(names, lambda name: load_vision_model(args.preset, device="cuda", dtype=torch.bfloat16,
-                                                         attn_backend=name),
-                  inputs, lambda fn: measure(fn, args.iters, args.warmup), record, results)
+    # The preset's seed-0 weights: the same tensors as the reference's. A contender is BACKEND or
+    # BACKEND fp8 (the name time_backends records).
+    contenders = [f"{n} {q}" if q != "none" else n for q in args.quantization.split(",") for n in names]
+
+    def load(contender: str):
+        name, _, quant = contender.partition(" ")
+        return load_vision_model(args.preset, device="cuda", dtype=torch.bfloat16, attn_backend=name,
+                                 quantization=quant or None)
+
+    time_backends(contenders, load, inputs, lambda fn: measure(fn, args.iters, args.warmup), record, results)
 
     if args.out:
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

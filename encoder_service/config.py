@@ -67,11 +67,19 @@ class ServiceConfig:
         "a provider that computes attention itself.")
     # providers of the fused operations (encoder_service/ops/selection.py)
     ops: str = option("auto",
-        "providers of the model's fused operations (window_attention, rms_scale, gated_mlp): auto "
+        "providers of the model's fused operations (window_attention, rms_scale, gated_mlp; with "
+        "--quantization fp8 also rms_quant, fp8_gated_mlp): auto "
         "(the fastest that runs here; the Triton window kernel only with --attn-backend auto), "
         "torch (plain torch everywhere, attention through the backend), or comma-separated "
         "CAPABILITY=PROVIDER entries, e.g. window_attention=triton,gated_mlp=torch, plus at most "
         "one bare provider for the rest (torch,rms_scale=triton). Providers: torch, triton.")
+    quantization: str = option("none",
+        "none (the weights' dtype, --dtype, throughout) or fp8: each transformer block's linears in "
+        "FP8 e4m3, weights with one scale per output channel, activations with one per token "
+        "(Qwen2.5-VL, Qwen3-VL and Qwen3.5 towers; a GPU with FP8 GEMMs, compute capability 8.9 or "
+        "newer, or the CPU). Faster, and less exact: docs/serving.md gives both. Its embeddings "
+        "have their own cache namespace.",
+        choices=("none", "fp8"))
     host: str = option("0.0.0.0",
         "address the gRPC server binds to (127.0.0.1 for loopback only).")
     port: int = option(50051,
@@ -447,7 +455,8 @@ class ServiceConfig:
     @functools.cached_property
     def loading(self) -> LoadingConfig:
         return LoadingConfig(model=self.model, device=self.device, dtype=self.dtype, attn_backend=self.attn_backend,
-                             ops=self.ops, preprocess=self.preprocess, decode=self.decode,
+                             ops=self.ops, quantization=self.quantization, preprocess=self.preprocess,
+                             decode=self.decode,
                              video_decode=self.video_decode, cuda_graphs=self.cuda_graphs,
                              max_batch_tokens=self.max_batch_tokens, log_level=self.log_level)
 
@@ -530,6 +539,7 @@ class LoadingConfig:
     dtype: str
     attn_backend: str
     ops: str
+    quantization: str
     preprocess: str
     decode: str
     video_decode: str

@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="replay each batch composition as a CUDA graph (models/cuda_graphs.py)")
     parser.add_argument("--try-compile-mode", default=None,
                         help="also time flashinfer-cudnn with this torch.compile mode, e.g. max-autotune-no-cudagraphs")
+    parser.add_argument("--quantization", nargs="+", default=["none"], metavar="Q",
+                        help="one or more --quantization values (none, fp8), each timed with every backend")
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -213,18 +215,21 @@ def main(argv: list[str] | None = None) -> int:
     modes = {"off": [False], "on": [True], "both": [False, True]}
     for name in names:
         for compiled in modes[args.compile]:
-            for ops, cg in [(o, g) for o in args.ops for g in modes[args.cuda_graphs]]:
+            for ops, cg, quant in [(o, g, q) for o in args.ops for g in modes[args.cuda_graphs]
+                                   for q in args.quantization]:
                 label = (f"{name}{' +compile' if compiled else ''}{'' if ops == 'auto' else f' (ops {ops})'}"
-                         f"{'' if cg else ' (no CUDA graphs)'}")
+                         f"{'' if cg else ' (no CUDA graphs)'}{'' if quant == 'none' else f' {quant}'}")
 
-                def make(n=name, c=compiled, o=ops, graphs=cg):
+                def make(n=name, c=compiled, o=ops, graphs=cg, q=quant):
                     model = build(cfg, dict(state), model_id=args.preset, preprocess_config=None, device=device,
                                   dtype=torch.bfloat16, attn_backend=n, ops=o, compile=c)
+                    model.quantize(q)
                     if not graphs:
                         model.set_cuda_graphs(0)
                     return model
 
-                time_model(label, make, {"compiled": compiled, "ops_asked": ops, "cuda_graphs": cg})
+                time_model(label, make, {"compiled": compiled, "ops_asked": ops, "cuda_graphs": cg,
+                                         "quantization": quant})
 
     if args.try_compile_mode:
         torch._dynamo.reset()

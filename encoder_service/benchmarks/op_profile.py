@@ -33,7 +33,9 @@ CLASSES: tuple[tuple[str, str], ...] = (
     ("memcpy", r"memcpy|memset"),
     ("attention", r"attention|attn|flash|fmha|sdpa|mha_|cudnn_generated_fort_native_sdpa|flashinfer"),
     ("conv", r"conv|implicit_gemm|cudnn_convolution"),
-    ("gemm", r"gemm|nvjet|cutlass|xmma|cublas|aten::(addmm|mm|bmm|matmul|linear|baddbmm)\b|splitk"),
+    # _gate_up_swiglu: the fused gate/up GEMM (ops/_swiglu_gemm.py), a GEMM with SwiGLU in its epilogue
+    ("gemm", r"gemm|gate_up|nvjet|cutlass|xmma|cublas|splitk"
+             r"|aten::(addmm|mm|bmm|matmul|linear|baddbmm|_scaled_mm)_?\b"),
     # torch.compile names a fused kernel after what it fuses: rsqrt/mean/var is a norm's
     ("norm", r"rms|layer_?norm|norm|rsqrt|aten::(pow|mean|var)\b"),
     ("rotary", r"rotary|rope|\bcos\b|\bsin\b|_cos_|_sin_|aten::(cos|sin)\b"),
@@ -44,6 +46,12 @@ CLASSES: tuple[tuple[str, str], ...] = (
 )
 CLASS_NAMES = (*(name for name, _ in CLASSES), "other")
 _COMPILED = tuple((name, re.compile(pattern)) for name, pattern in CLASSES)
+
+
+def is_annotation(name: str) -> bool:
+    """A range the profiler records around other kernels (torch.compile's ``## Call CompiledFxGraph ...
+    ##``), with device time that is theirs: counting it would count them twice."""
+    return name.startswith("## ")
 
 
 def classify(name: str) -> str:
@@ -113,6 +121,8 @@ def profile_ops(fn: Callable[[], object], device: str, iters: int = 3) -> list[O
     for event in prof.key_averages():
         if cuda:
             # A kernel has device time of its own and no CPU time of its own (device_type CUDA).
+            if is_annotation(event.key):
+                continue
             if str(getattr(event, "device_type", "")).endswith("CUDA") and event.self_device_time_total > 0:
                 ops.append(OpTime(event.key, float(event.self_device_time_total), int(event.count)))
             elif event.flops:  # the aten op that launched GEMMs: its FLOPs go to its class
@@ -129,7 +139,8 @@ CASES: dict[str, tuple[str, int, int]] = {
 }
 
 
-def tower_case(preset: str, images: int, side: int, device: str, dtype: str):
+def tower_case(preset: str, images: int, side: int, device: str, dtype: str, attn_backend: str = "auto",
+               quantization: str | None = None):
     """(the loaded tower, a function running one forward of ``images`` ``side`` x ``side`` images)."""
     import numpy as np
     import torch
@@ -137,7 +148,8 @@ def tower_case(preset: str, images: int, side: int, device: str, dtype: str):
     from ..models import load_vision_model
     from ..torch_dtypes import torch_dtype
 
-    model = load_vision_model(preset, device=device, dtype=torch_dtype(dtype))
+    model = load_vision_model(preset, device=device, dtype=torch_dtype(dtype), attn_backend=attn_backend,
+                              quantization=quantization)
     factor = model.spec.patch_size * model.spec.spatial_merge_size
     cells = side // factor * model.spec.spatial_merge_size
     grids = [(1, cells, cells)] * images
@@ -156,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--attn-backend", default="auto", help="the server's --attn-backend")
+    parser.add_argument("--quantization", default="none", help="the server's --quantization (none, fp8)")
     parser.add_argument("--top", type=int, default=12, help="kernels listed per tower")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -172,15 +186,28 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.presets.split(","):
         preset, images, side = CASES.get(name, (name, 8, 448))
         images, side = args.images or images, args.side or side
-        model, forward = tower_case(preset, images, side, args.device, args.dtype)
+        model, forward = tower_case(preset, images, side, args.device, args.dtype, args.attn_backend,
+                                    args.quantization)
         for _ in range(2):  # warm-up: compiled graphs, plans, autotuning
             forward()
+        wall = None
+        if args.device.startswith("cuda"):
+            from .forward import measure
+
+            # Outside the profiler: what a forward takes alone and back to back; what the kernels do
+            # not account for is launch gaps and host work (the profile's own overhead excluded).
+            alone, b2b = measure(forward, max(args.iters, 5), 1)
+            wall = {"alone_ms": alone * 1e3, "back_to_back_ms": b2b * 1e3}
         ops = profile_ops(forward, args.device, args.iters)
         classes = summarize(ops, ceiling, args.iters)
         top = sorted((op for op in ops if op.us), key=lambda op: -op.us)[:args.top]
         total_ms = sum(c.us for c in classes) / 1e3
-        print(f"\n=== {preset}: {images} x {side}x{side}, backend {model.attn_backend}: "
+        print(f"\n=== {preset}: {images} x {side}x{side}, backend {model.attn_backend}, quantization "
+              f"{args.quantization}: "
               f"{total_ms:.1f} ms of {'kernels' if ceiling else 'ops'} a forward", flush=True)
+        if wall:
+            print(f"  wall: {wall['alone_ms']:.1f} ms alone, {wall['back_to_back_ms']:.1f} ms back to back; "
+                  f"gaps back to back {wall['back_to_back_ms'] - total_ms:.1f} ms", flush=True)
         for c in classes:
             achieved = f"  {c.tflops:6.0f} TFLOP/s ({100 * c.share_of_ceiling:.0f}% of ceiling)" if c.tflops \
                 and c.share_of_ceiling else ""
@@ -189,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    {op.us / args.iters / 1e3:8.2f} ms  x{op.count // args.iters:<4d} [{classify(op.name)}] "
                   f"{op.name[:110]}")
         report["towers"].append({"preset": preset, "images": images, "side": side, "backend": model.attn_backend,
-                                 "ms_per_forward": total_ms, "classes": [asdict(c) for c in classes],
+                                 "quantization": args.quantization,
+                                 "ms_per_forward": total_ms, "wall": wall, "classes": [asdict(c) for c in classes],
                                  "top": [asdict(op) for op in top]})
         del model, forward
         if args.device.startswith("cuda"):

@@ -21,7 +21,10 @@ def load_model(config: LoadingConfig, device: str | None = None) -> ServedModel:
 
     model = load_vision_model(config.model_or_default, device=device or config.device, dtype=config.dtype,
                               attn_backend=config.attn_backend, preprocess=config.preprocess,
-                              ops=config.ops)
+                              ops=config.ops, quantization=config.quantization)
+    if model.quantization:
+        log.info("quantization %s on %s: the blocks' linears in e4m3 (cache namespace %s)", model.quantization,
+                 model.device, model.cache_namespace)
     model.set_decode(config.decode)
     model.set_video_decode(config.video_decode)
     if not image_decoder(model.decode_backend).default:  # say where images decode when it is not the usual way

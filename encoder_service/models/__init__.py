@@ -35,13 +35,16 @@ def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 def load_vision_model(path_or_preset: str | Path, device: str | torch.device = "cpu",
                       dtype: torch.dtype | str = torch.float32, attn_backend: str = "auto",
-                      seed: int = 0, preprocess: str = "auto", ops: str = "auto") -> VisionModel:
+                      seed: int = 0, preprocess: str = "auto", ops: str = "auto",
+                      quantization: str | None = None) -> VisionModel:
     """Loads the vision tower of a transformers-format checkpoint directory, or a built-in preset
     (random weights from ``seed``; see ``PRESETS``). ``preprocess``: ``pil`` (bit-exact with
     transformers' PIL processor), ``torch`` (its default torchvision-backed processor, resize on the
     device) or ``auto`` (torch on an accelerator, pil on the CPU). ``ops``: the providers of the
-    model's fused operations (``--ops``, encoder_service/ops/selection.py)."""
+    model's fused operations (``--ops``, encoder_service/ops/selection.py). ``quantization``: None or
+    ``fp8`` (``--quantization``, ``VisionModel.quantize``)."""
     model = _load(path_or_preset, torch.device(device), parse_dtype(dtype), attn_backend, seed, ops)
+    model.quantize(quantization)
     model.set_preprocess_mode(preprocess)
     return model
 

@@ -19,6 +19,7 @@ from PIL import Image
 
 from ..attention import AUTO, RaggedOnly, graph_backend, select_backend
 from ..device import host_to_device
+from ..errors import BackendUnavailable
 from ..modality import Modality
 from ..ops import OpsSelection, OpTarget, no_ops, select_ops
 from ..preprocess import nvjpeg
@@ -30,6 +31,9 @@ from .cuda_graphs import BudgetGraphs, CaptureReport, GraphForward, Slots
 # Re-exported: the families and the engine import them from here.
 from .spec import Grid, ModelSpec, validate_batch, validate_grid  # noqa: F401
 from .video_hooks import VideoFront, VideoHooks
+
+# --quantization methods beside "none".
+QUANTIZATIONS = ("fp8",)
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,9 @@ class VisionModel(VideoHooks):
     # and what each needs: preprocess/decoders.py.
     decode_backend: str = IMAGE_DEFAULT
     _tables: dict[tuple[torch.device, torch.dtype, Modality], torch.Tensor] | None = None  # value tables by device
+    # --quantization: None (the checkpoint's dtype throughout) or "fp8" (the blocks' linears in e4m3,
+    # ops/fp8.py), set by ``quantize`` after loading.
+    quantization: str | None = None
 
     def __init__(self, cfg, module: torch.nn.Module, *, device: torch.device, dtype: torch.dtype,
                  attn_backend: str, ops: str = AUTO) -> None:
@@ -110,6 +117,7 @@ class VisionModel(VideoHooks):
         self.device = device
         self.dtype = dtype
         self._attach_backend(attn_backend, cfg.num_heads, cfg.head_dim)
+        self._ops_spec, self._attention_named = ops, attn_backend != AUTO
         self.ops = select_ops(ops, self._ops_target(), self.OPS, attention_named=attn_backend != AUTO)
 
     def _ops_target(self) -> OpTarget | None:
@@ -145,10 +153,34 @@ class VisionModel(VideoHooks):
             payload["decode"] = self.decode_backend
         if not video_decoder(self.video_decode).default:  # other frames; PyAV's namespace stays what it was
             payload["video_decode"] = self.video_decode
+        if self.quantization:  # other embeddings; an unquantised model's namespace stays what it was
+            payload["quantization"] = self.quantization
         digest = hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
         return f"{self.spec.model_type}:{digest[:24]}"
 
     # --- the public API ----------------------------------------------------------------------
+    def quantize(self, method: str | None) -> None:
+        """``--quantization``: None or ``none`` keeps the checkpoint's dtype; ``fp8`` runs the blocks'
+        linears in e4m3 (per-channel weight scales, per-token activation scales: ops/fp8.py). Once,
+        after loading and before CUDA graphs are captured. Raises, naming the reason, where the
+        family or the device cannot."""
+        if method in (None, "", "none"):
+            return
+        if method not in QUANTIZATIONS:
+            raise BackendUnavailable(f"--quantization {method!r}: unknown; methods: none, {', '.join(QUANTIZATIONS)}")
+        if self.quantization is not None:
+            raise BackendUnavailable(f"the model is already quantised ({self.quantization})")
+        if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise BackendUnavailable(f"--quantization fp8 needs FP8 GEMMs (compute capability 8.9 or newer); "
+                                     f"{torch.cuda.get_device_name(self.device)} has "
+                                     f"{'.'.join(map(str, torch.cuda.get_device_capability(self.device)))}")
+        self._quantize_fp8()
+        self.quantization = method
+
+    def _quantize_fp8(self) -> None:
+        """The family's FP8 weights and the providers of its FP8 operations."""
+        raise BackendUnavailable(f"--quantization fp8 is not supported for {self.spec.model_type}")
+
     def set_preprocess_mode(self, mode: str) -> None:
         """``auto`` (torch on an accelerator, pil on the CPU), ``pil`` or ``torch``."""
         mode = resolve_mode(mode, self.device)

@@ -120,3 +120,55 @@ def gate_up_swiglu(x: torch.Tensor, w: torch.Tensor, shift: torch.Tensor, scale:
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["group_m"], NUM_PROGRAMS=programs,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
+
+
+@triton.jit
+def _gate_up_swiglu_fp8(x_desc, w_desc, out_desc, x_scale_ptr, w_scale_ptr, bias_ptr, m, n_inter, k,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+    """The same persistent walk on e4m3 operands (``--quantization fp8``): the accumulator scaled by
+    the token's and the channel's scales, plus the bias, rounded to the bias's dtype, then SwiGLU."""
+    dtype = bias_ptr.dtype.element_ty
+    tiles = tl.cdiv(m, BLOCK_M) * tl.cdiv(n_inter, BLOCK_N)
+    k_tiles = tl.cdiv(k, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), tiles, NUM_PROGRAMS, flatten=True):
+        pid_m, pid_n = _tile(tile, m, n_inter, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for kk in range(k_tiles):
+            acc = tl.dot(x_desc.load([off_m, kk * BLOCK_K]), w_desc.load([pid_n * 2 * BLOCK_N, kk * BLOCK_K]).T, acc)
+        rows = off_m + tl.arange(0, BLOCK_M)
+        wcols = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+        wcol_ok = wcols < 2 * n_inter
+        xs = tl.load(x_scale_ptr + rows, mask=rows < m, other=0.0)[:, None]
+        ws = tl.load(w_scale_ptr + wcols, mask=wcol_ok, other=0.0)[None, :]
+        y = (acc * xs * ws + tl.load(bias_ptr + wcols, mask=wcol_ok, other=0.0).to(tl.float32)[None, :]).to(dtype)
+        g, u = tl.split(tl.reshape(y.to(tl.float32), (BLOCK_M, BLOCK_N, 2)))
+        g = (g / (1.0 + tl.exp2(-1.4426950408889634 * g))).to(dtype)
+        out_desc.store([off_m, pid_n * BLOCK_N], (g.to(tl.float32) * u.to(tl.float32)).to(dtype))
+
+
+# e4m3 tiles are half the bytes of bf16 ones: twice the K per stage for the same shared memory.
+DEFAULT_FP8 = dict(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=3)
+
+
+def gate_up_swiglu_fp8(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                       bias: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """silu(gate) * up of ``x_scale * w_scale * (xq @ wq.T) + bias`` (``torch_ops.swiglu_pairs`` of
+    ``fp8.scaled_linear``), rows of ``wq`` alternating gate j, up j.
+
+    xq [m, k] and wq [2 * n_inter, k] e4m3, x_scale float32 [m, 1], w_scale float32 [1, 2 * n_inter],
+    bias [2 * n_inter] in the output dtype. Returns [m, n_inter]."""
+    cfg = {**DEFAULT_FP8, **(config or {})}
+    m, k = xq.shape
+    n_inter = wq.shape[0] // 2
+    out = torch.empty(m, n_inter, dtype=bias.dtype, device=xq.device)
+    bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n_inter, bn)
+    programs = min(tiles, _sm_count(xq.device.index if xq.device.index is not None else torch.cuda.current_device()))
+    _gate_up_swiglu_fp8[(programs,)](
+        TensorDescriptor.from_tensor(xq, [bm, bk]), TensorDescriptor.from_tensor(wq, [2 * bn, bk]),
+        TensorDescriptor.from_tensor(out, [bm, bn]), x_scale, w_scale, bias, m, n_inter, k,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["group_m"], NUM_PROGRAMS=programs,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out

@@ -17,6 +17,14 @@ The capabilities and their call contracts (every provider of one capability is i
 ``gated_mlp``
     ``__call__(x, w, shift, scale, bias, act) -> [tokens, intermediate]``: ``act(gate) * up`` of
     ``scale * (x @ w.T + shift) + bias``, whose rows alternate gate j, up j.
+``rms_quant`` (``--quantization fp8``)
+    ``__call__(x, pending, eps) -> (e4m3 [tokens, hidden], float32 [tokens, 1])``: the true residual
+    ``x + pending`` per token in e4m3 and its scale times its rstd, the input of the next FP8 GEMM
+    with the RMSNorm folded into its weight (ops/fp8.py).
+``fp8_gated_mlp`` (``--quantization fp8``)
+    ``__call__(xq, x_scale, wq, w_scale, bias, act) -> [tokens, intermediate]``: ``act(gate) * up`` of
+    ``x_scale * w_scale * (xq @ wq.T) + bias`` (rows of ``wq`` alternating gate j, up j), in the
+    dtype of ``bias``.
 """
 
 from __future__ import annotations

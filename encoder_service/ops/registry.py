@@ -22,7 +22,17 @@ PROVIDERS: dict[str, dict[str, str]] = {
         "torch": "encoder_service.ops.torch_ops:TorchGatedMLP",
         "triton": "encoder_service.ops.triton_swiglu:TritonGatedMLP",
     },
+    # --quantization fp8 only (FP8_CAPABILITIES): a model asks for these when it runs FP8 linears.
+    "rms_quant": {
+        "torch": "encoder_service.ops.torch_ops:TorchRmsQuant",
+        "triton": "encoder_service.ops.triton_rms:TritonRmsQuant",
+    },
+    "fp8_gated_mlp": {
+        "torch": "encoder_service.ops.torch_ops:TorchFp8GatedMLP",
+        "triton": "encoder_service.ops.triton_swiglu:TritonFp8GatedMLP",
+    },
 }
+FP8_CAPABILITIES: tuple[str, ...] = ("rms_quant", "fp8_gated_mlp")
 CAPABILITIES: tuple[str, ...] = tuple(PROVIDERS)
 
 

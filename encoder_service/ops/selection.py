@@ -134,6 +134,12 @@ class OpsSelection:
     def gated_mlp(self, x, w, shift, scale, bias, act: str) -> torch.Tensor:
         return self.providers["gated_mlp"](x, w, shift, scale, bias, act)
 
+    def rms_quant(self, x: torch.Tensor, pending: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.providers["rms_quant"](x, pending, eps)
+
+    def fp8_gated_mlp(self, xq, x_scale, wq, w_scale, bias, act: str) -> torch.Tensor:
+        return self.providers["fp8_gated_mlp"](xq, x_scale, wq, w_scale, bias, act)
+
 
 def no_ops() -> OpsSelection:
     """The selection of a model that uses no fused operations."""

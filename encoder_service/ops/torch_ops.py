@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import OpProvider
+from .fp8 import E4M3, E4M3_MAX, scaled_linear
 from .functional import activation, apply_rotary
 
 
@@ -22,6 +23,22 @@ def rms_scale(x: torch.Tensor, pending: torch.Tensor, eps: float) -> torch.Tenso
     """rstd of the true residual (x + pending) per token, float32 [tokens]."""
     xt = x.float() + pending
     return torch.rsqrt(xt.pow(2).mean(-1) + eps)
+
+
+def rms_quant(x: torch.Tensor, pending: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The true residual (x + pending) of each token in e4m3, scaled to its largest magnitude, and
+    float32 [tokens, 1] scales that fold in its rstd: ``scale * q == rstd * (x + pending)`` up to
+    e4m3 rounding, the folded RMSNorm's input to the next GEMM (``--quantization fp8``)."""
+    xt = x.float() + pending
+    rstd = torch.rsqrt(xt.pow(2).mean(-1, keepdim=True) + eps)
+    amax = xt.abs().amax(-1, keepdim=True).clamp(min=1e-12)
+    return (xt * (E4M3_MAX / amax)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), amax * (rstd / E4M3_MAX)
+
+
+def swiglu_pairs(y: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up of a projection whose columns alternate gate j, up j."""
+    gate, up = y.view(y.shape[0], -1, 2).unbind(-1)
+    return activation(act)(gate) * up
 
 
 def _affine(acc: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -101,3 +118,33 @@ class TorchGatedMLP(OpProvider):
 
     def __call__(self, x, w, shift, scale, bias, act: str) -> torch.Tensor:
         return self._swiglu(F.linear(x, w, shift), scale, bias, act)
+
+
+class TorchRmsQuant(OpProvider):
+    capability = "rms_quant"
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._fn = rms_quant
+
+    def compile(self, mode: str | None = None) -> None:
+        self._fn = _compiled(rms_quant, mode)
+
+    def __call__(self, x: torch.Tensor, pending: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._fn(x, pending, eps)
+
+
+class TorchFp8GatedMLP(OpProvider):
+    """The FP8 GEMM (``torch._scaled_mm``) with the bias in its epilogue, then SwiGLU as one pass."""
+
+    capability = "fp8_gated_mlp"
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._swiglu = swiglu_pairs
+
+    def compile(self, mode: str | None = None) -> None:
+        self._swiglu = _compiled(swiglu_pairs, mode)
+
+    def __call__(self, xq, x_scale, wq, w_scale, bias, act: str) -> torch.Tensor:
+        return self._swiglu(scaled_linear(xq, x_scale, wq, w_scale, bias, bias.dtype), act)

@@ -27,3 +27,24 @@ class TritonRmsScale(OpProvider):
 
     def __call__(self, x: torch.Tensor, pending: torch.Tensor, eps: float) -> torch.Tensor:
         return self._fn(x, pending, eps)
+
+
+class TritonRmsQuant(OpProvider):
+    """``rms_quant`` in one Triton kernel (``_rms_kernel.py``): the rstd kernel's single read of x, with
+    the e4m3 row and its scale written in the same pass."""
+
+    capability = "rms_quant"
+    name = "triton"
+    priority = 10
+
+    @classmethod
+    def unavailable_reason(cls, target: OpTarget) -> str | None:
+        return unavailable_reason(target.device, target.dtype)
+
+    def __init__(self) -> None:
+        from ._rms_kernel import rms_quant
+
+        self._fn = rms_quant
+
+    def __call__(self, x: torch.Tensor, pending: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._fn(x, pending, eps)

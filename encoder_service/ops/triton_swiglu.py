@@ -38,3 +38,30 @@ class TritonGatedMLP(OpProvider):
 
     def __call__(self, x, w, shift, scale, bias, act: str) -> torch.Tensor:
         return self._fn(x, w, shift, scale, bias)
+
+
+class TritonFp8GatedMLP(OpProvider):
+    """``fp8_gated_mlp`` in one Triton kernel: the e4m3 gate/up GEMM with its scales, bias and SwiGLU
+    in the epilogue (``_swiglu_gemm.gate_up_swiglu_fp8``), so the [tokens, 2 x intermediate]
+    projection is never written."""
+
+    capability = "fp8_gated_mlp"
+    name = "triton"
+    priority = 10
+
+    @classmethod
+    def unavailable_reason(cls, target: OpTarget) -> str | None:
+        if (reason := TritonGatedMLP.unavailable_reason(target)) is not None:
+            return reason
+        # e4m3 rows: TMA wants 16-byte aligned rows, 16 one-byte elements.
+        if target.hidden_size % 16:
+            return f"hidden size {target.hidden_size} not a multiple of 16 (16-byte aligned e4m3 rows)"
+        return None
+
+    def __init__(self) -> None:
+        from ._swiglu_gemm import gate_up_swiglu_fp8
+
+        self._fn = gate_up_swiglu_fp8
+
+    def __call__(self, xq, x_scale, wq, w_scale, bias, act: str) -> torch.Tensor:
+        return self._fn(xq, x_scale, wq, w_scale, bias)

@@ -19,7 +19,7 @@ from torch import nn
 from ...attention import AttentionBackend
 from ...device import host_to_device
 from ...metadata import BatchMetadata, SpatialConfig, build_metadata, pad_attention
-from ...ops import AUTO, OpsSelection, OpTarget, select_ops
+from ...ops import AUTO, FP8_CAPABILITIES, OpsSelection, OpTarget, select_ops
 from ..base import ModelSpec, VisionModel
 from ..cuda_graphs import GraphForward, Slots
 from ..layers import ConvPatchEmbed3d, QkvProjections, RMSNorm
@@ -177,10 +177,14 @@ class Qwen2_5_VisionTower(nn.Module):
         # (Qwen2_5_VLVisionModel); plain torch until then.
         self.ops: OpsSelection = select_ops("torch", None, OPS, attention_named=True)
 
+    # torch.compile's mode once compile() ran (a re-selection of providers compiles the new ones).
+    compiled: tuple[str | None] | None = None
+
     def compile(self, mode: str | None = None) -> None:
         """torch.compile the plain-torch parts between GEMMs and attention (the ops' torch providers;
         kernels and attention stay as they are)."""
         self.ops.compile(mode)
+        self.compiled = (mode,)
 
     def rotary(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # [N, 2] (h, w) -> [N, 2, head_dim/4] -> [N, head_dim/2] -> [N, head_dim], float32.
@@ -240,6 +244,14 @@ class Qwen2_5_VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
         return OpTarget(self.device, self.dtype, head_dim=cfg.head_dim, hidden_size=cfg.hidden_size,
                         intermediate_size=self.module.blocks[0].down_w.shape[1], activation=cfg.hidden_act,
                         window_tokens=windows * windows * cfg.spatial_merge_size**2)
+
+    def _quantize_fp8(self) -> None:
+        self.ops = select_ops(self._ops_spec, self._ops_target(), OPS + FP8_CAPABILITIES,
+                              attention_named=self._attention_named)
+        self.module.ops = self.ops
+        folded.quantize_blocks(self.module)
+        if self.module.compiled is not None:  # the new providers' torch functions, as the rest
+            self.module.compile(*self.module.compiled)
 
     def graph_forward(self, backend) -> GraphForward:
         """Token budgets' graphs: the full-attention pattern holds ``slots.full`` frames of up to

@@ -58,6 +58,9 @@ class Qwen3VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
         cfg = self.cfg
         return build_qwen3_vl_metadata(grids, cfg.spatial_merge_size, cfg.patch_size, cfg.num_grid_per_side)
 
+    def _quantize_fp8(self) -> None:
+        self.module.quantize_fp8()
+
     def graph_forward(self, backend) -> GraphForward:
         """Token budgets' graphs: one pattern, ``slots.full`` frames of up to the budget."""
         module = self.module

@@ -24,7 +24,7 @@ from torch import nn
 
 from ...attention import AttentionBackend
 from ...device import host_to_device
-from ..layers import ConvPatchEmbed3d, QkvProjections, activation, apply_rotary
+from ..layers import ConvPatchEmbed3d, QkvProjections, activation, apply_rotary, linear, quantize_weight
 from .config import Qwen3VLVisionConfig
 from .metadata import INDEX_COLUMNS, POSITION_COLUMNS, WEIGHT_COLUMNS, Qwen3VLBatchMetadata
 
@@ -55,13 +55,27 @@ class Block(nn.Module):
         self.attn = QkvProjections(cfg.hidden_size)
         self.mlp = MLP(cfg)
 
-    def pre_args(self) -> tuple[torch.Tensor, ...]:
-        return self.norm1.weight, self.norm1.bias, self.attn.qkv.weight, self.attn.qkv.bias
+    # --quantization fp8: each linear's (e4m3 weight, per-row scales), by name (``quantize_fp8``).
+    fp8: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
 
-    def post_args(self) -> tuple[torch.Tensor, ...]:
-        return (self.attn.proj.weight, self.attn.proj.bias, self.norm2.weight, self.norm2.bias,
-                self.mlp.linear_fc1.weight, self.mlp.linear_fc1.bias, self.mlp.linear_fc2.weight,
-                self.mlp.linear_fc2.bias)
+    @torch.no_grad()
+    def quantize_fp8(self) -> None:
+        """The four linears of the block in e4m3 (ops/fp8.py); the LayerNorms stay as they are, and the
+        activations are quantised per token inside the compiled graphs, fused with the op before."""
+        self.fp8 = {name: quantize_weight(layer.weight) for name, layer in
+                    (("qkv", self.attn.qkv), ("proj", self.attn.proj), ("fc1", self.mlp.linear_fc1),
+                     ("fc2", self.mlp.linear_fc2))}
+
+    def _weight(self, name: str, layer: nn.Linear):
+        return self.fp8[name] if self.fp8 is not None else layer.weight
+
+    def pre_args(self) -> tuple:
+        return self.norm1.weight, self.norm1.bias, self._weight("qkv", self.attn.qkv), self.attn.qkv.bias
+
+    def post_args(self) -> tuple:
+        return (self._weight("proj", self.attn.proj), self.attn.proj.bias, self.norm2.weight, self.norm2.bias,
+                self._weight("fc1", self.mlp.linear_fc1), self.mlp.linear_fc1.bias,
+                self._weight("fc2", self.mlp.linear_fc2), self.mlp.linear_fc2.bias)
 
 
 # A block's work outside attention, as plain functions of tensors: torch.compile (on CUDA) fuses
@@ -70,7 +84,7 @@ def pre_attention(x: torch.Tensor, norm_w: torch.Tensor, norm_b: torch.Tensor, q
                   qkv_b: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """LayerNorm, fused QKV projection, rotary."""
-    qkv = F.linear(F.layer_norm(x, (x.shape[-1],), norm_w, norm_b, LAYER_NORM_EPS), qkv_w, qkv_b)
+    qkv = linear(F.layer_norm(x, (x.shape[-1],), norm_w, norm_b, LAYER_NORM_EPS), qkv_w, qkv_b)
     q, k, v = qkv.view(x.shape[0], 3, num_heads, -1).unbind(1)
     q, k = apply_rotary(q, k, cos, sin)
     # Contiguous: kernels that want [T, H, D] packed would otherwise copy it themselves.
@@ -81,9 +95,9 @@ def post_attention(x: torch.Tensor, attn: torch.Tensor, proj_w: torch.Tensor, pr
                    norm_w: torch.Tensor, norm_b: torch.Tensor, fc1_w: torch.Tensor, fc1_b: torch.Tensor,
                    fc2_w: torch.Tensor, fc2_b: torch.Tensor, act: str) -> torch.Tensor:
     """Output projection, residual, LayerNorm, MLP, residual."""
-    x = x + F.linear(attn.reshape(x.shape[0], -1), proj_w, proj_b)
+    x = x + linear(attn.reshape(x.shape[0], -1), proj_w, proj_b)
     h = F.layer_norm(x, (x.shape[-1],), norm_w, norm_b, LAYER_NORM_EPS)
-    return x + F.linear(activation(act)(F.linear(h, fc1_w, fc1_b)), fc2_w, fc2_b)
+    return x + linear(activation(act)(linear(h, fc1_w, fc1_b)), fc2_w, fc2_b)
 
 
 def between_attentions(x, attn, post_args, pre_args, cos, sin, num_heads: int, act: str):
@@ -137,6 +151,12 @@ class Qwen3VLVisionTower(nn.Module):
         self.deepstack_after = {block: j for j, block in enumerate(cfg.deepstack_visual_indexes)}
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self._pre, self._post, self._between = pre_attention, post_attention, between_attentions
+
+    def quantize_fp8(self) -> None:
+        """``--quantization fp8``: every block's linears in e4m3; the patch embedding and the mergers
+        stay in the activation dtype (9% of the FLOPs, and the last GEMMs before the LLM)."""
+        for block in self.blocks:
+            block.quantize_fp8()
 
     def compile(self, mode: str | None = None) -> None:
         """torch.compile the work between attentions (attention stays with the backend). Automatic
