@@ -38,7 +38,12 @@ def transformers_tower(preset, state: dict[str, torch.Tensor], dtype: torch.dtyp
     vision = AutoConfig.for_model(**family.checkpoint_config(preset)).vision_config
     vision._attn_implementation = "sdpa"
     with torch.device(device):
-        model = AutoModel.from_config(vision, dtype=dtype).eval()
+        if preset.model_type == "qwen2_5_vl":  # its vision config has no AutoModel mapping
+            from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+            model = Qwen2_5_VisionTransformerPretrainedModel._from_config(vision, dtype=dtype).eval()
+        else:
+            model = AutoModel.from_config(vision, dtype=dtype).eval()
     model.load_state_dict({k: v.to(device, dtype) for k, v in state.items()}, strict=True)
     return model
 

@@ -68,7 +68,7 @@ class ServiceConfig:
     # providers of the fused operations (encoder_service/ops/selection.py)
     ops: str = option("auto",
         "providers of the model's fused operations (window_attention, rms_scale, gated_mlp; with "
-        "--quantization fp8 also rms_quant, fp8_gated_mlp): auto "
+        "--quantization fp8 also rms_quant, fp8_gated_mlp or act_quant): auto "
         "(the fastest that runs here; the Triton window kernel only with --attn-backend auto), "
         "torch (plain torch everywhere, attention through the backend), or comma-separated "
         "CAPABILITY=PROVIDER entries, e.g. window_attention=triton,gated_mlp=torch, plus at most "

@@ -300,7 +300,7 @@ def test_the_qwen3_vl_package_imports_the_contract_and_qwen2_vl_processing_only(
         "encoder_service.models.loader", "encoder_service.models.video_hooks", "encoder_service.models.cuda_graphs",
         "encoder_service.models.qwen2_5_vl.preprocess", "encoder_service.models.qwen2_5_vl.processor",
         "encoder_service.models.qwen2_5_vl.video", "encoder_service.preprocess.video_sampling",
-        "encoder_service.preprocess.settings", "encoder_service.preprocess.decode",
+        "encoder_service.preprocess.settings", "encoder_service.preprocess.decode", "encoder_service.ops",
     }
     assert "encoder_service.models.qwen3_vl" in FAMILY_PACKAGES
 

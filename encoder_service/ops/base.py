@@ -25,6 +25,9 @@ The capabilities and their call contracts (every provider of one capability is i
     ``__call__(xq, x_scale, wq, w_scale, bias, act) -> [tokens, intermediate]``: ``act(gate) * up`` of
     ``x_scale * w_scale * (xq @ wq.T) + bias`` (rows of ``wq`` alternating gate j, up j), in the
     dtype of ``bias``.
+``act_quant`` (``--quantization fp8``)
+    ``__call__(y, act) -> (e4m3 [tokens, dim], float32 [tokens, 1])``: ``act(y)``, rounded to y's dtype,
+    in e4m3 per token with its scales: the input of an MLP's second FP8 GEMM.
 """
 
 from __future__ import annotations

@@ -31,8 +31,12 @@ PROVIDERS: dict[str, dict[str, str]] = {
         "torch": "encoder_service.ops.torch_ops:TorchFp8GatedMLP",
         "triton": "encoder_service.ops.triton_swiglu:TritonFp8GatedMLP",
     },
+    "act_quant": {
+        "torch": "encoder_service.ops.torch_ops:TorchActQuant",
+        "triton": "encoder_service.ops.triton_quant:TritonActQuant",
+    },
 }
-FP8_CAPABILITIES: tuple[str, ...] = ("rms_quant", "fp8_gated_mlp")
+FP8_CAPABILITIES: tuple[str, ...] = ("rms_quant", "fp8_gated_mlp", "act_quant")
 CAPABILITIES: tuple[str, ...] = tuple(PROVIDERS)
 
 

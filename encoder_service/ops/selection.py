@@ -140,6 +140,9 @@ class OpsSelection:
     def fp8_gated_mlp(self, xq, x_scale, wq, w_scale, bias, act: str) -> torch.Tensor:
         return self.providers["fp8_gated_mlp"](xq, x_scale, wq, w_scale, bias, act)
 
+    def act_quant(self, y: torch.Tensor, act: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.providers["act_quant"](y, act)
+
 
 def no_ops() -> OpsSelection:
     """The selection of a model that uses no fused operations."""

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import OpProvider
-from .fp8 import E4M3, E4M3_MAX, scaled_linear
+from .fp8 import E4M3, E4M3_MAX, quantize_rows, scaled_linear
 from .functional import activation, apply_rotary
 
 
@@ -33,6 +33,11 @@ def rms_quant(x: torch.Tensor, pending: torch.Tensor, eps: float) -> tuple[torch
     rstd = torch.rsqrt(xt.pow(2).mean(-1, keepdim=True) + eps)
     amax = xt.abs().amax(-1, keepdim=True).clamp(min=1e-12)
     return (xt * (E4M3_MAX / amax)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), amax * (rstd / E4M3_MAX)
+
+
+def act_quant(y: torch.Tensor, act: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activation of ``y`` (rounded to its dtype) in e4m3 per token, with float32 [tokens, 1] scales."""
+    return quantize_rows(activation(act)(y))
 
 
 def swiglu_pairs(y: torch.Tensor, act: str) -> torch.Tensor:
@@ -148,3 +153,17 @@ class TorchFp8GatedMLP(OpProvider):
 
     def __call__(self, xq, x_scale, wq, w_scale, bias, act: str) -> torch.Tensor:
         return self._swiglu(scaled_linear(xq, x_scale, wq, w_scale, bias, bias.dtype), act)
+
+
+class TorchActQuant(OpProvider):
+    capability = "act_quant"
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._fn = act_quant
+
+    def compile(self, mode: str | None = None) -> None:
+        self._fn = _compiled(act_quant, mode)
+
+    def __call__(self, y: torch.Tensor, act: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._fn(y, act)

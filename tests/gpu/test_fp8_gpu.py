@@ -17,6 +17,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
               pytest.mark.allow_skip_on_cpu("needs a CUDA GPU")]
 
 DEVICE = torch.device("cuda")
+# Two FP8 forwards that differ only in bf16 rounding upstream, on a random-weight tower: e4m3's 3
+# mantissa bits turn a tiny difference into a 6% step where a value sits on a rounding boundary.
+FP8_TOLERANCE = 5e-2
 
 
 def fp8_gpu() -> bool:
@@ -48,6 +51,23 @@ def test_the_triton_rms_quant_writes_what_the_torch_provider_writes(tokens):
 
 
 @needs_hopper
+@pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "gelu", "silu"])
+@pytest.mark.parametrize("shape", [(32768, 4304), (37, 1152), (5, 96)])
+def test_the_triton_act_quant_writes_what_the_torch_provider_writes(act, shape):
+    from encoder_service.ops._quant_kernel import act_quant
+
+    y = (torch.randn(*shape, device=DEVICE) * 2).to(torch.bfloat16)
+    q, s = act_quant(y, act)
+    q_ref, s_ref = torch_ops.act_quant(y, act)
+    # The activation's bf16 output may differ in its last bit (exp2-based tanh against torch's): the
+    # scale by that much, and a value by its e4m3 neighbour.
+    torch.testing.assert_close(s, s_ref, rtol=1e-2, atol=0)
+    diff = (q.float() - q_ref.float()).abs()
+    assert (diff <= q_ref.float().abs() * 0.13 + 2.0 ** -9).all()
+    assert (diff == 0).float().mean() > 0.99
+
+
+@needs_hopper
 @pytest.mark.parametrize("m", [41472, 300, 5])
 def test_the_fused_fp8_swiglu_gemm_equals_scaled_mm_then_swiglu(m):
     from encoder_service.ops._swiglu_gemm import gate_up_swiglu_fp8
@@ -57,6 +77,7 @@ def test_the_fused_fp8_swiglu_gemm_equals_scaled_mm_then_swiglu(m):
     w = (torch.randn(2 * inter, k, device=DEVICE) / k ** 0.5).to(torch.bfloat16)
     w[2 * 3420:] = 0  # padded rows, as the 7B tower's
     bias = (torch.randn(2 * inter, device=DEVICE) * 0.02).to(torch.bfloat16)
+    bias[2 * 3420:] = 0
     xq, xs = fp8.quantize_rows(x)
     wq, ws = fp8.quantize_weight(w)
     out = gate_up_swiglu_fp8(xq, xs, wq, ws, bias)
@@ -83,7 +104,9 @@ def test_an_fp8_tower_stays_near_its_bf16_forward_and_uses_the_fp8_kernels(prese
     quant = load_vision_model(preset, device="cuda", dtype=torch.bfloat16, quantization="fp8")
     if preset.startswith("qwen2.5"):
         assert "rms_quant=triton" in quant.ops.describe() and "fp8_gated_mlp=triton" in quant.ops.describe()
-    side = 28 * 24
+    else:
+        assert quant.ops.describe() == "act_quant=triton"
+    side = 28 * 32  # 64 x 64 patches at 14, 56 x 56 at 16
     cells = side // quant.spec.patch_size
     grids = [(1, cells, cells), (1, cells // 2, cells)]
     pixels = torch.randn(sum(t * h * w for t, h, w in grids), quant.spec.patch_dim, device=DEVICE)
@@ -101,7 +124,9 @@ def test_the_fp8_kernels_compute_what_the_torch_providers_compute_in_the_whole_t
     grids = [(1, 36, 36), (1, 10, 14)]
     pixels = torch.randn(sum(t * h * w for t, h, w in grids), 1176, device=DEVICE).bfloat16()
     err = rel_err(triton.encode_packed(pixels, grids)[0], plain.encode_packed(pixels, grids)[0])
-    assert err < 2e-2, err
+    # Wider than bf16's 2e-2: a bf16 difference upstream (the window kernel against the backend) moves
+    # a value across an e4m3 rounding boundary now and then, a 6% step in that value (2.6e-2 measured).
+    assert err < FP8_TOLERANCE, err
 
 
 def build_with_ops(ops):
@@ -116,7 +141,9 @@ def build_with_ops(ops):
 
 @needs_hopper
 def test_fp8_cuda_graph_replays_match_the_eager_fp8_forward():
-    graph_replays_match_eager(lambda backend: short_7b(backend, "fp8"), "flashinfer", 1176)
+    # The FP8 GEMM's kernel is cuBLAS's choice for the token count, which differs between a padded
+    # budget and the eager batch (bf16 replays were bit-exact; FP8's measured 2.0e-2 apart).
+    graph_replays_match_eager(lambda backend: short_7b(backend, "fp8"), "flashinfer", 1176, tolerance=FP8_TOLERANCE)
 
 
 @needs_hopper

@@ -44,12 +44,13 @@ def test_a_zero_row_quantises_to_zero_rather_than_nan():
     assert torch.isfinite(q.float()).all() and q.float()[0].abs().sum() == 0 and torch.isfinite(scale).all()
 
 
-def test_fp8_linear_is_the_product_of_the_dequantised_operands():
+def test_fp8_linear_on_the_cpu_is_what_torchs_own_scaled_mm_computes():
     torch.manual_seed(1)
     x, w, b = torch.randn(40, 64), torch.randn(32, 64) / 8, torch.randn(32) / 10
     wq, ws = fp8.quantize_weight(w)
     xq, xs = fp8.quantize_rows(x)
-    want = (xq.float() * xs) @ (wq.float() * ws.t()).t() + b
+    # torch's CPU kernel (per-row scales from torch 2.13, the pinned version) as the reference.
+    want = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, bias=b, out_dtype=torch.float32)
     torch.testing.assert_close(fp8.fp8_linear(x, wq, ws, b), want, rtol=1e-5, atol=1e-5)
     # ... and about e4m3's precision away from the exact product, far from bf16's.
     assert 0.005 < rel_err(fp8.fp8_linear(x, wq, ws, b), torch.nn.functional.linear(x, w, b)) < 0.06
@@ -96,6 +97,8 @@ def test_fp8_asks_the_fused_operations_it_runs_for_and_the_cpu_gets_the_torch_on
                                     "fp8_gated_mlp=torch")
     assert load_vision_model("tiny-qwen2.5-vl").ops.describe() == \
         "window_attention=torch,rms_scale=torch,gated_mlp=torch"
+    assert load_vision_model("tiny-qwen3-vl", quantization="fp8").ops.describe() == "act_quant=torch"
+    assert load_vision_model("tiny-qwen3-vl").ops.describe() == "none"
 
 
 def test_a_family_without_an_fp8_path_and_an_unknown_method_are_refused_by_name():

@@ -19,7 +19,7 @@ from torch import nn
 from ...attention import AttentionBackend
 from ...device import host_to_device
 from ...metadata import BatchMetadata, SpatialConfig, build_metadata, pad_attention
-from ...ops import AUTO, FP8_CAPABILITIES, OpsSelection, OpTarget, select_ops
+from ...ops import AUTO, OpsSelection, OpTarget, select_ops
 from ..base import ModelSpec, VisionModel
 from ..cuda_graphs import GraphForward, Slots
 from ..layers import ConvPatchEmbed3d, QkvProjections, RMSNorm
@@ -29,6 +29,8 @@ from .processor import Qwen2VLProcessorHooks
 MODEL_TYPE = "qwen2_5_vl"
 # The fused operations the blocks ask the ops layer for (folded.run_blocks), never a kernel by name.
 OPS = ("window_attention", "rms_scale", "gated_mlp")
+# And with --quantization fp8 (folded.run_blocks_fp8).
+FP8_OPS = ("rms_quant", "fp8_gated_mlp")
 
 
 @dataclass(frozen=True)
@@ -246,7 +248,7 @@ class Qwen2_5_VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
                         window_tokens=windows * windows * cfg.spatial_merge_size**2)
 
     def _quantize_fp8(self) -> None:
-        self.ops = select_ops(self._ops_spec, self._ops_target(), OPS + FP8_CAPABILITIES,
+        self.ops = select_ops(self._ops_spec, self._ops_target(), OPS + FP8_OPS,
                               attention_named=self._attention_named)
         self.module.ops = self.ops
         folded.quantize_blocks(self.module)

@@ -16,6 +16,7 @@ import torch
 
 from ...errors import InvalidInput
 from ...metadata import pad_attention
+from ...ops import OpTarget, select_ops
 from ..base import Grid, ModelSpec, VisionModel, validate_batch
 from ..cuda_graphs import GraphForward, Slots
 from ..qwen2_5_vl.processor import Qwen2VLProcessorHooks
@@ -23,6 +24,9 @@ from . import video
 from .config import Qwen3VLVisionConfig
 from .metadata import Qwen3VLBatchMetadata, build_qwen3_vl_metadata
 from .tower import Qwen3VLVisionTower
+
+# The fused operations the FP8 blocks ask for (tower.run), never a kernel by name.
+FP8_OPS = ("act_quant",)
 
 
 class Qwen3VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
@@ -58,8 +62,17 @@ class Qwen3VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
         cfg = self.cfg
         return build_qwen3_vl_metadata(grids, cfg.spatial_merge_size, cfg.patch_size, cfg.num_grid_per_side)
 
+    def _ops_target(self) -> OpTarget:
+        cfg = self.cfg
+        return OpTarget(self.device, self.dtype, head_dim=cfg.head_dim, hidden_size=cfg.hidden_size,
+                        intermediate_size=cfg.intermediate_size, activation=cfg.hidden_act, window_tokens=0)
+
     def _quantize_fp8(self) -> None:
+        self.ops = select_ops(self._ops_spec, self._ops_target(), FP8_OPS, attention_named=self._attention_named)
+        self.module.ops = self.ops
         self.module.quantize_fp8()
+        if self.module.compiled is not None:  # the providers' torch functions, compiled as the tower's
+            self.ops.compile(*self.module.compiled)
 
     def graph_forward(self, backend) -> GraphForward:
         """Token budgets' graphs: one pattern, ``slots.full`` frames of up to the budget."""

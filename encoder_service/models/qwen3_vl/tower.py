@@ -24,7 +24,7 @@ from torch import nn
 
 from ...attention import AttentionBackend
 from ...device import host_to_device
-from ..layers import ConvPatchEmbed3d, QkvProjections, activation, apply_rotary, linear, quantize_weight
+from ..layers import ConvPatchEmbed3d, QkvProjections, activation, apply_rotary, linear, quantize_weight, scaled_linear
 from .config import Qwen3VLVisionConfig
 from .metadata import INDEX_COLUMNS, POSITION_COLUMNS, WEIGHT_COLUMNS, Qwen3VLBatchMetadata
 
@@ -95,15 +95,42 @@ def post_attention(x: torch.Tensor, attn: torch.Tensor, proj_w: torch.Tensor, pr
                    norm_w: torch.Tensor, norm_b: torch.Tensor, fc1_w: torch.Tensor, fc1_b: torch.Tensor,
                    fc2_w: torch.Tensor, fc2_b: torch.Tensor, act: str) -> torch.Tensor:
     """Output projection, residual, LayerNorm, MLP, residual."""
-    x = x + linear(attn.reshape(x.shape[0], -1), proj_w, proj_b)
+    x = residual(x, linear(attn.reshape(x.shape[0], -1), proj_w, proj_b))
     h = F.layer_norm(x, (x.shape[-1],), norm_w, norm_b, LAYER_NORM_EPS)
-    return x + linear(activation(act)(linear(h, fc1_w, fc1_b)), fc2_w, fc2_b)
+    return residual(x, linear(activation(act)(linear(h, fc1_w, fc1_b)), fc2_w, fc2_b))
+
+
+def residual(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x + y``, as torch adds two bf16 tensors (in float32, rounded once), written so that inductor
+    does not turn it into the GEMM's C operand: its addmm then first copies x into the output, a
+    0.22 ms pass per block at 8 x 1024x1024 that the add fused into the next LayerNorm does not cost
+    (bench/RESULTS.md, the H200 profile)."""
+    return (x.float() + y.float()).to(x.dtype)
 
 
 def between_attentions(x, attn, post_args, pre_args, cos, sin, num_heads: int, act: str):
     """Block i after its attention and block i+1 before its own, as one graph: the residual add
     fuses with the next LayerNorm."""
     x = post_attention(x, attn, *post_args, act)
+    return (x, *pre_attention(x, *pre_args, cos, sin, num_heads))
+
+
+# --quantization fp8: the MLP's activation and the quantisation of its output run between two graphs,
+# in the ``act_quant`` op (one pass over the row, where inductor's fused kernel read it twice).
+def mid_fp8(x, attn, proj_w, proj_b, norm_w, norm_b, fc1_w, fc1_b):
+    """Output projection, residual, LayerNorm, the MLP's first GEMM: (x, its pre-activation)."""
+    x = residual(x, linear(attn.reshape(x.shape[0], -1), proj_w, proj_b))
+    return x, linear(F.layer_norm(x, (x.shape[-1],), norm_w, norm_b, LAYER_NORM_EPS), fc1_w, fc1_b)
+
+
+def tail_fp8(x, hq, h_scale, fc2_wq, fc2_scale, fc2_b):
+    """The MLP's second GEMM on the quantised activation, and the residual."""
+    return residual(x, scaled_linear(hq, h_scale, fc2_wq, fc2_scale, fc2_b, x.dtype))
+
+
+def tail_between_fp8(x, hq, h_scale, fc2_wq, fc2_scale, fc2_b, pre_args, cos, sin, num_heads: int):
+    """``tail_fp8``, then block i+1 before its attention, as one graph."""
+    x = tail_fp8(x, hq, h_scale, fc2_wq, fc2_scale, fc2_b)
     return (x, *pre_attention(x, *pre_args, cos, sin, num_heads))
 
 
@@ -151,6 +178,9 @@ class Qwen3VLVisionTower(nn.Module):
         self.deepstack_after = {block: j for j, block in enumerate(cfg.deepstack_visual_indexes)}
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self._pre, self._post, self._between = pre_attention, post_attention, between_attentions
+        self._mid, self._tail, self._tail_between = mid_fp8, tail_fp8, tail_between_fp8
+        # --quantization fp8: the model's selection holding ``act_quant`` (Qwen3VLVisionModel), else None.
+        self.ops: Any = None
 
     def quantize_fp8(self) -> None:
         """``--quantization fp8``: every block's linears in e4m3; the patch embedding and the mergers
@@ -158,12 +188,18 @@ class Qwen3VLVisionTower(nn.Module):
         for block in self.blocks:
             block.quantize_fp8()
 
+    compiled: tuple[str | None] | None = None  # torch.compile's mode once compile() ran
+
     def compile(self, mode: str | None = None) -> None:
         """torch.compile the work between attentions (attention stays with the backend). Automatic
         dynamic shapes: a second token count recompiles once with that dimension symbolic."""
         self._pre = torch.compile(pre_attention, fullgraph=True, mode=mode)
         self._post = torch.compile(post_attention, fullgraph=True, mode=mode)
         self._between = torch.compile(between_attentions, fullgraph=True, mode=mode)
+        self._mid = torch.compile(mid_fp8, fullgraph=True, mode=mode)
+        self._tail = torch.compile(tail_fp8, fullgraph=True, mode=mode)
+        self._tail_between = torch.compile(tail_between_fp8, fullgraph=True, mode=mode)
+        self.compiled = (mode,)
 
     def forward(self, pixel_values: torch.Tensor, meta: Qwen3VLBatchMetadata,
                 backend: AttentionBackend) -> torch.Tensor:
@@ -203,7 +239,17 @@ class Qwen3VLVisionTower(nn.Module):
         qkv = self._pre(x, *blocks[0].pre_args(), cos, sin, heads)
         for i, block in enumerate(blocks):
             out = backend.forward(*qkv, prepared.plan)
-            if i + 1 < len(blocks):
+            last = i + 1 == len(blocks)
+            if block.fp8 is not None:
+                post = block.post_args()
+                x, pre_act = self._mid(x, out, *post[:6])
+                hq, h_scale = self.ops.act_quant(pre_act, act)
+                if last:
+                    x = self._tail(x, hq, h_scale, *post[6], post[7])
+                else:
+                    x, *qkv = self._tail_between(x, hq, h_scale, *post[6], post[7], blocks[i + 1].pre_args(),
+                                                 cos, sin, heads)
+            elif not last:
                 x, *qkv = self._between(x, out, block.post_args(), blocks[i + 1].pre_args(), cos, sin, heads, act)
             else:
                 x = self._post(x, out, *block.post_args(), act)
