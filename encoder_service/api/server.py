@@ -225,11 +225,12 @@ def _log_model(config: ServiceConfig, engine: Engine, warmup_s: float) -> None:
     d = engine.describe()
     # Rows of a model with extra feature levels (deepstack) are that many times hidden wide.
     hidden = f"{d.hidden_size} x {d.feature_levels} levels" if d.feature_levels > 1 else str(d.hidden_size)
-    log.info("model %s (%s) on %s, dtype %s, attention backend %s, ops %s, hidden %s, patch_dim %d; "
+    log.info("model %s (%s) on %s, dtype %s, quantization %s, attention backend %s, ops %s, hidden %s, patch_dim %d; "
              "preprocess %s (%d decode threads, decode %s; video: %s); cache %s, max-batch-tokens %d, "
              "batch-wait-ms %g, max-queue-images %d, max-image-pixels %s; responses: shared memory %s for callers "
              "on this host, else streamed; warm-up forward %.0f ms",
-             d.model_id, d.model_type, d.device, d.dtype, d.attention_backend, d.ops, hidden, d.patch_dim,
+             d.model_id, d.model_type, d.device, d.dtype, d.quantization, d.attention_backend, d.ops, hidden,
+             d.patch_dim,
              d.preprocess, config.preprocess_threads, d.decode,
              f"{config.video_decode_processes} {config.video_decode} decoder processes" if d.video else "none",
              _gib(config.cache_bytes), config.max_batch_tokens,

@@ -72,6 +72,7 @@ class ModelFront:
     ops: str = "none"  # OpsSelection.describe(): the fused operations' providers
     decode: str = IMAGE_DEFAULT  # where images decode: "pillow" (CPU) or "nvjpeg" (GPU), preprocess/decoders.py
     video_front: VideoFront | None = None  # the family's video path (None: it takes no video)
+    quantization: str = "none"  # --quantization: "none" or "fp8" (VisionModel.quantize)
 
     def decode_image(self, image_bytes: bytes, max_image_pixels: int | None = None) -> DecodedImage:
         return self.decoder(image_bytes, max_image_pixels)
@@ -211,7 +212,8 @@ class VisionModel(VideoHooks):
         return ModelFront(self.spec, dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
                           attention_backend=str(self.attn_backend), preprocess=self.preprocess_mode,
                           cache_namespace=self.cache_namespace, decoder=self._front_decoder(), ops=self.ops.describe(),
-                          decode=self.decode_backend, video_front=self.video_front())
+                          decode=self.decode_backend, video_front=self.video_front(),
+                          quantization=self.quantization or "none")
 
     def _check_preprocess_mode(self, mode: str) -> None:
         """Raises where the family's config cannot be reproduced in ``mode``."""

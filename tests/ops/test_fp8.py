@@ -117,6 +117,7 @@ def test_a_server_started_with_fp8_serves_quantised_embeddings_under_their_own_n
     with EncoderClient(plain_server.target, timeout_s=60) as plain, EncoderClient(fp8_server.target, timeout_s=60) as q:
         (want,), (got,) = plain.encode([image]), q.encode([image])
         assert q.model_info().cache_namespace != plain.model_info().cache_namespace
+        assert (q.model_info().quantization, plain.model_info().quantization) == ("fp8", "none")
     assert got.embedding.shape == want.embedding.shape
     assert 1e-3 < rel_err(torch.from_numpy(got.embedding), torch.from_numpy(want.embedding)) < 0.12
     assert "quantization fp8" in fp8_server.log_text()

@@ -47,6 +47,8 @@ class ModelInfo:
     max_video_frames: int = 0
     max_video_seconds: float = 0.0
     max_video_bytes: int = 0
+    # --quantization: "none" or "fp8" (the blocks' linears in e4m3); empty from servers older than the field.
+    quantization: str = ""
 
     @classmethod
     def from_proto(cls, msg: encoder_pb2.ModelInfo) -> ModelInfo:

@@ -193,7 +193,7 @@ class PushAck(_message.Message):
     def __init__(self, images: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "model_type", "hidden_size", "dtype", "patch_size", "temporal_patch_size", "spatial_merge_size", "patch_dim", "attention_backend", "device", "cache_namespace", "max_batch_tokens", "max_message_bytes", "max_image_pixels", "version", "preprocess", "feature_levels", "shared_memory", "ops", "decode", "video", "max_video_frames", "max_video_seconds", "max_video_bytes")
+    __slots__ = ("model_id", "model_type", "hidden_size", "dtype", "patch_size", "temporal_patch_size", "spatial_merge_size", "patch_dim", "attention_backend", "device", "cache_namespace", "max_batch_tokens", "max_message_bytes", "max_image_pixels", "version", "preprocess", "feature_levels", "shared_memory", "ops", "decode", "video", "max_video_frames", "max_video_seconds", "max_video_bytes", "quantization")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +218,7 @@ class ModelInfo(_message.Message):
     MAX_VIDEO_FRAMES_FIELD_NUMBER: _ClassVar[int]
     MAX_VIDEO_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_VIDEO_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_type: str
     hidden_size: int
@@ -242,4 +243,5 @@ class ModelInfo(_message.Message):
     max_video_frames: int
     max_video_seconds: float
     max_video_bytes: int
-    def __init__(self, model_id: _Optional[str] = ..., model_type: _Optional[str] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., patch_size: _Optional[int] = ..., temporal_patch_size: _Optional[int] = ..., spatial_merge_size: _Optional[int] = ..., patch_dim: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., cache_namespace: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., version: _Optional[str] = ..., preprocess: _Optional[str] = ..., feature_levels: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., ops: _Optional[str] = ..., decode: _Optional[str] = ..., video: _Optional[str] = ..., max_video_frames: _Optional[int] = ..., max_video_seconds: _Optional[float] = ..., max_video_bytes: _Optional[int] = ...) -> None: ...
+    quantization: str
+    def __init__(self, model_id: _Optional[str] = ..., model_type: _Optional[str] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., patch_size: _Optional[int] = ..., temporal_patch_size: _Optional[int] = ..., spatial_merge_size: _Optional[int] = ..., patch_dim: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., cache_namespace: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., version: _Optional[str] = ..., preprocess: _Optional[str] = ..., feature_levels: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., ops: _Optional[str] = ..., decode: _Optional[str] = ..., video: _Optional[str] = ..., max_video_frames: _Optional[int] = ..., max_video_seconds: _Optional[float] = ..., max_video_bytes: _Optional[int] = ..., quantization: _Optional[str] = ...) -> None: ...
