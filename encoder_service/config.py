@@ -77,8 +77,8 @@ class ServiceConfig:
         "none (the weights' dtype, --dtype, throughout) or fp8: each transformer block's linears in "
         "FP8 e4m3, weights with one scale per output channel, activations with one per token "
         "(Qwen2.5-VL, Qwen3-VL and Qwen3.5 towers; a GPU with FP8 GEMMs, compute capability 8.9 or "
-        "newer, or the CPU). Faster, and less exact: docs/serving.md gives both. Its embeddings "
-        "have their own cache namespace.",
+        "newer, with --dtype bfloat16; or the CPU). Faster, and less exact: docs/serving.md gives "
+        "both. Its embeddings have their own cache namespace.",
         choices=("none", "fp8"))
     host: str = option("0.0.0.0",
         "address the gRPC server binds to (127.0.0.1 for loopback only).")

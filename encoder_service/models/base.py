@@ -175,6 +175,10 @@ class VisionModel(VideoHooks):
             raise BackendUnavailable(f"--quantization fp8 needs FP8 GEMMs (compute capability 8.9 or newer); "
                                      f"{torch.cuda.get_device_name(self.device)} has "
                                      f"{'.'.join(map(str, torch.cuda.get_device_capability(self.device)))}")
+        if self.device.type == "cuda" and self.dtype != torch.bfloat16:
+            # torch's FP8 GEMMs with per-token scales write bf16 only.
+            raise BackendUnavailable(f"--quantization fp8 on a GPU needs --dtype bfloat16, not "
+                                     f"{str(self.dtype).removeprefix('torch.')}")
         self._quantize_fp8()
         self.quantization = method
 

@@ -157,3 +157,12 @@ def test_the_gpu_fp8_tower_equals_the_cpu_fp8_arithmetic_within_bf16_rounding():
     a = cpu.encode_packed(pixels, grids)[0]
     b = gpu.encode_packed(pixels.cuda(), grids)[0].cpu()
     assert rel_err(b, a) < 5e-2, rel_err(b, a)
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_fp8_on_a_gpu_other_than_in_bf16_is_refused_by_name(dtype):
+    from encoder_service.errors import BackendUnavailable
+
+    with pytest.raises(BackendUnavailable, match="needs --dtype bfloat16"):
+        load_vision_model("tiny-qwen2.5-vl", device="cuda", dtype=dtype, quantization="fp8")
