@@ -83,3 +83,10 @@ def test_a_tiny_towers_cpu_profile_has_its_matrix_products_attention_and_norms(p
 def test_the_cases_are_the_throughput_cases():
     assert op_profile.CASES["qwen2.5-vl-7b"] == ("qwen2.5-vl-7b", 8, 1008)
     assert op_profile.CASES["qwen3-vl-8b"] == ("qwen3-vl-8b", 8, 1024)
+
+
+def test_gemm_kernels_whose_flops_the_profiler_does_not_count_are_known():
+    # The fused gate/up GEMM (Triton) and cuBLAS's FP8 kernels: the class's rate is then marked as low.
+    uncounted = op_profile._UNCOUNTED
+    assert uncounted.search("_gate_up_swiglu_fp8") and uncounted.search("nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz")
+    assert not uncounted.search("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopb_bias_tnn")
