@@ -21,7 +21,7 @@ from ..attention import AUTO, RaggedOnly, graph_backend, select_backend
 from ..device import host_to_device
 from ..errors import BackendUnavailable
 from ..modality import Modality
-from ..ops import OpsSelection, OpTarget, no_ops, select_ops
+from ..ops import OpsSelection, OpTarget, no_ops, parse_ops, select_ops
 from ..preprocess import nvjpeg
 from ..preprocess.batch import batch_pixel_values
 from ..preprocess.decoders import IMAGE_DEFAULT, image_decoder, video_decoder
@@ -96,6 +96,8 @@ class VisionModel(VideoHooks):
     # The fused operations the family's module runs (encoder_service/ops) and their providers, chosen
     # at load time (none for a model built without VisionModel.__init__, as test stand-ins are).
     OPS: tuple[str, ...] = ()
+    # The fused operations its --quantization fp8 forward asks for besides (or instead of) OPS.
+    FP8_OPS: tuple[str, ...] = ()
     ops: OpsSelection = no_ops()
     # pil: resize on the CPU, bit-exact with transformers' PIL processor; torch: resize on the
     # model's device, equal to its default torchvision-backed processor (preprocess/staged.py).
@@ -119,7 +121,8 @@ class VisionModel(VideoHooks):
         self.dtype = dtype
         self._attach_backend(attn_backend, cfg.num_heads, cfg.head_dim)
         self._ops_spec, self._attention_named = ops, attn_backend != AUTO
-        self.ops = select_ops(ops, self._ops_target(), self.OPS, attention_named=attn_backend != AUTO)
+        self.ops = select_ops(ops, self._ops_target(), self.OPS, attention_named=attn_backend != AUTO,
+                              later=self.FP8_OPS)
 
     def _ops_target(self) -> OpTarget | None:
         """The facts the providers of ``OPS`` are chosen by (None: the family uses no fused operations)."""
@@ -166,7 +169,12 @@ class VisionModel(VideoHooks):
         after loading and before CUDA graphs are captured. Raises, naming the reason, where the
         family or the device cannot."""
         if method in (None, "", "none"):
+            if fp8_named := [c for c in parse_ops(self._ops_spec)[1] if c in self.FP8_OPS]:
+                raise BackendUnavailable(f"--ops names {', '.join(fp8_named)}, which runs only with "
+                                         "--quantization fp8")
             return
+        if self.graphs is not None:
+            raise BackendUnavailable("quantize the model before its CUDA graphs are set (set_cuda_graphs)")
         if method not in QUANTIZATIONS:
             raise BackendUnavailable(f"--quantization {method!r}: unknown; methods: none, {', '.join(QUANTIZATIONS)}")
         if self.quantization is not None:

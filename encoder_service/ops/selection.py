@@ -70,11 +70,13 @@ def _auto(capability: str, target: OpTarget, attention_named: bool) -> type[OpPr
 
 
 def select_ops(spec: str, target: OpTarget | None, capabilities: tuple[str, ...], *,
-               attention_named: bool) -> OpsSelection:
+               attention_named: bool, later: tuple[str, ...] = ()) -> OpsSelection:
     """A provider for each of ``capabilities`` (what the model uses; ``target`` None when it uses
-    none). ``attention_named``: whether ``--attn-backend`` named a backend rather than ``auto``."""
+    none). ``attention_named``: whether ``--attn-backend`` named a backend rather than ``auto``.
+    ``later``: capabilities the model asks for only once quantised (``VisionModel.quantize`` checks
+    a name among them), which ``spec`` may name now."""
     default, named = parse_ops(spec)
-    unused = [c for c in named if c not in capabilities]
+    unused = [c for c in named if c not in capabilities and c not in later]
     if unused:
         uses = f"uses only {', '.join(capabilities)}" if capabilities else "uses no fused operations"
         raise BackendUnavailable(f"--ops {spec!r} names {', '.join(unused)}, but this model {uses}")

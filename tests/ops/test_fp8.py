@@ -101,6 +101,24 @@ def test_fp8_asks_the_fused_operations_it_runs_for_and_the_cpu_gets_the_torch_on
     assert load_vision_model("tiny-qwen3-vl").ops.describe() == "none"
 
 
+def test_ops_may_name_the_fp8_operations_with_fp8_and_not_without():
+    quant = load_vision_model("tiny-qwen2.5-vl", ops="rms_quant=torch", quantization="fp8")
+    assert "rms_quant=torch" in quant.ops.describe()
+    assert load_vision_model("tiny-qwen3-vl", ops="act_quant=torch", quantization="fp8").ops.describe() == \
+        "act_quant=torch"
+    with pytest.raises(BackendUnavailable, match="names act_quant, which runs only with --quantization fp8"):
+        load_vision_model("tiny-qwen3-vl", ops="act_quant=torch")
+    with pytest.raises(BackendUnavailable, match="names rms_scale, but this model uses"):
+        load_vision_model("tiny-qwen3-vl", ops="rms_scale=torch", quantization="fp8")
+
+
+def test_quantising_after_the_cuda_graphs_are_set_is_refused():
+    model = load_vision_model("tiny-qwen2.5-vl")
+    model.graphs = object()  # what set_cuda_graphs leaves on a GPU (the CPU keeps None)
+    with pytest.raises(BackendUnavailable, match="before its CUDA graphs"):
+        model.quantize("fp8")
+
+
 def test_a_family_without_an_fp8_path_and_an_unknown_method_are_refused_by_name():
     with pytest.raises(BackendUnavailable, match="not supported for kimi_k25"):
         load_vision_model("tiny-kimi-k2.5", quantization="fp8")

@@ -220,6 +220,7 @@ class Qwen2_5_VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
     """A loaded Qwen2.5-VL vision tower with its preprocessing (the public API)."""
 
     OPS = OPS
+    FP8_OPS = FP8_OPS
     VIDEO = video.VIDEO
 
     def __init__(self, cfg: Qwen2_5_VisionConfig, module: Qwen2_5_VisionTower, *, model_id: str,

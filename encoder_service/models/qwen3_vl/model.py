@@ -30,6 +30,7 @@ FP8_OPS = ("act_quant",)
 
 
 class Qwen3VLVisionModel(Qwen2VLProcessorHooks, VisionModel):
+    FP8_OPS = FP8_OPS
     VIDEO = video.VIDEO
 
     def __init__(self, cfg: Qwen3VLVisionConfig, module: Qwen3VLVisionTower, *, model_id: str,

@@ -199,6 +199,8 @@ class Qwen3VLVisionTower(nn.Module):
         self._mid = torch.compile(mid_fp8, fullgraph=True, mode=mode)
         self._tail = torch.compile(tail_fp8, fullgraph=True, mode=mode)
         self._tail_between = torch.compile(tail_between_fp8, fullgraph=True, mode=mode)
+        if self.ops is not None:  # quantised first: its providers' torch functions too
+            self.ops.compile(mode)
         self.compiled = (mode,)
 
     def forward(self, pixel_values: torch.Tensor, meta: Qwen3VLBatchMetadata,
