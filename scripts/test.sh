@@ -55,9 +55,7 @@ run() {
   fi
   if [ "$rc" -eq 0 ]; then ran=1; elif [ "$rc" -ne 5 ]; then status=$rc; fi
 }
-# --no-loadscope-reorder: files in collection order (tests/conftest.py puts the longest first); xdist's
-# default reorders them by test count, which put a one-test module of 90 s near the end.
-run 2400 -m "not gpu and not reliability" -n 2 --dist loadfile --no-loadscope-reorder "$@"
+run 2400 -m "not gpu and not reliability" -n 2 --dist loadfile "$@"
 run 1200 -m "reliability and not gpu" "$@"
 stamp "done"
 if [ "$status" -eq 0 ] && [ "$ran" -eq 0 ]; then

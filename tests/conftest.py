@@ -117,18 +117,6 @@ def pytest_configure(config) -> None:
     config.pluginmanager.register(StrictSkips(), "strict-skips")
 
 
-# The longest modules (real vLLM engines on the CPU: one to three minutes each), run first. scripts/test.sh
-# gives two xdist workers whole files in collection order (--dist loadfile); a long file collected late
-# kept one worker busy alone at the end of the run, while the other had nothing left to take.
-LONGEST_FIRST = ("tests/integrations/vllm/test_vllm_engine.py", "tests/integrations/vllm/test_vllm_serve_proxy.py",
-                 "tests/integrations/vllm/test_vllm_fp8_drift.py", "tests/test_bench.py")
-
-
-def pytest_collection_modifyitems(session, config, items) -> None:
-    # A stable sort by module: each module's tests stay together and in the order pytest chose.
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
-
 
 SERVER_LOG_TAIL_LINES = 60
 # Every server start_encoder_server started in this process, in order; a test's own are those after
