@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import OpProvider
-from .fp8 import E4M3, E4M3_MAX, quantize_rows, scaled_linear
+from .fp8 import quantize_rows, scaled_linear
 from .functional import activation, apply_rotary
 
 
@@ -30,9 +30,8 @@ def rms_quant(x: torch.Tensor, pending: torch.Tensor, eps: float) -> tuple[torch
     float32 [tokens, 1] scales that fold in its rstd: ``scale * q == rstd * (x + pending)`` up to
     e4m3 rounding, the folded RMSNorm's input to the next GEMM (``--quantization fp8``)."""
     xt = x.float() + pending
-    rstd = torch.rsqrt(xt.pow(2).mean(-1, keepdim=True) + eps)
-    amax = xt.abs().amax(-1, keepdim=True).clamp(min=1e-12)
-    return (xt * (E4M3_MAX / amax)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), amax * (rstd / E4M3_MAX)
+    q, scale = quantize_rows(xt)
+    return q, scale * torch.rsqrt(xt.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def act_quant(y: torch.Tensor, act: str) -> tuple[torch.Tensor, torch.Tensor]:
