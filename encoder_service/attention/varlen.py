@@ -5,6 +5,7 @@ Takes ``cu_seqlens`` on the device and ``max_seqlen`` as a host int, so no sync.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -27,9 +28,9 @@ class VarlenBackend(GpuHalfPrecisionBackend):
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        try:
-            from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-        except ImportError:
+        # Found, not imported: importing it imports torch._dynamo (1.7 s), which a server whose device
+        # cannot run this backend (every CPU server asks) would pay at each start.
+        if importlib.util.find_spec("torch.nn.attention.varlen") is None:
             return f"torch {torch.__version__} has no torch.nn.attention.varlen (needs torch >= 2.9)"
         return None
 

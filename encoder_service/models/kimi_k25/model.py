@@ -270,7 +270,10 @@ class KimiK25VisionTower(nn.Module):
     def rope_inv_freq(cfg: KimiK25VisionConfig) -> torch.Tensor:
         # The original's Rope2DPosEmb: theta^(-4i/head_dim), i < head_dim/4, shared by both axes.
         d = cfg.head_dim
-        return 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 4, dtype=torch.float32)[: d // 4] / d))
+        # Made on the CPU, whatever the device context: loading builds the tower under torch.device("meta"), where
+        # arange runs torch's reference implementation, which imports torch._dynamo (1.7 s of every server and
+        # worker start). Loading replaces the buffer with one on the model's device.
+        return 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 4, dtype=torch.float32, device="cpu")[: d // 4] / d))
 
     def rotary(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Pair 2i rotates by w * f_i, pair 2i+1 by h * f_i (x before y, as the original's freqs_cis).

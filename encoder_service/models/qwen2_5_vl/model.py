@@ -172,7 +172,10 @@ class Qwen2_5_VisionTower(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg)
         half = cfg.head_dim // 2
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32) / half))
+        # Made on the CPU, whatever the device context: loading builds the tower under torch.device("meta"), where
+        # arange runs torch's reference implementation, which imports torch._dynamo (1.7 s of every server and
+        # worker start). Loading replaces the buffer with one on the model's device.
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32, device="cpu") / half))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.full_blocks = frozenset(cfg.fullatt_block_indexes)
         # The fused operations' providers (encoder_service/ops), chosen by the model at load time

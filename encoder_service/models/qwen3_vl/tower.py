@@ -35,7 +35,10 @@ LAYER_NORM_EPS = 1e-6
 def rope_inv_freq(cfg: Qwen3VLVisionConfig) -> torch.Tensor:
     """float32 [head_dim / 4]: the frequencies shared by the row and the column halves."""
     half = cfg.head_dim // 2
-    return 1.0 / (cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32) / half))
+    # Made on the CPU, whatever the device context: loading builds the tower under torch.device("meta"), where
+    # arange runs torch's reference implementation, which imports torch._dynamo (1.7 s of every server and
+    # worker start). Loading replaces the buffer with one on the model's device.
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32, device="cpu") / half))
 
 
 class MLP(nn.Module):
@@ -169,7 +172,10 @@ class Qwen3VLVisionTower(nn.Module):
         self.cfg = cfg
         self.patch_embed = ConvPatchEmbed3d(cfg.in_channels, cfg.hidden_size, cfg.temporal_patch_size,
                                             cfg.patch_size, bias=True)
-        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
+        # Its weights always come from the state dict: no random init (which, under the meta device that
+        # loading builds the tower on, runs torch's reference normal_ and imports torch._dynamo: 1.7 s a start).
+        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size,
+                                      _weight=torch.empty(cfg.num_position_embeddings, cfg.hidden_size))
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg, postshuffle=False)
         self.deepstack_merger_list = nn.ModuleList(
