@@ -32,7 +32,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from encoder_service.benchmarks.report import forward_totals, forward_under_load  # noqa: E402
-from encoder_service.benchmarks.service import children_cpu, split_serve_args, start_server, stop_process  # noqa: E402
+from encoder_service.benchmarks.service import (  # noqa: E402
+    children_cpu,
+    split_serve_args,
+    start_server,
+    stop_process,
+    use_shallow_model,
+)
 from encoder_service.benchmarks.service_clients import SHM, drive, make_images  # noqa: E402
 
 
@@ -119,6 +125,7 @@ def run_setup(devices: str, images: list[bytes], args) -> dict:
 
     def look_while_loaded() -> None:
         time.sleep(args.client_start_s + 0.1 * args.concurrency + 2.0)  # inside the measured window
+        # (the profile takes about 12 s: give a profiled setup --seconds 16 or more)
         try:
             snapshot.update(gpu_processes(proc.pid, log_path.read_text()))
         except Exception as exc:  # no nvidia-smi: report it rather than fail the measurement
@@ -168,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-timeout-s", type=float, default=600)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--profile", default="", help="setups (';'-separated) to profile with top and py-spy while loaded")
+    p.add_argument("--depth", type=int, default=None,
+                   help="the model cut to its first N blocks (same widths, preprocessing and output size): with 1, "
+                        "the devices' forward is nearly free and images/s is what the front end and the workers' "
+                        "host work can carry")
     args = p.parse_args(argv)
     args.extra = extra
     args.repeat_images = False  # every request a new image: the clients stop when theirs run out
@@ -177,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "host": platform.node(), "cpus": os.cpu_count(),
                     "command": " ".join(["bench/multi_gpu_scaling.py", *sys.argv[1:]]), "model": args.model,
                     "dtype": args.dtype, "concurrency": args.concurrency, "transport": args.transport}
+    if args.depth is not None:
+        use_shallow_model(args, result)
     with contextlib.suppress(Exception):  # no nvidia-smi: the figures stand without the names
         result["gpus"] = [name for (name,) in _smi("--query-gpu=name")]
     t0 = time.perf_counter()

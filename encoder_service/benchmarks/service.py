@@ -104,6 +104,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def use_shallow_model(args, result: dict) -> None:
+    """``--depth``: the run serves ``args.model`` cut to its first ``args.depth`` blocks, a checkpoint written
+    beside ``--out`` (or in the working directory); ``result["model"]`` says so."""
+    from ..models.presets import write_shallow_checkpoint
+
+    out_dir = (args.out.parent if args.out else Path.cwd()) / f"{args.model}-depth{args.depth}"
+    args.model = str(write_shallow_checkpoint(args.model, args.depth, out_dir))
+    result["model"] = f"{result['model']} with {args.depth} block(s) ({args.model})"
+
+
 def start_server(args, log_path: Path) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "encoder_service", "serve", "--model", args.model, "--device", args.device,
@@ -244,11 +254,7 @@ def main(argv: list[str] | None = None, video: bool = False) -> int:
     except ImportError:
         pass
     if args.depth is not None:
-        from ..models.presets import write_shallow_checkpoint
-
-        out_dir = (args.out.parent if args.out else Path.cwd()) / f"{args.model}-depth{args.depth}"
-        args.model = str(write_shallow_checkpoint(args.model, args.depth, out_dir))
-        result["model"] = f"{result['model']} with {args.depth} block(s) ({args.model})"
+        use_shallow_model(args, result)
     if video:
         return video_bench.run_video(args, result, levels, transports, start_server, stop_process)
     t0 = time.perf_counter()
