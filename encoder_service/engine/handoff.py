@@ -13,7 +13,13 @@ from ..torch_dtypes import torch_dtype
 from .batch_queue import WorkItem
 from .shared_buffer import SharedBuffer
 
-IN_FLIGHT = 2  # one batch on the device, the next staged behind it
+# A worker process holds at most IN_FLIGHT batches: one on the device, the next launched behind it, and a
+# third whose files decode meanwhile. With two (the in-process worker's depth), the batch after the running
+# one could only come once the one before was answered, and its files then had that forward's remaining time
+# to decode and launch: on four GPUs of one host the devices were 86-91% busy against 97-99% with one or two
+# (bench/RESULTS.md). The third gets a whole forward more.
+IN_FLIGHT = 3
+LAUNCHED = 2  # of those, at most this many launched on the device at once (FlashInfer's PLANS_IN_FLIGHT counts on it)
 SLOTS = IN_FLIGHT + 1  # shared buffers each way: one more for the batch being copied out
 POLL_S = 0.0005  # while one batch runs: how often the worker looks for the next batch
 ALIGN = 64

@@ -2,8 +2,9 @@
 
 The front end (event loop, image headers, hashing, cache, admission) stays in the server's process
 and never initialises CUDA. Each ``WorkerProcess`` is a thread of the front end that pulls batches
-from the shared ``BatchQueue`` whenever its worker has room (at most two batches in flight, one on
-the device and the next one staged), so the least busy device takes the next batch. It writes the
+from the shared ``BatchQueue`` whenever its worker has room (at most ``handoff.IN_FLIGHT`` batches in
+flight: one on the device, the next launched behind it, a third decoding), so the least busy device
+takes the next batch. It writes the
 batch's inputs into shared memory (JPEG and PNG files, which the worker decodes: see
 preprocess/worker_decode.py; uint8 pixels the front end decoded; clips' frames; client patch bytes),
 sends their layout over a pipe, and copies the embeddings back out of shared memory when the worker
@@ -12,7 +13,7 @@ cross the boundary.
 
 The child (worker_child.py), started with spawn, loads the model on its device (the only device it
 can see: ``CUDA_VISIBLE_DEVICES`` is set to it, so no stray context lands on another GPU), runs
-the warm-up, and then runs the same two-in-flight loop as the in-process ``DeviceWorker``.
+the warm-up, and then runs a loop like the in-process ``DeviceWorker``'s, one batch deeper.
 
 A worker that dies (killed, CUDA error, out of memory) fails its batches in flight with
 UNAVAILABLE (clients retry those) and is started again; the node serves on the other devices
@@ -256,7 +257,7 @@ class WorkerProcess(BatchThread):
         _, _, forward_s, preprocess_s, self.memory, failed, decode_s = msg
         # Images the worker's device could not decode fail alone, as in-process (worker.py).
         rest = [item for index, item in enumerate(batch) if index not in failed]
-        # Its output slot is written again only by the batch three after it: not yet sent.
+        # Its output slot is written again only by the batch SLOTS after it: not yet sent.
         embeddings = copy_out(self._out[slot], rest, self.front) if rest else []
         self._post(self._on_batch_done, BatchOutcome(batch, embeddings, None, started, forward_s if rest else 0.0,
                                                      self.device.label, preprocess_s, failed, decode_s))

@@ -22,7 +22,7 @@ from ..config import LoadingConfig
 from ..errors import EncoderError, InvalidInput
 from ..models.served import ServedModel
 from ..preprocess.worker_decode import Decoding, submit_decodes
-from .handoff import IN_FLIGHT, POLL_S, rebuild
+from .handoff import IN_FLIGHT, LAUNCHED, POLL_S, rebuild
 from .jobs import detached
 from .shared_buffer import SharedBuffer
 from .worker import launch_decodable
@@ -103,8 +103,9 @@ class _Launched:
 
 class _ChildLoop:
     """Batches in, answers out, in order, at most ``IN_FLIGHT`` at a time: one on the device, the next
-    decoding its files and then launched behind it, so the device never idles between the two. A batch
-    whose files are still decoding never holds up the answer of the one ahead of it."""
+    launched behind it, so the device never idles between the two, and the one after decoding its files
+    until there is room on the device (at most ``LAUNCHED`` batches launched). A batch whose files are
+    still decoding never holds up the answer of the one ahead of it."""
 
     def __init__(self, conn: Connection, model: ServedModel, decoder: Callable, decodes: Executor) -> None:
         self.conn = conn
@@ -117,7 +118,8 @@ class _ChildLoop:
         pending: deque[_Launched] = deque()
         while True:
             waiting = next((entry for entry in pending if not entry.launched and entry.error is None), None)
-            if waiting is not None and (waiting.decoding is None or waiting.decoding.done()):
+            if waiting is not None and _room_on_device(pending) and (waiting.decoding is None
+                                                                      or waiting.decoding.done()):
                 self._launch(waiting)  # launches stay in the batches' order: only the first not launched
                 continue
             if pending and pending[0].answerable():
@@ -150,7 +152,7 @@ class _ChildLoop:
             return self.conn.recv()
         if len(pending) < IN_FLIGHT:
             return self.conn.recv() if self.conn.poll(POLL_S) else None
-        if waiting is not None:
+        if waiting is not None and _room_on_device(pending):
             waiting.decoding.wait(POLL_S)
         elif pending[0].launched:
             self._finish(pending.popleft())  # nothing else to do until it is done: wait for it there
@@ -182,7 +184,7 @@ class _ChildLoop:
                                                           entry.seq, error)
             kept = [index for index in range(len(inputs)) if index not in failed]
             # Host bytes are copied into the model's staging buffer (or read, on the CPU; JPEGs are
-            # decoded) before this returns: the input slot is free for the batch after next from here on.
+            # decoded) before this returns: the input slot is free for its next batch (SLOTS on) from here on.
             batch, on_device = launch_decodable(self.model, [inputs[i] for i in kept]) if kept else (None, {})
             failed.update({kept[position]: error for position, error in on_device.items()})
         except Exception as exc:
@@ -224,6 +226,11 @@ class _ChildLoop:
     def _send_error(self, seq: int, exc: Exception) -> None:
         logging.getLogger(__name__).error("forward of batch %d failed", seq, exc_info=exc)
         self.conn.send(("error", seq, _portable(exc, RuntimeError)))
+
+
+def _room_on_device(pending: deque[_Launched]) -> bool:
+    """Whether another batch may be launched: fewer than ``LAUNCHED`` launched and not yet answered."""
+    return sum(1 for entry in pending if entry.launched and entry.error is None) < LAUNCHED
 
 
 def _portable(exc: Exception, fallback: type[Exception] = InvalidInput) -> Exception:
