@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import json
 import os
+import pickle
 import platform
 import re
 import subprocess
@@ -113,6 +114,19 @@ def cpu_by_process(before: dict, after: dict, log_text: str) -> dict:
     return out
 
 
+def cached_images(args) -> list[bytes]:
+    """``--images`` photo-like JPEGs (seeds from 5000), through ``--images-cache`` when given."""
+    cache = args.images_cache
+    if cache is not None and cache.exists():
+        images = pickle.loads(cache.read_bytes())
+        if len(images) >= args.images:
+            return images[:args.images]
+    images = make_images(args.images, first_seed=5000, procs=min(32, os.cpu_count() or 2))
+    if cache is not None:
+        cache.write_bytes(pickle.dumps(images))
+    return images
+
+
 def run_setup(devices: str, images: list[bytes], args) -> dict:
     # "in-process": the one-device server without worker processes (--device cuda), for comparison.
     args.serve_args = [*args.extra] if devices == "in-process" else ["--devices", devices, *args.extra]
@@ -175,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-timeout-s", type=float, default=600)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--profile", default="", help="setups (';'-separated) to profile with top and py-spy while loaded")
+    p.add_argument("--images-cache", type=Path, default=None,
+                   help="a file keeping the generated JPEGs: read when it holds at least --images of them, else "
+                        "written (runs of several trees or transports then send the same images)")
     p.add_argument("--depth", type=int, default=None,
                    help="the model cut to its first N blocks (same widths, preprocessing and output size): with 1, "
                         "the devices' forward is nearly free and images/s is what the front end and the workers' "
@@ -193,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.suppress(Exception):  # no nvidia-smi: the figures stand without the names
         result["gpus"] = [name for (name,) in _smi("--query-gpu=name")]
     t0 = time.perf_counter()
-    images = make_images(args.images, first_seed=5000, procs=min(32, os.cpu_count() or 2))
+    images = cached_images(args)
     print(f"generated {len(images)} JPEGs in {time.perf_counter() - t0:.0f} s", flush=True)
     result["setups"] = []
     for devices in args.setups.split(";"):
