@@ -35,7 +35,6 @@ class InProcessDevice:
         self.model = model
         self._worker: DeviceWorker | None = None
         self._dead = False
-        self._torch_threads: int | None = None  # torch's thread count before a GPU model's start
 
     @property
     def label(self) -> str:
@@ -47,13 +46,6 @@ class InProcessDevice:
         loop = asyncio.get_running_loop()
         if self.model is None:
             self.model = await loop.run_in_executor(None, load_model, self.loading)
-        if self.model.device.type == "cuda":
-            # On a GPU this process's own torch work on the host is copies (embeddings into callers'
-            # regions, the cache, conversions): one thread, as in a front end with worker processes
-            # (WorkerProcesses.start). With torch's intra-op pool every copy woke OpenMP threads that then
-            # spin-wait. On the CPU the forward needs the pool. Restored at stop.
-            self._torch_threads = torch.get_num_threads()
-            torch.set_num_threads(1)
         self._worker = DeviceWorker(
             self.model, queue, max_batch_patches=self.batching.max_batch_tokens,
             batch_wait_s=self.batching.batch_wait_s, loop=loop,
@@ -75,9 +67,6 @@ class InProcessDevice:
         """After the queue closed: waits for the forward in flight."""
         if self._worker is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._worker.join)
-        if self._torch_threads is not None:
-            torch.set_num_threads(self._torch_threads)
-            self._torch_threads = None
 
     def memory_sources(self) -> dict[str, Callable[[], tuple[int, int]]]:
         device = self.model.device

@@ -74,30 +74,3 @@ def test_a_front_end_with_worker_processes_copies_with_one_torch_thread_and_rest
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
-
-
-def test_an_in_process_cpu_engine_keeps_torchs_threads_for_its_forward():
-    # Only a GPU engine cuts them to one (tests/gpu/test_gpu.py): on the CPU the forward runs on them.
-    import asyncio
-
-    import torch
-    from prometheus_client import CollectorRegistry
-
-    from encoder_service.config import ServiceConfig
-    from encoder_service.engine import Engine
-    from encoder_service.metrics import ServiceMetrics
-
-    async def main():
-        engine = Engine(ServiceConfig(model="tiny-qwen2.5-vl"), metrics=ServiceMetrics(CollectorRegistry()))
-        await engine.start()
-        try:
-            return torch.get_num_threads()
-        finally:
-            await engine.stop()
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        assert asyncio.run(main()) == 2
-    finally:
-        torch.set_num_threads(before)

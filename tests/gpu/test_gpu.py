@@ -221,27 +221,3 @@ def test_cuda_graph_replays_at_token_budgets_match_the_eager_forward(name, short
     graph_replays_match_eager(lambda backend: short_7b(short_7b_state, backend), name, 1176)
 
 
-
-
-def test_an_in_process_gpu_engine_copies_with_one_torch_thread_and_restores_it():
-    # Its host work is copies; torch's intra-op pool spin-waited through the cores the decode threads need.
-    import asyncio
-
-    from prometheus_client import CollectorRegistry
-
-    from encoder_service.config import ServiceConfig
-    from encoder_service.engine import Engine
-    from encoder_service.metrics import ServiceMetrics
-
-    async def main():
-        engine = Engine(ServiceConfig(device="cuda", model="tiny-qwen2.5-vl", cuda_graphs="off"),
-                        metrics=ServiceMetrics(CollectorRegistry()))
-        await engine.start()
-        try:
-            return torch.get_num_threads()
-        finally:
-            await engine.stop()
-
-    before = torch.get_num_threads()
-    assert asyncio.run(main()) == 1
-    assert torch.get_num_threads() == before
