@@ -34,6 +34,7 @@ def test_two_gpus_serve_at_least_1_9x_one_with_one_process_per_gpu_and_none_in_t
     # memory (clients on the node). With embeddings on the gRPC stream one front-end process tops
     # out near 100-115 images/s on this machine (bench/RESULTS.md), short of two GPUs.
     out = Path(os.environ.get("BENCH_OUT_DIR") or tmp_path) / "scaling.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "bench/multi_gpu_scaling.py", "--setups", "0;0,1", "--concurrency", "64",
            "--seconds", "15", "--images", "2400", "--transport", "shared-memory", "--out", str(out),
            "--profile", os.environ.get("BENCH_PROFILE", ""), "--", "--max-batch-tokens", "65536",
