@@ -37,6 +37,11 @@ def server(start_encoder_server):
 
 
 @pytest.fixture(scope="module")
+def qwen3_server(start_encoder_server):
+    return start_encoder_server("--model", "tiny-qwen3-vl", "--max-video-bytes", str(1 << 20))
+
+
+@pytest.fixture(scope="module")
 def model():
     return load_vision_model("tiny-qwen2.5-vl", device="cpu", dtype=torch.float32)
 
@@ -186,12 +191,12 @@ def _vllm_qwen3_then_processor(total: int, fps: float, loader: dict, variants: l
     return results["sampling"]
 
 
-def test_vllms_processor_kwargs_sample_again_as_vllm_does(start_encoder_server, tmp_path):
+def test_vllms_processor_kwargs_sample_again_as_vllm_does(qwen3_server, tmp_path):
     """Issue 40: Qwen3-VL, a 30-frame 10 fps clip, vLLM's loader at fps=30 keeps all 30 and its processor
     samples them again at its own 2 fps: 6. With mm_processor_kwargs fps=30 too, the processor keeps all
     30. The server samples both as vLLM does (processor_fps: the processor's level) under two keys, each
     embedding the model's own path for those frames."""
-    server = start_encoder_server("--model", "tiny-qwen3-vl", "--max-video-bytes", str(1 << 20))
+    server = qwen3_server
     model = load_vision_model("tiny-qwen3-vl", device="cpu", dtype=torch.float32)
     clip30 = make_clip("mp4", "libx264", frames=30, width=64, height=48, fps=10)
     loader_only, both = _vllm_qwen3_then_processor(30, 10.0, {"fps": 30}, [{}, {"fps": 30}], tmp_path)
@@ -442,10 +447,10 @@ def test_decoder_processes_killed_from_outside_cost_no_clip(server):
     assert server.health() == "SERVING"
 
 
-def test_a_huge_frame_count_is_refused_before_its_indices_are_made(start_encoder_server, clip):
+def test_a_huge_frame_count_is_refused_before_its_indices_are_made(qwen3_server, clip):
     # Qwen3-VL samples num_frames by numpy.linspace, repeats allowed: 2**31 - 1 frames would be 16 GiB of
     # indices before any limit on the clip's frames, patches or bytes is reached.
-    server = start_encoder_server("--model", "tiny-qwen3-vl", "--max-video-bytes", str(1 << 20))
+    server = qwen3_server
     before = rss_bytes(server.pid)
     with EncoderClient(server.target, timeout_s=60) as client:
         for video in (Video(clip, num_frames=2**31 - 1),
