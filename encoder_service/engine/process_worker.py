@@ -4,12 +4,11 @@ The front end (event loop, image headers, hashing, cache, admission) stays in th
 and never initialises CUDA. Each ``WorkerProcess`` is a thread of the front end that pulls batches
 from the shared ``BatchQueue`` whenever its worker has room (at most ``handoff.IN_FLIGHT`` batches in
 flight: one on the device, the next launched behind it, a third decoding), so the least busy device
-takes the next batch. It writes the
-batch's inputs into shared memory (JPEG and PNG files, which the worker decodes: see
-preprocess/worker_decode.py; uint8 pixels the front end decoded; clips' frames; client patch bytes),
-sends their layout over a pipe, and copies the embeddings back out of shared memory when the worker
-answers (images the worker could not decode fail alone). Only CPU memory and plain Python objects
-cross the boundary.
+takes the next batch. It writes the batch's inputs into shared memory (JPEG and PNG files, which the
+worker decodes: see preprocess/worker_decode.py; uint8 pixels the front end decoded; clips' frames;
+client patch bytes), sends their layout over a pipe, and copies the embeddings back out of shared
+memory when the worker answers (images the worker could not decode fail alone). Only CPU memory and
+plain Python objects cross the boundary.
 
 The child (worker_child.py), started with spawn, loads the model on its device (the only device it
 can see: ``CUDA_VISIBLE_DEVICES`` is set to it, so no stray context lands on another GPU), runs
