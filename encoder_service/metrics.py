@@ -57,6 +57,10 @@ disable_created_metrics()
 LATENCY_BUCKETS_S = (0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                      2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_TOKEN_BUCKETS = tuple(float(2**k) for k in range(4, 18))  # 16 .. 131072 patches
+# The stages of a clip's CPU half (engine/video_preparation.py), in order: waiting for a decoder (a slot,
+# shared fairly between callers), the decode in its process (probe, sample, decode, the frames handed
+# back), and the frames made ready for the device (the family's resize step; in pil mode the resize).
+VIDEO_STAGES = ("decoder_wait", "decode", "frames")
 BATCH_IMAGE_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0)
 
 # The served gRPC service, from the generated descriptor: its methods are the ``method`` label's
@@ -166,6 +170,14 @@ class ServiceMetrics:
         self.video_decode_seconds = Histogram(
             "encoder_service_video_decode_seconds", "Decode, sampling and processing time of one clip.",
             buckets=LATENCY_BUCKETS_S, registry=r)
+        self.video_stage_seconds = Histogram(
+            "encoder_service_video_stage_seconds", "Time one clip spent in each stage of its CPU half: "
+            "decoder_wait (for a decoder, shared fairly between callers), decode (in its decoder process, the "
+            "frames handed back included), frames (made ready for the device). decoder_wait is recorded once "
+            "a decoder is had; decode and frames when they end, whether they succeeded or not.", ["stage"],
+            buckets=LATENCY_BUCKETS_S, registry=r)
+        for stage in VIDEO_STAGES:  # a panel has series before the first clip
+            self.video_stage_seconds.labels(stage=stage)
         self.inflight_joins = Counter(
             "encoder_service_inflight_joins", "Items (images or clips) that joined a forward already under way for "
             "the same content.", registry=r)

@@ -110,6 +110,10 @@ def test_the_video_benchmark_measures_clips_and_images_of_their_token_size_throu
     assert clips["tokens_per_s"] == approx(clips["clips_per_s"] * group["tokens"])
     assert clips["frames_per_s"] == approx(clips["clips_per_s"] * 4)
     assert clips["server_cpu_ms_per_frame"] > 0  # the server and its decoder processes, from /proc
+    assert 0 < clips["front_end_cpu_cores"] < clips["server_cpu_cores"]  # the front end's own share of it
+    # Where a clip's time went, from the server's /metrics over the window.
+    assert clips["decode_mean_ms"] > 0 and clips["frames_mean_ms"] > 0 and clips["queue_mean_ms"] > 0
+    assert clips["decoder_wait_mean_ms"] >= 0
     [images] = report["image_runs"]
     assert images["images"] > 0 and images["cache_hits"] == 0 and images["server_cpu_ms_per_image"] > 0
     # An image is one temporal slice of the clip: the same tokens per slice.

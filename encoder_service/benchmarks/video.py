@@ -41,8 +41,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ..metrics import VIDEO_STAGES
 from .service_clients import drive, photo_pixels
 
+STAGE_SECONDS = "encoder_service_video_stage_seconds"
 # Sensor noise (standard deviation, of 255) added to every frame: what makes x264 (veryfast, CRF 23)
 # spend about 4.4 Mbit/s on a 1280x720 30 fps clip, as a phone's or a website's 720p has.
 NOISE = 8.0
@@ -161,9 +163,15 @@ class Distinct(Sequence):
 def tree_cpu_seconds(pid: int) -> float:
     """CPU seconds (utime+stime) of ``pid`` and every live descendant, plus what each has reaped
     (cutime+cstime: children that exited, e.g. a replaced decoder), from /proc; 0 without /proc."""
+    return _cpu_seconds(pid)[0]
+
+
+def _cpu_seconds(pid: int) -> tuple[float, float]:
+    """(``pid``'s tree, ``pid`` alone): CPU seconds from /proc, as ``tree_cpu_seconds`` counts them; the
+    second is the front end's own share (its threads), without its worker and decoder processes."""
     if not os.path.isdir("/proc"):
-        return 0.0
-    stats: dict[int, tuple[int, int]] = {}
+        return 0.0, 0.0
+    stats: dict[int, tuple[int, int, int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
@@ -171,22 +179,24 @@ def tree_cpu_seconds(pid: int) -> float:
                     fields = f.read().rsplit(")", 1)[1].split()  # state, ppid, ..., utime (11) .. cstime (14)
             except OSError:
                 continue
-            stats[int(entry)] = (int(fields[1]), sum(int(x) for x in fields[11:15]))
+            stats[int(entry)] = (int(fields[1]), sum(int(x) for x in fields[11:15]), int(fields[11]) + int(fields[12]))
     children: dict[int, list[int]] = defaultdict(list)
-    for p, (ppid, _) in stats.items():
+    for p, (ppid, _, _) in stats.items():
         children[ppid].append(p)
     total, todo = 0, [pid]
     while todo:
         p = todo.pop()
-        total += stats.get(p, (0, 0))[1]
+        total += stats.get(p, (0, 0, 0))[1]
         todo += children[p]
-    return total / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return total / tick, stats.get(pid, (0, 0, 0))[2] / tick
 
 
 def server_sample(args, pid: int) -> dict:
     """The server tree's CPU seconds and, from its /metrics, the items forwarded, the clips' sampled
     frames and the tokens by modality."""
-    out = {"t": time.time(), "cpu_seconds": tree_cpu_seconds(pid)}
+    tree, own = _cpu_seconds(pid)
+    out = {"t": time.time(), "cpu_seconds": tree, "front_cpu_seconds": own}
     port = getattr(args, "metrics_port", None)
     if port is None:
         return out
@@ -196,12 +206,15 @@ def server_sample(args, pid: int) -> dict:
 
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
-    names = {"encoder_service_batch_images_sum": "items", "encoder_service_video_frames_decoded_total": "frames"}
+    names = {"encoder_service_batch_images_sum": "items", "encoder_service_video_frames_decoded_total": "frames",
+             "encoder_service_queue_seconds_sum": "queue_sum", "encoder_service_queue_seconds_count": "queue_count"}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             key = names.get(s.name)
             if s.name == "encoder_service_modality_tokens_encoded_total":
                 key = f"{s.labels.get('modality')}_tokens"
+            elif s.name in (f"{STAGE_SECONDS}_sum", f"{STAGE_SECONDS}_count"):
+                key = f"stage_{s.labels.get('stage')}_{s.name.rsplit('_', 1)[1]}"
             if key:
                 out[key] = out.get(key, 0.0) + s.value
     return out
@@ -214,9 +227,24 @@ def window_figures(window: dict, unit: str) -> dict:
         return {}
     cpu, span = after["cpu_seconds"] - before["cpu_seconds"], after["t"] - before["t"]
     out = {"server_cpu_seconds": cpu, "server_cpu_cores": cpu / span if span > 0 else float("nan")}
+    if "front_cpu_seconds" in after and span > 0:  # the front end alone: one process, one GIL
+        out["front_end_cpu_cores"] = (after["front_cpu_seconds"] - before["front_cpu_seconds"]) / span
     units = after.get(unit, 0) - before.get(unit, 0)
     if units > 0:
         out[f"server_cpu_ms_per_{'frame' if unit == 'frames' else 'image'}"] = 1000 * cpu / units
+    out.update(_means(before, after))
+    return out
+
+
+def _means(before: dict, after: dict) -> dict:
+    """Over the window, the mean of each clip stage (encoder_service_video_stage_seconds) and of the
+    queue wait (admission to forward), in ms: which part of a clip's time grows under load."""
+    out = {}
+    for name in [f"stage_{stage}" for stage in VIDEO_STAGES] + ["queue"]:
+        count = after.get(f"{name}_count", 0) - before.get(f"{name}_count", 0)
+        if count > 0:
+            spent = after[f"{name}_sum"] - before[f"{name}_sum"]
+            out[f"{name.removeprefix('stage_')}_mean_ms"] = 1000 * spent / count
     return out
 
 
@@ -313,6 +341,12 @@ def ratios(result: dict) -> None:
     result["video_to_image_tokens_ratio"] = min(at_top) if at_top else None
 
 
+def _stage_line(x: dict) -> str:
+    """Where a clip's time went at this level (means over the window, when /metrics was read)."""
+    parts = [f"{name} {x[f'{name}_mean_ms']:.0f}" for name in (*VIDEO_STAGES, "queue") if f"{name}_mean_ms" in x]
+    return f"\n      mean ms: {', '.join(parts)}" if parts else ""
+
+
 def summary(r: dict) -> str:
     nan = float("nan")
     lines = [f"{r['label'] or 'video'}: {r['model']} {r['device']} {r['dtype']} {' '.join(r['serve_args'])}"
@@ -325,8 +359,9 @@ def summary(r: dict) -> str:
             f"tokens) c={x['concurrency']:>3} {x['transport']}: {x.get('clips_per_s', 0):7.2f} clips/s "
             f"{x.get('frames_per_s', 0):7.1f} frames/s {x.get('tokens_per_s', 0):9.0f} tok/s  p50 "
             f"{x.get('latency_p50_ms', nan):.0f} ms p99 {x.get('latency_p99_ms', nan):.0f} ms  server CPU "
-            f"{x.get('server_cpu_ms_per_frame', nan):.1f} ms/frame ({x.get('server_cpu_cores', nan):.1f} cores)  "
-            f"x{x.get('ratio_to_image_tokens', nan):.2f} of images")
+            f"{x.get('server_cpu_ms_per_frame', nan):.1f} ms/frame ({x.get('server_cpu_cores', nan):.1f} cores, front "
+            f"end {x.get('front_end_cpu_cores', nan):.2f})  x{x.get('ratio_to_image_tokens', nan):.2f} of images"
+            + _stage_line(x))
     for x in r["image_runs"]:
         lines.append(
             f"  image {x['width']:>4}x{x['height']:<4} (as {x['for_frame_size']} frames) c={x['concurrency']:>3} "

@@ -82,7 +82,9 @@ class Engine:
         self._inflight: dict[str, Job] = {}
         self._tasks: set[asyncio.Task] = set()
         self._pools = PreparePools(config.preprocess_threads)
-        self._videos = VideoPreparer(config.video, config.batching, placement)
+        stage_seconds = metrics.video_stage_seconds
+        self._videos = VideoPreparer(config.video, config.batching, placement,
+                                     observe=lambda stage, s: stage_seconds.labels(stage=stage).observe(s))
         self._closed = False
         self._started = False
         self._watch_task: asyncio.Task | None = None

@@ -14,7 +14,9 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 from ..config import BatchingConfig, Placement, VideoConfig
 from ..errors import Cancelled, DecodeTimeout, InvalidInput, ResourceExhausted
@@ -39,9 +41,12 @@ class VideoPreparer:
     image decode threads; both under one time bound (--max-video-decode-seconds). A cancelled caller's
     clip stops: a waiting one never starts, a running one stops at its next frame or group of frames."""
 
-    def __init__(self, video: VideoConfig, batching: BatchingConfig, placement: Placement) -> None:
-        """``batching``: a clip's parts must each fit one forward; ``placement``: the GPUs nvdec decodes on."""
+    def __init__(self, video: VideoConfig, batching: BatchingConfig, placement: Placement,
+                 observe: Callable[[str, float], None] | None = None) -> None:
+        """``batching``: a clip's parts must each fit one forward; ``placement``: the GPUs nvdec decodes on;
+        ``observe(stage, seconds)``: each stage's time (metrics.VIDEO_STAGES), where a clip's time goes."""
         self.video = video
+        self._observe = observe
         self.batching = batching
         self.placement = placement
         self._limits: VideoLimits | None = None  # built once the frame size in force is known
@@ -78,12 +83,14 @@ class VideoPreparer:
         """Whether some clip holds a decoder slot (decoding or resizing, a cancelled one until it stops)."""
         return self._slots.free < self._slots.slots
 
-    def _decoders(self, limits: VideoLimits) -> VideoDecodePool:
+    def _decoders(self, front: ModelFront, limits: VideoLimits) -> VideoDecodePool:
         if self._pool is None:
             # A decoder on a GPU gets the node's GPUs, its processes spread over them; PyAV none.
             gpus = gpu_indices(self.placement) if video_decoder(self.video.decode).needs_gpu else ()
+            # The family's sampling code, which every clip's indices_fn is unpickled from.
+            preload = (type(front.video_front).__module__,)
             self._pool = VideoDecodePool(self.video.decode_processes, nvdec_gpus=gpus,
-                                         memory_bytes=child_memory_bytes(limits))
+                                         memory_bytes=child_memory_bytes(limits), preload=preload)
         return self._pool
 
     async def prepare(self, front: ModelFront, video: VideoInput, max_frame_pixels: int,
@@ -96,21 +103,38 @@ class VideoPreparer:
             raise ResourceExhausted(f"the clip has {video.nbytes} bytes; at most {self.video.max_bytes} "
                                     "(--max-video-bytes)")
         limits = self.limits(max_frame_pixels)
+        asked = time.monotonic()
         async with self._slots.slot(caller or Caller()):
+            self._record("decoder_wait", asked)
             deadline = time.monotonic() + limits.max_decode_seconds  # decode and resize together
-            pool = self._decoders(limits)
-            if video.encoded:
-                sample = functools.partial(front.video_front.sample, sampling=video.sampling)
-                decoded = await pool.decode(video.encoded, sample, limits)
-            else:
-                given = functools.partial(front.video_front.sample_frames, sampling=video.sampling)
-                decoded = await pool.decode_frames(list(video.frames), video.frames_fps, given, limits)
+            pool = self._decoders(front, limits)
+            with self._stage("decode"):
+                if video.encoded:
+                    sample = functools.partial(front.video_front.sample, sampling=video.sampling)
+                    decoded = await pool.decode(video.encoded, sample, limits)
+                else:
+                    given = functools.partial(front.video_front.sample_frames, sampling=video.sampling)
+                    decoded = await pool.decode_frames(list(video.frames), video.frames_fps, given, limits)
             stop = threading.Event()
-            payload, used = await run_to_the_end(self._resizers, self._resized, front, video, decoded, deadline,
-                                                 stop, stop=stop)
+            with self._stage("frames"):
+                payload, used = await run_to_the_end(self._resizers, self._resized, front, video, decoded, deadline,
+                                                     stop, stop=stop)
         timestamps = source_seconds(decoded.facts, used)
         return payload, ClipFrames(tuple(int(i) for i in used), tuple(float(t) for t in timestamps),
                                    tuple(int(i) for i in decoded.indices))
+
+    @contextmanager
+    def _stage(self, stage: str) -> Iterator[None]:
+        """Times the block as ``stage``, whether it ends well or raises."""
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self._record(stage, start)
+
+    def _record(self, stage: str, start: float) -> None:
+        if self._observe is not None:
+            self._observe(stage, time.monotonic() - start)
 
     def _resized(self, front: ModelFront, video: VideoInput, decoded: SampledFrames, deadline: float,
                  stop: threading.Event) -> tuple[StagedInput, list[int]]:

@@ -30,6 +30,7 @@ to ``START_ATTEMPTS`` children: it costs the caller nothing.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import math
 import multiprocessing
@@ -58,7 +59,7 @@ from encoder_service.preprocess.decoder_channel import (
     sealed_frames,
     send_json,
 )
-from encoder_service.preprocess.video_decode import VideoLimits, probe_and_decode, sample_frame_list
+from encoder_service.preprocess.video_decode import VideoLimits, _av, probe_and_decode, sample_frame_list
 from encoder_service.preprocess.video_sampling import ClipFacts
 from encoder_service.spawning import SPAWN_LOCK
 
@@ -108,15 +109,23 @@ def _limit_memory(memory_bytes: int | None, nvdec_gpu: int | None) -> None:
             resource.setrlimit(resource.RLIMIT_DATA, (memory_bytes, memory_bytes))
 
 
-def _child_main(conn, nvdec_gpu: int | None = None, memory_bytes: int | None = None) -> None:
+def _child_main(conn, nvdec_gpu: int | None = None, memory_bytes: int | None = None,
+                preload: tuple[str, ...] = ()) -> None:
     """A child's loop: a pickled (data, indices_fn, limits) in from the server; out, a JSON answer
     (``{"status": "ok", "facts", "indices", "shape"}`` with the frames' sealed memfd, or
     ``{"status": error name, "message"}``). ``nvdec_gpu``: the frames decode with NVDEC on that GPU
-    (video_nvdec.py). ``memory_bytes``: its RLIMIT_DATA (``child_memory_bytes``), None for none."""
+    (video_nvdec.py). ``memory_bytes``: its RLIMIT_DATA (``child_memory_bytes``), None for none.
+    ``preload``: modules imported before the child says it is ready (``VideoDecodePool``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group; the parent decides
     with contextlib.suppress(OSError):
         os.nice(DECODER_NICENESS)
     _limit_memory(memory_bytes, nvdec_gpu)
+    # What a clip's first job would otherwise import (PyAV, the family's sampling code that its
+    # indices_fn unpickles from): 0.3-0.4 s of that clip's time. Before "ready", which no call's time
+    # bound counts, and while the child is idle.
+    _av()
+    for module in preload:
+        importlib.import_module(module)
     channel = Channel(conn.fileno())
     send_json(channel, {"status": "ready"})
     while True:
@@ -264,12 +273,13 @@ def clip_from_answer(answer: dict, fd: int | None, limits: VideoLimits) -> Sampl
 
 
 class _Child:
-    def __init__(self, ctx, nvdec_gpu: int | None = None, memory_bytes: int | None = None) -> None:
+    def __init__(self, ctx, nvdec_gpu: int | None = None, memory_bytes: int | None = None,
+                 preload: tuple[str, ...] = ()) -> None:
         self.nvdec_gpu = nvdec_gpu
         self.conn, child_end = ctx.Pipe(duplex=True)
         self.channel = Channel(self.conn.fileno())
-        self.process = ctx.Process(target=_child_main, args=(child_end, nvdec_gpu, memory_bytes), daemon=True,
-                                   name="video-decode")
+        self.process = ctx.Process(target=_child_main, args=(child_end, nvdec_gpu, memory_bytes, preload),
+                                   daemon=True, name="video-decode")
         with SPAWN_LOCK:  # not while a worker's spawn has narrowed CUDA_VISIBLE_DEVICES
             self.process.start()
         child_end.close()
@@ -317,19 +327,24 @@ class VideoDecodePool:
     ``nvdec_gpus``: the children decode frames with NVDEC (``--video-decode nvdec``), spread over these GPUs.
     ``memory_bytes``: each CPU child's RLIMIT_DATA (``child_memory_bytes``); None: no bound of its own.
     ``cancel_grace_s``: how long a child told to stop may take to answer before it is killed.
+    ``preload``: modules each child imports before it is ready (the model family's sampling code).
+
+    A call takes the child that finished last (the idle ones are a stack): under light load the same
+    few children take every clip, warm, instead of each of the pool's children in turn paying its first
+    clip's costs (first touches of the decoder's code and memory; with NVDEC, opening its session).
     """
 
     def __init__(self, processes: int = 2, *, grace_s: float = 2.0, start_timeout_s: float = 60.0,
                  nvdec_gpus: tuple[int, ...] = (), memory_bytes: int | None = None,
-                 cancel_grace_s: float = CANCEL_GRACE_S) -> None:
+                 cancel_grace_s: float = CANCEL_GRACE_S, preload: tuple[str, ...] = ()) -> None:
         if processes < 1:
             raise ValueError("a video decode pool needs at least one process")
         self._ctx = multiprocessing.get_context("spawn")
         self.grace_s, self.start_timeout_s, self.memory_bytes = grace_s, start_timeout_s, memory_bytes
-        self.cancel_grace_s = cancel_grace_s
+        self.cancel_grace_s, self.preload = cancel_grace_s, preload
         self._lock = threading.Lock()
         self._closed = False
-        self._idle: queue.SimpleQueue[_Child] = queue.SimpleQueue()
+        self._idle: queue.LifoQueue[_Child] = queue.LifoQueue()
         self._children: set[_Child] = set()
         for n in range(processes):  # with NVDEC, the children spread over the GPUs
             self._idle.put(self._start_child(nvdec_gpus[n % len(nvdec_gpus)] if nvdec_gpus else None))
@@ -339,7 +354,7 @@ class VideoDecodePool:
         self._stops: set[threading.Event] = set()  # the calls in flight's: close() stops them
 
     def _start_child(self, nvdec_gpu: int | None = None) -> _Child:
-        child = _Child(self._ctx, nvdec_gpu, self.memory_bytes)
+        child = _Child(self._ctx, nvdec_gpu, self.memory_bytes, self.preload)
         with self._lock:
             self._children.add(child)
         return child

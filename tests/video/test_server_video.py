@@ -19,6 +19,7 @@ from video_references import run_references
 from encoder_service.benchmarks.reliability.server import wait_until
 from encoder_service.benchmarks.reliability.video_inputs import frame_pattern, make_clip, video_corpus
 from encoder_service.errors import InvalidInput
+from encoder_service.metrics import VIDEO_STAGES
 from encoder_service.models import load_vision_model
 from encoder_service.models.kimi_k25 import video as kimi_video
 from encoder_service.preprocess.video_sampling import ClipFacts
@@ -467,3 +468,24 @@ def test_a_huge_frame_count_is_refused_before_its_indices_are_made(qwen3_server,
 def rss_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+STAGE_SECONDS = "encoder_service_video_stage_seconds"
+
+
+def _stages(server, what: str) -> dict[str, float]:
+    return {stage: server.metric(f"{STAGE_SECONDS}_{what}", f'stage="{stage}"') for stage in VIDEO_STAGES}
+
+
+def test_metrics_say_where_each_clip_spent_its_time_a_failed_decode_included(server):
+    counts, sums = _stages(server, "count"), _stages(server, "sum")
+    other = make_clip("mp4", "libx264", frames=10, width=64, height=48, fps=10)  # not in the cache
+    with EncoderClient(server.target, timeout_s=60) as client:
+        client.encode([Video(other, num_frames=4)])
+        with pytest.raises(EncoderClientError) as info:
+            client.encode([Video(b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 2000, num_frames=4)])
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    after_counts, after_sums = _stages(server, "count"), _stages(server, "sum")
+    # Both clips waited for and got a decoder; only the good one reached its frames stage.
+    assert {s: after_counts[s] - counts[s] for s in VIDEO_STAGES} == {"decoder_wait": 2, "decode": 2, "frames": 1}
+    assert after_sums["decode"] > sums["decode"] and after_sums["frames"] > sums["frames"]

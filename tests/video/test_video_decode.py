@@ -543,6 +543,21 @@ def test_a_protocol_break_leaks_no_descriptor(pool):
     assert open_descriptors() == before
 
 
+def test_clips_one_at_a_time_go_to_the_same_warm_child_and_find_its_modules_imported():
+    # A lightly loaded server keeps its warm decoder instead of handing each clip to the next cold one;
+    # a child imports the family's sampling code before it is ready, not in its first clip's time.
+    family = "encoder_service.models.qwen2_5_vl.video"
+    needs = functools.partial(vi.first_frame_once_imported, module=family)
+    with VideoDecodePool(3, preload=(family,)) as warm:
+        served = set()
+        for _ in range(4):
+            assert run(warm.decode(clip(), needs, LIMITS)).indices == [0]
+            served.add(warm._idle.queue[-1])  # the child the last call gave back: the next call's
+        assert len(served) == 1
+    with VideoDecodePool(1) as cold, pytest.raises(InvalidInput, match="was not imported in the decoder process"):
+        run(cold.decode(clip(), needs, LIMITS))
+
+
 def test_an_idle_child_killed_from_outside_is_replaced_without_failing_the_next_clip():
     with VideoDecodePool(1) as single:
         run(single.decode(clip(), vi.first_frame, LIMITS))

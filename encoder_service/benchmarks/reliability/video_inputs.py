@@ -227,6 +227,18 @@ def first_frame(facts) -> list[int]:
     return [0]
 
 
+def first_frame_once_imported(facts, module: str) -> list[int]:
+    """An indices_fn (a ``functools.partial`` naming ``module``): frame 0 where the decoder process had
+    already imported ``module`` before this call, else InvalidInput saying so."""
+    import sys
+
+    from encoder_service.errors import InvalidInput
+
+    if module not in sys.modules:
+        raise InvalidInput(f"{module} was not imported in the decoder process")
+    return [0]
+
+
 def abort_process(facts) -> list[int]:
     """An indices_fn that aborts its process (SIGABRT), as a C library's failed assertion does."""
     os.abort()
