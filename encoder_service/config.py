@@ -263,8 +263,8 @@ class ServiceConfig:
         "pyav: clips decode on the CPU with FFmpeg (PyAV), the frames transformers' read_video_pyav "
         "gives; nvdec: the sampled frames decode on the GPU's video decoder (NVIDIA's PyNvVideoCodec; "
         "needs a CUDA --device or GPU --devices), still in the decoder processes, after PyAV has "
-        "checked and counted the clip. Its RGB is within a level or two of FFmpeg's conversion, so it "
-        "has a cache_namespace of its own; each decoder process holds a CUDA context.",
+        "checked and counted the clip; its frames are converted to RGB by FFmpeg's own converter, as "
+        "pyav's are. It keeps a cache_namespace of its own; each decoder process holds a CUDA context.",
         choices=tuple(VIDEO_DECODERS))
     # on: Encode may name an EncodeRequest.output_region (api/shared_memory.py)
     shared_memory: str = option("on",

@@ -424,9 +424,8 @@ def nvdec_frames(data: bytes, indices: list[int], facts: ClipFacts, header: dict
     if max(wanted) >= facts.total_frames:
         raise InvalidInput(f"video has {facts.total_frames} frames; frame index {max(wanted)} is past the end")
     height, width = header["size"]
-    return video_nvdec.decode_frames(data, wanted, facts.total_frames, height, width,
-                                     video_nvdec.color_matrix(*header["color"]), gpu, deadline,
-                                     limits.max_decode_seconds)
+    return video_nvdec.decode_frames(data, wanted, facts.total_frames, height, width, header["color"], gpu,
+                                     deadline, limits.max_decode_seconds)
 
 
 def decode_frame_list(frames: Sequence[bytes], limits: VideoLimits) -> np.ndarray:

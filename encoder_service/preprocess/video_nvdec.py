@@ -8,13 +8,15 @@ decoder session a clip) into NV12 on the GPU, and this module converts them to R
 the sampled frames, uint8 [T, H, W, 3], back to the host: from there a clip is the CPU path's.
 
 Pixels: an H.264/H.265/VP9/AV1 decoder's YUV output is defined by the standard, so NVDEC's planes are
-FFmpeg's; the YUV -> RGB step is not. FFmpeg (what PyAV's ``to_ndarray("rgb24")`` and transformers'
-``read_video_pyav`` use) converts with the stream's matrix (BT.601 where the stream says none: NVDEC's
-own RGB output picks BT.709 for HD frames instead, a shift of up to 33 levels at 720p) and its own fixed
-point; ``nv12_to_rgb`` uses the same matrix and range and rounds to land within a level of FFmpeg's
-x86 path (tests/video/test_video_nvdec.py measures it on the CPU against PyAV's conversion of the same planes).
-Only 8-bit 4:2:0 (NV12) is converted; other formats are refused with a clear error. The pixels still
-differ slightly, so the choice is part of the cache namespace.
+FFmpeg's; the YUV -> RGB step is not (NVDEC's own RGB output picks BT.709 for HD frames where FFmpeg
+takes BT.601 for an untagged stream: up to 33 levels apart at 720p, and its fixed point differs). So
+each sampled NV12 surface is copied to the host and converted there by FFmpeg's own converter
+(swscale, through PyAV: ``yuv420p_to_rgb``), from the planes of a yuv420p frame carrying the stream's
+matrix and range tags, which is how PyAV converts the frames FFmpeg decodes: the frames equal the CPU
+path's bit for bit (tests/video/test_video_nvdec.py checks the conversion on the CPU against PyAV's on
+the same planes, for untagged, BT.709, BT.2020 and full-range streams; tests/gpu/test_gpu_video.py the
+whole decode). Only 8-bit 4:2:0 (NV12) surfaces are taken; other formats are refused with a clear
+error. The choice stays part of the cache namespace.
 
 Attack surface: NVDEC's bitstream parser (in the NVIDIA driver) reads caller bytes, in the decoder
 process, which holds a CUDA context of its own on the GPU: a crash there costs the clip and the process
@@ -31,17 +33,9 @@ import numpy as np
 from ..errors import DecodeTimeout, EncoderError, InvalidInput
 from . import interrupt
 
-# The stream's matrix tag (AVColorSpace) -> the matrix swscale converts with, for the tags converted
-# here: BT.709; BT.601 for BT.470BG, SMPTE 170M and an untagged stream (swscale's default). Other
-# matrices (BT.2020, SMPTE 240M, FCC, ...) are refused rather than converted differently.
-_MATRICES = {1: 709, 2: 601, 5: 601, 6: 601}
-_KR_KB = {601: (0.299, 0.114), 709: (0.2126, 0.0722)}
-# Sampled frames converted and copied to the host at a time: bounds the GPU memory a clip's decode
-# takes in a decoder process (NV12 surfaces, RGB and float32 temporaries), which shares the GPU.
+# Sampled frames copied to the host at a time: bounds the GPU memory a clip's decode takes in a decoder
+# process (its NV12 surfaces), which shares the GPU, and the work between two cancel checks.
 _GROUP = 8
-# Added before flooring, per channel (R, G, B): lands within one level of swscale's x86 fixed point on
-# 8-bit limited-range input (measured: tests/video/test_video_nvdec.py).
-_BIAS = (-0.5, -1.0, -0.5)
 
 
 def available() -> bool:
@@ -52,36 +46,21 @@ def available() -> bool:
     return True
 
 
-def color_matrix(colorspace: int | None, color_range: int | None) -> tuple[int, bool]:
-    """(601 or 709, full range?) from a stream's AVColorSpace and AVColorRange codes, as swscale reads them;
-    InvalidInput for a matrix not converted here."""
-    matrix = _MATRICES.get(2 if colorspace is None else int(colorspace))
-    if matrix is None:
-        raise InvalidInput(f"nvdec: the stream's color matrix (AVColorSpace {colorspace}) is not converted here; "
-                           "serve this clip with --video-decode pyav")
-    return matrix, color_range == 2  # AVCOL_RANGE_JPEG
+def yuv420p_to_rgb(luma: np.ndarray, u: np.ndarray, v: np.ndarray, colorspace: int, color_range: int) -> np.ndarray:
+    """uint8 planes of a 4:2:0 frame (luma [H, W], u and v [ceil(H/2), ceil(W/2)]) -> uint8 [H, W, 3] RGB,
+    converted by swscale as PyAV's ``to_ndarray("rgb24")`` converts a decoded frame with these tags
+    (``colorspace``: AVColorSpace, ``color_range``: AVColorRange, the stream's)."""
+    from .video_decode import _av
 
-
-def nv12_to_rgb(y, uv, matrix: int = 601, full_range: bool = False):
-    """Luma uint8 [H, W] and interleaved chroma uint8 [ceil(H/2), ceil(W/2), 2] (torch tensors, any device)
-    -> uint8 [H, W, 3] RGB: chroma repeated over its 2x2 block (swscale's unscaled path), the matrix's
-    coefficients in float32, floored with a per-channel bias."""
-    import torch
-
-    height, width = y.shape
-    kr, kb = _KR_KB[matrix]
-    kg = 1.0 - kr - kb
-    chroma = uv.float().repeat_interleave(2, 0).repeat_interleave(2, 1)[:height, :width]
-    if full_range:
-        luma, u, v = y.float(), chroma[..., 0] - 128.0, chroma[..., 1] - 128.0
-    else:
-        luma = (y.float() - 16.0) * (255.0 / 219.0)
-        u, v = (chroma[..., 0] - 128.0) * (255.0 / 224.0), (chroma[..., 1] - 128.0) * (255.0 / 224.0)
-    r = luma + 2.0 * (1.0 - kr) * v
-    g = luma - (2.0 * kb * (1.0 - kb) / kg) * u - (2.0 * kr * (1.0 - kr) / kg) * v
-    b = luma + 2.0 * (1.0 - kb) * u
-    bias = torch.tensor(_BIAS, device=y.device)
-    return (torch.stack((r, g, b), dim=-1) + bias).floor_().clamp_(0, 255).to(torch.uint8)
+    height, width = luma.shape
+    frame = _av().VideoFrame(width, height, "yuv420p")
+    for plane, data in zip(frame.planes, (luma, u, v), strict=True):
+        if data.shape != (plane.height, plane.width):
+            raise InvalidInput(f"nvdec: a plane of {list(data.shape)} for a {width}x{height} frame's "
+                               f"{plane.width}x{plane.height} plane")
+        np.frombuffer(plane, np.uint8).reshape(plane.height, plane.line_size)[:, :plane.width] = data
+    frame.colorspace, frame.color_range = colorspace, color_range
+    return frame.to_ndarray(format="rgb24")
 
 
 def _planes(frame, height: int, width: int):
@@ -101,11 +80,11 @@ def _planes(frame, height: int, width: int):
 
 
 def decode_frames(data: bytes, indices: Sequence[int], total_frames: int, height: int, width: int,
-                  color: tuple[int, bool], gpu: int, deadline: float, max_decode_seconds: float) -> np.ndarray:
+                  color: tuple[int, int], gpu: int, deadline: float, max_decode_seconds: float) -> np.ndarray:
     """The frames at ``indices`` (checked by the caller: in the clip, limits applied), uint8
     [len(indices), H, W, 3], one row per entry in its order, decoded by NVDEC on GPU ``gpu``, a few
     frames at a time. ``total_frames``: PyAV's count, which NVDEC's must equal (else its frame ``i``
-    might not be PyAV's)."""
+    might not be PyAV's). ``color``: the stream's (AVColorSpace, AVColorRange), what FFmpeg converts with."""
     import PyNvVideoCodec as nvc
     import torch
 
@@ -130,9 +109,10 @@ def decode_frames(data: bytes, indices: Sequence[int], total_frames: int, height
                 if kind is not None and kind != nvc.Pixel_Format.NV12:
                     raise InvalidInput(f"nvdec: {kind} frames are not converted (8-bit 4:2:0 only); "
                                        "serve this clip with --video-decode pyav")
-                rgb = torch.stack([nv12_to_rgb(*_planes(f, height, width), *color) for f in frames])
-                decoded[start:start + len(group)] = rgb.cpu().numpy()
-                del frames, rgb
+                for n, frame in enumerate(frames):
+                    luma, chroma = (plane.cpu().numpy() for plane in _planes(frame, height, width))
+                    decoded[start + n] = yuv420p_to_rgb(luma, chroma[..., 0], chroma[..., 1], *color)
+                del frames
             position = {index: n for n, index in enumerate(distinct)}
             host = decoded[[position[int(i)] for i in indices]]
     except EncoderError:

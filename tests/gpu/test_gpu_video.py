@@ -128,7 +128,7 @@ def test_a_clip_through_a_cuda_server_equals_the_models_video_path(start_encoder
 
 
 @pytest.mark.parametrize(("width", "height"), [(448, 448), (1280, 720)])
-def test_nvdec_frames_are_ffmpegs_within_a_level(width, height):
+def test_nvdec_frames_equal_ffmpegs(width, height):
     from encoder_service.benchmarks.video import photo_clip
     from encoder_service.preprocess import video_decode, video_nvdec
 
@@ -143,10 +143,10 @@ def test_nvdec_frames_are_ffmpegs_within_a_level(width, height):
     assert got_indices == want_indices and got.shape == want.shape and got.dtype == np.uint8
     diff = np.abs(got.astype(int) - want.astype(int))
     print(f"nvdec vs PyAV {width}x{height}: max {diff.max()}, mean {diff.mean():.3f} levels")
-    assert diff.max() <= 2 and diff.mean() < 0.5
+    assert np.array_equal(got, want)  # NVDEC's planes are the standard's; swscale converts them as for FFmpeg's
 
 
-def test_a_clip_through_an_nvdec_server_is_near_the_cpu_decode(start_encoder_server):
+def test_a_clip_through_an_nvdec_server_equals_the_cpu_decode(start_encoder_server):
     from encoder_client import EncoderClient, Video
 
     from encoder_service.benchmarks.video import photo_clip
@@ -169,6 +169,5 @@ def test_a_clip_through_an_nvdec_server_is_near_the_cpu_decode(start_encoder_ser
     want = np.asarray(cpu.embedding)
     rel = float(np.linalg.norm(np.asarray(gpu.embedding) - want) / np.linalg.norm(want))
     print(f"clip embedding, nvdec vs PyAV decode (float32, tiny model): rel err {rel:.2e}")
-    # Measured 1.13e-2 (H100, 2026-11-26): a quarter of the pixels one level off moves the tiny random
-    # tower's output by about 1%; the CUDA resize alone moves it by 4e-4 (the test above).
-    assert rel < 3e-2
+    # The same frames, so the same forward: only a nondeterministic reduction could tell them apart.
+    assert rel < 1e-6

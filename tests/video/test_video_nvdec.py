@@ -1,6 +1,6 @@
-"""``--video-decode nvdec`` on a machine without a GPU: the YUV -> RGB step it adds, measured against
-FFmpeg's (PyAV's ``to_ndarray("rgb24")``, what the CPU path and transformers' read_video_pyav give) on the
-same decoded planes; and the option refused clearly where it cannot run. NVDEC itself is a ``gpu`` test
+"""``--video-decode nvdec`` on a machine without a GPU: the YUV -> RGB step it adds, against FFmpeg's
+(PyAV's ``to_ndarray("rgb24")``, what the CPU path and transformers' read_video_pyav give) on the same
+decoded planes; and the option refused clearly where it cannot run. NVDEC itself is a ``gpu`` test
 (tests/gpu/test_gpu_video.py)."""
 
 from __future__ import annotations
@@ -13,42 +13,55 @@ import numpy as np
 import pytest
 import torch
 
+from encoder_service.benchmarks.reliability.video_inputs import make_clip
 from encoder_service.benchmarks.video import photo_clip
 from encoder_service.errors import InvalidInput
 from encoder_service.models import load_vision_model
 from encoder_service.preprocess import video_nvdec
 
 
-def _planes_and_rgb(clip: bytes, frames: int = 4):
+def _planes_tags_and_rgb(clip: bytes, frames: int = 3):
+    """Each of the first frames as NVDEC hands it over (luma, chroma interleaved: NV12), the stream's
+    tags as the nvdec path reads them (from the header, before any decode), and FFmpeg's rgb24."""
     import av
 
     with av.open(io.BytesIO(clip)) as container:
+        context = container.streams.video[0].codec_context
+        tags = (int(context.colorspace), int(context.color_range))
         for i, frame in enumerate(container.decode(video=0)):
             if i == frames:
                 return
             nv12 = frame.to_ndarray(format="nv12")  # the decoder's planes, chroma interleaved (lossless)
             height = frame.height
             uv = nv12[height:].reshape(height // 2, frame.width // 2, 2)
-            yield torch.from_numpy(nv12[:height].copy()), torch.from_numpy(uv.copy()), frame.to_ndarray(format="rgb24")
+            yield nv12[:height], uv, tags, frame.to_ndarray(format="rgb24")
 
 
-@pytest.mark.parametrize(("width", "height"), [(448, 448), (1280, 720)])
-def test_nv12_to_rgb_lands_within_a_level_of_ffmpegs_conversion(width, height):
-    diffs = []
-    for y, uv, want in _planes_and_rgb(photo_clip(3, 0.2, width, height, 30)):
-        got = video_nvdec.nv12_to_rgb(y, uv, *video_nvdec.color_matrix(2, 0)).numpy()  # untagged: BT.601
-        diffs.append(np.abs(got.astype(int) - want.astype(int)))
-    diff = np.stack(diffs)
-    print(f"{width}x{height}: max {diff.max()}, mean {diff.mean():.3f} levels against FFmpeg's rgb24")
-    assert diff.max() <= 2 and diff.mean() < 0.5
+def _tagged(width: int, height: int, params: str, pix_fmt: str = "yuv420p") -> bytes:
+    return make_clip("mp4", "libx264", frames=3, width=width, height=height, fps=10, pix_fmt=pix_fmt,
+                     options={"x264-params": params})
 
 
-def test_the_streams_tags_choose_the_matrix_as_swscale_does():
-    assert video_nvdec.color_matrix(1, 1) == (709, False)  # BT.709, limited range
-    assert video_nvdec.color_matrix(2, 0) == (601, False)  # unspecified: BT.601
-    assert video_nvdec.color_matrix(6, 2) == (601, True)  # SMPTE 170M, full range
-    with pytest.raises(InvalidInput, match="AVColorSpace 9"):  # BT.2020: refused, not converted otherwise
-        video_nvdec.color_matrix(9, 1)
+@pytest.mark.parametrize("clip", [
+    pytest.param(lambda: photo_clip(3, 0.1, 448, 448, 30), id="untagged-448"),
+    pytest.param(lambda: photo_clip(3, 0.1, 1280, 720, 30), id="untagged-720p"),
+    pytest.param(lambda: _tagged(66, 50, "colormatrix=bt709:range=tv"), id="bt709"),
+    pytest.param(lambda: _tagged(66, 50, "colormatrix=bt709:range=pc", "yuvj420p"), id="bt709-full-range"),
+    pytest.param(lambda: _tagged(64, 48, "colormatrix=bt2020nc"), id="bt2020"),
+    pytest.param(lambda: _tagged(64, 48, "colormatrix=smpte170m:range=pc", "yuvj420p"), id="bt601-full-range"),
+])
+def test_nvdecs_planes_become_exactly_ffmpegs_rgb(clip):
+    # What the nvdec path does with each surface: its planes converted by swscale with the stream's tags,
+    # as PyAV converts the frames FFmpeg decodes. Equal, bit for bit, whatever the matrix and range.
+    for luma, uv, tags, want in _planes_tags_and_rgb(clip()):
+        got = video_nvdec.yuv420p_to_rgb(luma, uv[..., 0], uv[..., 1], *tags)
+        assert got.dtype == np.uint8 and np.array_equal(got, want), (tags, np.abs(got.astype(int) - want).max())
+
+
+def test_a_plane_that_does_not_fit_the_frame_is_refused():
+    luma = np.zeros((48, 64), np.uint8)
+    with pytest.raises(InvalidInput, match=r"a plane of \[24, 31\] for a 64x48 frame's 32x24 plane"):
+        video_nvdec.yuv420p_to_rgb(luma, np.zeros((24, 31), np.uint8), np.zeros((24, 32), np.uint8), 2, 0)
 
 
 def test_nvdec_without_a_cuda_device_is_refused_naming_what_it_needs():
