@@ -173,8 +173,9 @@ class ServiceMetrics:
         self.video_stage_seconds = Histogram(
             "encoder_service_video_stage_seconds", "Time one clip spent in each stage of its CPU half: "
             "decoder_wait (for a decoder, shared fairly between callers), decode (in its decoder process, the "
-            "frames handed back included), frames (made ready for the device). decoder_wait is recorded once "
-            "a decoder is had; decode and frames when they end, whether they succeeded or not.", ["stage"],
+            "frames handed back included, and the process's start where the clip needed a new one), frames "
+            "(made ready for the device). decoder_wait is recorded once a decoder is had; decode and frames "
+            "when they end, whether they succeeded or not.", ["stage"],
             buckets=LATENCY_BUCKETS_S, registry=r)
         for stage in VIDEO_STAGES:  # a panel has series before the first clip
             self.video_stage_seconds.labels(stage=stage)
