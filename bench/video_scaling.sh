@@ -23,9 +23,14 @@ for devices in "${device_sets[@]}"; do
   clients=$(( per_gpu * gpus ))
   name="video-devices-${devices//,/_}"
   echo "== --devices $devices: $clients clients $*" >&2
+  set +e  # the bench's own exit code, not grep's, says whether this set ran
   python -m encoder_service bench video --model "${MODEL:-qwen2.5-vl-7b}" --device "${DEVICE:-cuda}" \
     --dtype "${DTYPE:-bfloat16}" --clip-seconds 10 --frame-sizes "${FRAME_SIZE:-1280x720}" \
     --concurrency "$clients" --seconds "${SECONDS_PER_LEVEL:-20}" \
     --client-procs "$(( clients < 16 ? clients : 16 ))" --label "$name" --out "$out/$name.json" \
-    -- --devices "$devices" "$@" 2>&1 | tee "$out/$name.log" | grep -vE "^(generated|clips:|images:)" || true
+    -- --devices "$devices" "$@" 2>&1 | tee "$out/$name.log" | grep -vE "^(generated|clips:|images:)"
+  rc=${PIPESTATUS[0]}
+  set -e
+  if [ "$rc" -ne 0 ]; then echo "== --devices $devices: the bench failed (exit code $rc); $out/$name.log" >&2; failed=1; fi
 done
+exit "${failed:-0}"

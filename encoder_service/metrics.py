@@ -174,8 +174,8 @@ class ServiceMetrics:
             "encoder_service_video_stage_seconds", "Time one clip spent in each stage of its CPU half: "
             "decoder_wait (for a decoder, shared fairly between callers), decode (in its decoder process, the "
             "frames handed back included, and the process's start where the clip needed a new one), frames "
-            "(made ready for the device). decoder_wait is recorded once a decoder is had; decode and frames "
-            "when they end, whether they succeeded or not.", ["stage"],
+            "(made ready for the device). Each is recorded when it ends, whether it succeeded or not (a wait "
+            "refused or cancelled included).", ["stage"],
             buckets=LATENCY_BUCKETS_S, registry=r)
         for stage in VIDEO_STAGES:  # a panel has series before the first clip
             self.video_stage_seconds.labels(stage=stage)

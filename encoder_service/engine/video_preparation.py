@@ -11,6 +11,7 @@ the request's bytes here, the stream's frames, length and frame size from its he
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -32,6 +33,19 @@ from .clip_parts import check_size
 from .devices import gpu_indices
 from .fair_slots import Caller, FairSlots
 from .types import ClipFrames, VideoInput
+
+
+def preload_modules(front: ModelFront) -> tuple[str, ...]:
+    """The modules a clip's indices_fn is unpickled from in a decoder process: those of the family's
+    video functions (partials unwrapped) and of ``VideoFront``, which a clip given as frames sends whole.
+    A decoder imports them before it takes its first clip."""
+    video = front.video_front
+    modules = {type(video).__module__}
+    for function in (video.sample, video.resize, video.process):
+        while isinstance(function, functools.partial):
+            function = function.func
+        modules.add(function.__module__)
+    return tuple(sorted(modules))
 
 
 class VideoPreparer:
@@ -87,10 +101,8 @@ class VideoPreparer:
         if self._pool is None:
             # A decoder on a GPU gets the node's GPUs, its processes spread over them; PyAV none.
             gpus = gpu_indices(self.placement) if video_decoder(self.video.decode).needs_gpu else ()
-            # The family's sampling code, which every clip's indices_fn is unpickled from.
-            preload = (type(front.video_front).__module__,)
             self._pool = VideoDecodePool(self.video.decode_processes, nvdec_gpus=gpus,
-                                         memory_bytes=child_memory_bytes(limits), preload=preload)
+                                         memory_bytes=child_memory_bytes(limits), preload=preload_modules(front))
         return self._pool
 
     async def prepare(self, front: ModelFront, video: VideoInput, max_frame_pixels: int,
@@ -103,9 +115,12 @@ class VideoPreparer:
             raise ResourceExhausted(f"the clip has {video.nbytes} bytes; at most {self.video.max_bytes} "
                                     "(--max-video-bytes)")
         limits = self.limits(max_frame_pixels)
-        asked = time.monotonic()
-        async with self._slots.slot(caller or Caller()):
-            self._record("decoder_wait", asked)
+        async with contextlib.AsyncExitStack() as held:
+            asked = time.monotonic()
+            try:
+                await held.enter_async_context(self._slots.slot(caller or Caller()))
+            finally:  # a wait refused (too many waiting) or cancelled is a wait too
+                self._record("decoder_wait", asked)
             deadline = time.monotonic() + limits.max_decode_seconds  # decode and resize together
             pool = self._decoders(front, limits)
             with self._stage("decode"):

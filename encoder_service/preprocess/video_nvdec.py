@@ -15,8 +15,10 @@ each sampled NV12 surface is copied to the host and converted there by FFmpeg's 
 matrix and range tags, which is how PyAV converts the frames FFmpeg decodes: the frames equal the CPU
 path's bit for bit (tests/video/test_video_nvdec.py checks the conversion on the CPU against PyAV's on
 the same planes, for untagged, BT.709, BT.2020 and full-range streams; tests/gpu/test_gpu_video.py the
-whole decode). Only 8-bit 4:2:0 (NV12) surfaces are taken; other formats are refused with a clear
-error. The choice stays part of the cache namespace.
+whole decode). The tags are the stream header's: FFmpeg converts each frame with its own, so a stream
+whose bitstream changes its tags midway, or contradicts its header, converts differently. Only 8-bit
+4:2:0 (NV12) surfaces are taken; other formats are refused with a clear error. The choice stays part of
+the cache namespace.
 
 Attack surface: NVDEC's bitstream parser (in the NVIDIA driver) reads caller bytes, in the decoder
 process, which holds a CUDA context of its own on the GPU: a crash there costs the clip and the process
@@ -71,12 +73,14 @@ def _planes(frame, height: int, width: int):
     if plane.dim() == 3:
         plane = plane[..., 0]
     rows, cols = (height + 1) // 2, (width + 1) // 2
-    # The surface of a frame of the header's size (odd sides rounded up to whole chroma samples); any
-    # other (a stream that changes size midway) is refused, as the CPU path refuses frames of other sizes.
-    if plane.shape[0] not in (height + rows, 2 * rows + rows) or plane.shape[1] not in (width, 2 * cols):
+    # The surface of a frame of the header's size: luma rows (the height, or rounded up to whole chroma
+    # samples), then the chroma rows, each at least as wide as the interleaved chroma; any other (a
+    # stream that changes size midway) is refused, as the CPU path refuses frames of other sizes.
+    luma_rows = plane.shape[0] - rows
+    if luma_rows not in (height, 2 * rows) or plane.shape[1] not in (width, 2 * cols) or plane.shape[1] < 2 * cols:
         raise InvalidInput(f"nvdec returned a {list(plane.shape)} NV12 surface for the header's {width}x{height} "
                            "frames (a stream whose frame size changes?)")
-    return plane[:height, :width], plane[height:height + rows, :2 * cols].reshape(rows, cols, 2)
+    return plane[:height, :width], plane[luma_rows:, :2 * cols].reshape(rows, cols, 2)
 
 
 def decode_frames(data: bytes, indices: Sequence[int], total_frames: int, height: int, width: int,

@@ -22,7 +22,9 @@ from PIL import Image
 
 from encoder_service.benchmarks.reliability import video_inputs as vi
 from encoder_service.benchmarks.reliability.fuzz_inputs import png_bomb
+from encoder_service.engine.video_preparation import preload_modules
 from encoder_service.errors import EncoderError, InvalidInput, ResourceExhausted, Unavailable
+from encoder_service.models import load_vision_model
 from encoder_service.preprocess.decode import decode_image
 from encoder_service.preprocess.video_decode import (
     ClipFacts,
@@ -547,9 +549,14 @@ def test_clips_one_at_a_time_go_to_the_same_warm_child_and_find_its_modules_impo
     # A lightly loaded server keeps its warm decoder instead of handing each clip to the next cold one,
     # and starts no other; a child imports the family's sampling code before it is ready, not in its
     # first clip's time.
-    family = "encoder_service.models.qwen2_5_vl.video"
+    front = load_vision_model("tiny-qwen3-vl", device="cpu").front()
+    sampler = front.video_front.sample
+    while isinstance(sampler, functools.partial):
+        sampler = sampler.func
+    family = sampler.__module__  # where the server's indices_fn for this family is unpickled from
+    assert family.startswith("encoder_service.models.qwen3_vl")
     needs = functools.partial(vi.first_frame_once_imported, module=family)
-    with VideoDecodePool(3, preload=(family,)) as warm:
+    with VideoDecodePool(3, preload=preload_modules(front)) as warm:
         served = set()
         for _ in range(4):
             assert run(warm.decode(clip(), needs, LIMITS)).indices == [0]

@@ -77,3 +77,24 @@ def test_a_cpu_server_with_nvdec_does_not_start_and_says_why():
     proc = subprocess.run([sys.executable, "-m", "encoder_service", "serve", "--video-decode", "nvdec", "--port", "0"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "video decode nvdec needs a CUDA device" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize(("width", "height", "surface"), [
+    (64, 48, (72, 64)),  # even: luma rows then chroma rows
+    (64, 49, (74, 64)),  # odd height, luma rows as tall as the frame
+    (64, 49, (75, 64)),  # odd height, luma rows padded to whole chroma samples
+    (65, 48, (72, 66)),  # odd width: each row as wide as the interleaved chroma
+])
+def test_an_nv12_surface_splits_into_the_frames_luma_and_chroma(width, height, surface):
+    rows, cols = (height + 1) // 2, (width + 1) // 2
+    plane = torch.zeros(surface, dtype=torch.uint8)
+    plane[surface[0] - rows:, :2 * cols] = torch.arange(2 * cols, dtype=torch.uint8) + 1  # the chroma rows
+    luma, chroma = video_nvdec._planes(plane, height, width)
+    assert tuple(luma.shape) == (height, width) and not luma.any()
+    assert tuple(chroma.shape) == (rows, cols, 2) and (chroma[..., 0] % 2 == 1).all() and chroma.min() > 0
+
+
+@pytest.mark.parametrize("surface", [(72, 65), (70, 64), (80, 64)])
+def test_a_surface_of_another_size_is_refused(surface):
+    with pytest.raises(InvalidInput, match="NV12 surface for the header's"):
+        video_nvdec._planes(torch.zeros(surface, dtype=torch.uint8), 48, 65 if surface[1] == 65 else 64)
