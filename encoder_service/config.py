@@ -155,9 +155,8 @@ class ServiceConfig:
         at_least=1)
     # -1 = by device
     video_decode_processes: int = option(-1,
-        "most processes decoding clips (containers, and clips given as frames), started as clips "
-        "need them (the first with the first clip; a clip goes to the decoder that finished last): "
-        "a decoder that crashes or hangs loses only its own clip; the process is replaced. "
+        "processes decoding clips (containers, and clips given as frames), started with the first "
+        "clip: a decoder that crashes or hangs loses only its own clip; the process is replaced. "
         "Shared fairly: a free decoder goes to the client, then the request, holding the fewest, "
         "and with 3 or more the last two free ones only to a client (the last) or a request (the "
         "one before) holding none. -1: 3 on the CPU, on a GPU half the host's cores, from 3 to 16 "

@@ -26,11 +26,12 @@ def test_the_service_benchmark_runs_end_to_end_through_the_cli(tmp_path):
 
     out = tmp_path / "service.json"
     subprocess.run([sys.executable, "-m", "encoder_service", "bench", "service", "--model", "tiny-qwen2.5-vl",
-                    # 12 images a level: the server's counters are read over HTTP at the window's start,
-                    # and on a loaded machine a level of 4 (0.1 s) could end before that read, leaving the
-                    # window without images and the level without per-image server figures.
+                    # 100 images a level (the level still ends after --seconds 1): the server's counters are
+                    # read over HTTP at the window's start, and on a loaded machine a level of 4, and once
+                    # (a CI run on 2026-12-01) one of 12, ended before that read, leaving the window without
+                    # images and the level without per-image server figures.
                     "--device", "cpu", "--dtype", "float32", "--concurrency", "1", "--seconds", "1",
-                    "--images-per-level", "12", "--client-procs", "1", "--hit-iters", "2", "--forward-iters", "1",
+                    "--images-per-level", "100", "--client-procs", "1", "--hit-iters", "2", "--forward-iters", "1",
                     "--forward-batches", "1,2", "--depth", "2", "--client-start-s", "3",
                     "--transports", "stream,shared-memory", "--out", str(out), "--", "--max-batch-tokens", "65536"],
                    check=True, capture_output=True, timeout=240)

@@ -52,10 +52,10 @@ def yuv420p_to_rgb(luma: np.ndarray, u: np.ndarray, v: np.ndarray, colorspace: i
     """uint8 planes of a 4:2:0 frame (luma [H, W], u and v [ceil(H/2), ceil(W/2)]) -> uint8 [H, W, 3] RGB,
     converted by swscale as PyAV's ``to_ndarray("rgb24")`` converts a decoded frame with these tags
     (``colorspace``: AVColorSpace, ``color_range``: AVColorRange, the stream's)."""
-    from .video_decode import _av
+    import av  # imported here only: nothing else of PyAV's is needed (video_decode imports this module)
 
     height, width = luma.shape
-    frame = _av().VideoFrame(width, height, "yuv420p")
+    frame = av.VideoFrame(width, height, "yuv420p")
     for plane, data in zip(frame.planes, (luma, u, v), strict=True):
         if data.shape != (plane.height, plane.width):
             raise InvalidInput(f"nvdec: a plane of {list(data.shape)} for a {width}x{height} frame's "

@@ -329,12 +329,9 @@ class VideoDecodePool:
     ``cancel_grace_s``: how long a child told to stop may take to answer before it is killed.
     ``preload``: modules each child imports before it is ready (the model family's sampling code).
 
-    Children start as calls need them, up to ``processes`` (the first with the pool): a call that finds
-    no idle child starts one (on the GPU of ``nvdec_gpus`` holding the fewest). A call takes the child
-    that finished last (the idle ones are a stack): under light load one warm child takes every clip,
-    and a server that sees few clips holds few processes, instead of each of the pool's children in turn
-    paying its first clip's costs (its imports, first touches of the decoder's code and memory; with
-    NVDEC, its session).
+    A call takes the child that finished last (the idle ones are a stack): under light load the same
+    few children take every clip, warm, instead of each of the pool's children in turn paying its first
+    clip's costs (first touches of the decoder's code and memory; with NVDEC, opening its session).
     """
 
     def __init__(self, processes: int = 2, *, grace_s: float = 2.0, start_timeout_s: float = 60.0,
@@ -349,27 +346,12 @@ class VideoDecodePool:
         self._closed = False
         self._idle: queue.LifoQueue[_Child] = queue.LifoQueue()
         self._children: set[_Child] = set()
-        self._processes, self._nvdec_gpus = processes, nvdec_gpus
-        self._idle.put(self._another_child())  # the first, now: the pool is made for a clip
+        for n in range(processes):  # with NVDEC, the children spread over the GPUs
+            self._idle.put(self._start_child(nvdec_gpus[n % len(nvdec_gpus)] if nvdec_gpus else None))
         # One thread per child: a running call holds one child, so a thread never waits for one.
         self._threads = ThreadPoolExecutor(processes, thread_name_prefix="video-decode")
         self.replaced = 0  # children killed and replaced (crash or hang), for tests and metrics
         self._stops: set[threading.Event] = set()  # the calls in flight's: close() stops them
-
-    def _another_child(self) -> _Child | None:
-        """A new child where the pool has fewer than ``processes`` (on the GPU holding the fewest), else None.
-        Every call holds one child and the calls are at most ``processes`` (one thread each), so a call
-        that finds none idle either starts one here or gets one from a call that ends."""
-        with self._lock:
-            if len(self._children) >= self._processes:
-                return None
-            gpu = None
-            if self._nvdec_gpus:
-                held = [sum(c.nvdec_gpu == g for c in self._children) for g in self._nvdec_gpus]
-                gpu = self._nvdec_gpus[held.index(min(held))]
-            child = _Child(self._ctx, gpu, self.memory_bytes, self.preload)
-            self._children.add(child)
-            return child
 
     def _start_child(self, nvdec_gpu: int | None = None) -> _Child:
         child = _Child(self._ctx, nvdec_gpu, self.memory_bytes, self.preload)
@@ -426,24 +408,11 @@ class VideoDecodePool:
             log.warning("video decode process replaced before its call: %s (exit code %s)", why, code)
         return child, why
 
-    def _take_child(self) -> _Child:
-        """An idle child, else a new one, else the next one a call gives back."""
-        with contextlib.suppress(queue.Empty):
-            return self._idle.get_nowait()
+    def _call(self, job: tuple, limits: VideoLimits, stop: threading.Event) -> SampledFrames:
         try:
-            child = self._another_child()
-        except Exception as e:  # e.g. out of processes: wait for a running one where there is one
-            if not self._children:
-                raise EncoderError(f"could not start a video decode process ({type(e).__name__}: {e})") from None
-            log.error("could not start a video decode process: %s: %s", type(e).__name__, e)
-            child = None
-        try:
-            return child or self._idle.get(timeout=self.start_timeout_s)
+            child = self._idle.get(timeout=self.start_timeout_s)
         except queue.Empty:  # every child busy: a caller past the slots the pool was sized for
             raise Unavailable("every video decode process is busy; retry later") from None
-
-    def _call(self, job: tuple, limits: VideoLimits, stop: threading.Event) -> SampledFrames:
-        child = self._take_child()
         try:
             if stop.is_set():
                 raise Cancelled("the clip's request was cancelled before its decode started")
