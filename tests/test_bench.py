@@ -97,8 +97,11 @@ def test_the_video_benchmark_measures_clips_and_images_of_their_token_size_throu
     out = tmp_path / "video.json"
     subprocess.run([sys.executable, "-m", "encoder_service", "bench", "video",
                     "--model", "tiny-qwen2.5-vl", "--device", "cpu", "--dtype", "float32", "--clip-seconds", "2",
-                    "--frame-sizes", "64x48", "--source-fps", "10", "--clips", "2", "--distinct-clips", "2",
-                    "--images-per-level", "6", "--concurrency", "1", "--seconds", "2", "--client-procs", "1",
+                    # Levels of up to 12 clips and 40 images, ended by --seconds 2: the server's counters are
+                    # read at the window's start, and a level of 2 clips once (a CI run on 2026-12-01) ended
+                    # before that read, leaving the window without frames.
+                    "--frame-sizes", "64x48", "--source-fps", "10", "--clips", "12", "--distinct-clips", "2",
+                    "--images-per-level", "40", "--concurrency", "1", "--seconds", "2", "--client-procs", "1",
                     "--client-start-s", "2", "--out", str(out)],
                    check=True, capture_output=True, timeout=240)
     report = json.loads(out.read_text())
@@ -106,7 +109,7 @@ def test_the_video_benchmark_measures_clips_and_images_of_their_token_size_throu
     [group] = report["video"]["groups"]
     assert group["frames"] == 4 and group["grid_thw"][0] == 2  # 2 s at 2 fps: 4 frames, 2 temporal patches
     [clips] = report["video_runs"]
-    assert clips["clips"] == 2 and clips["cache_hits"] == 0  # every clip new work
+    assert clips["clips"] >= 2 and clips["cache_hits"] == 0  # every clip new work
     assert clips["clips_per_s"] > 0 and clips["latency_p99_ms"] >= clips["latency_p50_ms"] > 0
     assert clips["tokens_per_s"] == approx(clips["clips_per_s"] * group["tokens"])
     assert clips["frames_per_s"] == approx(clips["clips_per_s"] * 4)

@@ -423,9 +423,13 @@ def decoder_pids(server_pid: int) -> list[int]:
 
 
 def exited(pid: int) -> bool:
+    """Gone, or a zombie that holds no descriptor. A killed process's leader is a zombie ("Z") as soon as it
+    exits, but its descriptors close only when its last thread has exited: until then the server's end
+    of its socket does not read as closed, and a clip sent meanwhile fails as that decoder's crash."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+            zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        return zombie and not os.listdir(f"/proc/{pid}/fd")
     except OSError:
         return True
 
