@@ -163,15 +163,9 @@ class Distinct(Sequence):
 def tree_cpu_seconds(pid: int) -> float:
     """CPU seconds (utime+stime) of ``pid`` and every live descendant, plus what each has reaped
     (cutime+cstime: children that exited, e.g. a replaced decoder), from /proc; 0 without /proc."""
-    return _cpu_seconds(pid)[0]
-
-
-def _cpu_seconds(pid: int) -> tuple[float, float]:
-    """(``pid``'s tree, ``pid`` alone): CPU seconds from /proc, as ``tree_cpu_seconds`` counts them; the
-    second is the front end's own share (its threads), without its worker and decoder processes."""
     if not os.path.isdir("/proc"):
-        return 0.0, 0.0
-    stats: dict[int, tuple[int, int, int]] = {}
+        return 0.0
+    stats: dict[int, tuple[int, int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
@@ -179,24 +173,22 @@ def _cpu_seconds(pid: int) -> tuple[float, float]:
                     fields = f.read().rsplit(")", 1)[1].split()  # state, ppid, ..., utime (11) .. cstime (14)
             except OSError:
                 continue
-            stats[int(entry)] = (int(fields[1]), sum(int(x) for x in fields[11:15]), int(fields[11]) + int(fields[12]))
+            stats[int(entry)] = (int(fields[1]), sum(int(x) for x in fields[11:15]))
     children: dict[int, list[int]] = defaultdict(list)
-    for p, (ppid, _, _) in stats.items():
+    for p, (ppid, _) in stats.items():
         children[ppid].append(p)
     total, todo = 0, [pid]
     while todo:
         p = todo.pop()
-        total += stats.get(p, (0, 0, 0))[1]
+        total += stats.get(p, (0, 0))[1]
         todo += children[p]
-    tick = os.sysconf("SC_CLK_TCK")
-    return total / tick, stats.get(pid, (0, 0, 0))[2] / tick
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def server_sample(args, pid: int) -> dict:
-    """The server tree's CPU seconds and, from its /metrics, the items forwarded, the clips' sampled
-    frames and the tokens by modality."""
-    tree, own = _cpu_seconds(pid)
-    out = {"t": time.time(), "cpu_seconds": tree, "front_cpu_seconds": own}
+    """The server tree's CPU seconds and, from its /metrics, the front end's own CPU seconds, the items
+    forwarded, the clips' sampled frames, the tokens by modality, and the clip stages' and queue's times."""
+    out = {"t": time.time(), "cpu_seconds": tree_cpu_seconds(pid)}
     port = getattr(args, "metrics_port", None)
     if port is None:
         return out
@@ -206,8 +198,11 @@ def server_sample(args, pid: int) -> dict:
 
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
+    # process_cpu_seconds_total: the front end's own CPU (prometheus_client's process collector, Linux),
+    # without its worker and decoder processes.
     names = {"encoder_service_batch_images_sum": "items", "encoder_service_video_frames_decoded_total": "frames",
-             "encoder_service_queue_seconds_sum": "queue_sum", "encoder_service_queue_seconds_count": "queue_count"}
+             "encoder_service_queue_seconds_sum": "queue_sum", "encoder_service_queue_seconds_count": "queue_count",
+             "process_cpu_seconds_total": "front_cpu_seconds"}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             key = names.get(s.name)

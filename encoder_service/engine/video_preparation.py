@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 from ..config import BatchingConfig, Placement, VideoConfig
 from ..errors import Cancelled, DecodeTimeout, InvalidInput, ResourceExhausted
@@ -116,11 +115,8 @@ class VideoPreparer:
                                     "(--max-video-bytes)")
         limits = self.limits(max_frame_pixels)
         async with contextlib.AsyncExitStack() as held:
-            asked = time.monotonic()
-            try:
+            with self._stage("decoder_wait"):  # a wait refused (too many waiting) or cancelled is a wait too
                 await held.enter_async_context(self._slots.slot(caller or Caller()))
-            finally:  # a wait refused (too many waiting) or cancelled is a wait too
-                self._record("decoder_wait", asked)
             deadline = time.monotonic() + limits.max_decode_seconds  # decode and resize together
             pool = self._decoders(front, limits)
             with self._stage("decode"):
@@ -138,18 +134,15 @@ class VideoPreparer:
         return payload, ClipFrames(tuple(int(i) for i in used), tuple(float(t) for t in timestamps),
                                    tuple(int(i) for i in decoded.indices))
 
-    @contextmanager
+    @contextlib.contextmanager
     def _stage(self, stage: str) -> Iterator[None]:
         """Times the block as ``stage``, whether it ends well or raises."""
         start = time.monotonic()
         try:
             yield
         finally:
-            self._record(stage, start)
-
-    def _record(self, stage: str, start: float) -> None:
-        if self._observe is not None:
-            self._observe(stage, time.monotonic() - start)
+            if self._observe is not None:
+                self._observe(stage, time.monotonic() - start)
 
     def _resized(self, front: ModelFront, video: VideoInput, decoded: SampledFrames, deadline: float,
                  stop: threading.Event) -> tuple[StagedInput, list[int]]:

@@ -4,8 +4,8 @@ NVIDIA's PyNvVideoCodec) instead of FFmpeg on the CPU, in the same decoder proce
 Everything before the decode is the CPU path's: the container is opened and checked by PyAV from its
 header (``video_decode.probe``: the two demuxers, the codecs, every limit), the frames are counted and
 sampled there. NVDEC then decodes the sampled frames (``SimpleDecoder.get_batch_frames_by_index``, one
-decoder session a clip) into NV12 on the GPU, and this module converts them to RGB on the GPU and copies
-the sampled frames, uint8 [T, H, W, 3], back to the host: from there a clip is the CPU path's.
+decoder session a clip) into NV12 on the GPU, and this module copies each to the host and converts it to
+RGB there, uint8 [T, H, W, 3]: from there a clip is the CPU path's.
 
 Pixels: an H.264/H.265/VP9/AV1 decoder's YUV output is defined by the standard, so NVDEC's planes are
 FFmpeg's; the YUV -> RGB step is not (NVDEC's own RGB output picks BT.709 for HD frames where FFmpeg
