@@ -88,12 +88,14 @@ def rebuild(buffer: SharedBuffer, described: tuple):
 
 def copy_out(buffer: SharedBuffer, batch: list[WorkItem], front) -> list:
     """Each image's embedding, copied out of the output buffer into a tensor of its own (the cache
-    keeps it; the buffer is written again by a later batch)."""
+    keeps it; the buffer is written again by a later batch), warm where it can (warm_memory.py)."""
     import torch
+
+    from .warm_memory import HOST_COPIES
 
     dtype = torch_dtype(front.dtype)
     width = front.spec.row_width  # every feature level of a token travels in its row
     tokens = [front.num_tokens(item.grid) for item in batch]
     total = sum(tokens) * width
     packed = torch.frombuffer(buffer.array, dtype=dtype, count=total).view(-1, width)
-    return [part.clone() for part in packed.split(tokens)]
+    return HOST_COPIES.copies(packed.split(tokens))

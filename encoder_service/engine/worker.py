@@ -27,6 +27,7 @@ import torch
 from ..models.served import PendingBatch, ServedModel
 from ..preprocess.nvjpeg import UndecodableInputs
 from .batch_queue import BatchQueue, WorkItem
+from .warm_memory import HOST_COPIES
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,9 @@ class _InFlight:
 
 
 def _owned(parts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies that own their storage: a view would keep the whole batch's (pinned) output alive."""
-    return [part.clone() for part in parts]
+    """Copies that own their storage: a view would keep the whole batch's (pinned) output alive.
+    Into memory already mapped where one of the size is ready (engine/warm_memory.py)."""
+    return HOST_COPIES.copies(parts)
 
 
 def warm_up(model: ServedModel) -> float:
@@ -74,7 +76,7 @@ def warm_up(model: ServedModel) -> float:
     CUDA graphs at their token budgets; returns their seconds."""
     started = time.perf_counter()
     for batch in model.warmup_inputs():
-        _owned(model.encode_inputs_async(batch).wait())
+        model.encode_inputs_async(batch).wait()
     report = model.capture_cuda_graphs()
     if report is not None:
         log.info("CUDA graphs on %s: %d token budgets captured (%s patches) in %.1f s, holding %.0f MiB of GPU "

@@ -3,6 +3,7 @@ itself needs a GPU (tests/gpu/test_gpu.py replays every family against its eager
 ladder, the filler, the padded attention patterns, the refresh of a graph's buffers, and the padded
 forward of every family against its eager one (float32, tiny random-weight presets)."""
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,7 +15,9 @@ from encoder_service.config_flags import build_config
 from encoder_service.metadata import attention_metadata, check_grids, pad_attention
 from encoder_service.models import load_vision_model
 from encoder_service.models.cuda_graphs import (
+    PREPARED_KEPT,
     BudgetGraphs,
+    GraphForward,
     NotStatic,
     Slots,
     copy_into,
@@ -135,6 +138,38 @@ def test_a_batch_padded_to_its_budget_gives_every_image_its_eager_embedding(pres
         assert replayed.shape == eager.shape, name
         torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5, msg=name)
     assert graphs.replays == len(BATCHES)
+
+
+@pytest.mark.parametrize("preset", TINY)
+def test_a_shape_seen_lately_replays_on_its_kept_metadata_and_each_batch_gets_its_own_embedding(preset):
+    model = load_vision_model(preset)
+    graphs = _budget_graphs(model, [256, 384])
+    prepared = []
+    real_prepare = graphs.forward.prepare
+    graphs.forward = dataclasses.replace(graphs.forward,
+                                         prepare=lambda meta: prepared.append(1) or real_prepare(meta))
+    shapes = list(BATCHES.values())
+    order = [0, 1, 0, 2, 0, 3, 1, 2, 3, 0]  # shapes come back, interleaved, with new pixels each time
+    rng = np.random.default_rng(1)
+    for i in order:
+        grids = shapes[i]
+        pixels = torch.from_numpy(rng.standard_normal((sum(t * h * w for t, h, w in grids), model.spec.patch_dim),
+                                                      dtype=np.float32))
+        eager, tokens = model.encode_packed(pixels, grids)
+        replayed = graphs.run(pixels, [tuple(g) for g in grids], sum(tokens))
+        torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5, msg=str(grids))
+    assert len(prepared) == len(shapes)  # once per shape, not once per batch
+
+
+def test_the_kept_metadata_is_bounded_to_the_shapes_seen_last():
+    graphs = BudgetGraphs(GraphForward(metadata=lambda grids: list(grids), pad=lambda meta, budget, slots: meta,
+                                       prepare=lambda meta: tuple(meta), run=None, merge=2),
+                          [1024], patch_dim=4, device=torch.device("cpu"), dtype=torch.float32)
+    for side in range(2, 2 + 2 * PREPARED_KEPT, 2):
+        graphs._prepared_for([(1, side, side)], side * side, 1024)
+    assert len(graphs._prepared) == PREPARED_KEPT
+    newest = (1024, ((1, 2 * PREPARED_KEPT, 2 * PREPARED_KEPT),))
+    assert list(graphs._prepared)[-1] == newest
 
 
 @pytest.mark.parametrize("preset", TINY)

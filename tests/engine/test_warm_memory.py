@@ -1,0 +1,69 @@
+"""The warm copies the cache keeps (engine/warm_memory.py): equal to a clone, owned, bounded."""
+
+from __future__ import annotations
+
+import torch
+
+from encoder_service.engine.warm_memory import WarmBuffers
+
+
+def _rows(tokens: int, width: int = 64, seed: int = 0) -> torch.Tensor:
+    return torch.randn(tokens, width, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def test_a_copy_equals_its_source_and_owns_exactly_its_bytes():
+    pool = WarmBuffers()
+    packed = _rows(12)
+    first = pool.copies(list(packed.split([5, 7])))
+    pool.drain()
+    second = pool.copies(list(packed.split([5, 7])))  # from the buffers the thread prepared
+    assert pool.hits == 2 and pool.misses == 2
+    for copies in (first, second):
+        assert [c.shape for c in copies] == [(5, 64), (7, 64)]
+        assert torch.equal(torch.cat(copies), packed)
+        for copy in copies:
+            # Its own storage of exactly its size: the source (a batch's output) may be reused at once.
+            assert copy.untyped_storage().nbytes() == copy.nbytes
+            assert copy.untyped_storage().data_ptr() != packed.untyped_storage().data_ptr()
+    packed.zero_()
+    assert not torch.equal(second[0], packed[:5])
+
+
+def test_a_buffer_is_never_handed_out_twice():
+    pool = WarmBuffers(per_size=2)
+    seen = set()
+    kept = []  # alive, so that a freed address cannot come back from the allocator
+    for round_ in range(5):
+        copies = pool.copies([_rows(8, seed=round_), _rows(8, seed=round_ + 10)])
+        pool.drain()
+        for copy in copies:
+            address = copy.untyped_storage().data_ptr()
+            assert address not in seen
+            seen.add(address)
+        kept.extend(copies)
+        assert torch.equal(copies[0], _rows(8, seed=round_))
+    assert pool.hits >= 6
+
+
+def test_the_pool_stays_within_its_bytes_and_drops_the_sizes_not_asked_for_lately():
+    row = _rows(1).nbytes
+    pool = WarmBuffers(max_bytes=40 * row, per_size=4)
+    for tokens in (4, 5, 6, 7):  # 4 x (4 + 5 + 6 + 7) rows would be 88 rows: over the bound
+        pool.copies([_rows(tokens)])
+        pool.drain()
+        assert pool.held_bytes <= pool.max_bytes
+    sizes = {size: len(buffers) for size, buffers in pool._free.items()}
+    assert sizes[7 * row] == 4  # the latest size is served in full
+    assert sizes.get(4 * row, 0) < 4  # the oldest gave way
+    assert pool.held_bytes == sum(size * count for size, count in sizes.items())
+
+
+def test_sizes_over_half_the_bound_and_odd_tensors_are_plain_clones():
+    pool = WarmBuffers(max_bytes=1 << 20)
+    big = torch.zeros(1 << 20, dtype=torch.uint8)
+    strided = _rows(16)[::2]
+    for _ in range(2):
+        copies = pool.copies([big, strided])
+        pool.drain()
+        assert torch.equal(copies[0], big) and torch.equal(copies[1], strided)
+    assert pool.hits == 0 and pool.held_bytes == 0
