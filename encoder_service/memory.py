@@ -21,6 +21,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
+
+from PIL import Image
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +34,9 @@ _M_ARENA_MAX = -8
 MALLOC_ARENAS = 4
 HEAP_BLOCK_MAX = 32 << 20  # glibc's largest mmap threshold on 64 bits (HEAP_MAX_SIZE / 2)
 HEAP_FREE_KEPT = 128 << 20
+# Freed image blocks Pillow keeps (each at most its 16 MiB block size): under load, and after a trim.
+IMAGE_BLOCKS_KEPT = 8
+IMAGE_BLOCKS_KEPT_IDLE = 2
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -60,6 +66,17 @@ def keep_large_blocks_in_heap(block_max: int = HEAP_BLOCK_MAX, free_kept: int = 
             and _LIBC.mallopt(_M_TRIM_THRESHOLD, free_kept) == 1)
 
 
+def keep_image_blocks(blocks: int = IMAGE_BLOCKS_KEPT) -> bool:
+    """Pillow keeps up to ``blocks`` freed image blocks for the next decodes (module docstring),
+    unless PILLOW_BLOCKS_MAX already says how many; True where this call set it."""
+    if "PILLOW_BLOCKS_MAX" in os.environ:
+        return False
+    Image.core.set_blocks_max(blocks)
+    return True
+
+
 def release_free_memory() -> bool:
-    """Returns the allocator's free pages to the kernel (takes milliseconds; call it when idle)."""
+    """Returns the allocator's free pages to the kernel, and Pillow's cached image blocks beyond
+    ``IMAGE_BLOCKS_KEPT_IDLE`` (takes milliseconds; call it when idle)."""
+    Image.core.clear_cache(IMAGE_BLOCKS_KEPT_IDLE)
     return _LIBC is not None and _LIBC.malloc_trim(0) == 1

@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from .. import memory
 from ..config import ServiceConfig
 from ..engine import Engine
+from ..engine.warm_memory import HOST_COPIES
 from ..fd_limit import raise_open_file_limit
 from ..metrics import VISION_ENCODER, ServiceMetrics
 from .engine_gate import EngineGate
@@ -182,6 +183,7 @@ async def _release_free_memory(engine: Engine, calls: CallBook, interval_s: floa
         seen = calls.last_started  # changes whenever a call began
         idle_after_burst = seen == last_seen and seen != trimmed_at and not engine.busy
         if idle_after_burst or (seen != last_seen and loop.time() - last_trim >= busy_every_s):
+            HOST_COPIES.trim()
             await loop.run_in_executor(None, memory.release_free_memory)
             trimmed_at, last_trim = seen, loop.time()
         last_seen = seen
@@ -264,6 +266,7 @@ async def serve(config: ServiceConfig) -> int:
     process's socket), the main and SGLang ports (with the grace the drain left), the health port,
     the engine, the servicer's sink channels and threads, the relays' socket directory."""
     memory.limit_arenas()  # before the decode and worker threads exist (see encoder_service/memory.py)
+    memory.keep_image_blocks()
     raise_open_file_limit()  # descriptors are held by the request (see encoder_service/fd_limit.py)
     if config.placement.kind == "cuda":  # the model's GPU(s), in this process or in --devices' workers
         # Streamed responses reuse mapped memory (same module). Not where this process or its

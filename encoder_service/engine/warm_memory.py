@@ -128,6 +128,16 @@ class WarmBuffers:
                 if not self._filling[nbytes]:
                     del self._filling[nbytes]
 
+    def trim(self) -> None:
+        """Keeps only the buffers of the size asked for last (the server's idle trim calls it: the
+        next lone request is most likely of that size)."""
+        with self._lock:
+            for size in list(self._free)[:-1]:
+                self._held -= size * len(self._free[size])
+                self._free[size].clear()
+                if not self._filling.get(size):
+                    del self._free[size]
+
     def drain(self) -> None:
         """Waits for the buffers being prepared (tests)."""
         with self._lock:

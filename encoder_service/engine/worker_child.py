@@ -43,6 +43,7 @@ def child_main(conn: Connection, config: LoadingConfig, device: str, label: str,
     # kept in the heap as the server keeps them (not on the CPU, where buffer placement changes float32
     # results: see api/server.py).
     memory.limit_arenas()
+    memory.keep_image_blocks()
     if device != "cpu":
         memory.keep_large_blocks_in_heap()
     try:

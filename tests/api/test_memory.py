@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 import sys
@@ -61,3 +63,33 @@ def test_kept_heap_serves_megabyte_buffers_again_without_mapping_new_pages():
     print(f"page faults over 20 rounds: {default} by default, {kept} with the heap kept")
     assert default > 2000  # 160 blocks of 1024 pages: the pattern faults without the setting
     assert kept < default / 20
+
+
+
+def test_decoded_images_reuse_pillows_freed_blocks_and_a_trim_keeps_a_few():
+    # In a process of its own: Pillow's block cache is process-wide.
+    code = """
+import io, json
+import numpy as np
+from PIL import Image
+from encoder_service import memory
+assert memory.keep_image_blocks()
+jpeg = io.BytesIO()
+Image.fromarray(np.full((300, 400, 3), 7, np.uint8)).save(jpeg, "JPEG")
+images = [Image.open(io.BytesIO(jpeg.getvalue())) for _ in range(12)]
+for image in images:
+    image.load()
+del images, image  # twelve blocks freed at once: the cache keeps its bound
+held = Image.core.get_stats()["blocks_cached"]
+for _ in range(5):
+    Image.open(io.BytesIO(jpeg.getvalue())).load()
+reused = Image.core.get_stats()["reused_blocks"]
+memory.release_free_memory()
+print(json.dumps({"held": held, "reused": reused, "after_trim": Image.core.get_stats()["blocks_cached"]}))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "PILLOW_BLOCKS_MAX"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["held"] == memory.IMAGE_BLOCKS_KEPT
+    assert result["reused"] >= 5  # every later decode took a cached block
+    assert result["after_trim"] == memory.IMAGE_BLOCKS_KEPT_IDLE

@@ -67,3 +67,15 @@ def test_sizes_over_half_the_bound_and_odd_tensors_are_plain_clones():
         pool.drain()
         assert torch.equal(copies[0], big) and torch.equal(copies[1], strided)
     assert pool.hits == 0 and pool.held_bytes == 0
+
+
+def test_the_idle_trim_keeps_only_the_size_asked_for_last():
+    pool = WarmBuffers(per_size=2)
+    for tokens in (3, 5, 7):
+        pool.copies([_rows(tokens)])
+        pool.drain()
+    pool.trim()
+    assert {size: len(buffers) for size, buffers in pool._free.items()} == {_rows(7).nbytes: 2}
+    assert pool.held_bytes == 2 * _rows(7).nbytes
+    copy = pool.copies([_rows(7, seed=3)])[0]  # still served warm
+    assert pool.hits == 1 and torch.equal(copy, _rows(7, seed=3))
