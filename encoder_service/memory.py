@@ -14,6 +14,14 @@ touches it. ``keep_large_blocks_in_heap`` serves blocks up to 32 MiB from the he
 128 MiB of free heap mapped; the idle and periodic trims above still hand it back. Measured with
 gRPC alone streaming 9.3 MB embeddings (bench/RESULTS.md): 223 -> 336 images/s from 32 streams on
 the 16-core H100 host, and 100 -> 160 from one stream on 2 cores.
+
+Decoded images: Pillow allocates each image's pixels in blocks (up to 16 MiB each) and, by default,
+frees them when the image goes. ``keep_image_blocks`` turns on Pillow's cache of freed blocks (its
+documented block allocator, ``PILLOW_BLOCKS_MAX``), so the next decode writes into memory already
+mapped: a 1008x1008 JPEG's decode took 6.0 ms instead of 8.3 on a 16-core H200 host, and 8.2 instead
+of 9.8 ms right after a trim; on a 2-core host the same warm, 10.8 instead of 11.9 ms after a trim
+(bench/decode_memory.py, bench/RESULTS.md). A trim keeps a few of them (``IMAGE_BLOCKS_KEPT_IDLE``):
+a lone request after an idle spell is what an interactive caller sends.
 """
 
 from __future__ import annotations
