@@ -9,8 +9,9 @@ already mapped (a 448x448 image's 1.8 MB: 0.46 against 0.02 ms).
 
 ``WarmBuffers`` keeps a few buffers of each size asked for lately, their pages touched beforehand
 by a thread of its own, so that the next copy of that size lands in mapped memory: the page
-faults move off the request's path. After each copy the thread replaces what was taken. A miss
-(a size not seen lately, or the thread behind) is a plain ``clone``, as before.
+faults move off the request's path. After each copy the thread prepares one buffer of its size (a
+batch's copies as many), so the pool fills up to ``per_size`` of a size only as that size recurs.
+A miss (a size not seen lately, or the thread behind) is a plain ``clone``, as before.
 
 Bounded: at most ``max_bytes`` held or being prepared (64 MiB by default), at most ``per_size``
 buffers of one size, only sizes of at most half of ``max_bytes``; the sizes asked for least
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import mmap
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -45,6 +46,7 @@ class WarmBuffers:
         self._thread: ThreadPoolExecutor | None = None
         self.hits = 0
         self.misses = 0
+        self.prepared = 0  # buffers the thread has made
 
     @property
     def held_bytes(self) -> int:
@@ -54,7 +56,7 @@ class WarmBuffers:
         """Each CPU tensor copied into memory of its own (warm where a buffer of its size is ready),
         then the buffers taken replaced in the background."""
         out = [self._copy(part) for part in parts]
-        self._refill([int(part.nbytes) for part in parts if _fits(part)])
+        self._refill(Counter(int(part.nbytes) for part in parts if _fits(part)))
         return out
 
     def _copy(self, part: torch.Tensor) -> torch.Tensor:
@@ -75,16 +77,18 @@ class WarmBuffers:
             self._held -= nbytes
             return buffers.pop()
 
-    def _refill(self, sizes: list[int]) -> None:
-        """Orders the thread to bring each of these sizes back to ``per_size`` buffers, within the bound."""
+    def _refill(self, taken: Counter) -> None:
+        """Orders the thread to prepare as many buffers of each size as the copies just made (up to
+        ``per_size`` of a size, within the bound): its work is at most the page faults those copies
+        would have taken themselves, whatever sizes a caller makes the server produce."""
         orders = []
         with self._lock:
-            for nbytes in dict.fromkeys(sizes):  # each size once, in order
+            for nbytes, copies in taken.items():
                 if nbytes == 0 or nbytes > self.max_bytes // 2:
                     continue
                 self._free.setdefault(nbytes, [])
                 self._free.move_to_end(nbytes)
-                missing = self.per_size - len(self._free[nbytes]) - self._filling.get(nbytes, 0)
+                missing = min(copies, self.per_size - len(self._free[nbytes]) - self._filling.get(nbytes, 0))
                 count = 0
                 while count < missing and self._room_for(nbytes, keep=nbytes):
                     self._held += nbytes
@@ -120,6 +124,7 @@ class WarmBuffers:
             buffer[::mmap.PAGESIZE].fill_(0)
             buffer[-1:].fill_(0)
             with self._lock:
+                self.prepared += 1
                 self._filling[nbytes] -= 1
                 if nbytes in self._free:
                     self._free[nbytes].append(buffer)

@@ -49,13 +49,27 @@ def test_the_pool_stays_within_its_bytes_and_drops_the_sizes_not_asked_for_latel
     row = _rows(1).nbytes
     pool = WarmBuffers(max_bytes=40 * row, per_size=4)
     for tokens in (4, 5, 6, 7):  # 4 x (4 + 5 + 6 + 7) rows would be 88 rows: over the bound
-        pool.copies([_rows(tokens)])
-        pool.drain()
-        assert pool.held_bytes <= pool.max_bytes
+        for _ in range(2):  # batches of four of one size
+            pool.copies([_rows(tokens)] * 4)
+            pool.drain()
+            assert pool.held_bytes <= pool.max_bytes
     sizes = {size: len(buffers) for size, buffers in pool._free.items()}
     assert sizes[7 * row] == 4  # the latest size is served in full
     assert sizes.get(4 * row, 0) < 4  # the oldest gave way
     assert pool.held_bytes == sum(size * count for size, count in sizes.items())
+
+
+def test_the_thread_prepares_no_more_than_the_copies_it_replaces():
+    # A caller who makes the server produce a new size each time costs the thread one buffer a copy:
+    # the page faults that copy would have taken itself, never per_size of them.
+    pool = WarmBuffers(per_size=4)
+    for tokens in range(1, 11):
+        pool.copies([_rows(tokens)])
+        pool.drain()
+    assert pool.prepared == 10 and pool.hits == 0
+    pool.copies([_rows(10)] * 3)  # a batch of three of one size: three replaced
+    pool.drain()
+    assert pool.hits == 1 and pool.prepared == 13
 
 
 def test_sizes_over_half_the_bound_and_odd_tensors_are_plain_clones():
@@ -72,7 +86,7 @@ def test_sizes_over_half_the_bound_and_odd_tensors_are_plain_clones():
 def test_the_idle_trim_keeps_only_the_size_asked_for_last():
     pool = WarmBuffers(per_size=2)
     for tokens in (3, 5, 7):
-        pool.copies([_rows(tokens)])
+        pool.copies([_rows(tokens)] * 2)
         pool.drain()
     pool.trim()
     assert {size: len(buffers) for size, buffers in pool._free.items()} == {_rows(7).nbytes: 2}
