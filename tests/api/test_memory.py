@@ -66,7 +66,7 @@ def test_kept_heap_serves_megabyte_buffers_again_without_mapping_new_pages():
 
 
 
-def test_decoded_images_reuse_pillows_freed_blocks_and_a_trim_keeps_a_few():
+def test_decoded_images_reuse_pillows_freed_blocks_zeroed_and_a_trim_keeps_a_few():
     # In a process of its own: Pillow's block cache is process-wide.
     code = """
 import io, json
@@ -84,12 +84,17 @@ held = Image.core.get_stats()["blocks_cached"]
 for _ in range(5):
     Image.open(io.BytesIO(jpeg.getvalue())).load()
 reused = Image.core.get_stats()["reused_blocks"]
+# What a decoder writes into (ImageFile.load_prepare): a cached block comes back zeroed, never
+# holding the last image's pixels.
+stale = int(np.asarray(Image.Image()._new(Image.core.new("RGB", (400, 300)))).max())
 memory.release_free_memory()
-print(json.dumps({"held": held, "reused": reused, "after_trim": Image.core.get_stats()["blocks_cached"]}))
+print(json.dumps({"held": held, "reused": reused, "stale": stale,
+                  "after_trim": Image.core.get_stats()["blocks_cached"]}))
 """
     env = {k: v for k, v in os.environ.items() if k != "PILLOW_BLOCKS_MAX"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["held"] == memory.IMAGE_BLOCKS_KEPT
     assert result["reused"] >= 5  # every later decode took a cached block
+    assert result["stale"] == 0
     assert result["after_trim"] == memory.IMAGE_BLOCKS_KEPT_IDLE
