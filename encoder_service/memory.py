@@ -74,17 +74,24 @@ def keep_large_blocks_in_heap(block_max: int = HEAP_BLOCK_MAX, free_kept: int = 
             and _LIBC.mallopt(_M_TRIM_THRESHOLD, free_kept) == 1)
 
 
+_image_blocks_ours = False  # whether keep_image_blocks set Pillow's cache (not PILLOW_BLOCKS_MAX)
+
+
 def keep_image_blocks(blocks: int = IMAGE_BLOCKS_KEPT) -> bool:
     """Pillow keeps up to ``blocks`` freed image blocks for the next decodes (module docstring),
     unless PILLOW_BLOCKS_MAX already says how many; True where this call set it."""
+    global _image_blocks_ours
     if "PILLOW_BLOCKS_MAX" in os.environ:
         return False
     Image.core.set_blocks_max(blocks)
+    _image_blocks_ours = True
     return True
 
 
 def release_free_memory() -> bool:
     """Returns the allocator's free pages to the kernel, and Pillow's cached image blocks beyond
-    ``IMAGE_BLOCKS_KEPT_IDLE`` (takes milliseconds; call it when idle)."""
-    Image.core.clear_cache(IMAGE_BLOCKS_KEPT_IDLE)
+    ``IMAGE_BLOCKS_KEPT_IDLE`` where ``keep_image_blocks`` set the cache (PILLOW_BLOCKS_MAX's is the
+    operator's); takes milliseconds: call it when idle."""
+    if _image_blocks_ours:
+        Image.core.clear_cache(IMAGE_BLOCKS_KEPT_IDLE)
     return _LIBC is not None and _LIBC.malloc_trim(0) == 1

@@ -21,6 +21,7 @@ size, never handed out twice.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import threading
 from collections import Counter, OrderedDict
@@ -28,6 +29,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 64 << 20
 # A batch of a few images of one size (a lone image, a burst of equal photos) is served warm; more
@@ -81,7 +84,7 @@ class WarmBuffers:
         """Orders the thread to prepare as many buffers of each size as the copies just made (up to
         ``per_size`` of a size, within the bound): its work is at most the page faults those copies
         would have taken themselves, whatever sizes a caller makes the server produce."""
-        orders = []
+        orders, dropped = [], []
         with self._lock:
             for nbytes, copies in taken.items():
                 if nbytes == 0 or nbytes > self.max_bytes // 2:
@@ -90,7 +93,7 @@ class WarmBuffers:
                 self._free.move_to_end(nbytes)
                 missing = min(copies, self.per_size - len(self._free[nbytes]) - self._filling.get(nbytes, 0))
                 count = 0
-                while count < missing and self._room_for(nbytes, keep=nbytes):
+                while count < missing and self._room_for(nbytes, dropped):
                     self._held += nbytes
                     count += 1
                 if count:
@@ -98,50 +101,75 @@ class WarmBuffers:
                     orders.append((nbytes, count))
             if orders and self._thread is None:
                 self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="warm-memory")
+        del dropped  # freed outside the lock
         for nbytes, count in orders:
-            self._thread.submit(self._prepare, nbytes, count)
+            try:
+                self._thread.submit(self._prepare, nbytes, count)
+            except RuntimeError:  # the interpreter is shutting down: no more buffers, nothing owed
+                self._give_back(nbytes, count)
 
-    def _room_for(self, nbytes: int, keep: int) -> bool:
-        """Whether ``nbytes`` more fit, dropping buffers of the least recently asked sizes other
-        than ``keep`` to make room (under the lock)."""
+    def _room_for(self, nbytes: int, dropped: list) -> bool:
+        """Whether ``nbytes`` more fit, dropping buffers (into ``dropped``) of the least recently
+        asked sizes other than ``nbytes`` itself to make room (under the lock)."""
         for size in list(self._free):
             if self._held + nbytes <= self.max_bytes:
                 break
-            if size == keep:
+            if size == nbytes:
                 continue
             buffers = self._free[size]
             while buffers and self._held + nbytes > self.max_bytes:
-                buffers.pop()
+                dropped.append(buffers.pop())
                 self._held -= size
             if not buffers and not self._filling.get(size):
                 del self._free[size]
         return self._held + nbytes <= self.max_bytes
 
     def _prepare(self, nbytes: int, count: int) -> None:
-        for _ in range(count):
-            buffer = torch.empty(nbytes, dtype=torch.uint8)
-            # One write per page maps it (the fill runs without the GIL); the last byte's page too.
-            buffer[::mmap.PAGESIZE].fill_(0)
-            buffer[-1:].fill_(0)
-            with self._lock:
-                self.prepared += 1
-                self._filling[nbytes] -= 1
-                if nbytes in self._free:
+        made = 0
+        try:
+            for _ in range(count):
+                buffer = torch.empty(nbytes, dtype=torch.uint8)
+                # One write per page maps it (the fill runs without the GIL); the last byte's page too.
+                buffer[::mmap.PAGESIZE].fill_(0)
+                buffer[-1:].fill_(0)
+                with self._lock:
+                    # A size being prepared keeps its entry (trim and _room_for leave it).
                     self._free[nbytes].append(buffer)
-                else:  # its size was dropped meanwhile: give the room back
-                    self._held -= nbytes
-                if not self._filling[nbytes]:
-                    del self._filling[nbytes]
+                    self.prepared += 1
+                    made += 1
+                    self._filled(nbytes, 1)
+        except Exception as exc:  # out of memory: the copies go on as plain clones
+            log.warning("could not prepare a warm %d-byte buffer: %s: %s", nbytes, type(exc).__name__, exc)
+        finally:
+            if made < count:
+                self._give_back(nbytes, count - made)
+
+    def _filled(self, nbytes: int, count: int) -> None:
+        """``count`` of the buffers being prepared of this size are done or given up (under the lock)."""
+        self._filling[nbytes] -= count
+        if not self._filling[nbytes]:
+            del self._filling[nbytes]
+            if not self._free.get(nbytes, True):
+                del self._free[nbytes]
+
+    def _give_back(self, nbytes: int, count: int) -> None:
+        """The room reserved for ``count`` buffers that will not be made."""
+        with self._lock:
+            self._held -= nbytes * count
+            self._filled(nbytes, count)
 
     def trim(self) -> None:
-        """Keeps only the buffers of the size asked for last (the server's idle trim calls it: the
+        """Keeps only the buffers of the size asked for last (the server's trims call it: the
         next lone request is most likely of that size)."""
+        dropped = []
         with self._lock:
             for size in list(self._free)[:-1]:
                 self._held -= size * len(self._free[size])
+                dropped.extend(self._free[size])
                 self._free[size].clear()
                 if not self._filling.get(size):
                     del self._free[size]
+        del dropped  # freed outside the lock
 
     def drain(self) -> None:
         """Waits for the buffers being prepared (tests)."""

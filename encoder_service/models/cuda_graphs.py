@@ -55,8 +55,11 @@ log = logging.getLogger(__name__)
 
 Grid = tuple[int, int, int]
 
-# Batch shapes whose prepared metadata stays on the device (tens to hundreds of KiB each).
+# Batch shapes whose prepared metadata stays on the device, and the device bytes they may hold
+# together (most families' metadata is tens to hundreds of KiB; Kimi-K2.5's holds the batch's
+# resampled position embedding, 14 MiB at 6144 patches in bf16).
 PREPARED_KEPT = 16
+PREPARED_BYTES = 64 << 20
 
 # The ladder's bottom: a 224x224 image is 256 patches; smaller batches are padded up to it.
 LADDER_BOTTOM = 256
@@ -178,6 +181,34 @@ def copy_into(static: Any, fresh: Any) -> None:
         raise NotStatic(f"{static!r} gets {fresh!r}")
 
 
+def own_tensors(value: Any) -> Any:
+    """``value`` (tensors in dataclasses, sequences, dicts, as ``copy_into`` walks them) with every
+    tensor a copy of its own."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: own_tensors(getattr(value, f.name))
+                                             for f in dataclasses.fields(value) if f.init})
+    if isinstance(value, (tuple, list)):
+        return type(value)(own_tensors(v) for v in value)
+    if isinstance(value, dict):
+        return {k: own_tensors(v) for k, v in value.items()}
+    return value
+
+
+def tensor_bytes(value: Any) -> int:
+    """The bytes of the tensors in ``value`` (walked as ``own_tensors`` walks it)."""
+    if isinstance(value, torch.Tensor):
+        return value.nbytes
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return sum(tensor_bytes(getattr(value, f.name)) for f in dataclasses.fields(value))
+    if isinstance(value, (tuple, list)):
+        return sum(map(tensor_bytes, value))
+    if isinstance(value, dict):
+        return sum(map(tensor_bytes, value.values()))
+    return 0
+
+
 @dataclass(frozen=True)
 class GraphForward:
     """A family's forward split for graphs. ``metadata``, ``pad`` and ``prepare`` run eagerly before
@@ -238,17 +269,24 @@ class BudgetGraphs:
             padded.append(filler_grid(budget - patches, self.forward.merge))
         return self.forward.pad(self.forward.metadata(padded), budget, self.slots)
 
-    def _prepared_for(self, grids: Sequence[Grid], patches: int, budget: int) -> Any:
-        """The batch's padded metadata prepared on the device, kept for the shapes seen lately."""
+    def _prepared_for(self, grids: Sequence[Grid], patches: int, budget: int) -> tuple[tuple, Any, bool]:
+        """(key, the batch's padded metadata prepared on the device, whether it was kept already)."""
         key = (budget, tuple(tuple(int(x) for x in grid) for grid in grids))
         fresh = self._prepared.get(key)
-        if fresh is None:
-            fresh = self._prepared[key] = self.forward.prepare(self._padded(grids, patches, budget))
-            while len(self._prepared) > PREPARED_KEPT:
-                self._prepared.popitem(last=False)
-        else:
+        if fresh is not None:
             self._prepared.move_to_end(key)
-        return fresh
+            return key, fresh, True
+        return key, self.forward.prepare(self._padded(grids, patches, budget)), False
+
+    def _keep(self, key: tuple, fresh: Any) -> None:
+        """Keeps a batch's metadata that served a replay (one that cannot is never kept), within
+        ``PREPARED_KEPT`` shapes and ``PREPARED_BYTES``, the least recently used going first."""
+        self._prepared[key] = fresh
+        while len(self._prepared) > PREPARED_KEPT or (
+                len(self._prepared) > 1 and sum(map(tensor_bytes, self._prepared.values())) > PREPARED_BYTES):
+            self._prepared.popitem(last=False)
+        if tensor_bytes(fresh) > PREPARED_BYTES:
+            del self._prepared[key]
 
     @torch.inference_mode()
     def capture(self) -> CaptureReport:
@@ -294,7 +332,10 @@ class BudgetGraphs:
 
     def _static(self, budget: int) -> _Graph:
         pixels = torch.zeros(budget, self.patch_dim, dtype=self.dtype, device=self.device)
-        prepared = self.forward.prepare(self._padded([], 0, budget))
+        # Copies of their own: every batch's metadata is copied into these buffers, and a family's
+        # prepare may hand back a view of the model's state (Kimi-K2.5's position table at its own
+        # size), which those copies would overwrite.
+        prepared = own_tensors(self.forward.prepare(self._padded([], 0, budget)))
         return _Graph(budget, pixels, prepared)
 
     def run(self, pixels: torch.Tensor, grids: Sequence[Grid], rows: int) -> torch.Tensor | None:
@@ -306,11 +347,13 @@ class BudgetGraphs:
             if budget < patches or entry is None:
                 continue
             try:
-                fresh = self._prepared_for(grids, patches, budget)
+                key, fresh, kept = self._prepared_for(grids, patches, budget)
                 if entry.graph is not None:
                     copy_into(entry.prepared, fresh)
             except (NotStatic, ValueError):  # more sequences than this budget holds: a larger one may
                 continue
+            if not kept:
+                self._keep(key, fresh)
             entry.pixels[:patches].copy_(pixels)
             if entry.graph is not None:
                 entry.graph.replay()

@@ -98,3 +98,25 @@ print(json.dumps({"held": held, "reused": reused, "stale": stale,
     assert result["reused"] >= 5  # every later decode took a cached block
     assert result["stale"] == 0
     assert result["after_trim"] == memory.IMAGE_BLOCKS_KEPT_IDLE
+
+
+def test_an_operators_pillow_blocks_max_is_left_alone():
+    code = """
+import io, json
+import numpy as np
+from PIL import Image
+from encoder_service import memory
+ours = memory.keep_image_blocks()
+jpeg = io.BytesIO()
+Image.fromarray(np.full((300, 400, 3), 7, np.uint8)).save(jpeg, "JPEG")
+images = [Image.open(io.BytesIO(jpeg.getvalue())) for _ in range(12)]
+for image in images:
+    image.load()
+del images, image
+memory.release_free_memory()
+cached = Image.core.get_stats()["blocks_cached"]
+print(json.dumps({"ours": ours, "max": Image.core.get_blocks_max(), "after_trim": cached}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PILLOW_BLOCKS_MAX": "5"})
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"ours": False, "max": 5, "after_trim": 5}

@@ -93,3 +93,20 @@ def test_the_idle_trim_keeps_only_the_size_asked_for_last():
     assert pool.held_bytes == 2 * _rows(7).nbytes
     copy = pool.copies([_rows(7, seed=3)])[0]  # still served warm
     assert pool.hits == 1 and torch.equal(copy, _rows(7, seed=3))
+
+
+def test_a_buffer_that_cannot_be_made_gives_its_room_back(monkeypatch):
+    pool = WarmBuffers(per_size=2)
+    real_empty = torch.empty
+
+    def failing_empty(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(torch, "empty", failing_empty)
+    pool.copies([_rows(4)] * 2)
+    pool.drain()
+    assert pool.held_bytes == 0 and pool._filling == {} and pool.prepared == 0
+    monkeypatch.setattr(torch, "empty", real_empty)
+    pool.copies([_rows(4)])
+    pool.drain()
+    assert pool.held_bytes == _rows(4).nbytes and pool.prepared == 1  # the pool works again

@@ -15,6 +15,7 @@ from encoder_service.config_flags import build_config
 from encoder_service.metadata import attention_metadata, check_grids, pad_attention
 from encoder_service.models import load_vision_model
 from encoder_service.models.cuda_graphs import (
+    PREPARED_BYTES,
     PREPARED_KEPT,
     BudgetGraphs,
     GraphForward,
@@ -161,15 +162,56 @@ def test_a_shape_seen_lately_replays_on_its_kept_metadata_and_each_batch_gets_it
     assert len(prepared) == len(shapes)  # once per shape, not once per batch
 
 
+@pytest.mark.parametrize("preset", TINY)
+def test_a_graphs_buffers_share_no_memory_with_the_model(preset):
+    # Every batch's metadata is copied into them: a buffer that is a view of a weight (Kimi-K2.5's
+    # position table, at a filler of exactly its size) would have each batch overwrite the model.
+    model = load_vision_model(preset)
+    side = model.module.vision_tower.patch_embed.pos_emb.weight.shape[0] if "kimi" in preset else 8
+    graphs = _budget_graphs(model, [side * side, 256])
+    weights = {p.untyped_storage().data_ptr() for p in model.module.parameters()}
+    weights |= {b.untyped_storage().data_ptr() for b in model.module.buffers()}
+    for budget in graphs.budgets:
+        buffers = []
+        _tensors(graphs._graphs[budget].prepared, buffers)
+        assert buffers, budget
+        assert not weights & {t.untyped_storage().data_ptr() for t in buffers}, (preset, budget)
+
+
+def _tensors(value, out):
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            _tensors(getattr(value, f.name), out)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _tensors(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _tensors(v, out)
+
+
 def test_the_kept_metadata_is_bounded_to_the_shapes_seen_last():
     graphs = BudgetGraphs(GraphForward(metadata=lambda grids: list(grids), pad=lambda meta, budget, slots: meta,
                                        prepare=lambda meta: tuple(meta), run=None, merge=2),
                           [1024], patch_dim=4, device=torch.device("cpu"), dtype=torch.float32)
     for side in range(2, 2 + 2 * PREPARED_KEPT, 2):
-        graphs._prepared_for([(1, side, side)], side * side, 1024)
+        graphs._keep(*graphs._prepared_for([(1, side, side)], side * side, 1024)[:2])
     assert len(graphs._prepared) == PREPARED_KEPT
     newest = (1024, ((1, 2 * PREPARED_KEPT, 2 * PREPARED_KEPT),))
     assert list(graphs._prepared)[-1] == newest
+
+
+def test_the_kept_metadata_is_bounded_in_bytes():
+    big = torch.zeros(PREPARED_BYTES // 3, dtype=torch.uint8)
+    graphs = BudgetGraphs(GraphForward(metadata=lambda grids: list(grids), pad=lambda meta, budget, slots: meta,
+                                       prepare=lambda meta: (big.clone(),), run=None, merge=2),
+                          [1024], patch_dim=4, device=torch.device("cpu"), dtype=torch.float32)
+    for side in (2, 4, 6, 8):
+        graphs._keep(*graphs._prepared_for([(1, side, side)], side * side, 1024)[:2])
+    assert len(graphs._prepared) == 3  # a fourth third would pass the bound
+    assert next(iter(graphs._prepared)) == (1024, ((1, 4, 4),))
 
 
 @pytest.mark.parametrize("preset", TINY)
