@@ -206,3 +206,39 @@ def test_the_multi_gpu_scaling_benchmark_runs_its_setups_with_worker_processes(t
     assert setup["images"] > 0 and setup["ratio_to_first"] == 1.0
     assert setup["server_cpu_ms_per_image"] > 0  # the front end's own CPU, sampled over the window
     assert setup["worker_cpu_ms_per_image"]["cpu:0"] > 0  # the worker's own, per image it ran
+
+
+def test_lone_pairs_compares_two_servers_image_by_image(tmp_path):
+    # bench/lone_pairs.py: both servers up at once, every new image to both in alternating order, then
+    # hits; the report pairs them (B - A per image) so a machine's drift reaches both sides alike.
+    import json
+    import subprocess
+    import sys
+
+    from repo_paths import REPO_ROOT
+
+    out = tmp_path / "pairs.json"
+    subprocess.run([sys.executable, "bench/lone_pairs.py", "--model", "tiny-qwen2.5-vl", "--device", "cpu",
+                    "--dtype", "float32", "--image-size", "112", "--pairs", "8", "--warmup", "2", "--hit-pairs", "6",
+                    "--b-args", "--cache-bytes 0", "--out", str(out)],
+                   cwd=REPO_ROOT, check=True, capture_output=True, timeout=240)
+    report = json.loads(out.read_text())
+    assert report["new_images"]["a"]["n"] == report["new_images"]["b"]["n"] == 8
+    assert report["cache_hits"]["a"]["n"] == 6
+    # B runs without a cache: its "hits" are new work each time, slower than A's true hits.
+    assert report["cache_hits"]["b"]["p50_ms"] > report["cache_hits"]["a"]["p50_ms"]
+    low, high = report["new_images"]["b_minus_a"]["ci95_ms"]
+    assert low <= report["new_images"]["b_minus_a"]["median_ms"] <= high
+
+
+def test_the_paired_difference_is_the_median_of_b_minus_a():
+    import importlib.util
+
+    from repo_paths import REPO_ROOT
+
+    spec = importlib.util.spec_from_file_location("lone_pairs", REPO_ROOT / "bench" / "lone_pairs.py")
+    lone_pairs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lone_pairs)
+    result = lone_pairs.paired_difference([10.0, 20.0, 30.0, 40.0, 50.0], [9.0, 18.0, 27.0, 41.0, 45.0])
+    assert result["median_ms"] == -2.0 and result["b_faster_in"] == 0.8
+    assert result["ci95_ms"][0] <= -2.0 <= result["ci95_ms"][1]
