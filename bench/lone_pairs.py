@@ -112,11 +112,11 @@ def main(argv: list[str] | None = None) -> int:
                   "a": {"cwd": args.a_cwd, "args": args.a_args}, "b": {"cwd": args.b_cwd, "args": args.b_args},
                   "new_images": {"a": _side(new["a"]), "b": _side(new["b"]),
                                  "b_minus_a": paired_difference(new["a"], new["b"])}}
+        fresh = result["new_images"]
         print(f"new {args.image_size}x{args.image_size} JPEGs, {len(new['a'])} pairs: "
-              f"A p50 {result['new_images']['a']['p50_ms']:.2f} ms, B p50 {result['new_images']['b']['p50_ms']:.2f} ms; "
-              f"B - A median {result['new_images']['b_minus_a']['median_ms']:+.2f} ms "
-              f"(95% {result['new_images']['b_minus_a']['ci95_ms'][0]:+.2f} .. "
-              f"{result['new_images']['b_minus_a']['ci95_ms'][1]:+.2f})")
+              f"A p50 {fresh['a']['p50_ms']:.2f} ms, B p50 {fresh['b']['p50_ms']:.2f} ms; "
+              f"B - A median {fresh['b_minus_a']['median_ms']:+.2f} ms "
+              f"(95% {fresh['b_minus_a']['ci95_ms'][0]:+.2f} .. {fresh['b_minus_a']['ci95_ms'][1]:+.2f})")
         if not args.no_hits:
             hits = run_pairs(clients, [images[0]] * (args.hit_pairs + args.warmup), args.warmup)
             result["cache_hits"] = {"a": _side(hits["a"]), "b": _side(hits["b"]),
