@@ -183,10 +183,16 @@ async def _release_free_memory(engine: Engine, calls: CallBook, interval_s: floa
         seen = calls.last_started  # changes whenever a call began
         idle_after_burst = seen == last_seen and seen != trimmed_at and not engine.busy
         if idle_after_burst or (seen != last_seen and loop.time() - last_trim >= busy_every_s):
-            HOST_COPIES.trim()
-            await loop.run_in_executor(None, memory.release_free_memory)
+            await loop.run_in_executor(None, _trim)
             trimmed_at, last_trim = seen, loop.time()
         last_seen = seen
+
+
+def _trim() -> None:
+    """The warm copies down to the last size (engine/warm_memory.py), then the allocators' free
+    memory back to the kernel; in a thread: freeing and trimming take milliseconds."""
+    HOST_COPIES.trim()
+    memory.release_free_memory()
 
 
 async def _lame_duck(calls: CallBook, grace_s: float) -> float:
