@@ -70,6 +70,21 @@ def test_encoded_image_embedding_equals_direct_model_encode(client, model):
     assert max_rel_err(r.embedding, want) <= 1e-6
 
 
+def test_images_of_one_size_in_turn_each_get_their_own_embedding(client, model):
+    # Every new embedding is copied into a buffer the server prepared from the last ones of that
+    # size (engine/warm_memory.py) and Pillow reuses its freed blocks: one size sent in turn, each
+    # image must still come back as its own, not as rows of the image before it.
+    images = [png(4000 + i) for i in range(6)]
+    wants = []
+    for data in images:
+        pixels, grid = model.preprocess(data)
+        wants.append(model.encode(pixels, [grid])[0])
+    for data, want, other in zip(images, wants, wants[1:] + wants[:1]):
+        (r,) = client.encode([data])
+        assert max_rel_err(r.embedding, want) <= 1e-6
+        assert max_rel_err(r.embedding, other) > 1e-2
+
+
 def test_second_encode_of_same_image_is_a_cache_hit_and_runs_no_forward(client, encoder_server):
     data = png(3)
     (first,) = client.encode([data])
