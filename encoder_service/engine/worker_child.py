@@ -27,6 +27,10 @@ from .jobs import detached
 from .shared_buffer import SharedBuffer
 from .worker import launch_decodable
 
+# With no batch for this long after some, the process hands its free memory back (the server's own
+# check period, api/server.py): the decode buffers of a burst, and Pillow's cached blocks beyond a few.
+IDLE_TRIM_S = 5.0
+
 
 def child_main(conn: Connection, config: LoadingConfig, device: str, label: str, threads: int,
                setup: Callable[[], None] | None = None) -> None:
@@ -114,6 +118,8 @@ class _ChildLoop:
         self.decoder = decoder  # the family's CPU decoder, for images handed on undecoded
         self.decodes = decodes
         self.buffers: dict[tuple[str, int], SharedBuffer] = {}
+        self.idle_trim_s = IDLE_TRIM_S
+        self.untrimmed = False  # a batch came since the last trim
 
     def run(self) -> None:
         pending: deque[_Launched] = deque()
@@ -150,6 +156,10 @@ class _ChildLoop:
         looks again at the batches it holds); full, the end of a decode or of the oldest batch's device
         work."""
         if not pending:
+            if self.untrimmed and not self.conn.poll(self.idle_trim_s):
+                memory.release_free_memory()  # idle after a burst, as the server's own trim
+                self.untrimmed = False
+                return None
             return self.conn.recv()
         if len(pending) < IN_FLIGHT:
             return self.conn.recv() if self.conn.poll(POLL_S) else None
@@ -162,6 +172,7 @@ class _ChildLoop:
     def _take(self, msg: tuple) -> _Launched:
         """A batch as it arrives: its inputs read from the shared buffer, its files submitted for decoding."""
         _, seq, slot, described, out_sizes = msg
+        self.untrimmed = True
         entry = _Launched(seq, slot, list(out_sizes))
         try:
             entry.inputs = [rebuild(self.buffers[("in", slot)], d) for d in described]

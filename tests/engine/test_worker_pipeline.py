@@ -116,3 +116,45 @@ def test_a_worker_decodes_its_third_batch_while_two_are_launched_and_launches_it
         assert not loop.is_alive()
     for buffer in buffers.values():
         buffer.close()
+
+
+def test_an_idle_worker_hands_its_free_memory_back_once_after_a_batch(monkeypatch):
+    trims = []
+    monkeypatch.setattr(worker_child.memory, "release_free_memory", lambda: trims.append(time.monotonic()))
+    monkeypatch.setattr(worker_child, "launch_decodable", lambda model, inputs: (_done_batch(), {}))
+
+    def decoder(data: bytes, max_image_pixels):
+        return DecodedImage(np.zeros((28, 28, 3), dtype=np.uint8), (28, 28), (28, 28), GRID)
+
+    front, child = Pipe()
+    with ThreadPoolExecutor(1) as decodes:
+        child_loop = worker_child._ChildLoop(child, _Model(), decoder, decodes)
+        child_loop.idle_trim_s = 0.2
+        loop = threading.Thread(target=child_loop.run, daemon=True)
+        loop.start()
+        buffers = {}
+        for role in ("in", "out"):
+            buffers[role, 0] = SharedBuffer.create(1 << 16)
+            front.send(("buffer", role, 0, buffers[role, 0].size))
+            send_handle(front, buffers[role, 0].fd, os.getpid())
+        time.sleep(0.5)
+        assert trims == []  # no batch yet: nothing to hand back
+        image = EncodedImage(memoryview(b"x" * 100), (28, 28), (28, 28), GRID, None, None)
+        front.send(("batch", 0, 0, [describe(0, image)], [OUT_BYTES]))
+        answered = time.monotonic()
+        assert front.recv()[:2] == ("done", 0)
+        _wait_for(lambda: len(trims) == 1)
+        assert trims[0] - answered >= 0.2  # after the idle spell, not at once
+        time.sleep(0.6)
+        assert len(trims) == 1  # once per burst
+        front.send(("stop",))
+        loop.join(10)
+        assert not loop.is_alive()
+    for buffer in buffers.values():
+        buffer.close()
+
+
+def _done_batch() -> _Batch:
+    batch = _Batch(0)
+    batch.finished.set()
+    return batch
