@@ -281,12 +281,11 @@ class BudgetGraphs:
     def _keep(self, key: tuple, fresh: Any) -> None:
         """Keeps a batch's metadata that served a replay (one that cannot is never kept), within
         ``PREPARED_KEPT`` shapes and ``PREPARED_BYTES``, the least recently used going first."""
-        self._prepared[key] = fresh
-        while len(self._prepared) > PREPARED_KEPT or (
-                len(self._prepared) > 1 and sum(map(tensor_bytes, self._prepared.values())) > PREPARED_BYTES):
-            self._prepared.popitem(last=False)
         if tensor_bytes(fresh) > PREPARED_BYTES:
-            del self._prepared[key]
+            return  # larger than the whole bound: kept, it would only push the others out
+        self._prepared[key] = fresh
+        while len(self._prepared) > PREPARED_KEPT or sum(map(tensor_bytes, self._prepared.values())) > PREPARED_BYTES:
+            self._prepared.popitem(last=False)
 
     @torch.inference_mode()
     def capture(self) -> CaptureReport:
@@ -333,8 +332,8 @@ class BudgetGraphs:
     def _static(self, budget: int) -> _Graph:
         pixels = torch.zeros(budget, self.patch_dim, dtype=self.dtype, device=self.device)
         # Copies of their own: every batch's metadata is copied into these buffers, and a family's
-        # prepare may hand back a view of the model's state (Kimi-K2.5's position table at its own
-        # size), which those copies would overwrite.
+        # prepare may hand back a view of the model's state (Kimi-K2.5's position table, as it is at a
+        # grid of the table's own size), which those copies would overwrite.
         prepared = own_tensors(self.forward.prepare(self._padded([], 0, budget)))
         return _Graph(budget, pixels, prepared)
 

@@ -291,9 +291,7 @@ class KimiK25VisionTower(nn.Module):
         for t, h, w in grids:
             if (h, w) not in resized:
                 if (h, w) == (side_h, side_w):
-                    # The original skips the resize at the table's size. A copy: a view of the weight
-                    # would let whoever writes into the batch's embedding write into the model.
-                    pos = table.reshape(h * w, dim).clone()
+                    pos = table.reshape(h * w, dim)  # the original skips the resize at the table's size
                 else:
                     # Copies: the cached matrices are read-only and torch wants writable memory.
                     wh = host_to_device(bicubic_resample_matrix(h, side_h).copy(), device).to(table.dtype)
