@@ -7,7 +7,17 @@ import torch.nn.functional as F
 from torch import nn
 
 # Re-exported: the op providers compute with them too, so they live below the models (ops/functional.py).
-from ..ops import ACTIVATIONS, activation, apply_rotary, linear, quantize_weight, rotate_half, scaled_linear  # noqa: F401
+from ..ops import (  # noqa: F401
+    ACTIVATIONS,
+    activation,
+    apply_rotary,
+    compiled,
+    linear,
+    linear_activation,
+    quantize_weight,
+    rotate_half,
+    scaled_linear,
+)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

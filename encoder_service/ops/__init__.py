@@ -15,11 +15,13 @@ triton at import time (tests/test_architecture.py).
 """
 
 from .base import OpProvider, OpTarget
+from .compiling import compiled
 from .fp8 import fp8_linear, linear, quantize_weight, scaled_linear
-from .functional import ACTIVATIONS, activation, apply_rotary, rotate_half
+from .functional import ACTIVATIONS, activation, apply_rotary, linear_activation, rotate_half
 from .registry import CAPABILITIES, FP8_CAPABILITIES, PROVIDERS
 from .selection import AUTO, OpsSelection, no_ops, parse_ops, select_ops
 
 __all__ = ["ACTIVATIONS", "AUTO", "CAPABILITIES", "FP8_CAPABILITIES", "PROVIDERS", "OpProvider", "OpTarget",
-           "OpsSelection", "activation", "apply_rotary", "fp8_linear", "linear", "no_ops", "parse_ops",
+           "OpsSelection", "activation", "apply_rotary", "compiled", "fp8_linear", "linear", "linear_activation",
+           "no_ops", "parse_ops",
            "quantize_weight", "rotate_half", "scaled_linear", "select_ops"]

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import OpProvider
+from .compiling import compiled
 from .fp8 import quantize_rows, scaled_linear
 from .functional import activation, apply_rotary
 
@@ -67,13 +68,6 @@ def swiglu(acc, scale, bias, act: str):
     return activation(act)(gate) * up
 
 
-def _compiled(fn, mode: str | None):
-    # Automatic dynamic shapes (dynamic=None): the first batch compiles with static sizes, the first
-    # different token count recompiles once with only that dimension symbolic. Marking every
-    # dimension dynamic up front measured 18% slower on the H100 (bench/RESULTS.md).
-    return torch.compile(fn, fullgraph=True, mode=mode)
-
-
 class RotaryAttention(OpProvider):
     """Rotary in torch, then the attention backend with the window pattern's plan. The model's
     full-attention layers run this too (``OpsSelection.attention``), with the full pattern's plan."""
@@ -85,7 +79,7 @@ class RotaryAttention(OpProvider):
         self._rotary = qkv_rotary
 
     def compile(self, mode: str | None = None) -> None:
-        self._rotary = _compiled(qkv_rotary, mode)
+        self._rotary = compiled(qkv_rotary, mode)
 
     def prepare(self, meta, backend, device: torch.device) -> Any:
         return backend.prepare(meta)
@@ -102,7 +96,7 @@ class TorchRmsScale(OpProvider):
         self._fn = rms_scale
 
     def compile(self, mode: str | None = None) -> None:
-        self._fn = _compiled(rms_scale, mode)
+        self._fn = compiled(rms_scale, mode)
 
     def __call__(self, x: torch.Tensor, pending: torch.Tensor, eps: float) -> torch.Tensor:
         return self._fn(x, pending, eps)
@@ -118,7 +112,7 @@ class TorchGatedMLP(OpProvider):
         self._swiglu = swiglu
 
     def compile(self, mode: str | None = None) -> None:
-        self._swiglu = _compiled(swiglu, mode)
+        self._swiglu = compiled(swiglu, mode)
 
     def __call__(self, x, w, shift, scale, bias, act: str) -> torch.Tensor:
         return self._swiglu(F.linear(x, w, shift), scale, bias, act)
@@ -132,7 +126,7 @@ class TorchRmsQuant(OpProvider):
         self._fn = rms_quant
 
     def compile(self, mode: str | None = None) -> None:
-        self._fn = _compiled(rms_quant, mode)
+        self._fn = compiled(rms_quant, mode)
 
     def __call__(self, x: torch.Tensor, pending: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         return self._fn(x, pending, eps)
@@ -148,7 +142,7 @@ class TorchFp8GatedMLP(OpProvider):
         self._swiglu = swiglu_pairs
 
     def compile(self, mode: str | None = None) -> None:
-        self._swiglu = _compiled(swiglu_pairs, mode)
+        self._swiglu = compiled(swiglu_pairs, mode)
 
     def __call__(self, xq, x_scale, wq, w_scale, bias, act: str) -> torch.Tensor:
         return self._swiglu(scaled_linear(xq, x_scale, wq, w_scale, bias, bias.dtype), act)
@@ -162,7 +156,7 @@ class TorchActQuant(OpProvider):
         self._fn = act_quant
 
     def compile(self, mode: str | None = None) -> None:
-        self._fn = _compiled(act_quant, mode)
+        self._fn = compiled(act_quant, mode)
 
     def __call__(self, y: torch.Tensor, act: str) -> tuple[torch.Tensor, torch.Tensor]:
         return self._fn(y, act)

@@ -24,7 +24,16 @@ from torch import nn
 
 from ...attention import AttentionBackend
 from ...device import host_to_device
-from ..layers import ConvPatchEmbed3d, QkvProjections, activation, apply_rotary, linear, quantize_weight, scaled_linear
+from ..layers import (
+    ConvPatchEmbed3d,
+    QkvProjections,
+    apply_rotary,
+    compiled,
+    linear,
+    linear_activation,
+    quantize_weight,
+    scaled_linear,
+)
 from .config import Qwen3VLVisionConfig
 from .metadata import INDEX_COLUMNS, POSITION_COLUMNS, WEIGHT_COLUMNS, Qwen3VLBatchMetadata
 
@@ -100,7 +109,7 @@ def post_attention(x: torch.Tensor, attn: torch.Tensor, proj_w: torch.Tensor, pr
     """Output projection, residual, LayerNorm, MLP, residual."""
     x = residual(x, linear(attn.reshape(x.shape[0], -1), proj_w, proj_b))
     h = F.layer_norm(x, (x.shape[-1],), norm_w, norm_b, LAYER_NORM_EPS)
-    return residual(x, linear(activation(act)(linear(h, fc1_w, fc1_b)), fc2_w, fc2_b))
+    return residual(x, linear(linear_activation(h, fc1_w, fc1_b, act), fc2_w, fc2_b))
 
 
 def residual(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -199,12 +208,12 @@ class Qwen3VLVisionTower(nn.Module):
     def compile(self, mode: str | None = None) -> None:
         """torch.compile the work between attentions (attention stays with the backend). Automatic
         dynamic shapes: a second token count recompiles once with that dimension symbolic."""
-        self._pre = torch.compile(pre_attention, fullgraph=True, mode=mode)
-        self._post = torch.compile(post_attention, fullgraph=True, mode=mode)
-        self._between = torch.compile(between_attentions, fullgraph=True, mode=mode)
-        self._mid = torch.compile(mid_fp8, fullgraph=True, mode=mode)
-        self._tail = torch.compile(tail_fp8, fullgraph=True, mode=mode)
-        self._tail_between = torch.compile(tail_between_fp8, fullgraph=True, mode=mode)
+        self._pre = compiled(pre_attention, mode)
+        self._post = compiled(post_attention, mode)
+        self._between = compiled(between_attentions, mode)
+        self._mid = compiled(mid_fp8, mode)
+        self._tail = compiled(tail_fp8, mode)
+        self._tail_between = compiled(tail_between_fp8, mode)
         if self.ops is not None:  # quantised first: its providers' torch functions too
             self.ops.compile(mode)
         self.compiled = (mode,)
