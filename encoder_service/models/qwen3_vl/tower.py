@@ -93,21 +93,32 @@ class Block(nn.Module):
 # A block's work outside attention, as plain functions of tensors: torch.compile (on CUDA) fuses
 # each into few kernels; on the CPU they run as written, transformers' operations in its order.
 def pre_attention(x: torch.Tensor, norm_w: torch.Tensor, norm_b: torch.Tensor, qkv_w: torch.Tensor,
-                  qkv_b: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int
+                  qkv_b: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, padded: int = 0
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """LayerNorm, fused QKV projection, rotary."""
+    """LayerNorm, fused QKV projection, rotary; with ``padded`` (the backend's padded_head_dim), q, k
+    and v zero-padded to that head_dim in the same pass, where a backend would copy them itself."""
     qkv = linear(F.layer_norm(x, (x.shape[-1],), norm_w, norm_b, LAYER_NORM_EPS), qkv_w, qkv_b)
     q, k, v = qkv.view(x.shape[0], 3, num_heads, -1).unbind(1)
     q, k = apply_rotary(q, k, cos, sin)
+    if padded:
+        return tuple(F.pad(t, (0, padded - t.shape[-1])) for t in (q, k, v))
     # Contiguous: kernels that want [T, H, D] packed would otherwise copy it themselves.
     return q, k, v.contiguous()
+
+
+def merged_heads(attn: torch.Tensor, width: int) -> torch.Tensor:
+    """Attention's [tokens, heads, head_dim] output as [tokens, width] rows; heads handed back padded
+    (padded_head_dim) lose their zero columns here, inside the compiled graph."""
+    if attn.shape[1] * attn.shape[2] != width:
+        attn = attn[..., : width // attn.shape[1]]
+    return attn.reshape(attn.shape[0], width)
 
 
 def post_attention(x: torch.Tensor, attn: torch.Tensor, proj_w: torch.Tensor, proj_b: torch.Tensor,
                    norm_w: torch.Tensor, norm_b: torch.Tensor, fc1_w: torch.Tensor, fc1_b: torch.Tensor,
                    fc2_w: torch.Tensor, fc2_b: torch.Tensor, act: str) -> torch.Tensor:
     """Output projection, residual, LayerNorm, MLP, residual."""
-    x = residual(x, linear(attn.reshape(x.shape[0], -1), proj_w, proj_b))
+    x = residual(x, linear(merged_heads(attn, x.shape[-1]), proj_w, proj_b))
     h = F.layer_norm(x, (x.shape[-1],), norm_w, norm_b, LAYER_NORM_EPS)
     return residual(x, linear(linear_activation(h, fc1_w, fc1_b, act), fc2_w, fc2_b))
 
@@ -120,18 +131,18 @@ def residual(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (x.float() + y.float()).to(x.dtype)
 
 
-def between_attentions(x, attn, post_args, pre_args, cos, sin, num_heads: int, act: str):
+def between_attentions(x, attn, post_args, pre_args, cos, sin, num_heads: int, act: str, padded: int = 0):
     """Block i after its attention and block i+1 before its own, as one graph: the residual add
     fuses with the next LayerNorm."""
     x = post_attention(x, attn, *post_args, act)
-    return (x, *pre_attention(x, *pre_args, cos, sin, num_heads))
+    return (x, *pre_attention(x, *pre_args, cos, sin, num_heads, padded))
 
 
 # --quantization fp8: the MLP's activation and the quantisation of its output run between two graphs,
 # in the ``act_quant`` op (one pass over the row, where inductor's fused kernel read it twice).
 def mid_fp8(x, attn, proj_w, proj_b, norm_w, norm_b, fc1_w, fc1_b):
     """Output projection, residual, LayerNorm, the MLP's first GEMM: (x, its pre-activation)."""
-    x = residual(x, linear(attn.reshape(x.shape[0], -1), proj_w, proj_b))
+    x = residual(x, linear(merged_heads(attn, x.shape[-1]), proj_w, proj_b))
     return x, linear(F.layer_norm(x, (x.shape[-1],), norm_w, norm_b, LAYER_NORM_EPS), fc1_w, fc1_b)
 
 
@@ -140,10 +151,11 @@ def tail_fp8(x, hq, h_scale, fc2_wq, fc2_scale, fc2_b):
     return residual(x, scaled_linear(hq, h_scale, fc2_wq, fc2_scale, fc2_b, x.dtype))
 
 
-def tail_between_fp8(x, hq, h_scale, fc2_wq, fc2_scale, fc2_b, pre_args, cos, sin, num_heads: int):
+def tail_between_fp8(x, hq, h_scale, fc2_wq, fc2_scale, fc2_b, pre_args, cos, sin, num_heads: int,
+                     padded: int = 0):
     """``tail_fp8``, then block i+1 before its attention, as one graph."""
     x = tail_fp8(x, hq, h_scale, fc2_wq, fc2_scale, fc2_b)
-    return (x, *pre_attention(x, *pre_args, cos, sin, num_heads))
+    return (x, *pre_attention(x, *pre_args, cos, sin, num_heads, padded))
 
 
 class PatchMerger(nn.Module):
@@ -253,7 +265,8 @@ class Qwen3VLVisionTower(nn.Module):
         cos, sin = self.rotary(packed[:, POSITION_COLUMNS])
         levels: list[torch.Tensor] = []
         heads, act, blocks = self.cfg.num_heads, self.cfg.hidden_act, list(self.blocks)
-        qkv = self._pre(x, *blocks[0].pre_args(), cos, sin, heads)
+        pad = backend.padded_head_dim or 0  # the head_dim the backend's kernel runs at, when wider
+        qkv = self._pre(x, *blocks[0].pre_args(), cos, sin, heads, pad)
         for i, block in enumerate(blocks):
             out = backend.forward(*qkv, prepared.plan)
             last = i + 1 == len(blocks)
@@ -265,9 +278,10 @@ class Qwen3VLVisionTower(nn.Module):
                     x = self._tail(x, hq, h_scale, *post[6], post[7])
                 else:
                     x, *qkv = self._tail_between(x, hq, h_scale, *post[6], post[7], blocks[i + 1].pre_args(),
-                                                 cos, sin, heads)
+                                                 cos, sin, heads, pad)
             elif not last:
-                x, *qkv = self._between(x, out, block.post_args(), blocks[i + 1].pre_args(), cos, sin, heads, act)
+                x, *qkv = self._between(x, out, block.post_args(), blocks[i + 1].pre_args(), cos, sin, heads, act,
+                                        pad)
             else:
                 x = self._post(x, out, *block.post_args(), act)
             if i in self.deepstack_after:
