@@ -7,7 +7,9 @@ each compiled LayerNorm read its row twice: in Qwen3-VL-8B at 8 x 1024x1024 on a
 residual + LayerNorm kernels took 9.7 ms of a 125 ms forward, about three times their bytes at the
 memory's speed (bench/RESULTS.md). Rows of up to ``PERSISTENT_ROW_LIMIT`` elements are now persistent.
 The choice is inductor's own hook (``config.inductor_choices_class``); a torch without it compiles
-as before.
+as before. The hook is process-wide: every torch.compile in a process that served a model (a bench
+run in the same process too) compiles with it. A choices class installed by someone else is left
+alone, and then rows over 1,024 loop as before.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ import torch
 log = logging.getLogger(__name__)
 
 PERSISTENT_ROW_LIMIT = 2048
+# Part of the uuid that inductor's cache keys take from the choices: change it with the logic below,
+# so that kernels compiled under other logic are not served from a persistent cache.
+CHOICES_VERSION = 1
 _installed: bool | None = None
 
 
@@ -38,7 +43,7 @@ def _wide_row_choices():
                     and V.graph.sizevars.statically_known_leq(features.reduction_numel, PERSISTENT_ROW_LIMIT))
 
         def uuid(self) -> str:  # part of inductor's cache key for the kernels it compiles
-            return f"encoder-service-persistent-rows-{PERSISTENT_ROW_LIMIT}"
+            return f"encoder-service-persistent-rows-{PERSISTENT_ROW_LIMIT}-v{CHOICES_VERSION}"
 
     return WideRowChoices()
 

@@ -22,15 +22,18 @@ def activation(name: str):
         raise ValueError(f"unsupported hidden_act {name!r}; supported: {', '.join(ACTIVATIONS)}") from None
 
 
-def linear_activation(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: str) -> torch.Tensor:
+def linear_activation(x: torch.Tensor, w: torch.Tensor | tuple[torch.Tensor, torch.Tensor], b: torch.Tensor | None,
+                      act: str) -> torch.Tensor:
     """``activation(act)(F.linear(x, w, b))``. On CUDA, GELU-tanh runs in the GEMM's epilogue
     (torch._addmm_activation: cuBLASLt's GELU_BIAS epilogue, the same tanh approximation) on the
     float32 accumulator, so no pre-activation is written and read back: for Qwen3-VL-8B at 8 x
     1024x1024 on an H200 that pass took 5.4 ms of a 125 ms forward (bench/RESULTS.md). It also skips
     one bf16 rounding. The CPU keeps transformers' order of operations."""
-    if x.is_cuda and act == "gelu_pytorch_tanh" and b is not None and x.dim() == 2:
+    from .fp8 import linear  # F.linear, or the FP8 linear where w is an (e4m3 weight, scales) pair
+
+    if x.is_cuda and act == "gelu_pytorch_tanh" and b is not None and x.dim() == 2 and not isinstance(w, tuple):
         return torch._addmm_activation(b, x, w.t(), use_gelu=True)
-    return activation(act)(F.linear(x, w, b))
+    return activation(act)(linear(x, w, b))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

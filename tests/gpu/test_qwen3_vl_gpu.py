@@ -117,3 +117,21 @@ def test_fp8_cuda_graph_replays_match_the_eager_fp8_forward(short_qwen3_vl):
         return model
 
     graph_replays_match_eager(make, "flashinfer", 1536, tolerance=5e-2)
+
+
+def test_gelu_tanh_in_the_gemm_epilogue_equals_linear_then_gelu_tanh():
+    # Qwen3-VL's fc1 on CUDA (ops.linear_activation: cuBLASLt's GELU epilogue) against the reference's
+    # two steps, in float32 at fc1's widths: the tanh approximation, not erf's GELU.
+    import torch.nn.functional as F
+
+    from encoder_service.ops import linear_activation
+
+    torch.manual_seed(0)
+    x = torch.randn(300, 1152, device=DEVICE)
+    w = torch.randn(4304, 1152, device=DEVICE) / 34
+    b = torch.randn(4304, device=DEVICE)
+    ours = linear_activation(x, w, b, "gelu_pytorch_tanh")
+    y = F.linear(x, w, b)
+    err = (ours - F.gelu(y, approximate="tanh")).abs().max().item()
+    assert err <= 1e-5, err
+    assert (F.gelu(y) - F.gelu(y, approximate="tanh")).abs().max().item() > 20 * max(err, 1e-7)
