@@ -648,3 +648,12 @@ def test_a_decode_whose_cost_is_out_of_proportion_to_its_samples_is_stopped():
     with pytest.raises(ResourceExhausted, match="--max-video-pixels-per-sample"):
         decode_frames(data, [199], limits)
     assert decode_frames(data, [10], limits).shape == (1, 48, 64, 3)  # within the budget
+
+
+def test_making_an_av1_clip_leaves_the_tests_scheduling_as_it_was():
+    # SVT-AV1's encoder, run as root (as CI runs), puts the thread that opens it at SCHED_FIFO 99; a test
+    # process left so ran every later test, and every server it started, at real-time priority.
+    before = os.sched_getscheduler(0), os.sched_getparam(0)
+    for container in ("mp4", "webm"):
+        assert vi.make_clip(container, "libsvtav1", frames=3)
+        assert (os.sched_getscheduler(0), os.sched_getparam(0)) == before
