@@ -61,11 +61,8 @@ def make_clip(container: str = "mp4", codec: str = "libx264", frames: int = 12, 
     frame, for encoders that take a size change mid-stream. ``options``: the encoder's (``{"bf": "3"}``:
     B-frames). ``first_pts`` < 0: MP4 keeps the frames before pts 0 as an edit list's pre-roll, which
     demuxes as packets FFmpeg discards. ``pattern``: frame i's pixels (frame_pattern, moving_gradient)."""
-    if codec == "libsvtav1":
-        with _scheduling_kept():
-            return _encode_clip(container, codec, frames, width, height, fps, pix_fmt, sizes, options, first_pts,
-                                pattern)
-    return _encode_clip(container, codec, frames, width, height, fps, pix_fmt, sizes, options, first_pts, pattern)
+    with _scheduling_kept():
+        return _encode_clip(container, codec, frames, width, height, fps, pix_fmt, sizes, options, first_pts, pattern)
 
 
 @contextlib.contextmanager
@@ -74,7 +71,8 @@ def _scheduling_kept():
     switches the thread that opens it to SCHED_FIFO at priority 99: a test process that made an AV1
     clip then ran every later test (and every server it started, which inherits the policy) at
     real-time priority, and starved the other pytest worker on a 2-core machine into timeouts. Only
-    encoding does this (the service decodes AV1 with dav1d and never encodes)."""
+    encoding does this (the service decodes AV1 with dav1d and never encodes). Kept around every
+    encode, whichever encoder: two syscalls, and no list of encoders that do it to keep up to date."""
     policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
     try:
         yield
