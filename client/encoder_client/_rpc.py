@@ -147,6 +147,8 @@ class ClientBase:
     """
 
     _channels: ClassVar[ModuleType]
+    # Options of the subclass's channel surface, before the caller's (which override them).
+    _surface_options: ClassVar[tuple[tuple[str, Any], ...]] = ()
 
     def __init__(
         self,
@@ -179,7 +181,7 @@ class ClientBase:
         self.timeout_s = timeout_s
         self._retry = RetryPolicy(retries, backoff_base_s, backoff_max_s)
         self._metadata = call_metadata(metadata, token)
-        options = build_channel_options(max_message_bytes, channel_options, self._retry)
+        options = build_channel_options(max_message_bytes, [*self._surface_options, *channel_options], self._retry)
         self._channel = (
             self._channels.secure_channel(target, credentials, options=options)
             if credentials is not None

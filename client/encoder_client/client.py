@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
+import grpc.experimental
 from grpc_health.v1 import health_pb2
 
 from encoder_client._reassembly import Reassembler, check_lookup_response, reassembling
@@ -40,6 +41,12 @@ class EncoderClient(ClientBase):
     """
 
     _channels = grpc
+    # Encode's stream is read on the calling thread itself. gRPC's default sync stream needs a
+    # "channel spin" thread, and starts a new one for every call made while no other is running: a
+    # client making one call at a time paid a thread's start (and the wait for it) per call
+    # (py-spy: a quarter of a sequential client's time on a cache hit; -0.26 ms a lone 448x448 hit,
+    # 2.9 -> 2.7 ms, on the CPU host). Retries, deadlines and cancel() are the C core's, as before.
+    _surface_options = ((grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),)
 
     def __enter__(self) -> EncoderClient:
         return self
