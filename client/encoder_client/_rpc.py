@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -15,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from encoder_client.dtypes import BF16_AS
 from encoder_client.errors import EncoderClientError
-from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
+from encoder_client.protocol import ModelInfo, encoder_pb2, encoder_pb2_grpc
 from encoder_client.protocol.chunks import parse_chunk
 from encoder_client.security import call_metadata
 from encoder_client.shared_memory import (
@@ -24,6 +26,7 @@ from encoder_client.shared_memory import (
     DEFAULT_INITIAL_BYTES,
     RegionPool,
     RegionsExhausted,
+    Registrar,
     region_refused,
     same_host_target,
 )
@@ -195,6 +198,10 @@ class ClientBase:
             response_deserializer=parse_chunk)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._cache_namespace: str | None = None
+        # Whether GetModelInfo was asked for the server's region socket (once, before the first call
+        # that lends a region: see encoder_client.shared_memory).
+        self._socket_asked = self._regions is None
+        self._socket_lock = threading.Lock()
 
     def _timeout(self, timeout_s: float | None) -> float | None:
         return self.timeout_s if timeout_s is None else timeout_s
@@ -204,12 +211,39 @@ class ClientBase:
         """Whether Encode calls lend the server a shared-memory region now."""
         return self._regions is not None
 
+    # Status codes of GetModelInfo after which the region socket is asked again at the next call
+    # (the server may not be up yet); after any other, never (an older server, no permission).
+    _ASK_AGAIN = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED")
+
+    def _use_region_socket(self, info: ModelInfo | None) -> None:
+        """After GetModelInfo (None: it failed for good): where the server has a region socket, this
+        client's regions are registered sealed memfds from now on."""
+        self._socket_asked = True
+        if info is None or not info.region_socket or self._regions is None or not hasattr(os, "memfd_create"):
+            return
+        if self._cache_namespace is None:
+            self._cache_namespace = info.cache_namespace
+        try:
+            registrar = Registrar(info.region_socket)
+        except OSError as exc:  # another network namespace behind a loopback address, say
+            log.info("encoder client for %s: the server's region socket is not reachable (%s); regions "
+                     "are /dev/shm objects", self.target, exc)
+            return
+        self._regions.register_with(registrar)
+
     def _stream_from_now_on(self, error: BaseException) -> bool:
         """With ``shared_memory="auto"``: whether ``error`` (of an Encode that lent a region) says the
         server cannot write this process's regions (another host behind the address, shared memory
         off, a full /dev/shm here); if so this client streams from now on, and the caller sends the
         call again without a region (its regions all lent, RegionsExhausted: only this call streams).
         Never with ``shared_memory=True``: the error is the caller's."""
+        if (self._regions is not None and self._regions.registered and isinstance(error, EncoderClientError)
+                and region_refused(error.code.name, error.details)):
+            # Its registered region was refused (a server restarted since): /dev/shm objects from now on.
+            log.info("encoder client for %s: the server refused a registered region (%s); regions are "
+                     "/dev/shm objects from now on", self.target, error.details)
+            self._regions.stop_registering()
+            return True
         if not self._shared_memory_auto or self._regions is None:
             return False
         if isinstance(error, RegionsExhausted):

@@ -115,6 +115,8 @@ class AsyncEncoderClient(ClientBase):
             request = build_request(images, **request_kwargs)
         if not request.images:
             return []
+        if not self._socket_asked:
+            await self._ask_region_socket(timeout_s)
         # gRPC retries an attempt that failed UNAVAILABLE before any response arrived (see
         # RetryPolicy); this call's iteration sees only the attempt that answered.
         try:
@@ -128,6 +130,18 @@ class AsyncEncoderClient(ClientBase):
         with reassembling(request, bf16_as=bf16_as, regions=None) as reassembler:
             await self._call_encode(request, timeout_s, reassembler.add)
             return reassembler.results()
+
+    async def _ask_region_socket(self, timeout_s: float | None) -> None:
+        # On the loop alone: two calls may both ask before either has its answer; the second's is
+        # ignored (_use_region_socket marks it asked).
+        try:
+            info = await self.model_info(timeout_s=timeout_s)
+        except EncoderClientError as err:
+            if err.code.name in self._ASK_AGAIN:
+                return
+            info = None
+        if not self._socket_asked:
+            self._use_region_socket(info)
 
     async def _call_encode(self, request: encoder_pb2.EncodeRequest, timeout_s: float | None,
                            on_chunk: Callable[[encoder_pb2.EmbeddingChunk], object]) -> None:

@@ -134,6 +134,8 @@ class EncoderClient(ClientBase):
         request = build_request(images, **request_kwargs)
         if not request.images:
             return []
+        if not self._socket_asked:
+            self._ask_region_socket(timeout_s)
         # gRPC retries an attempt that failed UNAVAILABLE before any response arrived (see
         # RetryPolicy); this call's iteration sees only the attempt that answered.
         try:
@@ -145,6 +147,18 @@ class EncoderClient(ClientBase):
         request.ClearField("output_region")
         with reassembling(request, bf16_as=bf16_as, regions=None) as reassembler:
             return self._call_encode(request, timeout_s, lambda chunks: _reassemble(reassembler, chunks))
+
+    def _ask_region_socket(self, timeout_s: float | None) -> None:
+        with self._socket_lock:
+            if self._socket_asked:
+                return
+            try:
+                info = self.model_info(timeout_s=timeout_s)
+            except EncoderClientError as err:
+                if err.code.name in self._ASK_AGAIN:
+                    return
+                info = None
+            self._use_region_socket(info)
 
     def _call_encode(self, request: encoder_pb2.EncodeRequest, timeout_s: float | None,
                      consume: Callable[[Any], _Resp]) -> _Resp:

@@ -10,6 +10,14 @@ host behind a loopback address, a server with ``--shared-memory off``, a full /d
 ``region_refused``. The client copies each image out into its own array as its
 header chunk arrives, so a region is free again when the call returns.
 
+Where the server has a region socket (``ModelInfo.region_socket``, asked once before the first
+call), each region is instead a ``memfd`` sealed against shrinking whose descriptor goes to the
+server over that socket (``Registrar``, ``SealedRegion``): the server maps it once and copies each
+image in, where it must ``pwrite`` a ``/dev/shm`` object for every call (it cannot map an object its
+caller may shrink under it), and nothing is left in /dev/shm if this process is killed. A region
+the server refuses (its bounds) is a ``/dev/shm`` object instead; a socket that fails, or a call
+refused for its registered region (a server restarted since), makes every later region one.
+
 Regions are pooled (a call in flight holds one) and kept mapped: reusing one costs neither page
 faults nor a new mapping on either side. A region starts at ``initial_bytes``, grows to what the
 largest recent call needed, up to a bound, and shrinks back (an image that does not fit still
@@ -22,7 +30,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
 import ipaddress
+import logging
 import mmap
 import os
 import secrets
@@ -35,6 +45,7 @@ import numpy as np
 
 from encoder_client.protocol import encoder_pb2
 
+log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "encoder-"  # the server writes only into objects named so
 DEFAULT_INITIAL_BYTES = 16 << 20
@@ -50,6 +61,8 @@ ALIGN = 64  # the server's alignment of each image in a region
 KEY_BYTES = 32
 HEADER_BYTES = 64  # the region's start, which holds the key; the server writes after it
 _GROW_STEP = 1 << 20
+REPLY_TIMEOUT_S = 5.0  # the server's answer to a registration (its event loop answers it)
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 def same_host_target(target: str) -> bool:
@@ -138,6 +151,96 @@ class OutputRegion:
         return not self._finalizer.alive
 
 
+class RegistrationRefused(Exception):
+    """The server would not take this region (its bounds): the pool makes a /dev/shm one instead."""
+
+
+class RegistrarBroken(OSError):
+    """The region socket failed (closed, timed out, answered nonsense): no more registrations."""
+
+
+class Registrar:
+    """This client's connection to the server's region socket (``ModelInfo.region_socket``, an
+    abstract unix socket: the server and this process share a network namespace, as a loopback
+    target says). Thread-safe. OSError: the socket cannot be used (every later region is then a
+    /dev/shm object)."""
+
+    def __init__(self, socket_name: str) -> None:
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            self._sock.settimeout(REPLY_TIMEOUT_S)
+            self._sock.connect("\0" + socket_name)
+        except BaseException:
+            self._sock.close()
+            raise
+        self._lock = threading.Lock()
+
+    def register(self, fd: int, size: int) -> str:
+        """The server's handle for the sealed memfd ``fd`` of ``size`` bytes."""
+        try:
+            with self._lock:
+                socket.send_fds(self._sock, [f"add {size}".encode()], [fd])
+                reply = self._sock.recv(128)
+        except OSError as exc:  # a late answer would be read as the next one's: the socket is done
+            self.close()
+            raise RegistrarBroken(f"the server's region socket failed: {exc}") from None
+        if not reply:
+            raise RegistrarBroken("the server closed its region socket")
+        word, _, rest = reply.decode("ascii", "replace").partition(" ")
+        if word == "ok" and len(rest) == 32 and all(c in "0123456789abcdef" for c in rest):
+            return rest
+        if word == "no":
+            raise RegistrationRefused(rest)
+        raise RegistrarBroken(f"the server's region socket answered {reply[:64]!r}")
+
+    def drop(self, handle: str) -> None:
+        with contextlib.suppress(OSError), self._lock:
+            self._sock.send(f"drop {handle}".encode())
+
+    def close(self) -> None:
+        """The server drops every region this connection registered."""
+        self._sock.close()
+
+
+class SealedRegion:
+    """A memfd of this process, sealed against shrinking and growing, mapped read/write and
+    registered with the server under ``handle``; images start at offset 0. No name anywhere:
+    ``close()`` tells the server, and the memory goes with the last mapping of it."""
+
+    header_bytes = 0
+
+    def __init__(self, size: int, registrar: Registrar) -> None:
+        fd = os.memfd_create("encoder-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            try:
+                os.posix_fallocate(fd, 0, size)  # short of memory: the error is here, not a SIGBUS
+            except OSError as err:
+                raise OSError(err.errno, f"cannot reserve {size} bytes of shared memory ({err.strerror})") from None
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+            self.memory = np.frombuffer(mmap.mmap(fd, size, mmap.MAP_SHARED), np.uint8)
+            self.handle = registrar.register(fd, size)
+        finally:
+            os.close(fd)
+        self.size = size
+        self._registrar = registrar
+        self.closed = False
+
+    def proto(self) -> encoder_pb2.SharedMemoryRegion:
+        return encoder_pb2.SharedMemoryRegion(handle=self.handle, size=self.size)
+
+    def view(self, offset: int, length: int) -> np.ndarray | None:
+        """Bytes [offset, offset + length) of the region, or None if they are not all inside it."""
+        if offset < 0 or length < 0 or offset + length > self.size:
+            return None
+        return self.memory[offset:offset + length]
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._registrar.drop(self.handle)
+
+
 def aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -172,12 +275,50 @@ class RegionPool:
         self.max_region_bytes = max(initial_bytes, max_region_bytes)
         self.max_total_bytes = max_total_bytes
         self.region_bytes = initial_bytes
-        self._create = create or (lambda size: OutputRegion(size, directory, prefix))
+        self._create = create or self._new_region
+        self._directory, self._prefix = directory, prefix
+        self._registrar: Registrar | None = None
         self._recent: collections.deque[int] = collections.deque(maxlen=self.SIZE_WINDOW)
         self._free: list[OutputRegion] = []
         self._lock = threading.Lock()
         self._closed = False
         self.live_bytes = 0  # what the pool's regions (free or lent) hold
+
+    @property
+    def registered(self) -> bool:
+        """Whether new regions are registered with the server (SealedRegion)."""
+        return self._registrar is not None
+
+    def register_with(self, registrar: Registrar) -> None:
+        """From now on, regions are sealed memfds registered through ``registrar``."""
+        with self._lock:
+            if self._closed:
+                registrar.close()
+                return
+            self._registrar = registrar
+
+    def stop_registering(self) -> None:
+        """From now on, regions are /dev/shm objects; the registered ones not lent are closed."""
+        with self._lock:
+            registrar, self._registrar = self._registrar, None
+            dropped = [r for r in self._free if isinstance(r, SealedRegion)]
+            self._free = [r for r in self._free if not isinstance(r, SealedRegion)]
+            self.live_bytes -= sum(r.size for r in dropped)
+        if registrar is not None:
+            registrar.close()  # the server drops them all; a lent one is closed when its call ends
+
+    def _new_region(self, size: int) -> OutputRegion | SealedRegion:
+        registrar = self._registrar
+        if registrar is not None:
+            try:
+                return SealedRegion(size, registrar)
+            except RegistrationRefused as exc:  # the server's bounds: this one by name
+                log.debug("the server refused a shared-memory region (%s); using /dev/shm", exc)
+            except RegistrarBroken as exc:  # (short of memory is another OSError: /dev/shm would fail too)
+                log.info("shared-memory regions: registering with the server failed (%s); using /dev/shm "
+                         "objects from now on", exc)
+                self.stop_registering()
+        return OutputRegion(size, self._directory, self._prefix)
 
     def acquire(self) -> OutputRegion:
         doomed = []
@@ -227,5 +368,8 @@ class RegionPool:
             self._closed = True
             free, self._free = self._free, []
             self.live_bytes -= sum(r.size for r in free)
+            registrar, self._registrar = self._registrar, None
         for region in free:
             region.close()
+        if registrar is not None:
+            registrar.close()

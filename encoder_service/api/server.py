@@ -29,6 +29,7 @@ from ..engine import Engine
 from ..engine.warm_memory import HOST_COPIES
 from ..fd_limit import raise_open_file_limit
 from ..metrics import VISION_ENCODER, ServiceMetrics
+from .caller_regions import CallerRegions
 from .engine_gate import EngineGate
 from .relay.supervisor import RelayProcesses, RelayStartError
 from .security.settings import Security, SecurityFileError, build_security
@@ -299,10 +300,16 @@ async def serve(config: ServiceConfig) -> int:
         except SecurityFileError as exc:  # reads the --tls-*, --auth-token-file and --sink-tls-* files
             log.error("cannot start: %s", exc)
             return 1
+        caller_regions = None
+        if config.shared_memory == "on":
+            caller_regions = CallerRegions()
+            caller_regions.start()
+            resources.callback(caller_regions.close)
         servicer = VisionEncoderServicer(config.requests, config.security, metrics, calls,
                                          shared_memory=config.shared_memory == "on", gate=gate,
                                          sink_credentials=security.sink_credentials,
-                                         relay_regions=relays.regions if relays else None)
+                                         relay_regions=relays.regions if relays else None,
+                                         caller_regions=caller_regions)
         resources.push_async_callback(servicer.close)
         engine = Engine(config, metrics=metrics)  # loads nothing until started
         resources.push_async_callback(engine.stop)

@@ -20,13 +20,14 @@ from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
 from ..config import RequestLimits, SecurityConfig
 from ..engine import Engine, ImageResult
 from ..engine.fair_slots import Caller
-from ..errors import ResourceExhausted
+from ..errors import InvalidInput, ResourceExhausted
 from ..metrics import ServiceMetrics
+from .caller_regions import CallerRegions
 from .engine_gate import EngineGate
 from .relay.regions import RELAY_REGION, RegionBoard
 from .security.client_limits import client_of
 from .service_interceptor import CallBook
-from .shared_memory import DescriptorWriter, RegionTable, RegionWriter
+from .shared_memory import DescriptorWriter, RegionTable, RegionUnusable, RegionWriter
 from .sink_push import PUSH_MAX_CHUNK_BYTES, SinkChannels, SinkFailed, SinkPush, fail_uniformly, header_chunk
 from .streaming import OFF_LOOP_MIN_BYTES, built_off_loop, embedding_chunks, region_chunk, serialized_chunks
 from .validation import EncodePlan, parse_encode_request
@@ -47,13 +48,16 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
 
     def __init__(self, requests: RequestLimits, security: SecurityConfig, metrics: ServiceMetrics, calls: CallBook,
                  *, shared_memory: bool, gate: EngineGate | None = None, relay_regions: RegionBoard | None = None,
-                 sink_credentials: grpc.ChannelCredentials | None = None) -> None:
+                 sink_credentials: grpc.ChannelCredentials | None = None,
+                 caller_regions: CallerRegions | None = None) -> None:
         """Two groups of the config, not the whole: ``requests``, what one call may ask (message, chunk
         and request sizes, the sinks and their bound), and ``security``, whom a call counts against
         (tokens, relays) and whether sinks need TLS; ``shared_memory``: --shared-memory on (callers may
         name their own region). ``gate``: the engine's readiness, shared with the server's other front
         ends (by default one of this servicer's own over ``calls``); ``sink_credentials``: toward the
-        sinks (``Security.sink_credentials``, from --sink-tls-*; None: plaintext)."""
+        sinks (``Security.sink_credentials``, from --sink-tls-*; None: plaintext); ``caller_regions``:
+        the regions callers on this host registered by descriptor (api/caller_regions.py; None: none
+        taken, and GetModelInfo names no region socket)."""
         if security.sink_tls and sink_credentials is None:
             raise ValueError("--sink-tls-* is set: the servicer needs its credentials (Security.sink_credentials)")
         self.requests = requests
@@ -63,7 +67,8 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
         self.sink_channels = SinkChannels(requests.max_message_bytes, credentials=sink_credentials,
                                           push_bound_s=requests.sink_timeout_s)
         self.sink_allowlist = requests.sink_allowlist
-        self.regions = RegionTable(shared_memory)  # callers' own regions
+        self.regions = RegionTable(shared_memory)  # callers' own regions, named in /dev/shm
+        self.caller_regions = caller_regions if shared_memory else None  # ... or registered by descriptor
         # Behind relays (--grpc-processes): the regions they lend, by descriptor (api/relay/regions.py).
         self.relay_regions = relay_regions
         # A few threads are enough: each copy runs at memory speed without the GIL.
@@ -128,7 +133,16 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
         relay lent the call (only behind relays, whose private unix socket is this server's only
         port: a relay drops the key from every caller's metadata), or None."""
         if request.HasField("output_region"):
-            return self.regions.writer(request.output_region)
+            region = request.output_region
+            if not region.handle:
+                return self.regions.writer(region)
+            if region.name or region.key:
+                raise InvalidInput("output_region: a handle (a registered region) or a name and key, not both")
+            if self.caller_regions is None:
+                raise RegionUnusable("output_region.handle: this server takes no registered regions (start it "
+                                     "with --shared-memory on); leave output_region unset to get the embeddings "
+                                     "on the stream")
+            return self.caller_regions.writer(region.handle, region.size)
         if self.relay_regions is None or not context.peer().startswith("unix:"):
             return None
         lend = next((v for k, v in context.invocation_metadata() or () if k == RELAY_REGION), None)
@@ -190,7 +204,8 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
 
     async def GetModelInfo(self, request: encoder_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> encoder_pb2.ModelInfo:
-        return self.gate.ready().describe(shared_memory=self.regions.enabled).to_proto()
+        socket_name = self.caller_regions.name if self.caller_regions is not None else ""
+        return self.gate.ready().describe(shared_memory=self.regions.enabled, region_socket=socket_name).to_proto()
 
 
 async def _inline(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:

@@ -46,6 +46,14 @@ def our_objects() -> set[str]:
     return {n for n in os.listdir(SHM_DIR) if n.startswith(f"encoder-{os.getpid()}-")}
 
 
+def dev_shm_client(target: str, **kwargs) -> EncoderClient:
+    """A client whose regions are /dev/shm objects, as against a server without a region socket (an
+    older one): what these tests check is that path (registered regions: test_caller_regions.py)."""
+    client = EncoderClient(target, shared_memory=True, **kwargs)
+    client._use_region_socket(None)
+    return client
+
+
 def test_embeddings_through_shared_memory_equal_the_streamed_ones(encoder_server):
     images = [png(1), png(2, (80, 120)), png(3)]
     with EncoderClient(encoder_server.target) as streamed, \
@@ -109,7 +117,7 @@ def test_the_async_client_reads_the_region_too(encoder_server):
 
 
 def test_close_unlinks_every_region(encoder_server):
-    client = EncoderClient(encoder_server.target, shared_memory=True)
+    client = dev_shm_client(encoder_server.target)
     client.encode([png(20)])
     assert our_objects()
     client.close()
@@ -170,7 +178,9 @@ def test_a_plain_client_on_the_servers_host_gets_shared_memory_with_the_defaults
             assert client.model_info().shared_memory is True
             assert client.uses_shared_memory
             got = client.encode([png(25), png(26)])
-            assert our_objects()  # the call lent the server one of this process's regions
+            # The call lent the server one of this process's regions: a sealed memfd registered on the
+            # server's region socket, which leaves no name in /dev/shm.
+            assert client._regions.registered and not our_objects()
             for g, w in zip(got, want):
                 np.testing.assert_array_equal(g.embedding, w.embedding)
     finally:
@@ -223,7 +233,7 @@ def test_a_caller_that_shrinks_its_region_mid_call_gets_an_error_and_the_server_
 def test_a_caller_cannot_have_the_server_write_into_another_callers_region(encoder_server):
     """Any local user can list /dev/shm and put a victim's region name in its own request; without
     the victim's key (only readable by the object's owner) the server refuses and writes nothing."""
-    with EncoderClient(encoder_server.target, shared_memory=True) as victim:
+    with dev_shm_client(encoder_server.target) as victim:
         victim.encode([png(33)])  # the victim's region now exists, pooled between its calls
         (name,) = our_objects()
         path = os.path.join(SHM_DIR, name)

@@ -49,6 +49,9 @@ class ModelInfo:
     max_video_bytes: int = 0
     # --quantization: "none" or "fp8" (the blocks' linears in e4m3); empty from servers older than the field.
     quantization: str = ""
+    # The abstract unix socket where a caller on this host registers shared-memory regions by
+    # descriptor (SharedMemoryRegion.handle); empty when the server takes none.
+    region_socket: str = ""
 
     @classmethod
     def from_proto(cls, msg: encoder_pb2.ModelInfo) -> ModelInfo:

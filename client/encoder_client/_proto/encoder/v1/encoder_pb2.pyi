@@ -109,14 +109,16 @@ class EncodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., output_dtype: _Optional[_Union[DType, str]] = ..., sink: _Optional[_Union[Sink, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ..., output_region: _Optional[_Union[SharedMemoryRegion, _Mapping]] = ..., cache_only: _Optional[bool] = ...) -> None: ...
 
 class SharedMemoryRegion(_message.Message):
-    __slots__ = ("name", "size", "key")
+    __slots__ = ("name", "size", "key", "handle")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
     name: str
     size: int
     key: bytes
-    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., key: _Optional[bytes] = ...) -> None: ...
+    handle: str
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., key: _Optional[bytes] = ..., handle: _Optional[str] = ...) -> None: ...
 
 class EmbeddingChunk(_message.Message):
     __slots__ = ("request_id", "image_index", "content_hash", "grid_thw", "num_tokens", "hidden_size", "dtype", "token_offset", "data", "last", "cache_hit", "timing", "num_images", "feature_levels", "region_offset", "region_bytes", "frame_indices", "frame_timestamps_s", "sampled_frame_indices")
@@ -193,7 +195,7 @@ class PushAck(_message.Message):
     def __init__(self, images: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "model_type", "hidden_size", "dtype", "patch_size", "temporal_patch_size", "spatial_merge_size", "patch_dim", "attention_backend", "device", "cache_namespace", "max_batch_tokens", "max_message_bytes", "max_image_pixels", "version", "preprocess", "feature_levels", "shared_memory", "ops", "decode", "video", "max_video_frames", "max_video_seconds", "max_video_bytes", "quantization")
+    __slots__ = ("model_id", "model_type", "hidden_size", "dtype", "patch_size", "temporal_patch_size", "spatial_merge_size", "patch_dim", "attention_backend", "device", "cache_namespace", "max_batch_tokens", "max_message_bytes", "max_image_pixels", "version", "preprocess", "feature_levels", "shared_memory", "ops", "decode", "video", "max_video_frames", "max_video_seconds", "max_video_bytes", "quantization", "region_socket")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +221,7 @@ class ModelInfo(_message.Message):
     MAX_VIDEO_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_VIDEO_BYTES_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    REGION_SOCKET_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_type: str
     hidden_size: int
@@ -244,4 +247,5 @@ class ModelInfo(_message.Message):
     max_video_seconds: float
     max_video_bytes: int
     quantization: str
-    def __init__(self, model_id: _Optional[str] = ..., model_type: _Optional[str] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., patch_size: _Optional[int] = ..., temporal_patch_size: _Optional[int] = ..., spatial_merge_size: _Optional[int] = ..., patch_dim: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., cache_namespace: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., version: _Optional[str] = ..., preprocess: _Optional[str] = ..., feature_levels: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., ops: _Optional[str] = ..., decode: _Optional[str] = ..., video: _Optional[str] = ..., max_video_frames: _Optional[int] = ..., max_video_seconds: _Optional[float] = ..., max_video_bytes: _Optional[int] = ..., quantization: _Optional[str] = ...) -> None: ...
+    region_socket: str
+    def __init__(self, model_id: _Optional[str] = ..., model_type: _Optional[str] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., patch_size: _Optional[int] = ..., temporal_patch_size: _Optional[int] = ..., spatial_merge_size: _Optional[int] = ..., patch_dim: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., cache_namespace: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., version: _Optional[str] = ..., preprocess: _Optional[str] = ..., feature_levels: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., ops: _Optional[str] = ..., decode: _Optional[str] = ..., video: _Optional[str] = ..., max_video_frames: _Optional[int] = ..., max_video_seconds: _Optional[float] = ..., max_video_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., region_socket: _Optional[str] = ...) -> None: ...

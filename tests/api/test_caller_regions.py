@@ -1,0 +1,260 @@
+"""Shared-memory regions registered by descriptor (api/caller_regions.py): what a plain client on the
+server's host lends by default, and what a hostile local user can send the region socket. Against
+the real server process (``--shared-memory on``, its default)."""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import io
+import os
+import socket
+import tempfile
+
+import grpc
+import numpy as np
+import pytest
+from encoder_client import AsyncEncoderClient, EncoderClient
+from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
+from encoder_client.shared_memory import SHM_DIR, SealedRegion
+from PIL import Image
+
+from encoder_service.api import caller_regions
+
+ALSO_WITH_WORKER_PROCESSES = True
+ALSO_WITH_GRPC_PROCESSES = True
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def shm_server(start_encoder_server, server_mode):
+    workers = ("--devices", "cpu,cpu") if server_mode == "workers" else ()
+    return start_encoder_server("--max-batch-tokens", "4096", *workers)
+
+
+@pytest.fixture(scope="module")
+def encoder_server(shm_server):  # makes the module run once per server mode (see conftest)
+    return shm_server
+
+
+@pytest.fixture(scope="module")
+def socket_name(encoder_server) -> str:
+    with EncoderClient(encoder_server.target) as client:
+        name = client.model_info().region_socket
+    assert name.startswith("encoder-regions-")
+    return name
+
+
+def png(seed: int, size=(150, 100)) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def our_objects() -> set[str]:
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(f"encoder-{os.getpid()}-")}
+
+
+def connect(name: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.settimeout(10)
+    sock.connect("\0" + name)
+    return sock
+
+
+def ask(sock: socket.socket, message: str, fds: list[int] = ()) -> str:
+    socket.send_fds(sock, [message.encode()], list(fds))
+    return sock.recv(256).decode()
+
+
+def memfd(size: int, seals: int = fcntl.F_SEAL_SHRINK) -> int:
+    fd = os.memfd_create("test-region", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def encode_into(target: str, handle: str, image: bytes, **region) -> list[encoder_pb2.EmbeddingChunk]:
+    request = encoder_pb2.EncodeRequest(images=[encoder_pb2.Image(encoded=image)],
+                                        output_region=encoder_pb2.SharedMemoryRegion(handle=handle, **region))
+    with grpc.insecure_channel(target) as channel:
+        return list(encoder_pb2_grpc.VisionEncoderStub(channel).Encode(request, timeout=60))
+
+
+# --- what a plain client gets --------------------------------------------------------------------------
+
+
+def test_a_plain_client_registers_sealed_regions_and_gets_the_streamed_embeddings(encoder_server):
+    images = [png(1), png(2, (80, 120)), png(3)]
+    with EncoderClient(encoder_server.target, shared_memory=False) as streamed, \
+            EncoderClient(encoder_server.target) as client:
+        want = streamed.encode(images, output_dtype="bfloat16", bf16_as="uint16")
+        for _ in range(3):  # new images (the first region is too small), then cache hits in a reused region
+            got = client.encode(images, output_dtype="bfloat16", bf16_as="uint16")
+            for g, w in zip(got, want):
+                assert g.content_hash == w.content_hash
+                np.testing.assert_array_equal(g.embedding, w.embedding)
+        assert got[0].cache_hit
+        assert client._regions.registered
+        assert [type(r) for r in client._regions._free] == [SealedRegion]
+        assert not our_objects()  # no name in /dev/shm: nothing is left there if this process dies
+
+
+def test_the_async_client_registers_its_regions_too(encoder_server):
+    async def run():
+        async with AsyncEncoderClient(encoder_server.target) as client:
+            for _ in range(2):
+                got = await client.encode([png(4)], output_dtype="bfloat16", bf16_as="uint16")
+            return got, client._regions.registered
+
+    got, registered = asyncio.run(run())
+    with EncoderClient(encoder_server.target, shared_memory=False) as streamed:
+        want = streamed.encode([png(4)], output_dtype="bfloat16", bf16_as="uint16")
+    np.testing.assert_array_equal(got[0].embedding, want[0].embedding)
+    assert registered
+
+
+def test_the_region_chunk_of_a_registered_region_points_from_offset_0(encoder_server, socket_name):
+    with connect(socket_name) as sock:
+        fd = memfd(1 << 20)
+        try:
+            word, handle = ask(sock, f"add {1 << 20}", [fd]).split(" ")
+            assert word == "ok" and len(handle) == 32
+            (chunk,) = encode_into(encoder_server.target, handle, png(5))
+            memory = np.frombuffer(os.pread(fd, chunk.region_bytes, chunk.region_offset), np.float32)
+        finally:
+            os.close(fd)
+    assert chunk.last and not chunk.data and chunk.region_offset == 0
+    with EncoderClient(encoder_server.target, shared_memory=False) as streamed:
+        want = streamed.encode([png(5)])[0].embedding
+    np.testing.assert_array_equal(memory.reshape(want.shape), want)
+
+
+def test_a_client_whose_registered_region_is_refused_goes_back_to_dev_shm_objects(encoder_server):
+    """As after a server restart: the handles the client holds are unknown there."""
+    with EncoderClient(encoder_server.target, shared_memory=False) as streamed:
+        want = [streamed.encode([png(seed)])[0].embedding for seed in (6, 7, 8)]
+    with EncoderClient(encoder_server.target) as client:
+        for _ in range(2):
+            client.encode([png(6)])
+        assert client._regions.registered
+        client._regions._registrar._sock.shutdown(socket.SHUT_RDWR)  # the server drops its handles
+        got = [client.encode([png(seed)])[0].embedding for seed in (6, 7, 8)]
+        assert not client._regions.registered and client.uses_shared_memory and our_objects()
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+# --- what a hostile local user can send -----------------------------------------------------------------
+
+
+def test_model_info_names_the_region_socket_only_with_shared_memory_on(start_encoder_server, socket_name):
+    server = start_encoder_server("--shared-memory", "off")
+    try:
+        with EncoderClient(server.target) as client:
+            assert client.model_info().region_socket == ""
+            assert client.encode([png(9)])[0].num_tokens > 0
+            assert not client.uses_shared_memory  # refused, then streamed for good, as before
+    finally:
+        server.stop()
+
+
+def _regular_file() -> int:
+    fd, path = tempfile.mkstemp()
+    os.unlink(path)
+    os.ftruncate(fd, 1 << 20)
+    return fd
+
+
+def _pipe() -> int:
+    read, write = os.pipe()
+    os.close(write)
+    return read
+
+
+@pytest.mark.parametrize(("make", "why"), [
+    (lambda: memfd(1 << 20, seals=0), "not sealed against shrinking"),
+    (lambda: memfd(1 << 20, seals=fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE),
+     "cannot be mapped (Operation not permitted)"),
+    (lambda: memfd(1 << 16), "smaller than its size"),
+    # (a file on tmpfs reads as shmem that was never sealable: sealed with F_SEAL_SEAL alone)
+    (_regular_file, ("not a sealed memfd", "not sealed against shrinking")),
+    (_pipe, "not a memfd"),
+], ids=["unsealed-memfd", "write-sealed-memfd", "smaller-than-said", "regular-file", "pipe"])
+def test_a_descriptor_the_server_cannot_map_safely_is_refused_and_it_serves_on(encoder_server, socket_name,
+                                                                                 make, why):
+    fd = make()
+    try:
+        with connect(socket_name) as sock:
+            assert ask(sock, f"add {1 << 20}", [fd]) in {f"no {w}" for w in ((why,) if isinstance(why, str) else why)}
+            assert ask(sock, f"add {1 << 20}") == "no descriptor: add takes exactly one"
+            assert ask(sock, "map /etc/passwd").startswith("no message")
+    finally:
+        os.close(fd)
+    assert encoder_server.alive()
+    with EncoderClient(encoder_server.target) as client:
+        assert client.encode([png(10)])[0].num_tokens > 0
+
+
+def test_one_connection_holds_a_bounded_number_of_regions(encoder_server, socket_name):
+    fds = []
+    try:
+        with connect(socket_name) as sock:
+            for _ in range(caller_regions.MAX_REGIONS_PER_CONNECTION):
+                fds.append(memfd(4096))
+                assert ask(sock, "add 4096", [fds[-1]]).startswith("ok ")
+            fds.append(memfd(4096))
+            assert ask(sock, "add 4096", [fds[-1]]).startswith("no room")
+            # Bytes are bounded too, whatever a sparse memfd claims.
+            assert ask(sock, f"add {caller_regions.MAX_BYTES_PER_CONNECTION}", [fds[-1]]).startswith("no room")
+    finally:
+        for fd in fds:
+            os.close(fd)
+    with EncoderClient(encoder_server.target) as client:
+        assert client.encode([png(11)])[0].num_tokens > 0
+
+
+def test_an_unknown_or_dropped_handle_is_a_clear_error(encoder_server, socket_name):
+    with pytest.raises(grpc.RpcError) as err:
+        encode_into(encoder_server.target, "0" * 32, png(12))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "output_region.handle" in err.value.details()
+    # A handle is worth nothing once the connection that registered it is gone.
+    fd = memfd(1 << 20)
+    try:
+        with connect(socket_name) as sock:
+            handle = ask(sock, f"add {1 << 20}", [fd]).split(" ")[1]
+            assert encode_into(encoder_server.target, handle, png(13))[0].region_bytes > 0
+        with pytest.raises(grpc.RpcError) as err:
+            encode_into(encoder_server.target, handle, png(14))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        # ... or once it was dropped.
+        with connect(socket_name) as sock:
+            handle = ask(sock, f"add {1 << 20}", [fd]).split(" ")[1]
+            socket.send_fds(sock, [f"drop {handle}".encode()], [])
+            with pytest.raises(grpc.RpcError) as err:
+                encode_into(encoder_server.target, handle, png(15))
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        os.close(fd)
+
+
+def test_a_handle_and_a_name_together_are_invalid(encoder_server):
+    with pytest.raises(grpc.RpcError) as err:
+        encode_into(encoder_server.target, "0" * 32, png(16), name="encoder-x", size=4096, key=bytes(range(32)))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "output_region" in err.value.details()
+
+
+def test_a_client_cannot_shrink_the_region_it_registered():
+    """What makes the server's mapping safe (no SIGBUS): the seal, set before the server sees the descriptor."""
+    fd = memfd(1 << 20, seals=fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    try:
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)
+        with pytest.raises(PermissionError):
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)  # nor take the seal back or add others
+    finally:
+        os.close(fd)
