@@ -70,6 +70,20 @@ def run_pairs(clients: dict, images: list[bytes], warmup: int) -> dict:
     return times
 
 
+def client_for(target: str, stream: str):
+    """A plain EncoderClient; ``stream="threads"``: one whose Encode stream is gRPC's default (a
+    channel-spin thread started per call), as clients were before 4427ba4."""
+    from encoder_client import EncoderClient
+
+    if stream == "single":
+        return EncoderClient(target)
+
+    class ThreadedStreamClient(EncoderClient):
+        _surface_options = ()
+
+    return ThreadedStreamClient(target)
+
+
 def main(argv: list[str] | None = None) -> int:
     from encoder_service.benchmarks.service import start_server, stop_process
     from encoder_service.benchmarks.service_clients import make_images
@@ -88,11 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--b-cwd", default=".")
     parser.add_argument("--a-args", default="", help="serve flags of server A (one string)")
     parser.add_argument("--b-args", default="", help="serve flags of server B (one string)")
+    for side in ("a", "b"):
+        parser.add_argument(f"--{side}-client-stream", choices=("single", "threads"), default="single",
+                            help=f"client {side.upper()}'s Encode stream: read on the calling thread (the "
+                                 "client's default since 4427ba4) or gRPC's default, which starts a channel-spin "
+                                 "thread per call (what clients had before)")
     parser.add_argument("--start-timeout-s", type=float, default=900.0)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-
-    from encoder_client import EncoderClient
 
     images = make_images(args.pairs + args.warmup, 10_000, 4, args.image_size)
     servers, clients = {}, {}
@@ -104,12 +121,13 @@ def main(argv: list[str] | None = None) -> int:
                                    serve_args=shlex.split(getattr(args, f"{side}_args")),
                                    start_timeout_s=args.start_timeout_s)
             servers[side] = start_server(spec, out_dir / f"lone-pairs-{side}.server.log")
-            clients[side] = EncoderClient(servers[side][1])
+            clients[side] = client_for(servers[side][1], getattr(args, f"{side}_client_stream"))
         new = run_pairs(clients, images, args.warmup)
         result = {"date": time.strftime("%Y-%m-%d"), "host": platform.node(), "command": " ".join(sys.argv),
                   "model": args.model, "device": args.device, "dtype": args.dtype, "image_size": args.image_size,
                   "jpeg_bytes_mean": float(np.mean([len(i) for i in images])),
-                  "a": {"cwd": args.a_cwd, "args": args.a_args}, "b": {"cwd": args.b_cwd, "args": args.b_args},
+                  "a": {"cwd": args.a_cwd, "args": args.a_args, "client_stream": args.a_client_stream},
+                  "b": {"cwd": args.b_cwd, "args": args.b_args, "client_stream": args.b_client_stream},
                   "new_images": {"a": _side(new["a"]), "b": _side(new["b"]),
                                  "b_minus_a": paired_difference(new["a"], new["b"])}}
         fresh = result["new_images"]

@@ -220,9 +220,10 @@ def test_lone_pairs_compares_two_servers_image_by_image(tmp_path):
     out = tmp_path / "pairs.json"
     subprocess.run([sys.executable, "bench/lone_pairs.py", "--model", "tiny-qwen2.5-vl", "--device", "cpu",
                     "--dtype", "float32", "--image-size", "112", "--pairs", "8", "--warmup", "2", "--hit-pairs", "6",
-                    "--b-args", "--cache-bytes 0", "--out", str(out)],
+                    "--b-args", "--cache-bytes 0", "--a-client-stream", "threads", "--out", str(out)],
                    cwd=REPO_ROOT, check=True, capture_output=True, timeout=240)
     report = json.loads(out.read_text())
+    assert (report["a"]["client_stream"], report["b"]["client_stream"]) == ("threads", "single")
     assert report["new_images"]["a"]["n"] == report["new_images"]["b"]["n"] == 8
     assert report["cache_hits"]["a"]["n"] == 6
     # B runs without a cache: its "hits" are new work each time, slower than A's true hits.
