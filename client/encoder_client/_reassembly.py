@@ -21,7 +21,7 @@ from encoder_client.dtypes import bf16_rows_as
 from encoder_client.errors import EncoderClientError
 from encoder_client.protocol import encoder_pb2
 from encoder_client.protocol.dtypes import dtype_name, wire_numpy_dtype
-from encoder_client.shared_memory import OutputRegion, RegionPool, aligned
+from encoder_client.shared_memory import OutputRegion, RegionPool, aligned, copy_in_slices
 from encoder_client.types import EncodedImage
 
 
@@ -131,7 +131,11 @@ class Reassembler:
             raise _malformed(f"image {chunk.image_index}: rows {start}..{start + n} sent twice")
         part.filled[start:start + n] = True
         wire_rows = np.frombuffer(data, dtype=part.rows.dtype).reshape(n, levels, hidden)
-        part.rows[:, start:start + n] = wire_rows.transpose(1, 0, 2)
+
+        def copy(first: int, stop: int) -> None:
+            part.rows[:, start + first:start + stop] = wire_rows[first:stop].transpose(1, 0, 2)
+
+        copy_in_slices(n, row_bytes, copy)
         part.rows_received += n
 
     def _region_rows(self, part: _Partial, chunk: encoder_pb2.EmbeddingChunk) -> np.ndarray:

@@ -40,6 +40,7 @@ import socket
 import threading
 import weakref
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -239,6 +240,42 @@ class SealedRegion:
         if not self.closed:
             self.closed = True
             self._registrar.drop(self.handle)
+
+
+# A region's bytes are copied in up to COPY_SLICES pieces at once, each at least SLICE_MIN_BYTES: one
+# thread copies at a fraction of the host's memory bandwidth (an 8.8 MB embedding took 0.95 ms on
+# the H200 host's side of a cache hit and 0.84 ms on the client's, py-spy), and numpy releases the
+# GIL for each piece. Used on both sides: the client's copy out, the server's copy in.
+COPY_SLICES = 4
+SLICE_MIN_BYTES = 1 << 20
+_copy_pool: tuple[int, ThreadPoolExecutor] | None = None
+_copy_pool_lock = threading.Lock()
+
+
+def _copy_threads() -> ThreadPoolExecutor:
+    global _copy_pool
+    with _copy_pool_lock:
+        # A forked child has the pool object but none of its threads: it makes its own.
+        if _copy_pool is None or _copy_pool[0] != os.getpid():
+            _copy_pool = (os.getpid(), ThreadPoolExecutor(COPY_SLICES - 1, thread_name_prefix="copy-slices"))
+        return _copy_pool[1]
+
+
+def copy_in_slices(count: int, item_bytes: int, copy: Callable[[int, int], None]) -> None:
+    """``copy(start, stop)`` over ``range(count)`` items of ``item_bytes`` each, in pieces copied at
+    once when there are several megabytes (the calling thread copies the first piece)."""
+    slices = max(1, min(COPY_SLICES, count * item_bytes // SLICE_MIN_BYTES, count))
+    if slices == 1:
+        copy(0, count)
+        return
+    bounds = [count * i // slices for i in range(slices + 1)]
+    pool = _copy_threads()
+    others = [pool.submit(copy, bounds[i], bounds[i + 1]) for i in range(1, slices)]
+    try:
+        copy(bounds[0], bounds[1])
+    finally:
+        for future in others:
+            future.result()
 
 
 def aligned(n: int) -> int:
