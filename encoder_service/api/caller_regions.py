@@ -7,8 +7,9 @@ socket whose name GetModelInfo gives, ``ModelInfo.region_socket``). The server c
 once and answers a handle: 32 random hex digits that name the region in the caller's later calls.
 Each image is then one memory copy into that mapping, without the GIL, where a ``/dev/shm`` object
 named in the request (api/shared_memory.py) costs a ``pwrite`` into a descriptor opened for the
-call: 0.7 ms less a cached 1008x1008 image (8.8 MB) on the CPU host, paired against pwrite (the
-kernel's page-by-page write into tmpfs runs at a quarter of a copy's speed there).
+call: 0.84 ms less a cached 1008x1008 image (8.8 MB) on the CPU host, paired against pwrite (the
+kernel's page-by-page write into tmpfs ran at a quarter of a copy's speed there); with the copies in
+pieces, 1.23 ms less on an H200 host (bench/RESULTS.md, 2026-12-02).
 
 Why a mapping is safe here and not for a ``/dev/shm`` object: the caller cannot shrink a sealed
 memfd, so no write through the mapping can fall past the object's end (SIGBUS, which would kill the
