@@ -14,8 +14,8 @@ work for both. Then the same with one image sent again and again (cache hits), u
 Reported per side: p50, p99 and mean; and the median of B - A over the pairs with a 95% bootstrap
 interval (negative: B is faster). The interval covers the pairs' scatter, not the spread between two
 server processes: the same tree on both sides (``--a-cwd . --b-cwd .``) measured +0.54 ms at 448x448 on
-an H200 (bench/RESULTS.md, 2026-12-02), so a difference of that size needs such an A/A run beside it. A plain ``EncoderClient`` (shared memory on the same host, as
-users run it), bfloat16 rows.
+an H200 (bench/RESULTS.md, 2026-12-02), so a difference of that size needs such an A/A run beside
+it. A plain ``EncoderClient`` (shared memory on the same host, as users run it), bfloat16 rows.
 """
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from encoder_client.shared_memory import (
     Registrar,
     region_refused,
     same_host_target,
+    sealing_supported,
 )
 
 log = logging.getLogger(__name__)
@@ -150,7 +150,8 @@ class ClientBase:
     """
 
     _channels: ClassVar[ModuleType]
-    # Options of the subclass's channel surface, before the caller's (which override them).
+    # Options of the subclass's channel surface, before the caller's (which override them, except
+    # gRPC's SingleThreadedUnaryStream: any value of that key turns it on).
     _surface_options: ClassVar[tuple[tuple[str, Any], ...]] = ()
 
     def __init__(
@@ -218,44 +219,56 @@ class ClientBase:
     def _use_region_socket(self, info: ModelInfo | None) -> None:
         """After GetModelInfo (None: it failed for good): where the server has a region socket, this
         client's regions are registered sealed memfds from now on."""
+        registrar = self._connect_registrar(info)
         self._socket_asked = True
-        if info is None or not info.region_socket or self._regions is None or not hasattr(os, "memfd_create"):
-            return
+        if registrar is not None:
+            self._regions.register_with(registrar)
+
+    def _connect_registrar(self, info: ModelInfo | None) -> Registrar | None:
+        """A connection to the region socket ``info`` names, or None (none, or not usable from here)."""
+        if info is None or not info.region_socket or self._regions is None or not sealing_supported():
+            return None
         if self._cache_namespace is None:
             self._cache_namespace = info.cache_namespace
         try:
-            registrar = Registrar(info.region_socket)
+            return Registrar(info.region_socket)
         except OSError as exc:  # another network namespace behind a loopback address, say
             log.info("encoder client for %s: the server's region socket is not reachable (%s); regions "
                      "are /dev/shm objects", self.target, exc)
-            return
-        self._regions.register_with(registrar)
+            return None
 
-    def _stream_from_now_on(self, error: BaseException) -> bool:
-        """With ``shared_memory="auto"``: whether ``error`` (of an Encode that lent a region) says the
-        server cannot write this process's regions (another host behind the address, shared memory
-        off, a full /dev/shm here); if so this client streams from now on, and the caller sends the
-        call again without a region (its regions all lent, RegionsExhausted: only this call streams).
-        Never with ``shared_memory=True``: the error is the caller's."""
-        if (self._regions is not None and self._regions.registered and isinstance(error, EncoderClientError)
-                and region_refused(error.code.name, error.details)):
-            # Its registered region was refused (a server restarted since): /dev/shm objects from now on.
-            log.info("encoder client for %s: the server refused a registered region (%s); regions are "
-                     "/dev/shm objects from now on", self.target, error.details)
-            self._regions.stop_registering()
-            return True
-        if not self._shared_memory_auto or self._regions is None:
+    def _stream_from_now_on(self, error: BaseException, *, lent_registered: bool = False) -> bool:
+        """Whether the call that failed with ``error`` goes again on the stream (the caller then sends
+        it without a region). ``lent_registered``: the call lent a registered region.
+
+        A registered region refused (the server restarted since, or dropped it): yes, and later
+        regions are /dev/shm objects. Otherwise, with ``shared_memory="auto"``: whether ``error``
+        says the server cannot write this process's regions (another host behind the address, shared
+        memory off, a full /dev/shm here); if so this client streams from now on (its regions all
+        lent, RegionsExhausted: only this call streams). With ``shared_memory=True`` every other
+        error is the caller's."""
+        refused = isinstance(error, EncoderClientError) and region_refused(error.code.name, error.details)
+        if lent_registered and refused:
+            regions = self._regions
+            if regions is not None and regions.registered:
+                log.info("encoder client for %s: the server refused a registered region (%s); regions are "
+                         "/dev/shm objects from now on", self.target, error.details)
+                regions.stop_registering()
+            return True  # (another call may have stopped it first: this one streams all the same)
+        if not self._shared_memory_auto:
             return False
         if isinstance(error, RegionsExhausted):
             return True  # the regions are all lent: this call streams, the next may have one
         if isinstance(error, EncoderClientError):
-            if not region_refused(error.code.name, error.details):
+            if not refused:
                 return False
         elif not isinstance(error, OSError):
             return False
-        log.info("encoder client for %s: streaming responses (shared memory not usable: %s)", self.target, error)
         regions, self._regions = self._regions, None
-        regions.close()
+        if regions is not None:  # (None: another call got here first)
+            log.info("encoder client for %s: streaming responses (shared memory not usable: %s)", self.target,
+                     error)
+            regions.close()
         return True
 
 

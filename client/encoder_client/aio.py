@@ -124,7 +124,7 @@ class AsyncEncoderClient(ClientBase):
                 await self._call_encode(request, timeout_s, reassembler.add)
                 return reassembler.results()
         except (EncoderClientError, OSError) as err:
-            if not self._stream_from_now_on(err):
+            if not self._stream_from_now_on(err, lent_registered=bool(request.output_region.handle)):
                 raise
         request.ClearField("output_region")
         with reassembling(request, bf16_as=bf16_as, regions=None) as reassembler:
@@ -133,7 +133,9 @@ class AsyncEncoderClient(ClientBase):
 
     async def _ask_region_socket(self, timeout_s: float | None) -> None:
         # On the loop alone: two calls may both ask before either has its answer; the second's is
-        # ignored (_use_region_socket marks it asked).
+        # ignored (_use_region_socket marks it asked). A new region's registration then runs on the
+        # loop, as a relay's does: a datagram to the server's socket and its answer, bounded by
+        # shared_memory.REPLY_TIMEOUT_S.
         try:
             info = await self.model_info(timeout_s=timeout_s)
         except EncoderClientError as err:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import fcntl
 import ipaddress
 import logging
 import mmap
@@ -40,6 +39,7 @@ import socket
 import threading
 import weakref
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -63,7 +63,34 @@ KEY_BYTES = 32
 HEADER_BYTES = 64  # the region's start, which holds the key; the server writes after it
 _GROW_STEP = 1 << 20
 REPLY_TIMEOUT_S = 5.0  # the server's answer to a registration (its event loop answers it)
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def sealing_supported() -> bool:
+    """Whether this host can make sealed memfds (Linux); elsewhere regions are /dev/shm objects."""
+    try:
+        import fcntl
+    except ImportError:
+        return False
+    return hasattr(os, "memfd_create") and hasattr(fcntl, "F_SEAL_SHRINK")
+
+
+def sealed_memfd(size: int) -> int:
+    """A memfd of ``size`` bytes, its pages reserved, sealed against shrinking and growing and against
+    further seals: what the server maps (it refuses a memfd it could lose pages of under the mapping)."""
+    import fcntl
+
+    fd = os.memfd_create("encoder-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        try:
+            os.posix_fallocate(fd, 0, size)  # short of memory: the error is here, not a SIGBUS
+        except OSError as err:
+            raise OSError(err.errno, f"cannot reserve {size} bytes of shared memory ({err.strerror})") from None
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def same_host_target(target: str) -> bool:
@@ -200,7 +227,10 @@ class Registrar:
 
     def close(self) -> None:
         """The server drops every region this connection registered."""
-        self._sock.close()
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a thread waiting for an answer
+        with self._lock:
+            self._sock.close()
 
 
 class SealedRegion:
@@ -211,20 +241,14 @@ class SealedRegion:
     header_bytes = 0
 
     def __init__(self, size: int, registrar: Registrar) -> None:
-        fd = os.memfd_create("encoder-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        fd = sealed_memfd(size)
         try:
-            os.ftruncate(fd, size)
-            try:
-                os.posix_fallocate(fd, 0, size)  # short of memory: the error is here, not a SIGBUS
-            except OSError as err:
-                raise OSError(err.errno, f"cannot reserve {size} bytes of shared memory ({err.strerror})") from None
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
             self.memory = np.frombuffer(mmap.mmap(fd, size, mmap.MAP_SHARED), np.uint8)
             self.handle = registrar.register(fd, size)
         finally:
             os.close(fd)
         self.size = size
-        self._registrar = registrar
+        self.registrar = registrar
         self.closed = False
 
     def proto(self) -> encoder_pb2.SharedMemoryRegion:
@@ -239,7 +263,7 @@ class SealedRegion:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self._registrar.drop(self.handle)
+            self.registrar.drop(self.handle)
 
 
 # A region's bytes are copied in up to COPY_SLICES pieces at once, each at least SLICE_MIN_BYTES: one
@@ -256,10 +280,19 @@ _copy_pool_lock = threading.Lock()
 _in_pieces = threading.Lock()  # held by the copy now going in pieces
 
 
+def _after_fork_in_child() -> None:
+    # A forked child has none of the pool's threads, and these locks as some thread held them.
+    global _copy_pool, _copy_pool_lock, _in_pieces
+    _copy_pool, _copy_pool_lock, _in_pieces = None, threading.Lock(), threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _copy_threads() -> ThreadPoolExecutor:
     global _copy_pool
     with _copy_pool_lock:
-        # A forked child has the pool object but none of its threads: it makes its own.
         if _copy_pool is None or _copy_pool[0] != os.getpid():
             _copy_pool = (os.getpid(), ThreadPoolExecutor(COPY_SLICES - 1, thread_name_prefix="copy-slices"))
         return _copy_pool[1]
@@ -268,20 +301,28 @@ def _copy_threads() -> ThreadPoolExecutor:
 def copy_in_slices(count: int, item_bytes: int, copy: Callable[[int, int], None]) -> None:
     """``copy(start, stop)`` over ``range(count)`` items of ``item_bytes`` each, in pieces copied at
     once when there are several megabytes and no other copy goes in pieces now (the calling thread
-    copies the first piece)."""
+    copies the first piece). Returns once every piece is done, also when one failed (then raises)."""
     slices = max(1, min(COPY_SLICES, count * item_bytes // SLICE_MIN_BYTES, count))
     if slices == 1 or not _in_pieces.acquire(blocking=False):
         copy(0, count)
         return
     try:
         bounds = [count * i // slices for i in range(slices + 1)]
+        others, inline = [], []
         pool = _copy_threads()
-        others = [pool.submit(copy, bounds[i], bounds[i + 1]) for i in range(1, slices)]
+        for i in range(1, slices):
+            try:
+                others.append(pool.submit(copy, bounds[i], bounds[i + 1]))
+            except RuntimeError:  # the pool is shut down (interpreter exit): this thread copies it
+                inline.append((bounds[i], bounds[i + 1]))
         try:
             copy(bounds[0], bounds[1])
+            for start, stop in inline:
+                copy(start, stop)
         finally:
-            for future in others:
-                future.result()
+            futures.wait(others)
+        for future in others:
+            future.result()  # raises a piece's error, now that none is still writing
     finally:
         _in_pieces.release()
 
@@ -352,6 +393,11 @@ class RegionPool:
         if registrar is not None:
             registrar.close()  # the server drops them all; a lent one is closed when its call ends
 
+    def _current(self, region: OutputRegion | SealedRegion) -> bool:
+        """Whether a region may be lent again: not one registered through a connection since closed
+        (the server has dropped its handle)."""
+        return not isinstance(region, SealedRegion) or region.registrar is self._registrar
+
     def _new_region(self, size: int) -> OutputRegion | SealedRegion:
         registrar = self._registrar
         if registrar is not None:
@@ -373,7 +419,7 @@ class RegionPool:
                     raise ValueError("the client is closed")
                 while self._free:
                     region = self._free.pop()
-                    if region.size == self.region_bytes:
+                    if region.size == self.region_bytes and self._current(region):
                         return region
                     doomed.append(region)  # sized for other calls than today's
                     self.live_bytes -= region.size
@@ -400,7 +446,7 @@ class RegionPool:
             need = max(self._recent)
             self.region_bytes = (self.initial_bytes if need <= self.initial_bytes
                                  else min(self.max_region_bytes, -(-need // _GROW_STEP) * _GROW_STEP))
-            keep = not (failed or self._closed or region.size != self.region_bytes)
+            keep = not (failed or self._closed or region.size != self.region_bytes or not self._current(region))
             if keep:
                 self._free.append(region)
             else:

@@ -2,9 +2,10 @@
 lends by default (``EncodeRequest.output_region.handle``).
 
 A caller on the server's host creates a ``memfd``, reserves its pages, seals it against shrinking
-(``F_SEAL_SHRINK``) and sends its descriptor over this server's region socket (an abstract unix
-socket whose name GetModelInfo gives, ``ModelInfo.region_socket``). The server checks it, maps it
-once and answers a handle: 32 random hex digits that name the region in the caller's later calls.
+and growing (``F_SEAL_SHRINK | F_SEAL_GROW``) and sends its descriptor over this server's region
+socket (an abstract unix socket whose name GetModelInfo gives, ``ModelInfo.region_socket``). The
+server checks it, maps it once and answers a handle: 32 random hex digits that name the region in
+the caller's later calls.
 Each image is then one memory copy into that mapping, without the GIL, where a ``/dev/shm`` object
 named in the request (api/shared_memory.py) costs a ``pwrite`` into a descriptor opened for the
 call: 0.84 ms less a cached 1008x1008 image (8.8 MB) on the CPU host, paired against pwrite (the
@@ -13,10 +14,12 @@ pieces, 1.23 ms less on an H200 host (bench/RESULTS.md, 2026-12-02).
 
 Why a mapping is safe here and not for a ``/dev/shm`` object: the caller cannot shrink a sealed
 memfd, so no write through the mapping can fall past the object's end (SIGBUS, which would kill the
-server). Only a descriptor that ``F_GET_SEALS`` shows sealed against shrinking is taken: a regular
-file, a pipe, a socket or an unsealed memfd is refused, and so is a hugetlbfs memfd (its block size
-is not the page size), whose pages a caller could free under the mapping. Nothing in /dev/shm names
-a region, and nothing is left behind when the caller exits.
+server). Only a descriptor that ``F_GET_SEALS`` shows sealed against shrinking and growing is
+taken, of exactly the registered size with every page reserved (``posix_fallocate``: charged to its
+caller, not to the server that writes it; checked again before each call, since a caller can punch
+holes): a regular file, a pipe, a socket or an unsealed memfd is refused, and so is a hugetlbfs memfd
+(its block size is not the page size), whose pages a caller could free under the mapping. Nothing in
+/dev/shm names a region, and nothing is left behind when the caller exits.
 
 Messages on a connection, one datagram each (``SOCK_SEQPACKET``), ASCII:
 
@@ -27,7 +30,8 @@ Messages on a connection, one datagram each (``SOCK_SEQPACKET``), ASCII:
 A connection closing drops all its regions. Bounds (a hostile local user can connect like any
 caller): ``MAX_CONNECTIONS`` connections, ``MAX_REGIONS_PER_CONNECTION`` regions and
 ``MAX_BYTES_PER_CONNECTION`` bytes on each, ``MAX_REGIONS`` in all (each mapping is one of the
-process's ``vm.max_map_count`` mappings, which the model's memory needs too). A refused registration
+process's ``vm.max_map_count`` mappings, which the model's memory needs too), and never more than an
+eighth of the open-file limit in descriptors (``FDS_PER_REGION``). A refused registration
 costs the caller speed, never an answer: its client falls back to a ``/dev/shm`` object.
 
 The handle is the capability: whoever sends it in a request has the server write that call's
@@ -45,9 +49,11 @@ import fcntl
 import logging
 import mmap
 import os
+import resource
 import secrets
 import socket
 import stat
+import sys
 
 import numpy as np
 
@@ -58,8 +64,16 @@ log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 256
 MAX_REGIONS_PER_CONNECTION = 256
 MAX_BYTES_PER_CONNECTION = 4 << 30
-MAX_REGIONS = 4096
+MAX_REGIONS = 2048
+# Descriptors a region holds: the registry's own (to check its pages before each call), and before
+# Python 3.13 the duplicate ``mmap`` keeps. All regions together take at most this share of the
+# process's open-file limit, whatever MAX_REGIONS says.
+FDS_PER_REGION = 1 if sys.version_info >= (3, 13) else 2
+FD_LIMIT_SHARE = 8
 _MAX_MESSAGE = 128
+# Shrinking would make a write through the mapping a SIGBUS; growing (with pages past the registered
+# size) would let the pages check below pass with holes inside it.
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 MESSAGES_PER_WAKEUP = 16
 HANDLE_HEX = 32
 
@@ -68,26 +82,48 @@ class Refused(Exception):
     """A descriptor the server does not map (the reason goes back to the caller)."""
 
 
+def _reserved(st: os.stat_result, size: int) -> bool:
+    """Whether the object's first ``size`` bytes have their pages (its owner reserved them: they are
+    charged to it, not to the server that writes them)."""
+    return st.st_blocks * 512 >= size
+
+
 def map_sealed(fd: int, size: int) -> np.ndarray:
-    """``size`` bytes of a memfd sealed against shrinking, mapped shared and writable; Refused
-    otherwise (see the module docstring for what is refused and why)."""
+    """``size`` bytes of a memfd sealed against shrinking, its pages reserved, mapped shared and
+    writable; Refused otherwise (see the module docstring for what is refused and why)."""
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise Refused("not a memfd")
-        if st.st_blksize != mmap.PAGESIZE:  # hugetlbfs: pages a caller can free under the mapping
+        # hugetlbfs (its block size is the huge page's; st_blksize would be too for tmpfs with huge
+        # pages, fstatvfs is not): pages a caller can free under the mapping.
+        if os.fstatvfs(fd).f_bsize != mmap.PAGESIZE:
             raise Refused("not a memfd of ordinary pages")
         try:
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         except OSError:  # a file, pipe or socket: no seals at all
             raise Refused("not a sealed memfd") from None
-        if not seals & fcntl.F_SEAL_SHRINK:
-            raise Refused("not sealed against shrinking")
-        if st.st_size < size:
-            raise Refused("smaller than its size")
+        if seals & _SEALS != _SEALS:
+            raise Refused("not sealed against shrinking and growing")
+        if st.st_size != size:
+            raise Refused("not of its size")
+        if not _reserved(st, size):
+            raise Refused("pages not reserved (posix_fallocate them first)")
+        if sys.version_info >= (3, 13):  # no duplicate of the descriptor: the registry keeps its own
+            return np.frombuffer(mmap.mmap(fd, size, mmap.MAP_SHARED, trackfd=False), np.uint8)
         return np.frombuffer(mmap.mmap(fd, size, mmap.MAP_SHARED), np.uint8)
     except OSError as exc:  # e.g. a memfd sealed against writes, or opened read-only
         raise Refused(f"cannot be mapped ({exc.strerror})") from None
+
+
+class _Region:
+    def __init__(self, memory: np.ndarray, fd: int, owner: _Connection) -> None:
+        self.memory = memory
+        self.fd = fd  # the registry's own: fstat before each call
+        self.owner = owner
+
+    def close(self) -> None:
+        os.close(self.fd)  # the mapping goes with the last reference to ``memory`` (a call may still write)
 
 
 class _Connection:
@@ -108,7 +144,10 @@ class CallerRegions:
         self._listener.bind("\0" + self.name)
         self._listener.listen(64)
         self._listener.setblocking(False)
-        self._regions: dict[str, tuple[np.ndarray, _Connection]] = {}
+        self._regions: dict[str, _Region] = {}
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        by_fds = MAX_REGIONS if soft == resource.RLIM_INFINITY else soft // FD_LIMIT_SHARE // FDS_PER_REGION
+        self.max_regions = max(1, min(MAX_REGIONS, by_fds))
         self._connections: dict[socket.socket, _Connection] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -134,11 +173,14 @@ class CallerRegions:
         """The writer of one call into the region ``handle`` names, within its first ``size`` bytes
         (0: all of it); RegionUnusable when no region has that handle (the caller's client then goes
         back to a /dev/shm object: see encoder_client.shared_memory)."""
-        entry = self._regions.get(handle)
-        if entry is None:
+        region = self._regions.get(handle)
+        if region is None:
             raise RegionUnusable("output_region.handle names no region registered with this server (closed, "
                                  "or registered with a server that has since restarted)")
-        memory = entry[0]
+        memory = region.memory
+        if not _reserved(os.fstat(region.fd), len(memory)):
+            # Holes punched since: the server's writes would take pages charged to it, not to the caller.
+            raise RegionUnusable("output_region.handle: the region's pages are no longer all reserved")
         return RegionWriter(memory[:size] if 0 < size < len(memory) else memory)
 
     # --- the socket ----------------------------------------------------------------------------------
@@ -161,7 +203,7 @@ class CallerRegions:
     def _read(self, conn: _Connection) -> None:
         for _ in range(MESSAGES_PER_WAKEUP):  # a flood on one connection never holds the loop
             try:
-                data, fds, _flags, _addr = socket.recv_fds(conn.sock, _MAX_MESSAGE, 1)
+                data, fds, flags, _addr = socket.recv_fds(conn.sock, _MAX_MESSAGE, 1)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
@@ -170,7 +212,10 @@ class CallerRegions:
                 if not data:
                     self._disconnect(conn)
                     return
-                reply = self._handle(conn, data.decode("ascii", "replace").split(" "), fds)
+                if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):  # more descriptors, or a longer message
+                    reply = "no message: one descriptor at most, and at most 128 bytes"
+                else:
+                    reply = self._handle(conn, data.decode("ascii", "replace").split(" "), fds)
             finally:
                 for fd in fds:
                     with contextlib.suppress(OSError):
@@ -191,8 +236,8 @@ class CallerRegions:
             except Refused as exc:
                 return f"no {exc}"
         if words[0] == "drop" and len(words) == 2:
-            entry = self._regions.get(words[1])
-            if entry is not None and entry[1] is conn:
+            region = self._regions.get(words[1])
+            if region is not None and region.owner is conn:
                 self._forget(words[1])
             return None
         return "no message: add SIZE or drop HANDLE"
@@ -204,19 +249,24 @@ class CallerRegions:
         if len(conn.handles) >= MAX_REGIONS_PER_CONNECTION or conn.bytes + size > MAX_BYTES_PER_CONNECTION:
             raise Refused(f"room: a connection holds at most {MAX_REGIONS_PER_CONNECTION} regions and "
                           f"{MAX_BYTES_PER_CONNECTION} bytes")
-        if len(self._regions) >= MAX_REGIONS:
-            raise Refused(f"room: the server holds {MAX_REGIONS} regions")
+        if len(self._regions) >= self.max_regions:
+            raise Refused(f"room: the server holds {self.max_regions} regions")
         memory = map_sealed(fd, size)
         handle = secrets.token_hex(HANDLE_HEX // 2)
-        self._regions[handle] = (memory, conn)
+        try:
+            own = os.dup(fd)
+        except OSError as exc:  # out of descriptors: the caller falls back, the server serves on
+            raise Refused(f"room: {exc.strerror}") from None
+        self._regions[handle] = _Region(memory, own, conn)
         conn.handles.add(handle)
         conn.bytes += size
         return handle
 
     def _forget(self, handle: str) -> None:
-        memory, conn = self._regions.pop(handle)
-        conn.handles.discard(handle)
-        conn.bytes -= len(memory)
+        region = self._regions.pop(handle)
+        region.owner.handles.discard(handle)
+        region.owner.bytes -= len(region.memory)
+        region.close()
 
     def _disconnect(self, conn: _Connection) -> None:
         if self._connections.pop(conn.sock, None) is None:

@@ -5,18 +5,20 @@ the real server process (``--shared-memory on``, its default)."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import fcntl
 import io
 import os
 import socket
 import tempfile
+import threading
 
 import grpc
 import numpy as np
 import pytest
 from encoder_client import AsyncEncoderClient, EncoderClient
 from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
-from encoder_client.shared_memory import SHM_DIR, SealedRegion
+from encoder_client.shared_memory import SHM_DIR, SealedRegion, sealed_memfd
 from PIL import Image
 
 from encoder_service.api import caller_regions
@@ -68,12 +70,25 @@ def ask(sock: socket.socket, message: str, fds: list[int] = ()) -> str:
     return sock.recv(256).decode()
 
 
-def memfd(size: int, seals: int = fcntl.F_SEAL_SHRINK) -> int:
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+
+
+def memfd(size: int, seals: int = SEALS, reserve: bool = True) -> int:
     fd = os.memfd_create("test-region", os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
+    if reserve:
+        os.posix_fallocate(fd, 0, size)
     if seals:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
     return fd
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 1, 2
+    if libc.fallocate(fd, FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE, offset, length) != 0:
+        raise OSError(ctypes.get_errno(), "fallocate")
 
 
 def encode_into(target: str, handle: str, image: bytes, **region) -> list[encoder_pb2.EmbeddingChunk]:
@@ -107,13 +122,13 @@ def test_the_async_client_registers_its_regions_too(encoder_server):
         async with AsyncEncoderClient(encoder_server.target) as client:
             for _ in range(2):
                 got = await client.encode([png(4)], output_dtype="bfloat16", bf16_as="uint16")
-            return got, client._regions.registered
+            return got, client._regions.registered, [type(r) for r in client._regions._free], our_objects()
 
-    got, registered = asyncio.run(run())
+    got, registered, free, objects = asyncio.run(run())
     with EncoderClient(encoder_server.target, shared_memory=False) as streamed:
         want = streamed.encode([png(4)], output_dtype="bfloat16", bf16_as="uint16")
     np.testing.assert_array_equal(got[0].embedding, want[0].embedding)
-    assert registered
+    assert registered and free == [SealedRegion] and not objects
 
 
 def test_the_region_chunk_of_a_registered_region_points_from_offset_0(encoder_server, socket_name):
@@ -130,6 +145,51 @@ def test_the_region_chunk_of_a_registered_region_points_from_offset_0(encoder_se
     with EncoderClient(encoder_server.target, shared_memory=False) as streamed:
         want = streamed.encode([png(5)])[0].embedding
     np.testing.assert_array_equal(memory.reshape(want.shape), want)
+
+
+def test_concurrent_calls_whose_registered_regions_are_dropped_all_get_their_answers(encoder_server):
+    """The server forgets every handle while calls of several threads are under way (as a restart
+    does): each refused call goes again on the stream, later ones use /dev/shm objects, none fails."""
+    seeds = list(range(100, 124))
+    with EncoderClient(encoder_server.target, shared_memory=False) as streamed:
+        want = {seed: streamed.encode([png(seed)])[0].embedding for seed in seeds}
+    for shared_memory in (True, "auto"):
+        with EncoderClient(encoder_server.target, shared_memory=shared_memory) as client:
+            client.encode([png(seeds[0])])
+            assert client._regions.registered
+            errors, got, dropped = [], {}, threading.Event()
+
+            def run(my_seeds, client=client, errors=errors, got=got, dropped=dropped):
+                try:
+                    for i, seed in enumerate(my_seeds):
+                        if i == 1:
+                            dropped.wait(10)
+                        got[seed] = client.encode([png(seed)])[0].embedding
+                except Exception as exc:
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=run, args=(seeds[k::6],)) for k in range(6)]
+            for t in threads:
+                t.start()
+            client._regions._registrar._sock.shutdown(socket.SHUT_RDWR)  # the server drops its handles
+            dropped.set()
+            for t in threads:
+                t.join(60)
+            assert errors == []
+            for seed in seeds:
+                np.testing.assert_array_equal(got[seed], want[seed])
+            assert not client._regions.registered and client.uses_shared_memory
+
+
+def test_a_region_lent_while_registration_stopped_is_not_lent_again(encoder_server):
+    with EncoderClient(encoder_server.target) as client:
+        client.encode([png(20)])
+        pool = client._regions
+        region = pool.acquire()
+        pool.stop_registering()  # e.g. another call's region was refused meanwhile
+        pool.release(region, needed_bytes=region.size, failed=False)
+        assert region.closed and region not in pool._free
+        assert client.encode([png(21)])[0].num_tokens > 0
 
 
 def test_a_client_whose_registered_region_is_refused_goes_back_to_dev_shm_objects(encoder_server):
@@ -175,14 +235,16 @@ def _pipe() -> int:
 
 
 @pytest.mark.parametrize(("make", "why"), [
-    (lambda: memfd(1 << 20, seals=0), "not sealed against shrinking"),
-    (lambda: memfd(1 << 20, seals=fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE),
-     "cannot be mapped (Operation not permitted)"),
-    (lambda: memfd(1 << 16), "smaller than its size"),
+    (lambda: memfd(1 << 20, seals=0), "not sealed against shrinking and growing"),
+    (lambda: memfd(1 << 20, seals=fcntl.F_SEAL_SHRINK), "not sealed against shrinking and growing"),
+    (lambda: memfd(1 << 20, seals=SEALS | fcntl.F_SEAL_WRITE), "cannot be mapped (Operation not permitted)"),
+    (lambda: memfd(1 << 16), "not of its size"),
+    (lambda: memfd(1 << 20, reserve=False), "pages not reserved (posix_fallocate them first)"),
     # (a file on tmpfs reads as shmem that was never sealable: sealed with F_SEAL_SEAL alone)
-    (_regular_file, ("not a sealed memfd", "not sealed against shrinking")),
+    (_regular_file, ("not a sealed memfd", "not sealed against shrinking and growing")),
     (_pipe, "not a memfd"),
-], ids=["unsealed-memfd", "write-sealed-memfd", "smaller-than-said", "regular-file", "pipe"])
+], ids=["unsealed-memfd", "shrink-sealed-only", "write-sealed-memfd", "other-size", "sparse", "regular-file",
+        "pipe"])
 def test_a_descriptor_the_server_cannot_map_safely_is_refused_and_it_serves_on(encoder_server, socket_name,
                                                                                  make, why):
     fd = make()
@@ -191,6 +253,8 @@ def test_a_descriptor_the_server_cannot_map_safely_is_refused_and_it_serves_on(e
             assert ask(sock, f"add {1 << 20}", [fd]) in {f"no {w}" for w in ((why,) if isinstance(why, str) else why)}
             assert ask(sock, f"add {1 << 20}") == "no descriptor: add takes exactly one"
             assert ask(sock, "map /etc/passwd").startswith("no message")
+            # Two descriptors in one message: the kernel drops the second (closing it), the server says no.
+            assert ask(sock, f"add {1 << 20}", [fd, fd]).startswith("no message: one descriptor at most")
     finally:
         os.close(fd)
     assert encoder_server.alive()
@@ -207,8 +271,9 @@ def test_one_connection_holds_a_bounded_number_of_regions(encoder_server, socket
                 assert ask(sock, "add 4096", [fds[-1]]).startswith("ok ")
             fds.append(memfd(4096))
             assert ask(sock, "add 4096", [fds[-1]]).startswith("no room")
-            # Bytes are bounded too, whatever a sparse memfd claims.
-            assert ask(sock, f"add {caller_regions.MAX_BYTES_PER_CONNECTION}", [fds[-1]]).startswith("no room")
+        with connect(socket_name) as sock:  # bytes too, on a connection of its own (checked before the size)
+            too_many = caller_regions.MAX_BYTES_PER_CONNECTION + 1
+            assert ask(sock, f"add {too_many}", [fds[-1]]).startswith("no room")
     finally:
         for fd in fds:
             os.close(fd)
@@ -248,13 +313,33 @@ def test_a_handle_and_a_name_together_are_invalid(encoder_server):
     assert "output_region" in err.value.details()
 
 
-def test_a_client_cannot_shrink_the_region_it_registered():
-    """What makes the server's mapping safe (no SIGBUS): the seal, set before the server sees the descriptor."""
-    fd = memfd(1 << 20, seals=fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+def test_the_clients_region_cannot_change_size_and_has_its_pages():
+    """What the client hands over (encoder_client.shared_memory.sealed_memfd): sealed before the
+    server sees it, so nothing it does later can turn the server's writes into a SIGBUS."""
+    fd = sealed_memfd(1 << 20)
     try:
+        assert os.fstat(fd).st_blocks * 512 >= 1 << 20
         with pytest.raises(PermissionError):
             os.ftruncate(fd, 0)
         with pytest.raises(PermissionError):
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)  # nor take the seal back or add others
+            os.ftruncate(fd, 2 << 20)
+        with pytest.raises(PermissionError):
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)  # nor add seals (none can be taken back)
+    finally:
+        os.close(fd)
+
+
+def test_a_region_whose_pages_were_freed_since_is_refused_at_the_next_call(encoder_server, socket_name):
+    """Holes punched after registration would have the server's writes take pages charged to it."""
+    fd = memfd(1 << 20)
+    try:
+        with connect(socket_name) as sock:
+            handle = ask(sock, f"add {1 << 20}", [fd]).split(" ")[1]
+            assert encode_into(encoder_server.target, handle, png(17))[0].region_bytes > 0
+            punch_hole(fd, 0, 1 << 16)
+            with pytest.raises(grpc.RpcError) as err:
+                encode_into(encoder_server.target, handle, png(18))
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "no longer all reserved" in err.value.details()
     finally:
         os.close(fd)

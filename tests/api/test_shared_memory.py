@@ -1,5 +1,8 @@
 """Embeddings through a shared-memory region (EncodeRequest.output_region) instead of the stream:
-the real server process (``--shared-memory on``), the real client with ``shared_memory=True``."""
+the real server process (``--shared-memory on``), the real client with ``shared_memory=True``. The
+client's two kinds of region where both apply (``region_kind``): a sealed memfd registered on the
+server's region socket (what it uses where the server has one; more in test_caller_regions.py) and a
+/dev/shm object (against older servers, and where registration is refused)."""
 
 from __future__ import annotations
 
@@ -46,18 +49,35 @@ def our_objects() -> set[str]:
     return {n for n in os.listdir(SHM_DIR) if n.startswith(f"encoder-{os.getpid()}-")}
 
 
-def dev_shm_client(target: str, **kwargs) -> EncoderClient:
+def dev_shm_client(target: str, *, client_class=EncoderClient, **kwargs):
     """A client whose regions are /dev/shm objects, as against a server without a region socket (an
-    older one): what these tests check is that path (registered regions: test_caller_regions.py)."""
-    client = EncoderClient(target, shared_memory=True, **kwargs)
+    older one)."""
+    client = client_class(target, shared_memory=True, **kwargs)
     client._use_region_socket(None)
     return client
 
 
-def test_embeddings_through_shared_memory_equal_the_streamed_ones(encoder_server):
+@pytest.fixture(params=["registered", "dev-shm"])
+def region_kind(request) -> str:
+    return request.param
+
+
+def shm_client(target: str, kind: str, *, client_class=EncoderClient, **kwargs):
+    if kind == "dev-shm":
+        return dev_shm_client(target, client_class=client_class, **kwargs)
+    return client_class(target, shared_memory=True, **kwargs)
+
+
+def check_kind(client, kind: str) -> None:
+    """The regions the client's calls lent were of that kind."""
+    assert client._regions.registered is (kind == "registered")
+    assert bool(our_objects()) is (kind == "dev-shm")
+
+
+def test_embeddings_through_shared_memory_equal_the_streamed_ones(encoder_server, region_kind):
     images = [png(1), png(2, (80, 120)), png(3)]
-    with EncoderClient(encoder_server.target) as streamed, \
-            EncoderClient(encoder_server.target, shared_memory=True) as shared:
+    with EncoderClient(encoder_server.target, shared_memory=False) as streamed, \
+            shm_client(encoder_server.target, region_kind) as shared:
         want = streamed.encode(images, output_dtype="bfloat16", bf16_as="uint16")
         for _ in range(2):  # new images, then cache hits (the region reused)
             got = shared.encode(images, output_dtype="bfloat16", bf16_as="uint16")
@@ -72,6 +92,7 @@ def test_embeddings_through_shared_memory_equal_the_streamed_ones(encoder_server
         for d, w in zip(default, want):
             assert d.embedding.dtype == ml_dtypes.bfloat16
             np.testing.assert_array_equal(d.embedding.view(np.uint16), w.embedding)
+        check_kind(shared, region_kind)
 
 
 def test_the_region_chunk_says_where_and_carries_no_data(encoder_server):
@@ -93,24 +114,29 @@ def test_the_region_chunk_says_where_and_carries_no_data(encoder_server):
         region.close()
 
 
-def test_an_image_that_does_not_fit_comes_on_the_stream_and_the_next_region_holds_it(encoder_server):
-    with EncoderClient(encoder_server.target) as client:
+def test_an_image_that_does_not_fit_comes_on_the_stream_and_the_next_region_holds_it(encoder_server,
+                                                                                       region_kind):
+    with EncoderClient(encoder_server.target, shared_memory=False) as client:
         (want,) = client.encode([png(5, (300, 300))])
-    with EncoderClient(encoder_server.target, shared_memory=True, shared_memory_bytes=4096) as client:
+    with shm_client(encoder_server.target, region_kind, shared_memory_bytes=4096) as client:
         (got,) = client.encode([png(5, (300, 300))])
         np.testing.assert_array_equal(got.embedding, want.embedding)
         assert client._regions.region_bytes >= want.embedding.nbytes
         (again,) = client.encode([png(5, (300, 300))])
         np.testing.assert_array_equal(again.embedding, want.embedding)
+        check_kind(client, region_kind)
 
 
-def test_the_async_client_reads_the_region_too(encoder_server):
+def test_the_async_client_reads_the_region_too(encoder_server, region_kind):
     async def run():
-        async with AsyncEncoderClient(encoder_server.target, shared_memory=True) as client:
-            return await asyncio.gather(*(client.encode([png(10 + i)]) for i in range(4)))
+        async with shm_client(encoder_server.target, region_kind, client_class=AsyncEncoderClient) as client:
+            await client.encode([png(9)])  # (a registered client asks for the socket at its first call)
+            results = await asyncio.gather(*(client.encode([png(10 + i)]) for i in range(4)))
+            check_kind(client, region_kind)
+            return results
 
     results = asyncio.run(run())
-    with EncoderClient(encoder_server.target) as client:
+    with EncoderClient(encoder_server.target, shared_memory=False) as client:
         for i, (got,) in enumerate(results):
             (want,) = client.encode([png(10 + i)])
             np.testing.assert_array_equal(got.embedding, want.embedding)
