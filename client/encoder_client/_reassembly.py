@@ -21,7 +21,7 @@ from encoder_client.dtypes import bf16_rows_as
 from encoder_client.errors import EncoderClientError
 from encoder_client.protocol import encoder_pb2
 from encoder_client.protocol.dtypes import dtype_name, wire_numpy_dtype
-from encoder_client.shared_memory import OutputRegion, RegionPool, aligned, copy_in_slices
+from encoder_client.shared_memory import OutputRegion, RegionPool, SealedRegion, aligned, copy_in_slices
 from encoder_client.types import EncodedImage
 
 
@@ -180,21 +180,28 @@ class Reassembler:
 
 
 @contextlib.contextmanager
-def reassembling(request: encoder_pb2.EncodeRequest, *, bf16_as: str,
-                 regions: RegionPool | None) -> Iterator[Reassembler]:
+def reassembling(request: encoder_pb2.EncodeRequest, *, bf16_as: str, regions: RegionPool | None,
+                 region: OutputRegion | SealedRegion | None = None) -> Iterator[Reassembler]:
     """A Reassembler for one Encode call of ``request``; with ``regions``, the call is lent a
-    shared-memory region (set as the request's output_region), returned to the pool afterwards."""
+    shared-memory region (``region``, acquired from them already, or one acquired here), set as the
+    request's output_region and returned to the pool afterwards."""
     started = time.monotonic()
     if regions is None:
         yield Reassembler(len(request.images), bf16_as=bf16_as, started_s=started)
         return
-    region = regions.acquire()
+    region = region if region is not None else regions.acquire()
     request.output_region.CopyFrom(region.proto())
     reassembler = Reassembler(len(request.images), bf16_as=bf16_as, started_s=started, region=region)
     failed = True
     try:
         yield reassembler
         failed = False
+    except EncoderClientError as err:
+        # A call refused as over a limit before any answer (admission, a full queue, per-client limits)
+        # never had a row written: its region is reused, or an overload's refusals (most calls)
+        # would each cost a new region (and, registered, a round trip to the busy server).
+        failed = not (err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and reassembler.chunks_received == 0)
+        raise
     finally:
         # A failed call's region is not reused: the server may not have seen the end of the call yet.
         regions.release(region, needed_bytes=region.header_bytes + reassembler.region_bytes_needed, failed=failed)

@@ -18,10 +18,27 @@ from encoder_client.dtypes import DEFAULT_BF16_AS
 from encoder_client.errors import EncoderClientError
 from encoder_client.hash_first import HashFirstPlan, is_eviction_race
 from encoder_client.protocol import ModelInfo, encoder_pb2
+from encoder_client.shared_memory import OutputRegion, RegionPool, SealedRegion
 from encoder_client.sink import PushedImage, collect_headers
 from encoder_client.types import EncodedImage, ImageInput
 
 _Resp = TypeVar("_Resp")
+
+
+async def _acquired(regions: RegionPool) -> OutputRegion | SealedRegion:
+    """A region of ``regions`` for one call; a new one is made off the event loop (a registered one
+    waits for the server's answer, and a loop blocked on it stalls every other call of this client)."""
+    region = regions.acquire(create=False)
+    if region is not None:
+        return region
+    made = asyncio.get_running_loop().run_in_executor(None, regions.acquire)
+    try:
+        return await asyncio.shield(made)
+    except asyncio.CancelledError:
+        # Cancelled while it was being made: back to the pool once it exists.
+        made.add_done_callback(lambda f: None if f.cancelled() or f.exception() is not None
+                               else regions.release(f.result(), needed_bytes=f.result().size, failed=False))
+        raise
 
 
 class AsyncEncoderClient(ClientBase):
@@ -120,7 +137,9 @@ class AsyncEncoderClient(ClientBase):
         # gRPC retries an attempt that failed UNAVAILABLE before any response arrived (see
         # RetryPolicy); this call's iteration sees only the attempt that answered.
         try:
-            with reassembling(request, bf16_as=bf16_as, regions=self._regions) as reassembler:
+            regions = self._regions
+            region = await _acquired(regions) if regions is not None else None
+            with reassembling(request, bf16_as=bf16_as, regions=regions, region=region) as reassembler:
                 await self._call_encode(request, timeout_s, reassembler.add)
                 return reassembler.results()
         except (EncoderClientError, OSError) as err:

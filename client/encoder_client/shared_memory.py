@@ -37,6 +37,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from concurrent import futures
@@ -63,6 +64,7 @@ KEY_BYTES = 32
 HEADER_BYTES = 64  # the region's start, which holds the key; the server writes after it
 _GROW_STEP = 1 << 20
 REPLY_TIMEOUT_S = 5.0  # the server's answer to a registration (its event loop answers it)
+REFUSED_BACKOFF_S = 1.0  # after the server refuses a registration (its bounds), /dev/shm objects this long
 
 
 def sealing_supported() -> bool:
@@ -364,6 +366,7 @@ class RegionPool:
         self._create = create or self._new_region
         self._directory, self._prefix = directory, prefix
         self._registrar: Registrar | None = None
+        self._register_after = 0.0  # (monotonic) no registration tried before, after a refusal
         self._recent: collections.deque[int] = collections.deque(maxlen=self.SIZE_WINDOW)
         self._free: list[OutputRegion] = []
         self._lock = threading.Lock()
@@ -400,18 +403,22 @@ class RegionPool:
 
     def _new_region(self, size: int) -> OutputRegion | SealedRegion:
         registrar = self._registrar
-        if registrar is not None:
+        if registrar is not None and time.monotonic() >= self._register_after:
             try:
                 return SealedRegion(size, registrar)
             except RegistrationRefused as exc:  # the server's bounds: this one by name
                 log.debug("the server refused a shared-memory region (%s); using /dev/shm", exc)
+                # and the next ones for a while: each refusal costs a memfd and a round trip first
+                self._register_after = time.monotonic() + REFUSED_BACKOFF_S
             except RegistrarBroken as exc:  # (short of memory is another OSError: /dev/shm would fail too)
                 log.info("shared-memory regions: registering with the server failed (%s); using /dev/shm "
                          "objects from now on", exc)
                 self.stop_registering()
         return OutputRegion(size, self._directory, self._prefix)
 
-    def acquire(self) -> OutputRegion:
+    def acquire(self, *, create: bool = True) -> OutputRegion | None:
+        """A region for one call: a free one of today's size, else a new one; ``create=False``: None
+        instead of making one (the async client makes it off its event loop)."""
         doomed = []
         try:
             with self._lock:
@@ -424,6 +431,8 @@ class RegionPool:
                     doomed.append(region)  # sized for other calls than today's
                     self.live_bytes -= region.size
                 size = self.region_bytes
+                if not create:
+                    return None
                 if self.max_total_bytes is not None and self.live_bytes + size > self.max_total_bytes:
                     raise RegionsExhausted(f"the regions in use already hold {self.live_bytes} bytes "
                                            f"(at most {self.max_total_bytes})")

@@ -33,7 +33,7 @@ def test_every_fact_of_a_real_engine_comes_by_its_own_name_from_the_model_or_the
     async def described() -> ModelInfo:
         await engine.start()
         try:
-            return engine.describe(shared_memory=True)
+            return engine.describe(shared_memory=True, region_socket="encoder-regions-x")
         finally:
             await engine.stop()
 
@@ -46,10 +46,11 @@ def test_every_fact_of_a_real_engine_comes_by_its_own_name_from_the_model_or_the
         assert getattr(info, name) == getattr(front.spec, name), name
     assert info.max_batch_tokens == 4096 and info.shared_memory is True and info.device == "cpu"
     assert info.max_image_pixels > 0 and info.version
-    # Nothing but the API's own fact (shared_memory) may be missing from the engine's sources.
+    assert info.region_socket == "encoder-regions-x"
+    # Nothing but the API's own facts (shared_memory, region_socket) may be missing from the engine's sources.
     unnamed = [f.name for f in fields(ModelInfo) if f.name not in engine.engine_facts()
                and not hasattr(front, f.name) and not hasattr(front.spec, f.name)]
-    assert unnamed == ["shared_memory"]
+    assert unnamed == ["shared_memory", "region_socket"]
     # ...and the answer survives the wire unchanged.
     assert ModelInfo.from_proto(info.to_proto()) == info
 
