@@ -42,6 +42,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ..caller_regions import Refused, map_sealed
+
 log = logging.getLogger(__name__)
 
 # Metadata the relay sets on a call it lends a region to (and drops from every caller's).
@@ -257,16 +259,10 @@ class RegionBoard:
             return "no key in use"
         if not (size_text.isascii() and size_text.isdigit()) or int(size_text) <= 0:
             return "no size"
-        size = int(size_text)
         try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-            if seals & _SEALS != _SEALS:
-                return "no seals: the region could shrink under the server's mapping"
-            if os.fstat(fd).st_size < size:
-                return "no smaller than its size"
-            memory = np.frombuffer(mmap.mmap(fd, size, mmap.MAP_SHARED), np.uint8)
-        except OSError as exc:
-            return f"no {exc.strerror}"
+            memory = map_sealed(fd, int(size_text))  # the checks callers' registered regions get
+        except Refused as exc:
+            return f"no {exc}"
         self._regions[key] = _Region(memory, conn)
         self._connections[conn].add(key)
         return "ok"
