@@ -1,5 +1,9 @@
 """Embeddings written into shared memory instead of the stream: a caller's region
 (EncodeRequest.output_region, ``--shared-memory on``) or a relay process's (api/relay/regions.py).
+A caller's region named in /dev/shm is written here (``RegionTable``, ``DescriptorWriter``); one it
+registered by descriptor, which the server maps, in api/caller_regions.py (``RegionWriter``, as a
+relay's). ``encoder_client`` registers where the server offers it, and names a /dev/shm object
+otherwise.
 
 A caller on the server's host creates a POSIX shared-memory object (/dev/shm/encoder-...), names it
 in its request and reads each image where the stream's header chunk says. Moving a 1008x1008
