@@ -152,9 +152,8 @@ class AsyncEncoderClient(ClientBase):
 
     async def _ask_region_socket(self, timeout_s: float | None) -> None:
         # On the loop alone: two calls may both ask before either has its answer; the second's is
-        # ignored (_use_region_socket marks it asked). A new region's registration then runs on the
-        # loop, as a relay's does: a datagram to the server's socket and its answer, bounded by
-        # shared_memory.REPLY_TIMEOUT_S.
+        # ignored (_use_region_socket marks it asked). New regions are then registered off the loop
+        # (_acquired).
         try:
             info = await self.model_info(timeout_s=timeout_s)
         except EncoderClientError as err:

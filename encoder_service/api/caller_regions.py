@@ -43,7 +43,6 @@ standard library's SCM_RIGHTS.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import fcntl
 import logging
@@ -57,6 +56,7 @@ import sys
 
 import numpy as np
 
+from .descriptor_socket import DescriptorSocket
 from .shared_memory import RegionUnusable, RegionWriter
 
 log = logging.getLogger(__name__)
@@ -133,38 +133,21 @@ class _Connection:
         self.bytes = 0
 
 
-class CallerRegions:
+class CallerRegions(DescriptorSocket):
     """The regions callers registered, by handle; only the event loop's thread touches it."""
 
     def __init__(self) -> None:
         # Abstract (no file): gone with the process, and the random part keeps another local user
         # from taking the name first (it is in /proc/net/unix for all to read, as a port is).
         self.name = f"encoder-regions-{os.getpid()}-{secrets.token_hex(8)}"
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        self._listener.bind("\0" + self.name)
-        self._listener.listen(64)
-        self._listener.setblocking(False)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        listener.bind("\0" + self.name)
+        super().__init__(listener, "region socket")
         self._regions: dict[str, _Region] = {}
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         by_fds = MAX_REGIONS if soft == resource.RLIM_INFINITY else soft // FD_LIMIT_SHARE // FDS_PER_REGION
         self.max_regions = max(1, min(MAX_REGIONS, by_fds))
         self._connections: dict[socket.socket, _Connection] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._closed = False
-
-    def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self._listener.fileno(), self._accept)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._loop is not None:
-            self._loop.remove_reader(self._listener.fileno())
-        self._listener.close()
-        for conn in list(self._connections.values()):
-            self._disconnect(conn)
 
     def __len__(self) -> int:
         return len(self._regions)
@@ -184,21 +167,17 @@ class CallerRegions:
         return RegionWriter(memory[:size] if 0 < size < len(memory) else memory)
 
     # --- the socket ----------------------------------------------------------------------------------
-    def _accept(self) -> None:
-        try:
-            sock, _ = self._listener.accept()
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            log.warning("region socket: accept failed: %s", exc)
-            return
+    def _connected(self, sock: socket.socket) -> None:
         if len(self._connections) >= MAX_CONNECTIONS:
             sock.close()  # the caller's client goes back to /dev/shm objects
             return
-        sock.setblocking(False)
         conn = _Connection(sock)
         self._connections[sock] = conn
-        self._loop.add_reader(sock.fileno(), self._read, conn)
+        self._watch(sock, self._read, conn)
+
+    def _disconnect_all(self) -> None:
+        for conn in list(self._connections.values()):
+            self._disconnect(conn)
 
     def _read(self, conn: _Connection) -> None:
         for _ in range(MESSAGES_PER_WAKEUP):  # a flood on one connection never holds the loop
@@ -271,9 +250,6 @@ class CallerRegions:
     def _disconnect(self, conn: _Connection) -> None:
         if self._connections.pop(conn.sock, None) is None:
             return
-        if self._loop is not None:
-            with contextlib.suppress(ValueError, OSError):
-                self._loop.remove_reader(conn.sock.fileno())
-        conn.sock.close()
+        self._unwatch(conn.sock)
         for handle in list(conn.handles):
             self._forget(handle)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import fcntl
-import io
 import os
 import socket
 import tempfile
@@ -18,8 +17,8 @@ import numpy as np
 import pytest
 from encoder_client import AsyncEncoderClient, EncoderClient, EncoderClientError
 from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
-from encoder_client.shared_memory import SHM_DIR, SealedRegion, sealed_memfd
-from PIL import Image
+from encoder_client.shared_memory import SealedRegion, sealed_memfd
+from shm_helpers import our_objects, png
 
 from encoder_service.api import caller_regions
 
@@ -45,17 +44,6 @@ def socket_name(encoder_server) -> str:
         name = client.model_info().region_socket
     assert name.startswith("encoder-regions-")
     return name
-
-
-def png(seed: int, size=(150, 100)) -> bytes:
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(buf, "PNG")
-    return buf.getvalue()
-
-
-def our_objects() -> set[str]:
-    return {n for n in os.listdir(SHM_DIR) if n.startswith(f"encoder-{os.getpid()}-")}
 
 
 def connect(name: str) -> socket.socket:

@@ -7,7 +7,6 @@ server's region socket (what it uses where the server has one; more in test_call
 from __future__ import annotations
 
 import asyncio
-import io
 import os
 
 import grpc
@@ -17,7 +16,7 @@ import pytest
 from encoder_client import AsyncEncoderClient, EncoderClient, EncoderClientError
 from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
 from encoder_client.shared_memory import SHM_DIR, OutputRegion, RegionPool, RegionsExhausted, same_host_target
-from PIL import Image
+from shm_helpers import our_objects, png
 
 from encoder_service.api.shared_memory import RegionTable, RegionUnusable
 from encoder_service.errors import InvalidInput, PermissionDenied
@@ -36,17 +35,6 @@ def shm_server(start_encoder_server, server_mode):
 @pytest.fixture(scope="module")
 def encoder_server(shm_server):  # makes the module run once per server mode (see conftest)
     return shm_server
-
-
-def png(seed: int, size=(150, 100)) -> bytes:
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(buf, "PNG")
-    return buf.getvalue()
-
-
-def our_objects() -> set[str]:
-    return {n for n in os.listdir(SHM_DIR) if n.startswith(f"encoder-{os.getpid()}-")}
 
 
 def dev_shm_client(target: str, *, client_class=EncoderClient, **kwargs):

@@ -28,7 +28,6 @@ Why our own: gRPC cannot carry a descriptor, and no library hands memfds between
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import fcntl
 import itertools
@@ -41,8 +40,10 @@ import threading
 from collections.abc import Callable
 
 import numpy as np
+from encoder_client.shared_memory import MappedRegion
 
 from ..caller_regions import Refused, map_sealed
+from ..descriptor_socket import DescriptorSocket
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def _key_and_seq(value: str | None) -> tuple[str, int] | None:
 
 # --- the relay's side ---------------------------------------------------------------------------------
 
-class RelayRegion:
+class RelayRegion(MappedRegion):
     """A sealed memfd of the relay, mapped read/write; registered with the server under ``key``."""
 
     def __init__(self, size: int, on_close: Callable[[RelayRegion], None]) -> None:
@@ -80,12 +81,6 @@ class RelayRegion:
             os.close(self.fd)
             raise
         self.closed = False
-
-    def view(self, offset: int, length: int) -> np.ndarray | None:
-        """Bytes [offset, offset + length) of the region, or None if they are not all inside it."""
-        if offset < 0 or length < 0 or offset + length > self.size:
-            return None
-        return self.memory[offset:offset + length]
 
     def close(self) -> None:
         """Tells the server it is gone; the memory goes with the last mapping of it."""
@@ -156,34 +151,17 @@ class _Region:
         self.waiting: list[tuple[int, Callable[[], None]]] = []
 
 
-class RegionBoard:
+class RegionBoard(DescriptorSocket):
     """The regions every relay registered, by key; only the event loop's thread touches it."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._listener.bind(path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(path)
         os.chmod(path, 0o600)  # the directory is 0700 already; this is the socket's own
-        self._listener.listen(64)
-        self._listener.setblocking(False)
+        super().__init__(listener, "relay regions")
         self._regions: dict[str, _Region] = {}
         self._connections: dict[socket.socket, set[str]] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._closed = False
-
-    def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self._listener.fileno(), self._accept)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._loop is not None:
-            self._loop.remove_reader(self._listener.fileno())
-        self._listener.close()
-        for conn in list(self._connections):
-            self._disconnect(conn)
 
     def __len__(self) -> int:
         return len(self._regions)
@@ -205,17 +183,13 @@ class RegionBoard:
             region.waiting.append((parsed[1], callback))
 
     # --- the socket ----------------------------------------------------------------------------------
-    def _accept(self) -> None:
-        try:
-            conn, _ = self._listener.accept()
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            log.warning("relay regions: accept failed: %s", exc)
-            return
-        conn.setblocking(False)
+    def _connected(self, conn: socket.socket) -> None:
         self._connections[conn] = set()
-        self._loop.add_reader(conn.fileno(), self._read, conn)
+        self._watch(conn, self._read, conn)
+
+    def _disconnect_all(self) -> None:
+        for conn in list(self._connections):
+            self._disconnect(conn)
 
     def _read(self, conn: socket.socket) -> None:
         while True:
@@ -280,10 +254,7 @@ class RegionBoard:
 
     def _disconnect(self, conn: socket.socket) -> None:
         keys = self._connections.pop(conn, set())
-        if self._loop is not None:
-            with contextlib.suppress(ValueError, OSError):
-                self._loop.remove_reader(conn.fileno())
-        conn.close()
+        self._unwatch(conn)
         for key in list(keys):
             if key in self._regions:
                 self._forget(key)
