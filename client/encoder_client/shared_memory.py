@@ -17,6 +17,8 @@ image in, where it must ``pwrite`` a ``/dev/shm`` object for every call (it cann
 caller may shrink under it), and nothing is left in /dev/shm if this process is killed. A region
 the server refuses (its bounds) is a ``/dev/shm`` object instead; a socket that fails, or a call
 refused for its registered region (a server restarted since), makes every later region one.
+A child forked from a process with a client forgets the regions and the registration it inherited
+(the parent's, which the server writes into for the parent's calls) and makes its own /dev/shm objects.
 
 Regions are pooled (a call in flight holds one) and kept mapped: reusing one costs neither page
 faults nor a new mapping on either side. A region starts at ``initial_bytes``, grows to what the
@@ -77,8 +79,9 @@ def sealing_supported() -> bool:
 
 
 def sealed_memfd(size: int) -> int:
-    """A memfd of ``size`` bytes, its pages reserved, sealed against shrinking and growing and against
-    further seals: what the server maps (it refuses a memfd it could lose pages of under the mapping)."""
+    """A memfd of ``size`` bytes, its pages reserved, sealed against shrinking and growing: what the
+    server maps (it refuses a memfd it could lose pages of under the mapping). Not against further
+    seals: the server, once it has mapped it, seals it against holes (and then against more seals)."""
     import fcntl
 
     fd = os.memfd_create("encoder-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -88,7 +91,7 @@ def sealed_memfd(size: int) -> int:
             os.posix_fallocate(fd, 0, size)  # short of memory: the error is here, not a SIGBUS
         except OSError as err:
             raise OSError(err.errno, f"cannot reserve {size} bytes of shared memory ({err.strerror})") from None
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
     except BaseException:
         os.close(fd)
         raise
@@ -123,9 +126,12 @@ def region_refused(code_name: str, details: str) -> bool:
     return code_name in ("FAILED_PRECONDITION", "PERMISSION_DENIED") and "output_region" in (details or "")
 
 
-def _unlink(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+def _unlink(path: str, creator: int) -> None:
+    # Only in the process that made it: a child forked since holds a copy of the object that made
+    # it, and its exit (or that copy's collection) must not take the parent's region away.
+    if os.getpid() == creator:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 class MappedRegion:
@@ -160,7 +166,7 @@ class OutputRegion(MappedRegion):
         # zeros then had the server write into it (seen: a watcher on /dev/shm hit 7 of 16).
         self.key = secrets.token_bytes(KEY_BYTES)
         try:
-            self._finalizer = weakref.finalize(self, _unlink, path)
+            self._finalizer = weakref.finalize(self, _unlink, path, os.getpid())
             if os.pwrite(fd, self.key, 0) != KEY_BYTES:
                 self._finalizer()
                 raise OSError(f"cannot write a shared-memory region's key in {directory}")
@@ -203,6 +209,7 @@ class Registrar:
     /dev/shm object)."""
 
     def __init__(self, socket_name: str) -> None:
+        self._pid = os.getpid()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             self._sock.settimeout(REPLY_TIMEOUT_S)
@@ -214,6 +221,8 @@ class Registrar:
 
     def register(self, fd: int, size: int) -> str:
         """The server's handle for the sealed memfd ``fd`` of ``size`` bytes."""
+        if os.getpid() != self._pid:  # a forked child: the connection is its parent's
+            raise RegistrarBroken("the region socket belongs to the process this one was forked from")
         try:
             with self._lock:
                 socket.send_fds(self._sock, [f"add {size}".encode()], [fd])
@@ -231,13 +240,20 @@ class Registrar:
         raise RegistrarBroken(f"the server's region socket answered {reply[:64]!r}")
 
     def drop(self, handle: str) -> None:
-        with contextlib.suppress(OSError), self._lock:
-            self._sock.send(f"drop {handle}".encode())
+        """Tells the server the region is closed. Without the lock and without waiting (a drop has no
+        answer; one datagram goes whole or not at all): a registration waiting for its answer holds
+        the lock for up to REPLY_TIMEOUT_S, and the async client drops regions on its event loop. A
+        drop the socket cannot take now is left to the connection's close, which drops them all."""
+        if os.getpid() == self._pid:
+            with contextlib.suppress(OSError):
+                self._sock.send(f"drop {handle}".encode(), socket.MSG_DONTWAIT)
 
     def close(self) -> None:
-        """The server drops every region this connection registered."""
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a thread waiting for an answer
+        """The server drops every region this connection registered. In a forked child, only the
+        child's copy of the descriptor is closed: the connection stays its parent's."""
+        if os.getpid() == self._pid:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes a thread waiting for an answer
         with self._lock:
             self._sock.close()
 
@@ -373,6 +389,22 @@ class RegionPool:
         self._lock = threading.Lock()
         self._closed = False
         self.live_bytes = 0  # what the pool's regions (free or lent) hold
+        self._pid = os.getpid()
+
+    def _forked(self) -> None:
+        """In a child forked since the last call (under the lock): the regions and the registration
+        are the parent's, whose server writes into them for the parent's calls. Lending one here
+        would mix the two processes' embeddings; closing one would take it from the parent. So the
+        child forgets them (its copies of the mappings go with it) and makes regions of its own."""
+        if os.getpid() == self._pid:
+            return
+        self._pid = os.getpid()
+        self._free, self.live_bytes = [], 0
+        self._inherited = True  # regions lent before the fork are the parent's: never lent or closed here
+        self._registrar = None  # its socket is the parent's: /dev/shm objects from now on
+
+    def _ours(self, region: OutputRegion | SealedRegion) -> bool:
+        return getattr(region, "_pid", self._pid) == self._pid
 
     @property
     def registered(self) -> bool:
@@ -382,6 +414,7 @@ class RegionPool:
     def register_with(self, registrar: Registrar) -> None:
         """From now on, regions are sealed memfds registered through ``registrar``."""
         with self._lock:
+            self._forked()
             if self._closed:
                 registrar.close()
                 return
@@ -390,6 +423,7 @@ class RegionPool:
     def stop_registering(self) -> None:
         """From now on, regions are /dev/shm objects; the registered ones not lent are closed."""
         with self._lock:
+            self._forked()
             registrar, self._registrar = self._registrar, None
             dropped = [r for r in self._free if isinstance(r, SealedRegion)]
             self._free = [r for r in self._free if not isinstance(r, SealedRegion)]
@@ -423,6 +457,7 @@ class RegionPool:
         doomed = []
         try:
             with self._lock:
+                self._forked()
                 if self._closed:
                     raise ValueError("the client is closed")
                 while self._free:
@@ -442,16 +477,21 @@ class RegionPool:
             for region in doomed:
                 region.close()
         try:
-            return self._create(size)
+            region = self._create(size)
         except BaseException:
             with self._lock:
                 self.live_bytes -= size
             raise
+        region._pool_pid = os.getpid()
+        return region
 
     def release(self, region: OutputRegion, *, needed_bytes: int, failed: bool) -> None:
         """Back to the pool after its call; ``needed_bytes``: what the call's images took (those that
         came on the stream included), which sizes the next regions (see the class docstring)."""
         with self._lock:
+            self._forked()
+            if not self._ours(region):  # lent by the parent before the fork: its to keep or close
+                return
             self._recent.append(needed_bytes)
             need = max(self._recent)
             self.region_bytes = (self.initial_bytes if need <= self.initial_bytes
@@ -466,6 +506,7 @@ class RegionPool:
 
     def close(self) -> None:
         with self._lock:
+            self._forked()
             self._closed = True
             free, self._free = self._free, []
             self.live_bytes -= sum(r.size for r in free)

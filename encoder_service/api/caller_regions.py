@@ -14,12 +14,22 @@ pieces, 1.23 ms less on an H200 host (bench/RESULTS.md, 2026-12-02).
 
 Why a mapping is safe here and not for a ``/dev/shm`` object: the caller cannot shrink a sealed
 memfd, so no write through the mapping can fall past the object's end (SIGBUS, which would kill the
-server). Only a descriptor that ``F_GET_SEALS`` shows sealed against shrinking and growing is
-taken, of exactly the registered size with every page reserved (``posix_fallocate``: charged to its
-caller, not to the server that writes it; checked again before each call, since a caller can punch
-holes): a regular file, a pipe, a socket or an unsealed memfd is refused, and so is a hugetlbfs memfd
-(its block size is not the page size), whose pages a caller could free under the mapping. Nothing in
-/dev/shm names a region, and nothing is left behind when the caller exits.
+server). Only a descriptor that ``F_GET_SEALS`` shows sealed against shrinking and growing (and not
+yet against further seals) is taken, of exactly the registered size with every page reserved
+(``posix_fallocate``: charged to its caller, not to the server that writes it). A regular file, a
+pipe, a socket or an unsealed memfd is refused, and so is a hugetlbfs memfd (its block size is not
+the page size), whose pages a caller could free under the mapping.
+
+Holes: a page missing under the mapping is one the server's write would allocate (charged to the
+server's memory, and with strict overcommit a SIGBUS), and a hole punched while the server writes
+into that range stalls the write until the punch ends. So the server, once it has mapped the
+region, seals it against writes other than through existing mappings and against further seals
+(``F_SEAL_FUTURE_WRITE | F_SEAL_SEAL``): from then on nobody can punch a hole in it (``EPERM``),
+the caller's own mapping included, while both mappings read and write as before. Only then are the
+pages counted, after the server punched away any pages past the end (which ``st_blocks`` would count:
+``fallocate(FALLOC_FL_KEEP_SIZE)`` before sealing puts them there, and the grow seal keeps new ones
+out). A kernel without ``F_SEAL_FUTURE_WRITE`` (before Linux 5.1) gets its regions refused. Nothing
+in /dev/shm names a region, and nothing is left behind when the caller exits.
 
 Messages on a connection, one datagram each (``SOCK_SEQPACKET``), ASCII:
 
@@ -31,7 +41,8 @@ A connection closing drops all its regions. Bounds (a hostile local user can con
 caller): ``MAX_CONNECTIONS`` connections, ``MAX_REGIONS_PER_CONNECTION`` regions and
 ``MAX_BYTES_PER_CONNECTION`` bytes on each, ``MAX_REGIONS`` in all (each mapping is one of the
 process's ``vm.max_map_count`` mappings, which the model's memory needs too), and never more than an
-eighth of the open-file limit in descriptors (``FDS_PER_REGION``). A refused registration
+eighth of the open-file limit in descriptors, connections and regions together (``FDS_PER_REGION``).
+A refused registration
 costs the caller speed, never an answer: its client falls back to a ``/dev/shm`` object.
 
 The handle is the capability: whoever sends it in a request has the server write that call's
@@ -44,6 +55,8 @@ standard library's SCM_RIGHTS.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import fcntl
 import logging
 import mmap
@@ -65,15 +78,21 @@ MAX_CONNECTIONS = 256
 MAX_REGIONS_PER_CONNECTION = 256
 MAX_BYTES_PER_CONNECTION = 4 << 30
 MAX_REGIONS = 2048
-# Descriptors a region holds: the registry's own (to check its pages before each call), and before
-# Python 3.13 the duplicate ``mmap`` keeps. All regions together take at most this share of the
-# process's open-file limit, whatever MAX_REGIONS says.
-FDS_PER_REGION = 1 if sys.version_info >= (3, 13) else 2
+# Descriptors a region holds: before Python 3.13, the duplicate ``mmap`` keeps (none after: the
+# mapping alone holds the pages). Connections and regions together take at most this share of the
+# process's open-file limit, whatever MAX_CONNECTIONS and MAX_REGIONS say.
+FDS_PER_REGION = 0 if sys.version_info >= (3, 13) else 1
 FD_LIMIT_SHARE = 8
 _MAX_MESSAGE = 128
-# Shrinking would make a write through the mapping a SIGBUS; growing (with pages past the registered
-# size) would let the pages check below pass with holes inside it.
+# Shrinking would make a write through the mapping a SIGBUS; growing would let the caller put pages
+# past the end again after the server punched them away (they would count as reserved pages).
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+# What the server adds once it has mapped the region: no hole can be punched from then on (Linux 5.1;
+# the fcntl module names it from Python 3.12 on where the headers have it).
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+_SERVER_SEALS = F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_MAX_FILE_END = (1 << 63) - 1  # tmpfs's largest offset (MAX_LFS_FILESIZE)
 MESSAGES_PER_WAKEUP = 16
 HANDLE_HEX = 32
 
@@ -82,15 +101,31 @@ class Refused(Exception):
     """A descriptor the server does not map (the reason goes back to the caller)."""
 
 
-def _reserved(st: os.stat_result, size: int) -> bool:
+def _reserved(fd: int, size: int) -> bool:
     """Whether the object's first ``size`` bytes have their pages (its owner reserved them: they are
-    charged to it, not to the server that writes them)."""
-    return st.st_blocks * 512 >= size
+    charged to it, not to the server that writes them), where no page lies past its end."""
+    return os.fstat(fd).st_blocks * 512 >= -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+_libc = None
+
+
+def _punch_past(fd: int, offset: int) -> None:
+    """Frees every page of the object from ``offset`` (a page boundary) on; OSError where it cannot."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, _MAX_FILE_END - offset) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
 
 
 def map_sealed(fd: int, size: int) -> np.ndarray:
-    """``size`` bytes of a memfd sealed against shrinking, its pages reserved, mapped shared and
-    writable; Refused otherwise (see the module docstring for what is refused and why)."""
+    """``size`` bytes of a memfd sealed against shrinking and growing, mapped shared and writable,
+    then sealed by the server against holes, with every page reserved; Refused otherwise (see the
+    module docstring for what is refused and why)."""
+    memory = None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -105,25 +140,51 @@ def map_sealed(fd: int, size: int) -> np.ndarray:
             raise Refused("not a sealed memfd") from None
         if seals & _SEALS != _SEALS:
             raise Refused("not sealed against shrinking and growing")
-        if st.st_size != size:
+        if seals & fcntl.F_SEAL_SEAL:
+            raise Refused("sealed against further seals: leave F_SEAL_SEAL off, the server seals it against holes")
+        # Read after the seals: the size can no longer change.
+        if os.fstat(fd).st_size != size:
             raise Refused("not of its size")
-        if not _reserved(st, size):
+        _punch_past(fd, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
+        if sys.version_info >= (3, 13):  # no duplicate of the descriptor: the mapping holds the pages
+            memory = mmap.mmap(fd, size, mmap.MAP_SHARED, trackfd=False)
+        else:
+            memory = mmap.mmap(fd, size, mmap.MAP_SHARED)
+        try:  # after the mapping: a write-sealed memfd takes no new writable mapping
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SERVER_SEALS)
+        except OSError as exc:
+            raise Refused(f"cannot be sealed against holes ({exc.strerror}; Linux 5.1 or later)") from None
+        if not _reserved(fd, size):
             raise Refused("pages not reserved (posix_fallocate them first)")
-        if sys.version_info >= (3, 13):  # no duplicate of the descriptor: the registry keeps its own
-            return np.frombuffer(mmap.mmap(fd, size, mmap.MAP_SHARED, trackfd=False), np.uint8)
-        return np.frombuffer(mmap.mmap(fd, size, mmap.MAP_SHARED), np.uint8)
-    except OSError as exc:  # e.g. a memfd sealed against writes, or opened read-only
-        raise Refused(f"cannot be mapped ({exc.strerror})") from None
+        return np.frombuffer(memory, np.uint8)
+    except (OSError, ValueError) as exc:  # e.g. a memfd sealed against writes, or opened read-only
+        if memory is not None:
+            memory.close()
+        raise Refused(f"cannot be mapped ({getattr(exc, 'strerror', None) or exc})") from None
+    except Refused:
+        if memory is not None:
+            memory.close()
+        raise
 
 
 class _Region:
-    def __init__(self, memory: np.ndarray, fd: int, owner: _Connection) -> None:
+    """A registered region; its mapping goes with the last reference to ``memory`` (a call may still
+    be writing into it when the region is dropped)."""
+
+    def __init__(self, memory: np.ndarray, owner: _Connection) -> None:
         self.memory = memory
-        self.fd = fd  # the registry's own: fstat before each call
         self.owner = owner
 
-    def close(self) -> None:
-        os.close(self.fd)  # the mapping goes with the last reference to ``memory`` (a call may still write)
+
+def _bounds(soft_fd_limit: int) -> tuple[int, int]:
+    """(connections, regions) the server takes with this open-file limit: together at most
+    1/FD_LIMIT_SHARE of it in descriptors (a connection holds one; a region FDS_PER_REGION)."""
+    if soft_fd_limit == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS, MAX_REGIONS
+    budget = max(2, soft_fd_limit // FD_LIMIT_SHARE)
+    connections = max(1, min(MAX_CONNECTIONS, budget // 4))
+    regions = MAX_REGIONS if FDS_PER_REGION == 0 else (budget - connections) // FDS_PER_REGION
+    return connections, max(1, min(MAX_REGIONS, regions))
 
 
 class _Connection:
@@ -144,9 +205,7 @@ class CallerRegions(DescriptorSocket):
         listener.bind("\0" + self.name)
         super().__init__(listener, "region socket")
         self._regions: dict[str, _Region] = {}
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        by_fds = MAX_REGIONS if soft == resource.RLIM_INFINITY else soft // FD_LIMIT_SHARE // FDS_PER_REGION
-        self.max_regions = max(1, min(MAX_REGIONS, by_fds))
+        self.max_connections, self.max_regions = _bounds(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
         self._connections: dict[socket.socket, _Connection] = {}
 
     def __len__(self) -> int:
@@ -160,15 +219,12 @@ class CallerRegions(DescriptorSocket):
         if region is None:
             raise RegionUnusable("output_region.handle names no region registered with this server (closed, "
                                  "or registered with a server that has since restarted)")
-        memory = region.memory
-        if not _reserved(os.fstat(region.fd), len(memory)):
-            # Holes punched since: the server's writes would take pages charged to it, not to the caller.
-            raise RegionUnusable("output_region.handle: the region's pages are no longer all reserved")
+        memory = region.memory  # no hole can appear in it (sealed against them when registered)
         return RegionWriter(memory[:size] if 0 < size < len(memory) else memory)
 
     # --- the socket ----------------------------------------------------------------------------------
     def _connected(self, sock: socket.socket) -> None:
-        if len(self._connections) >= MAX_CONNECTIONS:
+        if len(self._connections) >= self.max_connections:
             sock.close()  # the caller's client goes back to /dev/shm objects
             return
         conn = _Connection(sock)
@@ -232,11 +288,7 @@ class CallerRegions(DescriptorSocket):
             raise Refused(f"room: the server holds {self.max_regions} regions")
         memory = map_sealed(fd, size)
         handle = secrets.token_hex(HANDLE_HEX // 2)
-        try:
-            own = os.dup(fd)
-        except OSError as exc:  # out of descriptors: the caller falls back, the server serves on
-            raise Refused(f"room: {exc.strerror}") from None
-        self._regions[handle] = _Region(memory, own, conn)
+        self._regions[handle] = _Region(memory, conn)
         conn.handles.add(handle)
         conn.bytes += size
         return handle
@@ -245,7 +297,6 @@ class CallerRegions(DescriptorSocket):
         region = self._regions.pop(handle)
         region.owner.handles.discard(handle)
         region.owner.bytes -= len(region.memory)
-        region.close()
 
     def _disconnect(self, conn: _Connection) -> None:
         if self._connections.pop(conn.sock, None) is None:

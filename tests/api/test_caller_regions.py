@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import fcntl
+import mmap
 import os
 import socket
 import tempfile
@@ -228,11 +229,13 @@ def _pipe() -> int:
     (lambda: memfd(1 << 20, seals=SEALS | fcntl.F_SEAL_WRITE), "cannot be mapped (Operation not permitted)"),
     (lambda: memfd(1 << 16), "not of its size"),
     (lambda: memfd(1 << 20, reserve=False), "pages not reserved (posix_fallocate them first)"),
+    (lambda: memfd(1 << 20, seals=SEALS | fcntl.F_SEAL_SEAL),
+     "sealed against further seals: leave F_SEAL_SEAL off, the server seals it against holes"),
     # (a file on tmpfs reads as shmem that was never sealable: sealed with F_SEAL_SEAL alone)
     (_regular_file, ("not a sealed memfd", "not sealed against shrinking and growing")),
     (_pipe, "not a memfd"),
-], ids=["unsealed-memfd", "shrink-sealed-only", "write-sealed-memfd", "other-size", "sparse", "regular-file",
-        "pipe"])
+], ids=["unsealed-memfd", "shrink-sealed-only", "write-sealed-memfd", "other-size", "sparse", "seal-sealed",
+        "regular-file", "pipe"])
 def test_a_descriptor_the_server_cannot_map_safely_is_refused_and_it_serves_on(encoder_server, socket_name,
                                                                                  make, why):
     fd = make()
@@ -311,26 +314,93 @@ def test_the_clients_region_cannot_change_size_and_has_its_pages():
             os.ftruncate(fd, 0)
         with pytest.raises(PermissionError):
             os.ftruncate(fd, 2 << 20)
-        with pytest.raises(PermissionError):
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)  # nor add seals (none can be taken back)
+        # Not sealed against further seals: the server adds its seal against holes once it has mapped it.
+        assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) == fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
     finally:
         os.close(fd)
 
 
-def test_a_region_whose_pages_were_freed_since_is_refused_at_the_next_call(encoder_server, socket_name):
-    """Holes punched after registration would have the server's writes take pages charged to it."""
+def test_no_hole_can_be_punched_in_a_registered_region_and_both_sides_still_write(encoder_server, socket_name):
+    """A hole would have the server's writes take pages charged to it (with strict overcommit, a
+    SIGBUS), and a hole punched while it writes stalls that write: once mapped, the server seals the
+    region against holes. The caller's own mapping, made before, reads and writes as before."""
     fd = memfd(1 << 20)
+    mine = mmap.mmap(fd, 1 << 20)
     try:
         with connect(socket_name) as sock:
             handle = ask(sock, f"add {1 << 20}", [fd]).split(" ")[1]
-            assert encode_into(encoder_server.target, handle, png(17))[0].region_bytes > 0
-            punch_hole(fd, 0, 1 << 16)
-            with pytest.raises(grpc.RpcError) as err:
-                encode_into(encoder_server.target, handle, png(18))
-            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert "no longer all reserved" in err.value.details()
+            with pytest.raises(PermissionError):
+                punch_hole(fd, 0, 1 << 16)
+            with pytest.raises(PermissionError):
+                mine.madvise(mmap.MADV_REMOVE, 0, 1 << 16)  # a hole through the mapping: refused too
+            assert os.fstat(fd).st_blocks * 512 >= 1 << 20
+            mine[:4] = b"mine"
+            for seed in (17, 18):
+                (chunk,) = encode_into(encoder_server.target, handle, png(seed))
+                assert chunk.region_bytes > 0
+                assert np.isfinite(np.frombuffer(mine[chunk.region_offset:chunk.region_offset + chunk.region_bytes],
+                                                 np.float32)).all()
+    finally:
+        mine.close()
+        os.close(fd)
+
+
+def test_pages_past_the_end_do_not_pass_for_the_regions_own(encoder_server, socket_name):
+    """fallocate(FALLOC_FL_KEEP_SIZE) before sealing puts pages past the end, which st_blocks counts:
+    a region of holes then looked reserved, and each call had the server fault pages in. The server
+    frees every page past the end before it counts them (the grow seal keeps new ones out)."""
+    fd = memfd(1 << 20, seals=0, reserve=False)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+        assert libc.fallocate(fd, 1, 1 << 20, 1 << 20) == 0  # FALLOC_FL_KEEP_SIZE: 1 MiB past the end
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        assert os.fstat(fd).st_blocks * 512 >= 1 << 20
+        with connect(socket_name) as sock:
+            assert ask(sock, f"add {1 << 20}", [fd]) == "no pages not reserved (posix_fallocate them first)"
+        assert os.fstat(fd).st_blocks == 0
     finally:
         os.close(fd)
+    assert encoder_server.alive()
+
+
+def test_a_client_used_on_both_sides_of_a_fork_gets_each_process_its_own_embeddings(encoder_server):
+    """The pool's regions and its registration are the parent's: lent in a forked child as well, the
+    server wrote one process's embeddings into the region the other was reading (hundreds of wrong
+    answers in a second), and the child's close shut the parent's registration down."""
+    images = {seed: png(seed, (64 + 8 * seed, 64)) for seed in range(50, 58)}
+    with EncoderClient(encoder_server.target, shared_memory=False) as streamed:
+        want = {seed: streamed.encode([image])[0].embedding for seed, image in images.items()}
+    client = EncoderClient(encoder_server.target)
+    try:
+        client.encode([images[50]])
+        assert client._regions.registered
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: half the images, many times; its verdict through the pipe
+            verdict = b"ok"
+            try:
+                for _ in range(20):
+                    for seed in (50, 51, 52, 53):
+                        if not np.array_equal(client.encode([images[seed]])[0].embedding, want[seed]):
+                            verdict = f"wrong embedding for {seed}".encode()
+                client.close()
+            except BaseException as exc:  # reported to the parent
+                verdict = repr(exc).encode()[:500]
+            os.write(write, verdict)
+            os._exit(0)
+        os.close(write)
+        for _ in range(20):
+            for seed in (54, 55, 56, 57):
+                np.testing.assert_array_equal(client.encode([images[seed]])[0].embedding, want[seed])
+        os.waitpid(pid, 0)
+        with os.fdopen(read, "rb") as verdict:
+            assert verdict.read() == b"ok"
+        assert client._regions.registered  # the child's close left the parent's registration alone
+        np.testing.assert_array_equal(client.encode([images[57]])[0].embedding, want[57])
+        assert not our_objects()
+    finally:
+        client.close()
 
 
 def test_a_call_refused_as_over_a_limit_keeps_its_region_for_the_next(start_encoder_server):
@@ -381,3 +451,12 @@ def test_after_a_refused_registration_the_pool_makes_dev_shm_regions_for_a_while
         assert len(asked) == 2  # tried again once the back-off is over
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("limit", [256, 1024, 4096, 1 << 20])
+def test_connections_and_regions_together_stay_within_an_eighth_of_the_open_file_limit(limit):
+    connections, regions = caller_regions._bounds(limit)
+    assert connections >= 1 and regions >= 1
+    assert connections <= caller_regions.MAX_CONNECTIONS and regions <= caller_regions.MAX_REGIONS
+    if limit // caller_regions.FD_LIMIT_SHARE >= 8:  # (a limit this low leaves one of each)
+        assert connections + regions * caller_regions.FDS_PER_REGION <= limit // caller_regions.FD_LIMIT_SHARE

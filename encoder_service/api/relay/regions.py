@@ -3,10 +3,11 @@ by file descriptor: nothing in /dev/shm names them, so no caller can name one (a
 /dev/shm), and nothing is left behind when a relay dies.
 
 A relay (api/relay/process.py) creates each region with ``memfd_create``, reserves its pages and seals its
-size (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL: no process can shrink it under the server's
-mapping, which would kill the server with SIGBUS), maps it and sends the descriptor to the server
-process over a SOCK_SEQPACKET unix socket in the server's private 0700 directory (SCM_RIGHTS). The
-server checks the seals and the size, maps it and answers; only then does the relay lend it to
+size (F_SEAL_SHRINK | F_SEAL_GROW: no process can shrink it under the server's mapping, which would
+kill the server with SIGBUS), maps it and sends the descriptor to the server process over a
+SOCK_SEQPACKET unix socket in the server's private 0700 directory (SCM_RIGHTS). The server checks
+the seals and the size, maps it, seals it against holes and answers (``caller_regions.map_sealed``,
+as for a caller's region); only then does the relay lend it to
 calls, naming it by an opaque key in the call's metadata (``RELAY_REGION``: ``"KEY SEQ"``, SEQ
 counting the relay's lends). The relay drops that key from every caller's metadata, and the
 server honours it only from its private socket.
@@ -49,7 +50,8 @@ log = logging.getLogger(__name__)
 
 # Metadata the relay sets on a call it lends a region to (and drops from every caller's).
 RELAY_REGION = "x-encoder-relay-region"
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+# F_SEAL_SEAL is the server's to add, after its own seal against holes (caller_regions.map_sealed).
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _MAX_MESSAGE = 256
 REPLY_TIMEOUT_S = 5.0
 
