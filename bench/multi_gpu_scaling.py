@@ -38,6 +38,7 @@ from encoder_service.benchmarks.service import (  # noqa: E402
     split_serve_args,
     start_server,
     stop_process,
+    thread_cpu_seconds,
     use_shallow_model,
 )
 from encoder_service.benchmarks.service_clients import SHM, drive, make_images  # noqa: E402
@@ -111,6 +112,22 @@ def cpu_by_process(before: dict, after: dict, log_text: str) -> dict:
             relays += spent
     if images:
         out["relays_cpu_ms_per_image"] = 1000 * relays / images
+    out.update(event_loop_load(before, after))
+    return out
+
+
+def event_loop_load(before: dict, after: dict) -> dict:
+    """The front end's event loop (its main thread) over the measured window: CPU per image, its busy
+    share of the window, and the images/s at which that one thread would be busy all the time, the
+    front end's bound however many devices it feeds (its other threads grow with the devices)."""
+    images = after["images"] - before["images"]
+    if not images or before.get("loop_cpu") is None or after.get("loop_cpu") is None:
+        return {}
+    spent, wall = after["loop_cpu"] - before["loop_cpu"], after["wall"] - before["wall"]
+    out = {"event_loop_cpu_ms_per_image": 1000 * spent / images}
+    if spent > 0 and wall > 0:
+        out["event_loop_busy_share"] = spent / wall
+        out["event_loop_saturates_at_images_per_s"] = images / spent
     return out
 
 
@@ -152,7 +169,8 @@ def run_setup(devices: str, images: list[bytes], args) -> dict:
     try:
         result = drive(target, args.concurrency, images, args, warmup=2, transport=args.transport,
                        sample=lambda: {**forward_totals(args), "children": children_cpu(proc.pid),
-                                       "by_device": images_by_device(args)})
+                                       "by_device": images_by_device(args), "wall": time.monotonic(),
+                                       "loop_cpu": thread_cpu_seconds(proc.pid)})
     finally:
         looker.join()
         stop_process(proc)
@@ -196,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="the model cut to its first N blocks (same widths, preprocessing and output size): with 1, "
                         "the devices' forward is nearly free and images/s is what the front end and the workers' "
                         "host work can carry")
+    p.add_argument("--narrow", action="store_true",
+                   help="with --depth: the blocks 64 wide too (Qwen2.5-VL; the output width stays): on CPU workers "
+                        "(--setups cpu,cpu --device cpu) the forward then costs little as well, and the front end's "
+                        "CPU per image can be measured on a host without a GPU")
     args = p.parse_args(argv)
     args.extra = extra
     args.repeat_images = False  # every request a new image: the clients stop when theirs run out
@@ -225,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
               f"  p50 {r.get('latency_p50_ms', 0):.0f} ms p99 {r.get('latency_p99_ms', 0):.0f} ms  server p50: "
               f"queue {r.get('server_queue_ms_p50', 0):.1f} preprocess {r.get('server_preprocess_ms_p50', 0):.1f} "
               f"forward {r.get('server_forward_ms_p50', 0):.1f} ms; front-end CPU "
-              f"{r.get('server_cpu_ms_per_image', 0):.1f} ms an image, relays "
+              f"{r.get('server_cpu_ms_per_image', 0):.1f} ms an image (its event loop "
+              f"{r.get('event_loop_cpu_ms_per_image', 0):.1f}: busy {100 * r.get('event_loop_busy_share', 0):.0f}%, "
+              f"saturated at {r.get('event_loop_saturates_at_images_per_s', 0):.0f} img/s), relays "
               f"{r.get('relays_cpu_ms_per_image', 0):.1f}, workers "
               f"{r.get('worker_cpu_ms_per_image', {})}, clients' CPU "
               f"{r.get('client_cpu_ms_per_image', 0):.1f} ms an image", flush=True)

@@ -182,6 +182,20 @@ def test_a_shallow_checkpoint_keeps_the_widths_and_refuses_to_drop_deepstack_lev
         write_shallow_checkpoint("tiny-qwen3-vl", 1, tmp_path / "q3")
 
 
+def test_a_narrow_shallow_checkpoint_keeps_the_output_width_and_preprocessing(tmp_path):
+    import json
+
+    from encoder_service.models.presets import get_preset, write_shallow_checkpoint
+
+    path = write_shallow_checkpoint("qwen2.5-vl-7b", 1, tmp_path / "n", narrow=True)
+    vision = json.loads((path / "config.json").read_text())["vision_config"]
+    full = get_preset("qwen2.5-vl-7b").vision_config
+    assert (vision["depth"], vision["hidden_size"], vision["num_heads"]) == (1, 64, 1)
+    assert vision["out_hidden_size"] == full["out_hidden_size"] == 3584  # the embeddings' bytes stay
+    with pytest.raises(ValueError, match="out_hidden_size"):
+        write_shallow_checkpoint("tiny-qwen3-vl", 1, tmp_path / "q3", narrow=True)
+
+
 def test_the_multi_gpu_scaling_benchmark_runs_its_setups_with_worker_processes(tmp_path):
     # bench/multi_gpu_scaling.py is what the two-GPU gpu test runs: on CPU workers (--devices cpu) it
     # must still start each setup's server, drive it and report, so a broken option surfaces here.
@@ -206,6 +220,9 @@ def test_the_multi_gpu_scaling_benchmark_runs_its_setups_with_worker_processes(t
     assert setup["images"] > 0 and setup["ratio_to_first"] == 1.0
     assert setup["server_cpu_ms_per_image"] > 0  # the front end's own CPU, sampled over the window
     assert setup["worker_cpu_ms_per_image"]["cpu:0"] > 0  # the worker's own, per image it ran
+    # The event loop's thread apart (a clock tick is 10 ms: a short window may show none of it).
+    assert 0 <= setup["event_loop_cpu_ms_per_image"] <= setup["server_cpu_ms_per_image"]
+    assert setup.get("event_loop_busy_share", 0) <= 1.0
 
 
 def test_lone_pairs_compares_two_servers_image_by_image(tmp_path):

@@ -109,9 +109,10 @@ def use_shallow_model(args, result: dict) -> None:
     beside ``--out`` (or in the working directory); ``result["model"]`` says so."""
     from ..models.presets import write_shallow_checkpoint
 
-    out_dir = (args.out.parent if args.out else Path.cwd()) / f"{args.model}-depth{args.depth}"
-    args.model = str(write_shallow_checkpoint(args.model, args.depth, out_dir))
-    result["model"] = f"{result['model']} with {args.depth} block(s) ({args.model})"
+    narrow = getattr(args, "narrow", False)
+    out_dir = (args.out.parent if args.out else Path.cwd()) / f"{args.model}-depth{args.depth}{'-narrow' * narrow}"
+    args.model = str(write_shallow_checkpoint(args.model, args.depth, out_dir, narrow=narrow))
+    result["model"] = f"{result['model']} with {args.depth} block(s){', 64 wide' * narrow} ({args.model})"
 
 
 def start_server(args, log_path: Path) -> tuple[subprocess.Popen, str]:
@@ -162,6 +163,18 @@ def children_cpu(pid: int) -> dict[int, float]:
         if int(fields[1]) == pid:  # fields after the name: state, ppid, ..., utime (12), stime (13)
             found[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
     return found
+
+
+def thread_cpu_seconds(pid: int, tid: int | None = None) -> float | None:
+    """CPU seconds of one thread of ``pid`` (its main thread by default: a server's event loop), from
+    /proc; None where there is none."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    try:
+        with open(f"/proc/{pid}/task/{pid if tid is None else tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / tick
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:

@@ -39,13 +39,20 @@ def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, layout: str
     return write_checkpoint(family_for(p.model_type), p, Path(out_dir), seed=seed, layout=layout)
 
 
-def write_shallow_checkpoint(preset: str, depth: int, out_dir: str | Path, seed: int = 0) -> Path:
+def write_shallow_checkpoint(preset: str, depth: int, out_dir: str | Path, seed: int = 0, *,
+                             narrow: bool = False) -> Path:
     """A preset cut to its first ``depth`` blocks (same widths, preprocessing and output size), as a
     checkpoint directory: the service benchmark's way to measure the front end without the forward.
     Layer-index lists (Qwen2.5-VL's full-attention blocks, Qwen3-VL's deepstack levels) keep the
-    indexes below ``depth``; a model whose output levels that would change is refused."""
+    indexes below ``depth``; a model whose output levels that would change is refused. ``narrow``:
+    the blocks 64 wide as well, one head (Qwen2.5-VL: its output width, ``out_hidden_size``, stays),
+    so that CPU workers' forward costs little too and the front end's share shows on a CPU host."""
     p = get_preset(preset)
     vision = dict(p.vision_config)
+    if narrow:
+        if not {"hidden_size", "intermediate_size", "num_heads", "out_hidden_size"} <= vision.keys():
+            raise ValueError(f"{preset}: narrowing is for configs with a separate out_hidden_size (Qwen2.5-VL)")
+        vision.update(hidden_size=64, intermediate_size=64, num_heads=1)
     key = next((k for k in ("depth", "num_hidden_layers") if k in vision), None)
     if key is None or depth < 1:
         raise ValueError(f"{preset}: cannot cut to {depth} blocks")
@@ -55,5 +62,5 @@ def write_shallow_checkpoint(preset: str, depth: int, out_dir: str | Path, seed:
     if any(i >= depth for i in vision.get("deepstack_visual_indexes", [])):
         raise ValueError(f"{preset}: a deepstack level comes from block {max(vision['deepstack_visual_indexes'])}; "
                          f"{depth} blocks would change the output")
-    shallow = dataclasses.replace(p, name=f"{p.name}-depth{depth}", vision_config=vision)
+    shallow = dataclasses.replace(p, name=f"{p.name}-depth{depth}{'-narrow' if narrow else ''}", vision_config=vision)
     return write_checkpoint(family_for(p.model_type), shallow, Path(out_dir), seed=seed, layout=None)
