@@ -37,6 +37,13 @@ Messages on a connection, one datagram each (``SOCK_SEQPACKET``), ASCII:
 - caller -> server ``drop HANDLE``: the region is closed (no answer); a call still writing into it
   keeps its own reference to the mapping until it ends.
 
+Registering runs off the event loop (``map_sealed`` in a thread of its own pool): punching the pages
+past the end and adding the seal take the memfd's inode lock, which its owner can hold for as long
+as it likes (a ``write()`` into it from a buffer whose page fault never completes: userfaultfd, a
+FUSE-backed mapping). Such a registration then holds one of ``REGISTER_THREADS`` threads, never the
+loop; a connection waits for its ``add``'s answer before the server reads its next message, and at
+most ``MAX_PENDING_ADDS`` wait in all (more are refused: the caller falls back to ``/dev/shm``).
+
 A connection closing drops all its regions. Bounds (a hostile local user can connect like any
 caller): ``MAX_CONNECTIONS`` connections, ``MAX_REGIONS_PER_CONNECTION`` regions and
 ``MAX_BYTES_PER_CONNECTION`` bytes on each, ``MAX_REGIONS`` in all (each mapping is one of the
@@ -66,6 +73,7 @@ import secrets
 import socket
 import stat
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -95,6 +103,8 @@ _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 _MAX_FILE_END = (1 << 63) - 1  # tmpfs's largest offset (MAX_LFS_FILESIZE)
 MESSAGES_PER_WAKEUP = 16
 HANDLE_HEX = 32
+REGISTER_THREADS = 2
+MAX_PENDING_ADDS = 8
 
 
 class Refused(Exception):
@@ -192,6 +202,11 @@ class _Connection:
         self.sock = sock
         self.handles: set[str] = set()
         self.bytes = 0
+        self.closed = False
+
+
+class _Pending:
+    """An ``add`` being mapped off the loop: its answer comes once that is done (``_added``)."""
 
 
 class CallerRegions(DescriptorSocket):
@@ -207,6 +222,8 @@ class CallerRegions(DescriptorSocket):
         self._regions: dict[str, _Region] = {}
         self.max_connections, self.max_regions = _bounds(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
         self._connections: dict[socket.socket, _Connection] = {}
+        self._registering = ThreadPoolExecutor(REGISTER_THREADS, thread_name_prefix="region-register")
+        self._pending = 0
 
     def __len__(self) -> int:
         return len(self._regions)
@@ -234,6 +251,7 @@ class CallerRegions(DescriptorSocket):
     def _disconnect_all(self) -> None:
         for conn in list(self._connections.values()):
             self._disconnect(conn)
+        self._registering.shutdown(wait=False, cancel_futures=True)
 
     def _read(self, conn: _Connection) -> None:
         for _ in range(MESSAGES_PER_WAKEUP):  # a flood on one connection never holds the loop
@@ -255,6 +273,8 @@ class CallerRegions(DescriptorSocket):
                 for fd in fds:
                     with contextlib.suppress(OSError):
                         os.close(fd)
+            if isinstance(reply, _Pending):  # answered, and read again, once mapped
+                return
             if reply is not None:
                 try:
                     conn.sock.send(reply.encode())
@@ -262,12 +282,12 @@ class CallerRegions(DescriptorSocket):
                     self._disconnect(conn)
                     return
 
-    def _handle(self, conn: _Connection, words: list[str], fds: list[int]) -> str | None:
+    def _handle(self, conn: _Connection, words: list[str], fds: list[int]) -> str | _Pending | None:
         if words[0] == "add" and len(words) == 2:
             if len(fds) != 1:
                 return "no descriptor: add takes exactly one"
             try:
-                return "ok " + self._add(conn, words[1], fds[0])
+                return self._add(conn, words[1], fds)
             except Refused as exc:
                 return f"no {exc}"
         if words[0] == "drop" and len(words) == 2:
@@ -277,21 +297,64 @@ class CallerRegions(DescriptorSocket):
             return None
         return "no message: add SIZE or drop HANDLE"
 
-    def _add(self, conn: _Connection, size_text: str, fd: int) -> str:
+    def _add(self, conn: _Connection, size_text: str, fds: list[int]) -> _Pending:
+        """Checks the bounds, then maps the descriptor (taken out of ``fds``: closed once mapped) off
+        the loop, with this connection's reading paused until the answer."""
         if not (size_text.isascii() and size_text.isdigit()) or int(size_text) <= 0:
             raise Refused("size: a positive integer")
         size = int(size_text)
         if len(conn.handles) >= MAX_REGIONS_PER_CONNECTION or conn.bytes + size > MAX_BYTES_PER_CONNECTION:
             raise Refused(f"room: a connection holds at most {MAX_REGIONS_PER_CONNECTION} regions and "
                           f"{MAX_BYTES_PER_CONNECTION} bytes")
-        if len(self._regions) >= self.max_regions:
+        if len(self._regions) + self._pending >= self.max_regions:
             raise Refused(f"room: the server holds {self.max_regions} regions")
-        memory = map_sealed(fd, size)
-        handle = secrets.token_hex(HANDLE_HEX // 2)
-        self._regions[handle] = _Region(memory, conn)
-        conn.handles.add(handle)
-        conn.bytes += size
-        return handle
+        if self._pending >= MAX_PENDING_ADDS:
+            raise Refused(f"room: {MAX_PENDING_ADDS} registrations are being mapped")
+        fd = fds.pop()
+        self._pending += 1
+        self._pause(conn.sock)
+        try:
+            future = self._registering.submit(map_sealed, fd, size)
+        except RuntimeError:  # shut down: the server is stopping
+            self._pending -= 1
+            os.close(fd)
+            raise Refused("room: the server is stopping") from None
+        loop = self._loop
+
+        def answer(done: Future) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the server has stopped
+                loop.call_soon_threadsafe(self._added, conn, fd, size, done)
+
+        future.add_done_callback(answer)
+        return _Pending()
+
+    def _added(self, conn: _Connection, fd: int, size: int, done: Future) -> None:
+        """On the loop, once ``map_sealed`` ran: the region kept (or refused) and the answer sent."""
+        self._pending -= 1
+        os.close(fd)
+        try:
+            memory = done.result()
+        except Refused as exc:
+            reply = f"no {exc}"
+        except BaseException as exc:  # cancelled at shutdown, or a bug: the caller falls back
+            reply = f"no cannot be mapped ({type(exc).__name__})"
+        else:
+            if conn.closed:
+                return  # the mapping goes with ``memory``
+            handle = secrets.token_hex(HANDLE_HEX // 2)
+            self._regions[handle] = _Region(memory, conn)
+            conn.handles.add(handle)
+            conn.bytes += size
+            reply = f"ok {handle}"
+        if conn.closed:
+            return
+        try:
+            conn.sock.send(reply.encode())
+        except OSError:  # the caller is gone or does not read its answers
+            self._disconnect(conn)
+            return
+        self._watch(conn.sock, self._read, conn)
+        self._read(conn)  # what came meanwhile
 
     def _forget(self, handle: str) -> None:
         region = self._regions.pop(handle)
@@ -301,6 +364,7 @@ class CallerRegions(DescriptorSocket):
     def _disconnect(self, conn: _Connection) -> None:
         if self._connections.pop(conn.sock, None) is None:
             return
+        conn.closed = True
         self._unwatch(conn.sock)
         for handle in list(conn.handles):
             self._forget(handle)

@@ -54,6 +54,12 @@ class DescriptorSocket:
         """``read(*args)`` each time ``sock`` has something to read."""
         self._loop.add_reader(sock.fileno(), read, *args)
 
+    def _pause(self, sock: socket.socket) -> None:
+        """Stops watching ``sock`` for now (``_watch`` again resumes it); it stays open."""
+        if self._loop is not None:
+            with contextlib.suppress(ValueError, OSError):
+                self._loop.remove_reader(sock.fileno())
+
     def _unwatch(self, sock: socket.socket) -> None:
         """Stops watching ``sock`` and closes it."""
         if self._loop is not None:

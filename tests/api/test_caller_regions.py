@@ -460,3 +460,83 @@ def test_connections_and_regions_together_stay_within_an_eighth_of_the_open_file
     assert connections <= caller_regions.MAX_CONNECTIONS and regions <= caller_regions.MAX_REGIONS
     if limit // caller_regions.FD_LIMIT_SHARE >= 8:  # (a limit this low leaves one of each)
         assert connections + regions * caller_regions.FDS_PER_REGION <= limit // caller_regions.FD_LIMIT_SHARE
+
+
+def test_a_registration_whose_mapping_blocks_holds_a_thread_not_the_event_loop(monkeypatch):
+    """Punching past the end and sealing take the memfd's inode lock, which its owner can hold for as
+    long as it likes (a write() into it from a buffer whose page fault never completes): map_sealed
+    runs off the loop, so the loop goes on serving; the caller gets its answer once it returns."""
+    release = threading.Event()
+    real = caller_regions.map_sealed
+
+    def held(fd, size):
+        release.wait(10)
+        return real(fd, size)
+
+    monkeypatch.setattr(caller_regions, "map_sealed", held)
+
+    async def run():
+        regions = caller_regions.CallerRegions()
+        regions.start()
+        loop = asyncio.get_running_loop()
+        fd = memfd(1 << 20)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.connect("\0" + regions.name)
+            socket.send_fds(sock, [f"add {1 << 20}".encode()], [fd])
+            ticks, started = 0, loop.time()
+            while loop.time() - started < 0.5:  # the loop runs while the mapping is held
+                await asyncio.sleep(0.01)
+                ticks += 1
+            assert ticks >= 20 and len(regions) == 0
+            release.set()
+            sock.setblocking(False)
+            reply = await loop.sock_recv(sock, 128)
+            assert reply.startswith(b"ok ") and len(regions) == 1
+            socket.send_fds(sock, [b"drop " + reply[3:]], [])  # read again after the answer
+            for _ in range(100):
+                if not len(regions):
+                    break
+                await asyncio.sleep(0.01)
+            assert len(regions) == 0
+        finally:
+            release.set()
+            sock.close()
+            os.close(fd)
+            regions.close()
+
+    asyncio.run(run())
+
+
+def test_registrations_being_mapped_are_bounded_and_more_are_refused(monkeypatch):
+    release = threading.Event()
+
+    def held(fd, size):
+        release.wait(10)
+        raise caller_regions.Refused("released")
+
+    monkeypatch.setattr(caller_regions, "map_sealed", held)
+
+    async def run():
+        regions = caller_regions.CallerRegions()
+        regions.start()
+        loop = asyncio.get_running_loop()
+        socks, fds = [], []
+        try:
+            for _ in range(caller_regions.MAX_PENDING_ADDS + 1):
+                socks.append(socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET))
+                socks[-1].connect("\0" + regions.name)
+                fds.append(memfd(4096))
+                socket.send_fds(socks[-1], [b"add 4096"], [fds[-1]])
+            socks[-1].setblocking(False)
+            reply = await asyncio.wait_for(loop.sock_recv(socks[-1], 128), 5)
+            assert reply == f"no room: {caller_regions.MAX_PENDING_ADDS} registrations are being mapped".encode()
+        finally:
+            release.set()
+            for sock in socks:
+                sock.close()
+            for fd in fds:
+                os.close(fd)
+            regions.close()
+
+    asyncio.run(run())
