@@ -73,6 +73,12 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
         self.relay_regions = relay_regions
         # A few threads are enough: each copy runs at memory speed without the GIL.
         self.response_copies = ThreadPoolExecutor(max_workers=4, thread_name_prefix="response-copy")
+        # Every open, key check and pwrite of a /dev/shm object a caller names, however small: tmpfs
+        # takes the object's inode lock for a pwrite, which its owner can hold for as long as it likes
+        # (a write() into it from a buffer whose page fault never completes). On threads of their own,
+        # such a caller holds up only other calls naming /dev/shm objects, never the event loop nor the
+        # copies of the registered regions and streams.
+        self.object_io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="shm-object-io")
 
     @property
     def engine(self) -> Engine | None:
@@ -87,6 +93,7 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
         """After the ports stopped: closes the sink channels and the response-copy threads."""
         await self.sink_channels.close()
         self.response_copies.shutdown(wait=False)
+        self.object_io.shutdown(wait=False)
 
     async def Encode(self, request: encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext) -> None:
         started = time.perf_counter()
@@ -106,14 +113,18 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
                     await context.write(region_chunk(result, request_id=request_id, out_dtype=plan.output_dtype,
                                                      model_dtype=model_dtype, offset=0, length=0))
             return
-        region = self._region(request, context)
+        region = await self._region(request, context)
         # aclosing: a cancelled or failed stream releases its cache pins and queue slots right away.
         async with contextlib.aclosing(engine.encode(plan.images, caller)) as results:
             async for result in results:
                 data = result.wire_bytes(plan.output_dtype or model_dtype)  # on the loop: may touch the cache
                 chunks = _response_chunks(result, data, request_id, plan, model_dtype, region)
-                built = (built_off_loop(chunks, self.response_copies) if len(data) >= OFF_LOOP_MIN_BYTES
-                         else _inline(chunks))
+                if isinstance(region, DescriptorWriter):
+                    built = built_off_loop(chunks, self.object_io)
+                elif len(data) >= OFF_LOOP_MIN_BYTES:
+                    built = built_off_loop(chunks, self.response_copies)
+                else:
+                    built = _inline(chunks)
                 async with contextlib.aclosing(built):
                     async for chunk in built:
                         await context.write(chunk)
@@ -127,15 +138,15 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
         return Caller(client_of(context.invocation_metadata(), context.peer(),
                                 by_token=bool(self.security.auth_token_file), relayed=self.security.relayed))
 
-    def _region(self, request: encoder_pb2.EncodeRequest,
-                context: grpc.aio.ServicerContext) -> RegionWriter | DescriptorWriter | None:
+    async def _region(self, request: encoder_pb2.EncodeRequest,
+                      context: grpc.aio.ServicerContext) -> RegionWriter | DescriptorWriter | None:
         """Where this call's rows go instead of the stream: the caller's own region, the region a
         relay lent the call (only behind relays, whose private unix socket is this server's only
         port: a relay drops the key from every caller's metadata), or None."""
         if request.HasField("output_region"):
             region = request.output_region
-            if not region.handle:
-                return self.regions.writer(region)
+            if not region.handle:  # opened and checked off the loop (object_io)
+                return await asyncio.wrap_future(self.object_io.submit(self.regions.writer, region))
             if region.name or region.key:
                 raise InvalidInput("output_region: a handle (a registered region) or a name and key, not both")
             if self.caller_regions is None:

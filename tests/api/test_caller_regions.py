@@ -540,3 +540,70 @@ def test_registrations_being_mapped_are_bounded_and_more_are_refused(monkeypatch
             regions.close()
 
     asyncio.run(run())
+
+
+def _answers_within(target: str, seconds: float) -> bool:
+    """Whether another caller's GetModelInfo and a streamed Encode both answer within ``seconds``."""
+    with EncoderClient(target, shared_memory=False, timeout_s=seconds, retries=0) as other:
+        try:
+            other.model_info()
+            return other.encode([png(70)])[0].num_tokens > 0
+        except EncoderClientError:
+            return False
+
+
+@pytest.mark.allow_skip_on_cpu(reason="holding an inode lock takes userfaultfd: root or vm.unprivileged_userfaultfd=1")
+def test_a_caller_holding_its_memfds_inode_lock_while_it_registers_holds_up_no_other_call(encoder_server,
+                                                                                         socket_name):
+    """Punching past the end and sealing wait for the memfd's inode lock, which its owner holds here
+    (measured before registrations went off the loop: every call of the server waited 10 s)."""
+    import inode_lock
+
+    if (why := inode_lock.why_unavailable()) is not None:
+        pytest.skip(why)
+    fd = memfd(1 << 20)
+    holder = inode_lock.InodeLockHolder(fd)
+    try:
+        with connect(socket_name) as sock:
+            socket.send_fds(sock, [f"add {1 << 20}".encode()], [fd])
+            assert _answers_within(encoder_server.target, 5.0)
+            holder.release()
+            assert sock.recv(128).startswith(b"ok ")  # answered once the lock is let go
+    finally:
+        holder.release()
+        os.close(fd)
+
+
+@pytest.mark.allow_skip_on_cpu(reason="holding an inode lock takes userfaultfd: root or vm.unprivileged_userfaultfd=1")
+def test_a_caller_holding_its_dev_shm_objects_inode_lock_holds_up_no_other_call(encoder_server):
+    """tmpfs takes the inode lock for the server's pwrite into a named object (measured before the
+    object's I/O went off the loop: every call waited 10 s behind one small image's write)."""
+    import inode_lock
+    from encoder_client.shared_memory import OutputRegion
+
+    if (why := inode_lock.why_unavailable()) is not None:
+        pytest.skip(why)
+    region = OutputRegion(1 << 20)
+    fd = os.open(f"/dev/shm/{region.name}", os.O_RDWR)
+    holder = inode_lock.InodeLockHolder(fd, 1 << 19)
+    try:
+        done = {}
+
+        def call() -> None:
+            try:
+                done["chunks"] = list(encoder_pb2_grpc.VisionEncoderStub(grpc.insecure_channel(encoder_server.target))
+                                      .Encode(encoder_pb2.EncodeRequest(images=[encoder_pb2.Image(encoded=png(71))],
+                                                                        output_region=region.proto()), timeout=60))
+            except grpc.RpcError as err:
+                done["error"] = err.code()
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        assert _answers_within(encoder_server.target, 5.0)
+        holder.release()
+        caller.join(60)
+        assert done.get("chunks") and done["chunks"][0].region_bytes > 0, done
+    finally:
+        holder.release()
+        os.close(fd)
+        region.close()
