@@ -67,6 +67,12 @@ class RegionTable:
     def __init__(self, enabled: bool, directory: str = SHM_DIR) -> None:
         self.enabled = enabled
         self._directory = directory
+        # The filesystem the directory holds: an object on another (a file or FUSE mounted under a
+        # name, by a user who can mount) would have the server read and write elsewhere.
+        try:
+            self._device: int | None = os.stat(directory).st_dev
+        except OSError:
+            self._device = None
 
     def writer(self, region: encoder_pb2.SharedMemoryRegion) -> DescriptorWriter:
         """A writer for one call into ``region``; raises a clear error when it cannot be used."""
@@ -101,6 +107,9 @@ class RegionTable:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise RegionUnusable("output_region is not a shared-memory object")
+            if st.st_dev != self._device:
+                raise RegionUnusable("output_region is not on the server's /dev/shm (another filesystem is "
+                                     "mounted under its name)")
             if region.size > st.st_size:
                 raise InvalidInput(f"output_region.size {region.size} is larger than the object ({st.st_size} bytes)")
             if not hmac.compare_digest(os.pread(fd, len(region.key), 0), region.key):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from pathlib import Path
 
 import grpc
 import ml_dtypes
@@ -423,3 +424,33 @@ def test_a_pool_holds_at_most_its_total_bound():
         held.append(pool.acquire())
     finally:
         pool.close()
+
+
+@pytest.mark.allow_skip_on_cpu(reason="bind-mounting a file takes CAP_SYS_ADMIN")
+def test_an_object_from_another_filesystem_mounted_under_a_name_is_refused(tmp_path):
+    """A file (or FUSE) mounted under a name in /dev/shm by a user who can mount: the server would
+    read and write another filesystem's file (a review bind-mounted a file of /tmp and had the bytes
+    land there)."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix="encoder-test-", dir="/dev/shm")
+    try:
+        outside = tmp_path / "outside"
+        keyed_object(outside, 4096)
+        keyed_object(Path(directory) / "encoder-bind", 4096)
+        if os.stat(directory).st_dev == os.stat(outside).st_dev:
+            pytest.skip("the test's temporary directory is on /dev/shm's own filesystem")
+        mounted = subprocess.run(["mount", "--bind", str(outside), f"{directory}/encoder-bind"], capture_output=True)
+        if mounted.returncode != 0:
+            pytest.skip(f"cannot bind-mount here: {mounted.stderr.decode()[-200:]}")
+        try:
+            table = RegionTable(True, directory=directory)
+            with pytest.raises(RegionUnusable, match="not on the server's /dev/shm"):
+                table.writer(region("encoder-bind", 4096))
+        finally:
+            subprocess.run(["umount", f"{directory}/encoder-bind"], check=True)
+        assert RegionTable(True, directory=directory).writer(region("encoder-bind", 4096)).place(b"ok") == (64, 2)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
