@@ -118,3 +118,40 @@ def test_the_server_refuses_a_region_that_could_shrink(tmp_path):
         board.close()
 
     asyncio.run(main())
+
+
+def test_a_give_back_the_server_did_not_get_ends_the_connection_and_frees_the_slot(tmp_path):
+    """A message that timed out (the server's loop held for the socket's timeout) is lost: kept, the
+    connection would leave that call's per-client slot and the region's mapping held until the relay
+    dies. The lender ends the connection instead, which frees both, and registers anew."""
+    class Lossy:
+        def __init__(self, sock):
+            self._sock = sock
+
+        def send(self, data):
+            raise TimeoutError("timed out")
+
+        def __getattr__(self, name):
+            return getattr(self._sock, name)
+
+    async def main():
+        board = RegionBoard(str(tmp_path / "regions.sock"))
+        board.start()
+        lender = await lender_of(board)
+        region = await asyncio.to_thread(lender.create, 1 << 16)
+        released = []
+        lend = lender.lend(region)
+        board.after_return(lend, lambda: released.append("slot"))
+        lender._sock = Lossy(lender._sock)
+        lender.give_back(lend)  # lost
+        await settle(lambda: released == ["slot"] and len(board) == 0)
+        assert not lender.current(region)
+        region.close()  # nothing to tell: the server dropped it with the connection
+        again = await asyncio.to_thread(lender.create, 1 << 16)  # through a new connection
+        assert lender.current(again) and len(board) == 1
+        again.close()
+        await settle(lambda: len(board) == 0)
+        lender.close()
+        board.close()
+
+    asyncio.run(main())

@@ -195,6 +195,9 @@ class Relay(grpc.GenericRpcHandler):
                 self._region_failure_logged = True
                 log.warning("relay: no shared-memory region (%s); the server streams responses itself", exc)
             return None, None
+        if not self._lender.current(region):  # registered through a connection since ended: streamed
+            self._regions.release(region, needed_bytes=0, failed=True)  # the next call makes a new one
+            return None, None
         return request, region
 
     async def _stream_from_region(self, call, context: grpc.aio.ServicerContext, region, budget: int,

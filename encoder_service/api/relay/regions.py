@@ -98,22 +98,43 @@ class RegionLender:
     each lend is over. Thread-safe (the relay calls it from its event loop only)."""
 
     def __init__(self, path: str) -> None:
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._sock.settimeout(REPLY_TIMEOUT_S)
-        self._sock.connect(path)
+        self._path = path
         self._lock = threading.Lock()
         self._lends = itertools.count(1)
+        # Each connection's regions: a message the server did not get (a send that timed out while
+        # its loop was held) ends the connection, and with it every region, lend and per-client slot
+        # the server kept for it; later regions go through a new one.
+        self._generation = 0
+        self._sock: socket.socket | None = self._connect()
+
+    def _connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.settimeout(REPLY_TIMEOUT_S)
+            sock.connect(self._path)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def current(self, region: RelayRegion) -> bool:
+        """Whether the server still has ``region`` (registered through today's connection)."""
+        return getattr(region, "generation", None) == self._generation
 
     def create(self, size: int) -> RelayRegion:
         """A new region the server has mapped; OSError when it cannot be had."""
         region = RelayRegion(size, self._dropped)
         try:
             with self._lock:
+                if self._sock is None:
+                    self._sock = self._connect()
                 socket.send_fds(self._sock, [f"add {region.key} {size}".encode()], [region.fd])
                 reply = self._sock.recv(_MAX_MESSAGE)
+                region.generation = self._generation
         except OSError:
             region.closed = True  # the server may never have seen it: nothing to tell
             os.close(region.fd)
+            self._break()  # an answer that comes late would be read as the next one's
             raise
         if reply != b"ok":
             region.closed = True
@@ -130,17 +151,34 @@ class RegionLender:
         self._send(f"back {lend}")
 
     def _dropped(self, region: RelayRegion) -> None:
-        self._send(f"drop {region.key}")
+        if self.current(region):  # else the server dropped it with its connection
+            self._send(f"drop {region.key}")
 
     def _send(self, message: str) -> None:
         try:
             with self._lock:
+                if self._sock is None:
+                    return  # the connection ended: the server forgot everything of it
                 self._sock.send(message.encode())
-        except OSError as exc:  # the server is gone or stuck: its side forgets us when the socket closes
-            log.warning("relay regions: cannot tell the server %r: %s", message.split(" ", 1)[0], exc)
+        except OSError as exc:  # the server is gone or stuck: a message lost would hold its slots and mappings
+            log.warning("relay regions: cannot tell the server %r (%s); ending the connection, which frees "
+                        "every region of it", message.split(" ", 1)[0], exc)
+            self._break()
+
+    def _break(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_RDWR)
+                self._sock.close()
+                self._sock = None
+                self._generation += 1
 
     def close(self) -> None:
-        self._sock.close()
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
 
 
 # --- the server's side ------------------------------------------------------------------------------
