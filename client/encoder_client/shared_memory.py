@@ -245,8 +245,10 @@ class Registrar:
         the lock for up to REPLY_TIMEOUT_S, and the async client drops regions on its event loop. A
         drop the socket cannot take now is left to the connection's close, which drops them all."""
         if os.getpid() == self._pid:
-            with contextlib.suppress(OSError):
-                self._sock.send(f"drop {handle}".encode(), socket.MSG_DONTWAIT)
+            with contextlib.suppress(OSError):  # BlockingIOError where the socket is full
+                # os.write, not send: a socket with a timeout would first wait up to it to be writable.
+                # (Its descriptor is non-blocking: that is how Python implements the timeout.)
+                os.write(self._sock.fileno(), f"drop {handle}".encode())
 
     def close(self) -> None:
         """The server drops every region this connection registered. In a forked child, only the
