@@ -401,12 +401,12 @@ class RegionPool:
         if os.getpid() == self._pid:
             return
         self._pid = os.getpid()
-        self._free, self.live_bytes = [], 0
-        self._inherited = True  # regions lent before the fork are the parent's: never lent or closed here
+        self._free, self.live_bytes = [], 0  # regions lent before the fork come back to release: not kept
         self._registrar = None  # its socket is the parent's: /dev/shm objects from now on
 
     def _ours(self, region: OutputRegion | SealedRegion) -> bool:
-        return getattr(region, "_pid", self._pid) == self._pid
+        """Whether this process made the region (``acquire`` marks each), not a parent it was forked from."""
+        return getattr(region, "_pool_pid", None) == self._pid
 
     @property
     def registered(self) -> bool:

@@ -397,6 +397,37 @@ def test_a_pool_reuses_regions_and_discards_a_failed_calls_region():
     assert not our_objects()
 
 
+def test_a_region_lent_before_a_fork_is_neither_kept_nor_closed_by_the_child():
+    """The call that held it ran in the parent: kept in the child's pool, the child would lend the
+    parent's region to its own calls; closed there, the parent's object would be unlinked."""
+    pool = RegionPool(4096)
+    try:
+        lent = pool.acquire()
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                pool.release(lent, needed_bytes=100, failed=False)
+                mine = pool.acquire()
+                verdict = b"ok" if mine is not lent and not lent.closed else b"kept or closed"
+                pool.release(mine, needed_bytes=100, failed=True)  # the child's own: unlinked by it
+            except BaseException as exc:  # reported to the parent
+                verdict = repr(exc).encode()[:300]
+            os.write(write, verdict)
+            os._exit(0)
+        os.close(write)
+        os.waitpid(pid, 0)
+        with os.fdopen(read, "rb") as answer:
+            assert answer.read() == b"ok"
+        assert os.path.exists(f"/dev/shm/{lent.name}")
+        pool.release(lent, needed_bytes=100, failed=False)
+        assert pool.acquire() is lent  # still the parent's to reuse
+        pool.release(lent, needed_bytes=100, failed=True)
+    finally:
+        pool.close()
+    assert not our_objects()
+
+
 def test_a_pool_grows_for_a_large_call_up_to_its_bound_and_shrinks_back():
     """One call of many references to a cached image (a few bytes each to ask for) must not make
     every later region large."""
