@@ -275,12 +275,8 @@ class CallerRegions(DescriptorSocket):
                         os.close(fd)
             if isinstance(reply, _Pending):  # answered, and read again, once mapped
                 return
-            if reply is not None:
-                try:
-                    conn.sock.send(reply.encode())
-                except OSError:  # the caller is gone or does not read its answers
-                    self._disconnect(conn)
-                    return
+            if reply is not None and not self._reply(conn, reply):
+                return
 
     def _handle(self, conn: _Connection, words: list[str], fds: list[int]) -> str | _Pending | None:
         if words[0] == "add" and len(words) == 2:
@@ -346,15 +342,19 @@ class CallerRegions(DescriptorSocket):
             conn.handles.add(handle)
             conn.bytes += size
             reply = f"ok {handle}"
-        if conn.closed:
-            return
-        try:
-            conn.sock.send(reply.encode())
-        except OSError:  # the caller is gone or does not read its answers
-            self._disconnect(conn)
+        if conn.closed or not self._reply(conn, reply):
             return
         self._watch(conn.sock, self._read, conn)
         self._read(conn)  # what came meanwhile
+
+    def _reply(self, conn: _Connection, reply: str) -> bool:
+        """Sends ``reply``; False (the connection ended) where the caller is gone or does not read."""
+        try:
+            conn.sock.send(reply.encode())
+        except OSError:
+            self._disconnect(conn)
+            return False
+        return True
 
     def _forget(self, handle: str) -> None:
         region = self._regions.pop(handle)

@@ -62,9 +62,7 @@ class DescriptorSocket:
 
     def _unwatch(self, sock: socket.socket) -> None:
         """Stops watching ``sock`` and closes it."""
-        if self._loop is not None:
-            with contextlib.suppress(ValueError, OSError):
-                self._loop.remove_reader(sock.fileno())
+        self._pause(sock)
         sock.close()
 
     # --- the subclass's ---------------------------------------------------------------------------------
