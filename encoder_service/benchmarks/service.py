@@ -149,32 +149,32 @@ def children_cpu_seconds(pid: int) -> float:
     return sum(children_cpu(pid).values())
 
 
+def _stat(path: str) -> tuple[int, float] | None:
+    """(parent pid, CPU seconds) from a /proc ``stat`` file; None where it cannot be read."""
+    try:
+        with open(path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    # fields after the name: state, ppid, ..., utime (12), stime (13)
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / tick
+
+
 def children_cpu(pid: int) -> dict[int, float]:
     """CPU seconds of each of ``pid``'s live child processes, by pid, from /proc; {} where there is none."""
-    found, tick = {}, os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    found = {}
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:  # fields after the name: state, ppid, ..., utime (12), stime (13)
-            found[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+        if entry.isdigit() and (stat := _stat(f"/proc/{entry}/stat")) is not None and stat[0] == pid:
+            found[int(entry)] = stat[1]
     return found
 
 
 def thread_cpu_seconds(pid: int, tid: int | None = None) -> float | None:
     """CPU seconds of one thread of ``pid`` (its main thread by default: a server's event loop), from
     /proc; None where there is none."""
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    try:
-        with open(f"/proc/{pid}/task/{pid if tid is None else tid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / tick
+    stat = _stat(f"/proc/{pid}/task/{pid if tid is None else tid}/stat")
+    return None if stat is None else stat[1]
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
