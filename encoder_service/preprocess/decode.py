@@ -29,6 +29,8 @@ from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
 from encoder_service.errors import DecodeTimeout, InvalidInput, ResourceExhausted
 
+from . import jpeg_direct
+
 # Only the formats the service promises. Pillow's full plugin list includes parsers few people
 # audit (and EPS, which shells out to Ghostscript); a caller must not be able to reach them.
 SUPPORTED_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "GIF")
@@ -113,34 +115,42 @@ def model_max_pixels(preprocess_config: object) -> int | None:
     return int(value) if value else None
 
 
-def _single_scan(data: bytes) -> bool:
-    """Whether a JPEG's header makes libjpeg refuse any scan after the first: a sequential frame
-    whose first scan holds all its components (libjpeg then expects EOI: "broken data stream").
-    False where the header says otherwise or cannot be walked cheaply."""
-    pos, components = 2, None
+def _frame(data: bytes) -> tuple[int, int, int] | None:
+    """A JPEG's header walked to its first scan: (its SOFn marker, the frame's components, the first
+    scan's components); None where the walk finds no such header or cannot be done cheaply (two
+    frames, a marker a header does not hold, more than ``_MAX_HEADER_SEGMENTS`` segments)."""
+    pos, frame = 2, None
     for _ in range(_MAX_HEADER_SEGMENTS):
         if pos + 10 > len(data) or data[pos] != 0xFF:
-            return False
+            return None
         marker = data[pos + 1]
         if marker == 0xFF:  # fill byte before a marker
             pos += 1
             continue
         if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # SOFn
-            if marker in _PROGRESSIVE_SOF or components is not None:
-                return False
-            components = data[pos + 9]
+            if frame is not None:
+                return None
+            frame = (marker, data[pos + 9])
         elif marker == 0xDA:
-            return components is not None and data[pos + 4] == components
+            return None if frame is None else (*frame, data[pos + 4])
         elif marker not in _HEADER_SEGMENT_MARKERS:
             # A marker without a length (RSTn, TEM, a stuffed 0x00) or one a header does not hold:
             # reading a length after it would land this walk where libjpeg never looks (a fake
             # one-scan header hidden in a COM segment hid 20,000 scans that way). Count instead.
-            return False
+            return None
         length = int.from_bytes(data[pos + 2:pos + 4], "big")
         if length < 2:
-            return False
+            return None
         pos += 2 + length
-    return False
+    return None
+
+
+def _single_scan(data: bytes) -> bool:
+    """Whether a JPEG's header makes libjpeg refuse any scan after the first: a sequential frame
+    whose first scan holds all its components (libjpeg then expects EOI: "broken data stream").
+    False where the header says otherwise or cannot be walked cheaply."""
+    frame = _frame(data)
+    return frame is not None and frame[0] not in _PROGRESSIVE_SOF and frame[1] == frame[2]
 
 
 _WINDOW = 1 << 20  # bytes searched at a time: the counting's memory stays a few MB whatever the file
@@ -338,7 +348,11 @@ def open_image(data: bytes, max_image_pixels: int | None) -> Image.Image:
     ``MAX_JPEG_SCANS`` scans, and when the decode outlasts its ``decode_budget``; ExpensiveImage
     where the ``decode_budget`` sends expensive images elsewhere.
     """
-    image = _opened(data, max_image_pixels)
+    return _loaded(_opened(data, max_image_pixels))
+
+
+def _loaded(image: Image.Image) -> Image.Image:
+    """``_opened``'s image decoded and EXIF-oriented (``open_image``)."""
     try:
         image.load()
     except Image.DecompressionBombError as e:
@@ -382,10 +396,7 @@ def read_header(data: bytes, max_image_pixels: int | None) -> Header | None:
     # were ruled out above, those before are in ``info`` now. PngImageFile.getexif decodes the image when
     # ``info`` has no "exif": the base class's reads ``info`` only.
     if image.format != "PNG" or any(key in image.info for key in _PNG_ORIENTATION_KEYS):
-        try:
-            orientation = Image.Image.getexif(image).get(_ORIENTATION_TAG, 1)
-        except _PIL_PARSE_ERRORS as e:
-            raise InvalidInput(f"image has malformed EXIF metadata: {type(e).__name__}: {e}") from None
+        orientation = _orientation(image)
     width, height = image.size
     if orientation in (5, 6, 7, 8):  # a quarter turn (exif_transpose): the sides swap
         width, height = height, width
@@ -486,3 +497,31 @@ def decode_image(data: bytes, max_image_pixels: int | None) -> Image.Image:
     Pillow's own ``Image.MAX_IMAGE_PIXELS`` applies on top (the tighter wins).
     """
     return to_rgb(open_image(data, max_image_pixels))
+
+
+# The frames jpeg_direct takes: baseline, extended sequential and progressive Huffman coding.
+_DIRECT_SOF = (0xC0, 0xC1, 0xC2)
+
+
+def decode_rgb(data: bytes, max_image_pixels: int | None) -> np.ndarray:
+    """``decode_image``'s pixels as a uint8 [H, W, 3] array, its limits and errors the same: a plain JPEG
+    decoded by libjpeg-turbo straight into the array (``jpeg_direct``: the same pixels, sooner),
+    everything else, and any JPEG that path does not take, by Pillow."""
+    image = _opened(data, max_image_pixels)
+    if image.format == "JPEG" and image.mode in ("RGB", "L"):
+        frame = _frame(data)
+        if (frame is not None and frame[0] in _DIRECT_SOF and frame[1] in (1, 3)
+                and jpeg_scans(data) <= ORDINARY_JPEG_SCANS):
+            pixels = jpeg_direct.decode(data, _orientation(image))
+            if pixels is not None:
+                return pixels
+    return np.asarray(to_rgb(_loaded(image)))
+
+
+def _orientation(image: Image.Image) -> int:
+    """The EXIF orientation of an opened image (1 where it has none), as ``exif_transpose`` reads it
+    (the base class's ``getexif``: PngImageFile's would decode the pixels to find it)."""
+    try:
+        return Image.Image.getexif(image).get(_ORIENTATION_TAG, 1)
+    except _PIL_PARSE_ERRORS as e:
+        raise InvalidInput(f"image has malformed EXIF metadata: {type(e).__name__}: {e}") from None

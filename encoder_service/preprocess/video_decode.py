@@ -38,7 +38,7 @@ import numpy as np
 
 from encoder_service.errors import DecodeTimeout, EncoderError, InvalidInput, ResourceExhausted
 from encoder_service.preprocess import decoders, interrupt, video_skip
-from encoder_service.preprocess.decode import decode_budget, decode_image
+from encoder_service.preprocess.decode import decode_budget, decode_rgb
 from encoder_service.preprocess.video_sampling import ClipFacts
 
 # The codecs a clip may use (FFmpeg's canonical names; AV1 decodes with libdav1d). H.264, H.265, VP9
@@ -443,7 +443,7 @@ def decode_frame_list(frames: Sequence[bytes], limits: VideoLimits) -> np.ndarra
         _check_time(deadline, limits)
         try:
             with decode_budget(max(0.0, deadline - time.monotonic())):
-                pixels = np.asarray(decode_image(data, limits.max_frame_pixels))
+                pixels = decode_rgb(data, limits.max_frame_pixels)
         except DecodeTimeout:
             _check_time(float("-inf"), limits)  # the clip's bound, named as such
             raise

@@ -32,7 +32,7 @@ from encoder_service.engine.shared_buffer import SharedBuffer
 from encoder_service.errors import InvalidInput, ResourceExhausted
 from encoder_service.metrics import ServiceMetrics
 from encoder_service.models import load_vision_model
-from encoder_service.preprocess import decode
+from encoder_service.preprocess import decode, jpeg_direct
 from encoder_service.preprocess.worker_decode import EncodedImage, decoding_in_workers
 
 pytestmark = pytest.mark.timeout(240)
@@ -165,17 +165,25 @@ def test_an_encoded_image_crosses_the_hand_off_with_its_limits(front):
 
 # --- worker processes -------------------------------------------------------------------------------
 class CountedLoads:
-    """Every pixel decode Pillow runs in this process (``ImageFile.load``), by format."""
+    """Every pixel decode run in this process, by format: Pillow's (``ImageFile.load``) and a plain JPEG's
+    straight into its array (``jpeg_direct.decode``)."""
 
     def __init__(self, monkeypatch) -> None:
         self.formats: list[str] = []
-        load = ImageFile.ImageFile.load
+        load, direct = ImageFile.ImageFile.load, jpeg_direct.decode
 
         def counted(image):
             self.formats.append(image.format)
             return load(image)
 
+        def counted_direct(data, orientation):
+            pixels = direct(data, orientation)
+            if pixels is not None:
+                self.formats.append("JPEG")
+            return pixels
+
         monkeypatch.setattr(ImageFile.ImageFile, "load", counted)
+        monkeypatch.setattr(jpeg_direct, "decode", counted_direct)
 
 
 def run_engine(config: ServiceConfig, images: list[bytes], metrics: ServiceMetrics | None = None) -> list:

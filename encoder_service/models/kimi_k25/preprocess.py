@@ -20,11 +20,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 
 from ...errors import InvalidInput
 from ...preprocess import settings
-from ...preprocess.decode import decode_image
+from ...preprocess.decode import decode_rgb
 from ...preprocess.staged import (
     DecodedImage,
     apply_table,
@@ -153,10 +152,9 @@ def value_table(cfg: KimiK25PreprocessConfig) -> torch.Tensor:
                                    cfg.do_normalize)
 
 
-def decode_kimi_k25_image(image: Image.Image, cfg: KimiK25PreprocessConfig, mode: str) -> DecodedImage:
+def decode_kimi_k25_pixels(pixels: np.ndarray, cfg: KimiK25PreprocessConfig, mode: str) -> DecodedImage:
     """The CPU half: RGB uint8 pixels, resized here in ``pil`` mode (PyTorch's uint8 kernel, above)
     or on the device in ``torch`` mode, with the padded size and the grid."""
-    pixels = np.asarray(image.convert("RGB") if image.mode != "RGB" else image, dtype=np.uint8)
     resize_to, pad_to, grid = geometry(*pixels.shape[:2], cfg)
     if mode == "pil":
         pixels = resize_bicubic_antialias(pixels, *resize_to)
@@ -180,7 +178,7 @@ def geometry(height: int, width: int, cfg: KimiK25PreprocessConfig, what: str = 
 
 def decode_kimi_k25(data: bytes, cfg: KimiK25PreprocessConfig, mode: str = "pil",
                     max_image_pixels: int | None = None) -> DecodedImage:
-    return decode_kimi_k25_image(decode_image(data, max_image_pixels), cfg, mode)
+    return decode_kimi_k25_pixels(decode_rgb(data, max_image_pixels), cfg, mode)
 
 
 def patchify(x: torch.Tensor, cfg: KimiK25PreprocessConfig) -> torch.Tensor:
