@@ -1,6 +1,6 @@
 """Two servers' lone-image latency, compared image by image: paired, alternating requests.
 
-    python3 bench/lone_pairs.py --a-cwd .before --b-cwd . [--image-size 448] [--pairs 300]
+    python3 bench/lone_pairs.py --a-cwd .before --b-cwd . [--image-size 448] [--pairs 300] [--gap-s 6]
         [--model qwen2.5-vl-7b --device cuda --dtype bfloat16] [--a-args "..."] [--b-args "..."] [--out F.json]
 
 Why: one GPU machine drifts within a command (the same tree measured 11.4 and then 13.8 ms a lone
@@ -60,10 +60,13 @@ def _timed(client, image: bytes) -> float:
     return (time.perf_counter() - started) * 1000.0
 
 
-def run_pairs(clients: dict, images: list[bytes], warmup: int) -> dict:
-    """Each image to both servers, the order alternating; the first ``warmup`` pairs not counted."""
+def run_pairs(clients: dict, images: list[bytes], warmup: int, gap_s: float = 0.0) -> dict:
+    """Each image to both servers, the order alternating; the first ``warmup`` pairs not counted;
+    ``gap_s`` of quiet before each pair."""
     times = {"a": [], "b": []}
     for i, image in enumerate(images):
+        if gap_s:
+            time.sleep(gap_s)
         order = ("a", "b") if i % 2 == 0 else ("b", "a")
         got = {side: _timed(clients[side], image) for side in order}
         if i >= warmup:
@@ -109,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
                             help=f"client {side.upper()}'s Encode stream: read on the calling thread (the "
                                  "client's default since 4427ba4) or gRPC's default, which starts a channel-spin "
                                  "thread per call (what clients had before)")
+    parser.add_argument("--gap-s", type=float, default=0.0,
+                        help="seconds of quiet before each pair of new images: over the servers' idle trim (5 s), "
+                             "each image is a lone request after an idle spell, as in a lightly loaded fleet")
     parser.add_argument("--start-timeout-s", type=float, default=900.0)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -124,16 +130,18 @@ def main(argv: list[str] | None = None) -> int:
                                    start_timeout_s=args.start_timeout_s)
             servers[side] = start_server(spec, out_dir / f"lone-pairs-{side}.server.log")
             clients[side] = client_for(servers[side][1], getattr(args, f"{side}_client_stream"))
-        new = run_pairs(clients, images, args.warmup)
+        new = run_pairs(clients, images, args.warmup, args.gap_s)
         result = {"date": time.strftime("%Y-%m-%d"), "host": platform.node(), "command": " ".join(sys.argv),
                   "model": args.model, "device": args.device, "dtype": args.dtype, "image_size": args.image_size,
+                  "gap_s": args.gap_s,
                   "jpeg_bytes_mean": float(np.mean([len(i) for i in images])),
                   "a": {"cwd": args.a_cwd, "args": args.a_args, "client_stream": args.a_client_stream},
                   "b": {"cwd": args.b_cwd, "args": args.b_args, "client_stream": args.b_client_stream},
                   "new_images": {"a": _side(new["a"]), "b": _side(new["b"]),
                                  "b_minus_a": paired_difference(new["a"], new["b"])}}
         fresh = result["new_images"]
-        print(f"new {args.image_size}x{args.image_size} JPEGs, {len(new['a'])} pairs: "
+        print(f"new {args.image_size}x{args.image_size} JPEGs, {len(new['a'])} pairs"
+              f"{f' each after {args.gap_s:g} s of quiet' if args.gap_s else ''}: "
               f"A p50 {fresh['a']['p50_ms']:.2f} ms, B p50 {fresh['b']['p50_ms']:.2f} ms; "
               f"B - A median {fresh['b_minus_a']['median_ms']:+.2f} ms "
               f"(95% {fresh['b_minus_a']['ci95_ms'][0]:+.2f} .. {fresh['b_minus_a']['ci95_ms'][1]:+.2f})")

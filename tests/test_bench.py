@@ -260,3 +260,31 @@ def test_the_paired_difference_is_the_median_of_b_minus_a():
     result = lone_pairs.paired_difference([10.0, 20.0, 30.0, 40.0, 50.0], [9.0, 18.0, 27.0, 41.0, 45.0])
     assert result["median_ms"] == -2.0 and result["b_faster_in"] == 0.8
     assert result["ci95_ms"][0] <= -2.0 <= result["ci95_ms"][1]
+
+
+def test_lone_pairs_leaves_the_asked_quiet_before_each_pair():
+    # --gap-s: each pair of new images comes after that much quiet, so that both servers have gone idle
+    # (trimmed their memory) as a lightly loaded fleet's servers have.
+    import importlib.util
+    import itertools
+    import time
+
+    from repo_paths import REPO_ROOT
+
+    spec = importlib.util.spec_from_file_location("lone_pairs", REPO_ROOT / "bench" / "lone_pairs.py")
+    lone_pairs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lone_pairs)
+    calls: list[tuple[str, float]] = []
+
+    class Client:
+        def __init__(self, side: str) -> None:
+            self.side = side
+
+        def encode(self, images, **kw):
+            calls.append((self.side, time.monotonic()))
+
+    times = lone_pairs.run_pairs({"a": Client("a"), "b": Client("b")}, [b"1", b"2", b"3"], warmup=1, gap_s=0.2)
+    assert len(times["a"]) == len(times["b"]) == 2
+    assert [side for side, _ in calls] == ["a", "b", "b", "a", "a", "b"]
+    starts = [at for i, (_, at) in enumerate(calls) if i % 2 == 0]
+    assert all(later - earlier >= 0.2 for earlier, later in itertools.pairwise(starts))

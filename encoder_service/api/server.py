@@ -25,8 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 from .. import memory
 from ..config import ServiceConfig
-from ..engine import Engine
-from ..engine.warm_memory import HOST_COPIES
+from ..engine import Engine, warm_memory
 from ..fd_limit import raise_open_file_limit
 from ..metrics import VISION_ENCODER, ServiceMetrics
 from .caller_regions import CallerRegions
@@ -192,7 +191,7 @@ async def _release_free_memory(engine: Engine, calls: CallBook, interval_s: floa
 def _trim() -> None:
     """The warm copies down to the last size (engine/warm_memory.py), then the allocators' free
     memory back to the kernel; in a thread: freeing and trimming take milliseconds."""
-    HOST_COPIES.trim()
+    warm_memory.trim()
     memory.release_free_memory()
 
 

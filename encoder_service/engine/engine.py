@@ -44,6 +44,7 @@ from .keys import content_keys
 from .preparation import EXPENSIVE, PreparePools
 from .types import Grid, ImageInput, ImageResult
 from .video_preparation import VideoPreparer
+from .warm_memory import DECODE_BUFFERS
 from .watchdog import UP, Watchdog
 from .worker import BatchOutcome
 
@@ -321,7 +322,8 @@ class Engine:
         if image.kind == "encoded":
             try:
                 with decode.decode_budget(self.config.max_decode_seconds,
-                                          None if expensive_pool else self.pixel_limits.ordinary):
+                                          None if expensive_pool else self.pixel_limits.ordinary), \
+                        decode.decode_into(DECODE_BUFFERS.take_array):
                     decoded = self.front.decode_image(image.data, self.max_image_pixels)
             except decode.ExpensiveImage:
                 return EXPENSIVE

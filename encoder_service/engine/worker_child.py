@@ -25,6 +25,7 @@ from ..preprocess.worker_decode import Decoding, submit_decodes
 from .handoff import IN_FLIGHT, LAUNCHED, POLL_S, rebuild
 from .jobs import detached
 from .shared_buffer import SharedBuffer
+from .warm_memory import DECODE_BUFFERS
 from .worker import launch_decodable
 
 # With no batch for this long after some, the process hands its free memory back (the server's own
@@ -157,7 +158,8 @@ class _ChildLoop:
         work."""
         if not pending:
             if self.untrimmed and not self.conn.poll(self.idle_trim_s):
-                memory.release_free_memory()  # idle after a burst, as the server's own trim
+                DECODE_BUFFERS.trim()  # idle after a burst, as the server's own trim
+                memory.release_free_memory()
                 self.untrimmed = False
                 return None
             return self.conn.recv()
@@ -176,7 +178,7 @@ class _ChildLoop:
         entry = _Launched(seq, slot, list(out_sizes))
         try:
             entry.inputs = [rebuild(self.buffers[("in", slot)], d) for d in described]
-            entry.decoding = submit_decodes(entry.inputs, self.decoder, self.decodes)
+            entry.decoding = submit_decodes(entry.inputs, self.decoder, self.decodes, DECODE_BUFFERS.take_array)
         except Exception as exc:
             entry.error = exc  # answered in its turn, after the batch ahead of it: never out of order
         return entry

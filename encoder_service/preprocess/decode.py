@@ -21,7 +21,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +30,7 @@ from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 from encoder_service.errors import DecodeTimeout, InvalidInput, ResourceExhausted
 
 from . import jpeg_direct
+from .thread_hook import ThreadHook
 
 # Only the formats the service promises. Pillow's full plugin list includes parsers few people
 # audit (and EPS, which shells out to Ghostscript); a caller must not be able to reach them.
@@ -512,10 +513,21 @@ def decode_rgb(data: bytes, max_image_pixels: int | None) -> np.ndarray:
         frame = _frame(data)
         if (frame is not None and frame[0] in _DIRECT_SOF and frame[1] in (1, 3)
                 and jpeg_scans(data) <= ORDINARY_JPEG_SCANS):
-            pixels = jpeg_direct.decode(data, _orientation(image))
+            pixels = jpeg_direct.decode(data, _orientation(image), _into)
             if pixels is not None:
                 return pixels
     return np.asarray(to_rgb(_loaded(image)))
+
+
+_into = ThreadHook()
+
+
+def decode_into(take: Callable[[int], np.ndarray | None]) -> contextlib.AbstractContextManager[None]:
+    """Within the block, a plain JPEG decoded on this thread (``decode_rgb``) lands in ``take(nbytes)``
+    where that gives a writable uint8 array of ``nbytes`` (None: new memory, as everywhere else). The
+    engine's decode threads hand out memory already mapped (engine/warm_memory.py): the first image
+    after an idle spell then decodes without a page fault."""
+    return _into.set(take)
 
 
 def _orientation(image: Image.Image) -> int:

@@ -21,6 +21,8 @@ always gave: the pixels or the error.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import simplejpeg
 
@@ -30,14 +32,19 @@ import simplejpeg
 _COLOURSPACES = ("YCbCr", "Gray")
 
 
-def decode(data: bytes, orientation: int) -> np.ndarray | None:
+def decode(data: bytes, orientation: int, into: Callable[[int], np.ndarray | None] | None = None
+           ) -> np.ndarray | None:
     """uint8 [H, W, 3] RGB pixels of a JPEG, turned as its EXIF ``orientation`` says (as Pillow's
     ``exif_transpose`` turns them); None where this path does not take the file (see the module
-    docstring), which Pillow then decodes."""
+    docstring), which Pillow then decodes. ``into(nbytes)`` may give a writable uint8 array of that many
+    bytes for the pixels to land in (memory whose pages are already mapped: ``decode.decode_into``)."""
     try:
-        if simplejpeg.decode_jpeg_header(data)[2] not in _COLOURSPACES:
+        height, width, colourspace, _ = simplejpeg.decode_jpeg_header(data)
+        if colourspace not in _COLOURSPACES:
             return None
-        pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", fastdct=False, fastupsample=False, strict=True)
+        buffer = into(height * width * 3) if into is not None else None
+        pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", fastdct=False, fastupsample=False, strict=True,
+                                        buffer=buffer)
     except ValueError:  # libjpeg-turbo's error or warning: Pillow decides
         return None
     return oriented(pixels, orientation)

@@ -1,6 +1,7 @@
 """A callback that code running on a thread calls where the code that started it set one: how a long
 CPU step learns, without a parameter through every call between, that it should stop
-(``interrupt.py``) or that a clip is over the server's budgets (``staged.clip_budget``)."""
+(``interrupt.py``), that a clip is over the server's budgets (``staged.clip_budget``), or where a
+decode may write its pixels (``decode.decode_into``)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from collections.abc import Callable, Iterator
 
 
 class ThreadHook:
-    """``with hook.set(fn):`` on a thread, ``hook(*args)`` there calls ``fn(*args)``; a no-op outside
-    such a block. Per thread, so that concurrent steps each have their own; blocks nest."""
+    """``with hook.set(fn):`` on a thread, ``hook(*args)`` there calls ``fn(*args)`` and returns what it
+    returns; a no-op (None) outside such a block. Per thread, so that concurrent steps each have their
+    own; blocks nest."""
 
     def __init__(self) -> None:
         self._local = threading.local()
@@ -25,7 +27,6 @@ class ThreadHook:
         finally:
             self._local.fn = previous
 
-    def __call__(self, *args: object) -> None:
+    def __call__(self, *args: object) -> object:
         fn = getattr(self._local, "fn", None)
-        if fn is not None:
-            fn(*args)
+        return None if fn is None else fn(*args)

@@ -24,11 +24,14 @@ alone, with the error the front end would have given; its batch mates are encode
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
+
+import numpy as np
 
 from ..errors import InvalidInput
 from . import decode
@@ -102,19 +105,21 @@ class Decoding:
 
 
 def submit_decodes(inputs: Sequence, decoder: Callable[[bytes, int | None], DecodedImage],
-                   pool: Executor) -> Decoding | None:
+                   pool: Executor, into: Callable[[int], np.ndarray | None] | None = None) -> Decoding | None:
     """The worker's half: every ``EncodedImage`` of ``inputs`` submitted to ``pool`` (Pillow releases the
-    GIL) to be decoded by ``decoder``, each under its own time bound; None where there is none."""
+    GIL) to be decoded by ``decoder``, each under its own time bound, a plain JPEG's pixels into
+    ``into(nbytes)`` where that gives memory (``decode.decode_into``); None where there is none."""
     encoded = [index for index, item in enumerate(inputs) if isinstance(item, EncodedImage)]
     if not encoded:
         return None
-    return Decoding(list(inputs), {index: pool.submit(_decode_one, inputs[index], decoder) for index in encoded},
+    return Decoding(list(inputs), {index: pool.submit(_decode_one, inputs[index], decoder, into) for index in encoded},
                     time.perf_counter())
 
 
-def _decode_one(item: EncodedImage, decoder: Callable[[bytes, int | None], DecodedImage]
-                ) -> tuple[DecodedImage, float]:
-    with decode.decode_budget(item.decode_seconds):
+def _decode_one(item: EncodedImage, decoder: Callable[[bytes, int | None], DecodedImage],
+                into: Callable[[int], np.ndarray | None] | None = None) -> tuple[DecodedImage, float]:
+    with decode.decode_budget(item.decode_seconds), \
+            (decode.decode_into(into) if into is not None else contextlib.nullcontext()):
         decoded = decoder(bytes(item.data), item.max_image_pixels)
     if tuple(decoded.grid) != tuple(item.grid) or tuple(decoded.resize_to) != tuple(item.resize_to):
         # The header promised other sizes than the pixels have: the batch was planned for the header's.

@@ -110,3 +110,56 @@ def test_a_buffer_that_cannot_be_made_gives_its_room_back(monkeypatch):
     pool.copies([_rows(4)])
     pool.drain()
     assert pool.held_bytes == _rows(4).nbytes and pool.prepared == 1  # the pool works again
+
+
+def test_a_buffer_taken_for_a_decode_is_replaced_for_the_next_one_of_its_size():
+    pool = WarmBuffers(max_bytes=1 << 20)
+    assert pool.take(3000) is None  # nothing ready yet: the caller uses new memory; one is ordered
+    pool.drain()
+    array = pool.take_array(3000)
+    assert array is not None and array.nbytes == 3000 and array.flags.writeable
+    pool.drain()
+    assert pool.take(3000) is not None  # the one taken was replaced
+    assert pool.take(600 << 10) is None and pool.take(0) is None  # over half the bound, or nothing: none
+    pool.drain()
+    assert pool.take(600 << 10) is None and pool.held_bytes <= pool.max_bytes
+
+
+def test_the_engine_decodes_a_plain_jpeg_into_memory_already_mapped():
+    # The second JPEG of a size lands in a buffer the decode buffers' thread touched after the first.
+    import asyncio
+    import io
+
+    import numpy as np
+    from PIL import Image
+    from prometheus_client import CollectorRegistry
+
+    from encoder_service.benchmarks.service_clients import photo_pixels
+    from encoder_service.config import ServiceConfig
+    from encoder_service.engine import Engine, ImageInput
+    from encoder_service.engine.warm_memory import DECODE_BUFFERS
+    from encoder_service.metrics import ServiceMetrics
+
+    def jpeg(seed: int) -> bytes:
+        out = io.BytesIO()
+        Image.fromarray(photo_pixels(seed, 112, 84)).save(out, "JPEG", quality=90)
+        return out.getvalue()
+
+    async def main():
+        engine = Engine(ServiceConfig(model="tiny-qwen2.5-vl", device="cpu"),
+                        metrics=ServiceMetrics(CollectorRegistry()))
+        await engine.start()
+        try:
+            out = []
+            for seed in (1, 2):
+                (result,) = [r async for r in engine.encode([ImageInput(index=0, kind="encoded", data=jpeg(seed))])]
+                out.append(result)
+                DECODE_BUFFERS.drain()
+            return out
+        finally:
+            await engine.stop()
+
+    hits = DECODE_BUFFERS.hits
+    first, second = asyncio.run(main())
+    assert DECODE_BUFFERS.hits > hits
+    assert first.embedding.shape == second.embedding.shape and not np.array_equal(first.embedding, second.embedding)

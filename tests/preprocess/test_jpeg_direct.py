@@ -29,8 +29,8 @@ def direct(monkeypatch) -> list[bool]:
     calls: list[bool] = []
     real = jpeg_direct.decode
 
-    def spy(data, orientation):
-        pixels = real(data, orientation)
+    def spy(data, orientation, into=None):
+        pixels = real(data, orientation, into)
         calls.append(pixels is not None)
         return pixels
 
@@ -173,3 +173,20 @@ def test_orientations_of_other_arrays_match_pillows_transposes():
     for orientation, method in methods.items():
         want = np.asarray(Image.fromarray(pixels).transpose(method))
         assert np.array_equal(jpeg_direct.oriented(pixels, orientation), want), orientation
+
+
+def test_a_decode_lands_in_the_memory_its_thread_was_given(direct):
+    # decode.decode_into: the engine's decode threads hand out memory already mapped (engine/warm_memory.py).
+    data = save(Image.fromarray(photo_pixels(14, 90, 60)), quality=90)
+    given: list[np.ndarray] = []
+
+    def take(nbytes: int) -> np.ndarray:
+        given.append(np.empty(nbytes, np.uint8))
+        return given[-1]
+
+    with decode.decode_into(take):
+        pixels = decode.decode_rgb(data, None)
+    assert [g.nbytes for g in given] == [90 * 60 * 3]
+    assert np.shares_memory(pixels, given[0])
+    assert np.array_equal(pixels, pillow_pixels(data))
+    assert not np.shares_memory(decode.decode_rgb(data, None), given[0])  # outside the block: new memory
