@@ -513,7 +513,7 @@ def decode_rgb(data: bytes, max_image_pixels: int | None) -> np.ndarray:
         frame = _frame(data)
         if (frame is not None and frame[0] in _DIRECT_SOF and frame[1] in (1, 3)
                 and jpeg_scans(data) <= ORDINARY_JPEG_SCANS):
-            pixels = jpeg_direct.decode(data, _orientation(image), _into)
+            pixels = jpeg_direct.decode(data, (image.height, image.width), _orientation(image), _into)
             if pixels is not None:
                 return pixels
     return np.asarray(to_rgb(_loaded(image)))

@@ -4,9 +4,10 @@ Why: Pillow decodes into its own image (four bytes a pixel), and the uint8 array
 takes is a second pass over it, a copy. simplejpeg drives the same library (libjpeg-turbo, through its
 TurboJPEG API) with the same settings Pillow leaves at libjpeg's defaults (the accurate integer IDCT,
 fancy chroma upsampling) and writes RGB rows into the array itself: a 1008x1008 photo decoded in
-3.4 ms against Pillow's 5.0 ms on the 2-core CPU host (bench/RESULTS.md). The pixels are the ones
-Pillow gives, byte for byte: tests/preprocess/test_jpeg_direct.py holds that over every chroma subsampling Pillow
-writes, progressive files, restart markers, grayscale, odd sizes, qualities and every EXIF orientation.
+3.9 ms against 4.9 ms on the 2-core CPU host, 6.2 against 7.3 ms on an H200 host's core
+(bench/RESULTS.md). The pixels are the ones Pillow gives, byte for byte: tests/preprocess/test_jpeg_direct.py
+holds that over every chroma subsampling Pillow, libjpeg-turbo and FFmpeg write, progressive files, restart
+markers, grayscale, odd sizes, qualities and every EXIF orientation.
 It is what keeps the service equal to transformers, which decodes with Pillow.
 
 Which files (``decode.decode_rgb`` asks): a sequential or progressive Huffman-coded JPEG (SOF0, SOF1,
@@ -32,15 +33,17 @@ import simplejpeg
 _COLOURSPACES = ("YCbCr", "Gray")
 
 
-def decode(data: bytes, orientation: int, into: Callable[[int], np.ndarray | None] | None = None
-           ) -> np.ndarray | None:
+def decode(data: bytes, size: tuple[int, int], orientation: int,
+           into: Callable[[int], np.ndarray | None] | None = None) -> np.ndarray | None:
     """uint8 [H, W, 3] RGB pixels of a JPEG, turned as its EXIF ``orientation`` says (as Pillow's
     ``exif_transpose`` turns them); None where this path does not take the file (see the module
-    docstring), which Pillow then decodes. ``into(nbytes)`` may give a writable uint8 array of that many
-    bytes for the pixels to land in (memory whose pages are already mapped: ``decode.decode_into``)."""
+    docstring), which Pillow then decodes. ``size`` is (height, width) as the header Pillow read says,
+    against which every limit was checked: a file whose header libjpeg-turbo reads otherwise goes to
+    Pillow too. ``into(nbytes)`` may give a writable uint8 array of that many bytes for the pixels to land
+    in (memory whose pages are already mapped: ``decode.decode_into``)."""
     try:
         height, width, colourspace, _ = simplejpeg.decode_jpeg_header(data)
-        if colourspace not in _COLOURSPACES:
+        if colourspace not in _COLOURSPACES or (height, width) != tuple(size):
             return None
         buffer = into(height * width * 3) if into is not None else None
         pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", fastdct=False, fastupsample=False, strict=True,

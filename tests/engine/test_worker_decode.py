@@ -176,8 +176,8 @@ class CountedLoads:
             self.formats.append(image.format)
             return load(image)
 
-        def counted_direct(data, orientation, into=None):
-            pixels = direct(data, orientation, into)
+        def counted_direct(data, size, orientation, into=None):
+            pixels = direct(data, size, orientation, into)
             if pixels is not None:
                 self.formats.append("JPEG")
             return pixels

@@ -29,8 +29,8 @@ def direct(monkeypatch) -> list[bool]:
     calls: list[bool] = []
     real = jpeg_direct.decode
 
-    def spy(data, orientation, into=None):
-        pixels = real(data, orientation, into)
+    def spy(data, size, orientation, into=None):
+        pixels = real(data, size, orientation, into)
         calls.append(pixels is not None)
         return pixels
 
@@ -190,3 +190,12 @@ def test_a_decode_lands_in_the_memory_its_thread_was_given(direct):
     assert np.shares_memory(pixels, given[0])
     assert np.array_equal(pixels, pillow_pixels(data))
     assert not np.shares_memory(decode.decode_rgb(data, None), given[0])  # outside the block: new memory
+
+
+def test_a_header_libjpeg_reads_otherwise_than_pillow_is_left_to_pillow():
+    # Every limit was checked against the size Pillow's parser read: a file libjpeg-turbo sizes otherwise
+    # must not be decoded (nor its memory allocated) by the direct path.
+    data = save(Image.fromarray(photo_pixels(15, 40, 30)), quality=90)
+    assert jpeg_direct.decode(data, (30, 40), 1) is not None
+    assert jpeg_direct.decode(data, (30, 41), 1) is None
+    assert jpeg_direct.decode(data, (31, 40), 1, into=lambda nbytes: pytest.fail("memory asked for")) is None
