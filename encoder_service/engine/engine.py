@@ -29,7 +29,7 @@ from ..errors import InvalidInput, NotFound, Unavailable
 from ..metrics import ServiceMetrics
 from ..models.base import validate_grid
 from ..models.served import ServedModel
-from ..preprocess import decode
+from ..preprocess import decode, jpeg_direct
 from ..preprocess.staged import StagedInput, check_patch_bytes
 from ..preprocess.worker_decode import EncodedImage, decoding_in_workers
 from .admission import Admission
@@ -102,6 +102,8 @@ class Engine:
         forwards; returns the warm-up seconds (the slowest worker's)."""
         self.front, warmup_s = await self.devices.start(self._queue, self._on_batch_start, self._on_batch_done,
                                                         self._update_serving)
+        # The direct JPEG decode's check against Pillow (once, ~25 ms) before serving, not on the first image.
+        await asyncio.get_running_loop().run_in_executor(None, jpeg_direct.agrees_with_pillow)
         if self.config.decode_in_workers and isinstance(self.devices, WorkerProcesses):
             self.front = decoding_in_workers(self.front, self.config.max_decode_seconds)
         self.namespace = self.front.cache_namespace

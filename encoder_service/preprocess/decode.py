@@ -87,6 +87,9 @@ _ORIENTATION_TAG = 0x0112  # EXIF Orientation
 # What Pillow raises from a header or a pixel stream it cannot parse. zlib/struct errors escape
 # some plugins unwrapped; EOFError comes from GIF/WebP frame readers.
 _PIL_PARSE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, struct.error, zlib.error)
+# Pillow's EXIF reading and writing back (exif_transpose) raise TypeError too, for a tag of the wrong type (an
+# ASCII resolution): the file's fault, not the server's.
+_EXIF_ERRORS = (*_PIL_PARSE_ERRORS, TypeError)
 
 
 def _pixel_limit(max_image_pixels: int | None) -> int | None:
@@ -364,7 +367,7 @@ def _loaded(image: Image.Image) -> Image.Image:
     try:
         # in_place: no orientation tag (the usual case) must not cost a copy of the pixels.
         ImageOps.exif_transpose(image, in_place=True)
-    except _PIL_PARSE_ERRORS as e:
+    except _EXIF_ERRORS as e:
         raise InvalidInput(f"image has malformed EXIF metadata: {type(e).__name__}: {e}") from None
     return image
 
@@ -512,11 +515,28 @@ def decode_rgb(data: bytes, max_image_pixels: int | None) -> np.ndarray:
     if image.format == "JPEG" and image.mode in ("RGB", "L"):
         frame = _frame(data)
         if (frame is not None and frame[0] in _DIRECT_SOF and frame[1] in (1, 3)
-                and jpeg_scans(data) <= ORDINARY_JPEG_SCANS):
-            pixels = jpeg_direct.decode(data, (image.height, image.width), _orientation(image), _into)
+                and jpeg_scans(data) <= ORDINARY_JPEG_SCANS and jpeg_direct.agrees_with_pillow()):
+            orientation = _orientation(image)
+            _exif_written_back(image, orientation)
+            pixels = jpeg_direct.decode(data, (image.height, image.width), orientation, _into)
             if pixels is not None:
                 return pixels
     return np.asarray(to_rgb(_loaded(image)))
+
+
+def _exif_written_back(image: Image.Image, orientation: int) -> None:
+    """Fails as ``exif_transpose`` fails on ``image``'s metadata, without its pixels: where it turns an image
+    (orientations 2 to 8) it writes the EXIF back without the tag, and a file whose EXIF cannot be written
+    back is refused there (InvalidInput). Run on a 1x1 stand-in carrying the file's metadata, so that the
+    image itself keeps its orientation for Pillow should the direct path hand the file over."""
+    if orientation not in (2, 3, 4, 5, 6, 7, 8):
+        return
+    stand_in = Image.new("L", (1, 1))
+    stand_in.info = dict(image.info)
+    try:
+        ImageOps.exif_transpose(stand_in, in_place=True)
+    except _EXIF_ERRORS as e:
+        raise InvalidInput(f"image has malformed EXIF metadata: {type(e).__name__}: {e}") from None
 
 
 _into = ThreadHook()
@@ -535,5 +555,5 @@ def _orientation(image: Image.Image) -> int:
     (the base class's ``getexif``: PngImageFile's would decode the pixels to find it)."""
     try:
         return Image.Image.getexif(image).get(_ORIENTATION_TAG, 1)
-    except _PIL_PARSE_ERRORS as e:
+    except _EXIF_ERRORS as e:
         raise InvalidInput(f"image has malformed EXIF metadata: {type(e).__name__}: {e}") from None

@@ -22,10 +22,16 @@ always gave: the pixels or the error.
 
 from __future__ import annotations
 
+import functools
+import io
+import logging
 from collections.abc import Callable
 
 import numpy as np
 import simplejpeg
+from PIL import Image
+
+log = logging.getLogger(__name__)
 
 # What libjpeg-turbo's header reading calls the colour spaces this path takes (TurboJPEG's TJCS_YCbCr and
 # TJCS_GRAY, as simplejpeg names them): libjpeg converts both to RGB as Pillow's decode and its L -> RGB
@@ -51,6 +57,39 @@ def decode(data: bytes, size: tuple[int, int], orientation: int,
     except ValueError:  # libjpeg-turbo's error or warning: Pillow decides
         return None
     return oriented(pixels, orientation)
+
+
+@functools.cache
+def agrees_with_pillow() -> bool:
+    """Whether simplejpeg's libjpeg-turbo decodes as Pillow's does in this process, checked once on small
+    files made here: each chroma subsampling (Pillow's three, libjpeg-turbo's 4:4:0 and 4:1:1), progressive,
+    a progressive file cut after its first scan (libjpeg smooths such blocks, and changed how in 3.0.1),
+    grey. The two are separate builds of the library, each pinned by its package: where they differ (an
+    upgrade of one), this path is off and Pillow decodes every file, with a warning saying so."""
+    rng = np.random.default_rng(0)
+    yy, xx = np.mgrid[0:29, 0:37]
+    base = np.stack([xx * 7, yy * 9, (xx + yy) * 4], -1) + rng.integers(0, 40, (29, 37, 3))
+    pixels = np.clip(base, 0, 255).astype(np.uint8)
+    files = []
+    for subsampling in (0, 1, 2):
+        for progressive in (False, True):
+            out = io.BytesIO()
+            Image.fromarray(pixels).save(out, "JPEG", quality=85, subsampling=subsampling, progressive=progressive)
+            files.append(out.getvalue())
+    second_scan = files[-1].find(b"\xff\xda", files[-1].find(b"\xff\xda") + 2)
+    files.append(files[-1][:second_scan] + b"\xff\xd9")
+    files += [simplejpeg.encode_jpeg(pixels, quality=85, colorsubsampling=sampling) for sampling in ("440", "411")]
+    out = io.BytesIO()
+    Image.fromarray(pixels[..., 0]).save(out, "JPEG", quality=85)
+    files.append(out.getvalue())
+    for data in files:
+        want = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+        got = decode(data, want.shape[:2], 1)
+        if got is None or not np.array_equal(got, want):
+            log.warning("simplejpeg %s decodes JPEGs otherwise than Pillow %s here: every image decodes through "
+                        "Pillow (a third slower for a plain JPEG)", simplejpeg.__version__, Image.__version__)
+            return False
+    return True
 
 
 def oriented(pixels: np.ndarray, orientation: int) -> np.ndarray:

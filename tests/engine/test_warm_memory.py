@@ -125,8 +125,9 @@ def test_a_buffer_taken_for_a_decode_is_replaced_for_the_next_one_of_its_size():
     assert pool.take(600 << 10) is None and pool.held_bytes <= pool.max_bytes
 
 
-def test_the_engine_decodes_a_plain_jpeg_into_memory_already_mapped():
-    # The second JPEG of a size lands in a buffer the decode buffers' thread touched after the first.
+def test_the_engine_decodes_a_plain_jpeg_into_memory_already_mapped(monkeypatch):
+    # The second JPEG of a size lands in a buffer the decode buffers' thread touched after the first, and
+    # its embedding is the one a decode into new memory gives.
     import asyncio
     import io
 
@@ -145,21 +146,26 @@ def test_the_engine_decodes_a_plain_jpeg_into_memory_already_mapped():
         Image.fromarray(photo_pixels(seed, 112, 84)).save(out, "JPEG", quality=90)
         return out.getvalue()
 
-    async def main():
-        engine = Engine(ServiceConfig(model="tiny-qwen2.5-vl", device="cpu"),
+    async def encode_each(images: list[bytes]) -> list:
+        # torch preprocessing (a GPU's default): the decoded pixels are what the CPU hands over.
+        engine = Engine(ServiceConfig(model="tiny-qwen2.5-vl", device="cpu", preprocess="torch"),
                         metrics=ServiceMetrics(CollectorRegistry()))
         await engine.start()
         try:
             out = []
-            for seed in (1, 2):
-                (result,) = [r async for r in engine.encode([ImageInput(index=0, kind="encoded", data=jpeg(seed))])]
-                out.append(result)
+            for data in images:
+                (result,) = [r async for r in engine.encode([ImageInput(index=0, kind="encoded", data=data)])]
+                out.append(result.embedding.clone())
                 DECODE_BUFFERS.drain()
             return out
         finally:
             await engine.stop()
 
+    images = [jpeg(1), jpeg(2)]
     hits = DECODE_BUFFERS.hits
-    first, second = asyncio.run(main())
+    warm = asyncio.run(encode_each(images))
     assert DECODE_BUFFERS.hits > hits
-    assert first.embedding.shape == second.embedding.shape and not np.array_equal(first.embedding, second.embedding)
+    monkeypatch.setattr(DECODE_BUFFERS, "take_array", lambda nbytes: None)  # every decode into new memory
+    cold = asyncio.run(encode_each(images))
+    assert not np.array_equal(warm[0], warm[1])
+    assert all(np.array_equal(w, c) for w, c in zip(warm, cold))

@@ -5,6 +5,7 @@ change the embeddings the service is proven equal on."""
 from __future__ import annotations
 
 import io
+import struct
 from fractions import Fraction
 
 import numpy as np
@@ -181,7 +182,7 @@ def test_a_decode_lands_in_the_memory_its_thread_was_given(direct):
     given: list[np.ndarray] = []
 
     def take(nbytes: int) -> np.ndarray:
-        given.append(np.empty(nbytes, np.uint8))
+        given.append(np.full(nbytes, 0xAB, np.uint8))  # a byte left unwritten would show
         return given[-1]
 
     with decode.decode_into(take):
@@ -190,6 +191,13 @@ def test_a_decode_lands_in_the_memory_its_thread_was_given(direct):
     assert np.shares_memory(pixels, given[0])
     assert np.array_equal(pixels, pillow_pixels(data))
     assert not np.shares_memory(decode.decode_rgb(data, None), given[0])  # outside the block: new memory
+    # A turned image is a copy: the buffer given is not what comes back.
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    turned = save(Image.fromarray(photo_pixels(14, 90, 60)), quality=90, exif=exif)
+    with decode.decode_into(take):
+        pixels = decode.decode_rgb(turned, None)
+    assert not np.shares_memory(pixels, given[-1]) and np.array_equal(pixels, pillow_pixels(turned))
 
 
 def test_a_header_libjpeg_reads_otherwise_than_pillow_is_left_to_pillow():
@@ -199,3 +207,52 @@ def test_a_header_libjpeg_reads_otherwise_than_pillow_is_left_to_pillow():
     assert jpeg_direct.decode(data, (30, 40), 1) is not None
     assert jpeg_direct.decode(data, (30, 41), 1) is None
     assert jpeg_direct.decode(data, (31, 40), 1, into=lambda nbytes: pytest.fail("memory asked for")) is None
+
+
+def exif_with(orientation: int, *entries: bytes) -> bytes:
+    """Big-endian EXIF of the orientation tag and ``entries`` (12 bytes each, values inline or after the IFD)."""
+    count = 1 + len(entries)
+    ifd = struct.pack(">H", count) + struct.pack(">HHIHH", 0x0112, 3, 1, orientation, 0) + b"".join(entries)
+    return b"Exif\0\0MM\0*\0\0\0\x08" + ifd + b"\0\0\0\0"
+
+
+@pytest.mark.parametrize("orientation", [1, 6])
+def test_an_exif_pillow_cannot_write_back_is_refused_as_pillow_refuses_it(orientation, direct):
+    # exif_transpose writes a turned image's EXIF back without its orientation tag, and a ResolutionUnit
+    # stored as ASCII fails there (a struct.error, Pillow issues 6882 and 7839): transformers' load_image would
+    # fail on such a file, and so does the service, whichever path decodes it. Unturned, nothing is written.
+    unit_as_text = struct.pack(">HHI", 0x0128, 2, 4) + b"abc\0"
+    data = save(Image.fromarray(photo_pixels(16, 40, 24)), quality=90, exif=exif_with(orientation, unit_as_text))
+    if orientation == 1:
+        assert_same_as_pillow(data, direct)
+        return
+    with pytest.raises(InvalidInput, match="malformed EXIF"):
+        decode.decode_image(data, None)
+    with pytest.raises(InvalidInput, match="malformed EXIF"):
+        decode.decode_rgb(data, None)
+
+
+def test_an_exif_tag_of_the_wrong_type_is_an_invalid_image_not_a_server_error():
+    # An XResolution stored as ASCII makes Pillow's EXIF writer raise TypeError: the file's fault.
+    resolution_as_text = struct.pack(">HHI", 0x011A, 2, 4) + b"abc\0"
+    data = save(Image.fromarray(photo_pixels(17, 40, 24)), quality=90, exif=exif_with(6, resolution_as_text))
+    for decoder in (decode.decode_image, decode.decode_rgb):
+        with pytest.raises(InvalidInput, match="malformed EXIF"):
+            decoder(data, None)
+
+
+def test_where_the_two_libjpeg_builds_disagree_pillow_decodes_everything(monkeypatch, direct):
+    # An upgrade of simplejpeg or Pillow that changes one build's pixels turns the direct path off.
+    real = simplejpeg.decode_jpeg
+    monkeypatch.setattr(simplejpeg, "decode_jpeg", lambda *a, **kw: real(*a, **kw) ^ np.uint8(1))
+    jpeg_direct.agrees_with_pillow.cache_clear()
+    try:
+        assert not jpeg_direct.agrees_with_pillow()
+        direct.clear()  # the check's own decodes
+        data = save(Image.fromarray(photo_pixels(18, 64, 40)), quality=90)
+        assert_same_as_pillow(data, direct, taken=False)
+        assert direct == []
+    finally:
+        jpeg_direct.agrees_with_pillow.cache_clear()
+    monkeypatch.undo()
+    assert jpeg_direct.agrees_with_pillow()

@@ -226,14 +226,12 @@ def geometry(height: int, width: int, cfg: Qwen2VLPreprocessConfig
 def decode_qwen2_vl(data: bytes, cfg: Qwen2VLPreprocessConfig, mode: str = "pil",
                     max_image_pixels: int | None = None) -> DecodedImage:
     """Encoded image bytes -> the CPU half's output (see ``decode_qwen2_vl_image``). Where the pixels are
-    all the CPU hands over (the resize on the device, or none), they decode straight into their array
-    (``decode_rgb``: a plain JPEG without Pillow's image in between)."""
-    if cfg.do_convert_rgb:
+    all the CPU hands over (``torch`` mode: the resize on the device), they decode straight into their
+    array (``decode_rgb``: a plain JPEG without Pillow's image in between); ``pil`` mode resizes Pillow's
+    image."""
+    if cfg.do_convert_rgb and mode != "pil":
         pixels = decode_rgb(data, max_image_pixels)
-        resize_to, pad_to, grid = geometry(*pixels.shape[:2], cfg)
-        if mode != "pil" or resize_to == pixels.shape[:2]:
-            return DecodedImage(pixels, resize_to, pad_to, grid)
-        return decode_qwen2_vl_image(Image.fromarray(pixels), cfg, mode)
+        return DecodedImage(pixels, *geometry(*pixels.shape[:2], cfg))
     return decode_qwen2_vl_image(open_image(data, max_image_pixels), cfg, mode)
 
 
