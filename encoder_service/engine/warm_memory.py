@@ -71,7 +71,7 @@ class WarmBuffers:
         """A uint8 buffer of exactly ``nbytes`` whose pages are mapped, if one is ready (None: the caller
         uses new memory), and one more of that size ordered for the next caller: for memory that
         something other than ``copies`` fills (a decode)."""
-        buffer = self._take(nbytes) if 0 < nbytes <= self.max_bytes // 2 else None
+        buffer = self._take(nbytes)  # never one of a size _refill does not make (none, or over half the bound)
         self._refill(Counter({nbytes: 1}))
         return buffer
 

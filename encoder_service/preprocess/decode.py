@@ -352,7 +352,7 @@ def open_image(data: bytes, max_image_pixels: int | None) -> Image.Image:
     ``MAX_JPEG_SCANS`` scans, and when the decode outlasts its ``decode_budget``; ExpensiveImage
     where the ``decode_budget`` sends expensive images elsewhere.
     """
-    return _loaded(_opened(data, max_image_pixels))
+    return _loaded(_opened(data, max_image_pixels)[0])
 
 
 def _loaded(image: Image.Image) -> Image.Image:
@@ -391,7 +391,7 @@ def read_header(data: bytes, max_image_pixels: int | None) -> Header | None:
         return None
     if data[:1] == b"\x89" and _png_metadata_after_pixels(data):
         return None
-    image = _opened(data, max_image_pixels)
+    image, _ = _opened(data, max_image_pixels)
     if image.format not in ("JPEG", "PNG", "MPO"):
         return None
     orientation = 1
@@ -433,8 +433,9 @@ def _png_metadata_after_pixels(data: bytes) -> bool:
     return True
 
 
-def _opened(data: bytes, max_image_pixels: int | None) -> Image.Image:
-    """Pillow's image of ``data`` with its header parsed and every limit checked; no pixel decoded."""
+def _opened(data: bytes, max_image_pixels: int | None) -> tuple[Image.Image, int]:
+    """Pillow's image of ``data`` with its header parsed and every limit checked, no pixel decoded; and
+    its JPEG scans (0 for other formats), counted for those limits."""
     if ImageFile.LOAD_TRUNCATED_IMAGES:
         # With this flag Pillow silently pads a truncated image with black and we would encode
         # (and cache) garbage. Someone in the process turned it on; fail loudly, not wrongly.
@@ -472,7 +473,7 @@ def _opened(data: bytes, max_image_pixels: int | None) -> Image.Image:
     if webp is None:
         _check_memory(image.format, *image.size, _bytes_per_pixel(image), limit)
         _route(image.width * image.height, scans)
-    return image
+    return image, scans
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
@@ -511,11 +512,11 @@ def decode_rgb(data: bytes, max_image_pixels: int | None) -> np.ndarray:
     """``decode_image``'s pixels as a uint8 [H, W, 3] array, its limits and errors the same: a plain JPEG
     decoded by libjpeg-turbo straight into the array (``jpeg_direct``: the same pixels, sooner),
     everything else, and any JPEG that path does not take, by Pillow."""
-    image = _opened(data, max_image_pixels)
+    image, scans = _opened(data, max_image_pixels)
     if image.format == "JPEG" and image.mode in ("RGB", "L"):
         frame = _frame(data)
         if (frame is not None and frame[0] in _DIRECT_SOF and frame[1] in (1, 3)
-                and jpeg_scans(data) <= ORDINARY_JPEG_SCANS and jpeg_direct.agrees_with_pillow()):
+                and scans <= ORDINARY_JPEG_SCANS and jpeg_direct.agrees_with_pillow()):
             orientation = _orientation(image)
             _exif_written_back(image, orientation)
             pixels = jpeg_direct.decode(data, (image.height, image.width), orientation, _into)
