@@ -396,3 +396,45 @@ def test_expensive_images_are_handed_back_before_any_pixel_is_decoded_where_the_
     for data in (odd, large):  # where expensive images are decoded
         with decode_budget(5):
             open_image(data, 10**6).load()
+
+
+@pytest.mark.parametrize("mode", ["in-process", "workers"])
+def test_hostile_jpegs_on_the_direct_decode_path_get_pillows_answers_and_the_server_serves_on(
+        start_encoder_server, mode):
+    """With --preprocess torch (a GPU's default) a plain JPEG decodes through libjpeg-turbo directly
+    (preprocess/jpeg_direct.py), with --devices in the workers, into their warm decode buffers. Damaged
+    files get the answer Pillow's decode gives them (worked out here), and the server serves on."""
+    import struct
+
+    flags = ("--preprocess", "torch") + (("--devices", "cpu,cpu") if mode == "workers" else ())
+    server = start_encoder_server(*flags)
+    good = save(photo(224, 224, seed=7), quality=90)
+    eoi = jpeg_segments(good)[-1][1]
+    ifd = (struct.pack(">H", 2) + struct.pack(">HHIHH", 0x0112, 3, 1, 6, 0)
+           + struct.pack(">HHI", 0x0128, 2, 4) + b"abc\0" + b"\0\0\0\0")  # turned, with an unwritable EXIF
+    hostile = {
+        "stray bytes before EOI": good[:eoi] + b"\x12\x34\x56" + good[eoi:],
+        "truncated": good[: len(good) // 2],
+        "EXIF that cannot be written back": save(photo(224, 224, seed=8), quality=90,
+                                                 exif=b"Exif\0\0MM\0*\0\0\0\x08" + ifd),
+        "86 scans": jpeg_scan_bomb(224, 80),
+    }
+    try:
+        with grpc.insecure_channel(server.target) as channel:
+            stub = encoder_pb2_grpc.VisionEncoderStub(channel)
+            for name, data in hostile.items():
+                try:
+                    want = np.asarray(decode_image(data, None)).shape
+                except Exception:
+                    want = None
+                if want is None:
+                    with pytest.raises(grpc.RpcError) as refused:
+                        encode(stub, data)
+                    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, refused.value.details())
+                else:
+                    assert encode(stub, data)[-1].num_tokens == want[0] * want[1] // 28 // 28, name
+            for seed in (9, 10):  # the second of a size decodes into a warm buffer
+                assert encode(stub, save(photo(224, 224, seed=seed), quality=90))[-1].num_tokens == 64
+    finally:
+        server.stop()
+    assert "decodes JPEGs otherwise than Pillow" not in server.log_text()
