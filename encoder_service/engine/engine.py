@@ -223,7 +223,8 @@ class Engine:
             raise InvalidInput("no images in the request")
         for image in images:
             self.metrics.image_received(image.kind)
-        keys = await self._pools.hashed(functools.partial(content_keys, self.namespace), images)
+        keys = await self._pools.hashed(functools.partial(content_keys, self.namespace), images,
+                                        alone=not self._inflight)
 
         # Everything from here to the first await runs atomically on the loop: admission counts
         # exactly the jobs this request creates.
@@ -296,7 +297,9 @@ class Engine:
                 payload, job.clip = await self._videos.prepare(self.front, image.video, self.max_image_pixels, caller)
                 check_size(self.front, self.batching, self.video, payload.grid, "video")
             else:
-                payload = await self._pools.prepared(self._prepare_sync, image, self.pixel_limits.ordinary, caller)
+                # Alone: this job is the only one in flight (none preparing, queued or on a device).
+                payload = await self._pools.prepared(self._prepare_sync, image, self.pixel_limits.ordinary, caller,
+                                                     alone=len(self._inflight) == 1)
         except Exception as exc:
             if job.state is JobState.PREPARING:
                 job.state = JobState.FAILED
@@ -316,15 +319,15 @@ class Engine:
         job.payload, job.grid, job.state = payload, payload.grid, JobState.PREPARED
         job.prepared.set_result(None)
 
-    def _prepare_sync(self, image: ImageInput, expensive_pool: bool) -> StagedInput | object:
-        """The CPU half of preprocessing (thread pool): decode to uint8 pixels, or check a client's
-        patch bytes. Resize, normalize and patchify run on the model's device, batched per forward.
-        In the ordinary pool, an image that is expensive to decode by its header is answered
-        ``EXPENSIVE`` (to be decoded in the other pool) before any of its pixels is decoded."""
+    def _prepare_sync(self, image: ImageInput, expensive_pixels: int | None) -> StagedInput | object:
+        """The CPU half of preprocessing (a thread pool's, or the loop's for a lone small image): decode
+        to uint8 pixels, or check a client's patch bytes. Resize, normalize and patchify run on the
+        model's device, batched per forward. An image of more than ``expensive_pixels`` pixels (or
+        more scans than encoders write) by its header is answered ``EXPENSIVE`` (to be decoded in the
+        expensive pool) before any of its pixels is decoded; None: decoded whatever its size."""
         if image.kind == "encoded":
             try:
-                with decode.decode_budget(self.config.max_decode_seconds,
-                                          None if expensive_pool else self.pixel_limits.ordinary), \
+                with decode.decode_budget(self.config.max_decode_seconds, expensive_pixels), \
                         decode.decode_into(DECODE_BUFFERS.take_array):
                     decoded = self.front.decode_image(image.data, self.max_image_pixels)
             except decode.ExpensiveImage:

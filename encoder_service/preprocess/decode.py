@@ -186,6 +186,11 @@ def _next_marker(raw: np.ndarray, pos: int) -> int:
     return -1
 
 
+def is_jpeg(data: bytes) -> bool:
+    """Whether ``data`` starts as a JPEG does (SOI): what libjpeg and Pillow take for one."""
+    return data[:2] == b"\xff\xd8"
+
+
 def jpeg_scans(data: bytes) -> int:
     """How many scans (SOS markers) libjpeg would read in ``data``, counted up to
     ``MAX_JPEG_SCANS + 1``; 0 for bytes that are not a JPEG.
@@ -197,7 +202,7 @@ def jpeg_scans(data: bytes) -> int:
     EXIF thumbnail). Only when that bound is over ``ORDINARY_JPEG_SCANS`` are the markers walked as
     libjpeg reads them: a segment's parameters skipped by their length, scan data and stray bytes
     searched for the next marker, up to EOI."""
-    if data[:2] != b"\xff\xd8":
+    if not is_jpeg(data):
         return 0
     if _single_scan(data):
         return 1

@@ -362,6 +362,44 @@ def test_progressive_jpegs_the_server_decodes(stub):
     assert encode(stub, jpeg_scan_bomb(448, 80))[-1].num_tokens == 256
 
 
+def test_a_lone_request_never_decodes_an_expensive_jpeg_on_the_event_loop(stub):
+    """A lone request's small JPEG decodes on the event loop (engine/preparation.py), which then serves
+    no other call until it is done. A hostile caller's lone JPEG past those bounds (here 96 scans over
+    3.1 Mpx, allowed but expensive: ~0.15 s of decode) must still go to the threads: calls made during
+    its decode are answered meanwhile. Compared with its own decode time in this process, no absolute
+    timing; on the loop, every call during it would wait for all of it."""
+    from encoder_service.preprocess.decode import jpeg_scans
+
+    hostile = jpeg_scan_bomb(1760, 90)
+    assert jpeg_scans(hostile) == 96 and len(hostile) < 1 << 20  # within the bytes bound, past the scans one
+    started = time.perf_counter()
+    decode_image(hostile, None).load()
+    decode_s = time.perf_counter() - started
+
+    waits: list[float] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        while not stop.is_set():
+            started = time.perf_counter()
+            stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+            waits.append(time.perf_counter() - started)
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    try:
+        time.sleep(0.2)
+        before = len(waits)
+        assert encode(stub, hostile)[-1].num_tokens > 0
+        during = waits[before:]
+    finally:
+        stop.set()
+        thread.join()
+    assert len(during) >= 3, f"{len(during)} calls answered during a {decode_s:.2f} s decode"
+    assert max(during) < decode_s / 2, f"a call waited {max(during) * 1000:.0f} ms; the decode takes " \
+                                       f"{decode_s * 1000:.0f} ms"
+
+
 # --- what the counting and the routing rest on ----------------------------------------------------------
 
 
