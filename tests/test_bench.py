@@ -288,3 +288,29 @@ def test_lone_pairs_leaves_the_asked_quiet_before_each_pair():
     assert [side for side, _ in calls] == ["a", "b", "b", "a", "a", "b"]
     starts = [at for i, (_, at) in enumerate(calls) if i % 2 == 0]
     assert all(later - earlier >= 0.2 for earlier, later in itertools.pairwise(starts))
+
+
+def test_the_stage_trace_times_a_real_servers_stages_in_the_order_a_lone_image_takes_them(tmp_path):
+    # bench/stage_trace.py: the tracer loads in the server process (sitecustomize), the client notes its
+    # own stages, and the summary orders each stage by its median time from the call's start.
+    import json
+    import subprocess
+    import sys
+
+    from repo_paths import REPO_ROOT
+
+    out = tmp_path / "trace"
+    printed = subprocess.run([sys.executable, "bench/stage_trace.py", "run", "--out", str(out), "--model",
+                              "tiny-qwen2.5-vl", "--device", "cpu", "--dtype", "float32", "--sizes", "112",
+                              "--images", "8", "--gap-s", "0.01"],
+                             cwd=REPO_ROOT, check=True, capture_output=True, text=True, timeout=240).stdout
+    assert "== 112x112, 3 calls" in printed
+    assert len(json.loads((out / "calls.json").read_text())["112"]) == 8
+    order = [line.split()[0] for line in printed.splitlines()[1:]]
+    wanted = ["c:call>", "intercept>", "Encode>", "prepare>", "prepare<", "enqueue>", "launch>", "wait<",
+              "batch_done>", "chunks>", "Encode<", "c:results>", "END"]
+    assert [stage for stage in order if stage in wanted] == wanted, printed
+    # The summary of the files alone is what the run printed.
+    again = subprocess.run([sys.executable, "bench/stage_trace.py", "summary", str(out)], cwd=REPO_ROOT,
+                           check=True, capture_output=True, text=True, timeout=120).stdout
+    assert again == printed
