@@ -224,7 +224,7 @@ class Engine:
         for image in images:
             self.metrics.image_received(image.kind)
         keys = await self._pools.hashed(functools.partial(content_keys, self.namespace), images,
-                                        alone=not self._inflight)
+                                        alone=not self.busy)
 
         # Everything from here to the first await runs atomically on the loop: admission counts
         # exactly the jobs this request creates.
@@ -297,9 +297,10 @@ class Engine:
                 payload, job.clip = await self._videos.prepare(self.front, image.video, self.max_image_pixels, caller)
                 check_size(self.front, self.batching, self.video, payload.grid, "video")
             else:
-                # Alone: this job is the only one in flight (none preparing, queued or on a device).
+                # Alone: this job is the only one in flight (none preparing, queued or on a device) and no
+                # decoder still works for a cancelled clip (the pools check their own threads).
                 payload = await self._pools.prepared(self._prepare_sync, image, self.pixel_limits.ordinary, caller,
-                                                     alone=len(self._inflight) == 1)
+                                                     alone=len(self._inflight) == 1 and not self._videos.busy)
         except Exception as exc:
             if job.state is JobState.PREPARING:
                 job.state = JobState.FAILED

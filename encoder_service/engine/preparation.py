@@ -41,6 +41,11 @@ EXPENSIVE = object()  # what the ordinary pool answers for an image it hands on 
 # waits that long, once: while this image is in flight, the next goes to the threads.
 ALONE_INLINE_BYTES = 512 << 10
 ALONE_MAX_PIXELS = 5 << 18  # 1.25 Mi pixels
+# And only a JPEG whose header is short and plain (decode.plain_jpeg_header): Pillow parses a header in
+# Python, a read per fill byte and a call per segment (a 64x64 image behind 500 KiB of fill bytes held
+# the loop 250 ms), and an EXIF block of thousands of entries is parsed and written back (66 KB: 105 ms).
+ALONE_HEADER_BYTES = 8 << 10
+ALONE_HEADER_SEGMENTS = 32
 
 T = TypeVar("T")
 
@@ -58,8 +63,9 @@ class PreparePools:
 
     @property
     def busy(self) -> bool:
-        """Whether some image holds a decode thread (a cancelled one's included, until it is done)."""
-        return self._turns.free < self._turns.slots
+        """Whether some image holds a decode thread, ordinary or expensive (a cancelled one's included,
+        until it is done)."""
+        return self._turns.free < self._turns.slots or self._expensive_waiting > 0
 
     async def hashed(self, keys: Callable[[Sequence], list[str]], images: Sequence, *,
                      alone: bool = False) -> list[str]:
@@ -94,7 +100,8 @@ class PreparePools:
                 "already being decoded or waiting; retry later", retry_after_s=RETRY_AFTER_S)
         self._expensive_waiting += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._expensive_pool, prepare, image, None)
+            # Counted until its thread is done, a cancelled caller's too: the bound is on threads' work.
+            return await run_to_the_end(self._expensive_pool, prepare, image, None, stop=threading.Event())
         finally:
             self._expensive_waiting -= 1
 
@@ -104,8 +111,9 @@ class PreparePools:
 
 
 def _cheap_to_check(image: object) -> bool:
-    """Whether an image may be prepared on the loop when alone: a JPEG (its header bounds the decode:
-    pixels and scans) or a client's patches (a length check); other formats' decoders are slower a
-    pixel and bounded less tightly by their headers."""
+    """Whether an image may be prepared on the loop when alone: a JPEG whose header is short and plain
+    (that header then bounds the decode: pixels and scans) or a client's patches (a length check); other
+    formats' decoders are slower a pixel and bounded less tightly by their headers."""
     kind = getattr(image, "kind", None)
-    return kind == "patches" or (kind == "encoded" and decode.is_jpeg(image.data))
+    return kind == "patches" or (
+        kind == "encoded" and decode.plain_jpeg_header(image.data, ALONE_HEADER_BYTES, ALONE_HEADER_SEGMENTS))

@@ -123,12 +123,21 @@ def _frame(data: bytes) -> tuple[int, int, int] | None:
     """A JPEG's header walked to its first scan: (its SOFn marker, the frame's components, the first
     scan's components); None where the walk finds no such header or cannot be done cheaply (two
     frames, a marker a header does not hold, more than ``_MAX_HEADER_SEGMENTS`` segments)."""
+    walked = _walk_header(data, _MAX_HEADER_SEGMENTS, fill=True)
+    return None if walked is None else walked[:3]
+
+
+def _walk_header(data: bytes, max_segments: int, *, fill: bool) -> tuple[int, int, int, int] | None:
+    """``_frame``'s walk, and where the first scan's SOS marker starts; ``fill``: fill bytes before a
+    marker are allowed (each counts as a segment), else such a header is not walked."""
     pos, frame = 2, None
-    for _ in range(_MAX_HEADER_SEGMENTS):
+    for _ in range(max_segments):
         if pos + 10 > len(data) or data[pos] != 0xFF:
             return None
         marker = data[pos + 1]
         if marker == 0xFF:  # fill byte before a marker
+            if not fill:
+                return None
             pos += 1
             continue
         if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # SOFn
@@ -136,7 +145,7 @@ def _frame(data: bytes) -> tuple[int, int, int] | None:
                 return None
             frame = (marker, data[pos + 9])
         elif marker == 0xDA:
-            return None if frame is None else (*frame, data[pos + 4])
+            return None if frame is None else (*frame, data[pos + 4], pos)
         elif marker not in _HEADER_SEGMENT_MARKERS:
             # A marker without a length (RSTn, TEM, a stuffed 0x00) or one a header does not hold:
             # reading a length after it would land this walk where libjpeg never looks (a fake
@@ -147,6 +156,17 @@ def _frame(data: bytes) -> tuple[int, int, int] | None:
             return None
         pos += 2 + length
     return None
+
+
+def plain_jpeg_header(data: bytes, max_bytes: int, max_segments: int) -> bool:
+    """Whether a JPEG is cheap to read up to its pixels, whatever its size: its header (Pillow parses it
+    in Python, a call per segment and a read per fill byte) walks to the first scan within ``max_bytes``
+    in at most ``max_segments`` segments, without fill bytes; and counting its scans needs no walk of
+    its markers (one scan by its header, or at most ``ORDINARY_JPEG_SCANS`` FF DA byte pairs in it)."""
+    walked = _walk_header(data, max_segments, fill=False) if is_jpeg(data) else None
+    if walked is None or walked[3] > max_bytes:
+        return False
+    return _single_scan(data) or _sos_bytes(np.frombuffer(data, dtype=np.uint8)) <= ORDINARY_JPEG_SCANS
 
 
 def _single_scan(data: bytes) -> bool:

@@ -102,10 +102,44 @@ def test_a_lone_image_past_any_bound_is_decoded_in_a_thread(model, monkeypatch):
     assert asyncio.run(where(small)) == [loop_thread, "preprocess_0"]
 
 
+def with_segment(data: bytes, marker: int, payload: bytes) -> bytes:
+    """``data`` (a JPEG) with one more segment right after SOI."""
+    return data[:2] + bytes([0xFF, marker]) + (len(payload) + 2).to_bytes(2, "big") + payload + data[2:]
+
+
+def test_a_lone_jpeg_whose_header_is_costly_to_read_is_decoded_in_a_thread(model):
+    """Pillow reads a JPEG's header in Python (a read per fill byte, a call per segment) and parses its
+    EXIF, before any pixel or scan bound applies: only short, plain headers are read on the loop."""
+    from encoder_service.benchmarks.reliability.fuzz_inputs import jpeg_scan_bomb
+
+    small = jpeg(photo(120, 90, seed=6))
+    loop_thread = threading.current_thread().name
+
+    async def where(data: bytes) -> list[str]:
+        async with engine_where_prepared(model) as (engine, threads):
+            await embeddings(engine, [encoded(0, data)])
+            return threads
+
+    assert asyncio.run(where(small)) == [loop_thread]
+    costly = {
+        "a fill byte before a marker": small[:2] + b"\xff" + small[2:],
+        "a header over ALONE_HEADER_BYTES": with_segment(small, 0xFE, b"x" * preparation.ALONE_HEADER_BYTES),
+        "more segments than ALONE_HEADER_SEGMENTS": small[:2] + b"\xff\xfe\x00\x02" * 40 + small[2:],
+        # More FF DA pairs than ORDINARY_JPEG_SCANS (inside a comment): counting its scans walks its markers.
+        "17 FF DA pairs in a comment": with_segment(jpeg(photo(120, 90, seed=7), progressive=True), 0xFE,
+                                                    b"\xff\xda" * 17),
+    }
+    for name, data in costly.items():
+        assert [thread[:10] for thread in asyncio.run(where(data))] == ["preprocess"], name
+    # Few pixels but more scans than encoders write: the expensive pool, never the loop.
+    assert asyncio.run(where(jpeg_scan_bomb(96, 80))) == ["preprocess_0", "preprocess-expensive_0"]
+
+
 def test_a_bad_lone_jpeg_is_refused_with_the_reason_as_from_a_thread(model):
     from encoder_service.errors import InvalidInput
 
-    truncated = jpeg(photo(120, 90, seed=4))[:300]
+    data = jpeg(photo(120, 90, seed=4))
+    truncated = data[:len(data) // 2]  # in its scan data: the header is whole
 
     async def run():
         async with engine_where_prepared(model) as (engine, threads):
