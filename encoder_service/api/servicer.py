@@ -29,7 +29,14 @@ from .security.client_limits import client_of
 from .service_interceptor import CallBook
 from .shared_memory import DescriptorWriter, RegionTable, RegionUnusable, RegionWriter
 from .sink_push import PUSH_MAX_CHUNK_BYTES, SinkChannels, SinkFailed, SinkPush, fail_uniformly, header_chunk
-from .streaming import OFF_LOOP_MIN_BYTES, built_off_loop, embedding_chunks, region_chunk, serialized_chunks
+from .streaming import (
+    ALONE_RESPONSE_BYTES,
+    OFF_LOOP_MIN_BYTES,
+    built_off_loop,
+    embedding_chunks,
+    region_chunk,
+    serialized_chunks,
+)
 from .validation import EncodePlan, parse_encode_request
 
 log = logging.getLogger(__name__)
@@ -121,7 +128,8 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
                 chunks = _response_chunks(result, data, request_id, plan, model_dtype, region)
                 if isinstance(region, DescriptorWriter):
                     built = built_off_loop(chunks, self.object_io)
-                elif len(data) >= OFF_LOOP_MIN_BYTES:
+                elif len(data) >= OFF_LOOP_MIN_BYTES and not self._alone(engine, len(data), region is not None
+                                                                         or len(data) <= plan.max_chunk_bytes):
                     built = built_off_loop(chunks, self.response_copies)
                 else:
                     built = _inline(chunks)
@@ -131,6 +139,16 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
                         if first_chunk:
                             first_chunk = False
                             self.metrics.first_chunk_seconds.observe(time.perf_counter() - started)
+
+    def _alone(self, engine: Engine, nbytes: int, one_chunk: bool) -> bool:
+        """Whether an image's response of ``nbytes`` is built right on the event loop
+        (streaming.ALONE_RESPONSE_BYTES): one chunk (into a region, or within the chunk budget: several
+        chunks are built in a thread one ahead of their writes), this the only call in flight on either
+        front end (a cache hit streaming beside it is a call too) and no image in the engine (being
+        prepared, queued or on a device)."""
+        calls = self.gate.calls
+        return (one_chunk and nbytes <= ALONE_RESPONSE_BYTES and calls.in_flight == 1 and not calls.draining
+                and not engine.busy)
 
     def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
         """This call as the engine's fair shares count it: its client (as --max-requests-per-client

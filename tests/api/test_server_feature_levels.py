@@ -3,8 +3,6 @@ cache, sink push) around a fake model whose rows hold three levels, through the 
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import Iterator
 
 import grpc
@@ -14,14 +12,9 @@ import torch
 from encoder_client import EncoderClient, HashRef
 from encoder_client.protocol import encoder_pb2, encoder_pb2_grpc
 from encoder_client.testing import float32_to_bf16_bits
+from in_process_encoder import InProcessEncoder
 
-from encoder_service.api.server import _add_vision_encoder, _grpc_options
-from encoder_service.api.service_interceptor import CallBook, ServiceInterceptor
-from encoder_service.api.servicer import VisionEncoderServicer
 from encoder_service.benchmarks.reliability.sinks import SinkServer, receiver
-from encoder_service.config import ServiceConfig
-from encoder_service.engine import Engine
-from encoder_service.metrics import ServiceMetrics
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -31,48 +24,6 @@ HIDDEN = 8  # FakeVisionModel's
 GRID = (1, 24, 24)
 SMALL_CHUNK = 4096
 ENCODE_PATH = "/encoder.v1.VisionEncoder/Encode"
-
-
-class InProcessEncoder:
-    """The real gRPC server (servicer and engine) around an in-memory model, on its own loop thread."""
-
-    def __init__(self, model, **config) -> None:
-        self.config = ServiceConfig(host="127.0.0.1", port=0, batch_wait_ms=0.0, **config)
-        self.model = model
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-        self._call(self._start())
-
-    def _call(self, coro, timeout_s: float = 30.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    async def _start(self) -> None:
-        self.metrics, calls = ServiceMetrics(), CallBook()
-        self.servicer = VisionEncoderServicer(self.config.requests, self.config.security, self.metrics, calls,
-                                              shared_memory=self.config.shared_memory == "on")
-        self.engine = Engine(self.config, self.model, metrics=self.metrics)
-        await self.engine.start()
-        self.servicer.engine = self.engine
-        self.server = grpc.aio.server(options=_grpc_options(self.config),
-                                      interceptors=[ServiceInterceptor(self.metrics, calls)])
-        _add_vision_encoder(self.servicer, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        await self.server.start()
-
-    async def _stop(self) -> None:
-        await self.server.stop(0)
-        await self.engine.stop()
-        await self.servicer.sink_channels.close()
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def close(self) -> None:
-        self._call(self._stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(5)
 
 
 @pytest.fixture
