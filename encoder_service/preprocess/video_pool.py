@@ -272,6 +272,21 @@ def clip_from_answer(answer: dict, fd: int | None, limits: VideoLimits) -> Sampl
     return SampledFrames(ClipFacts(total, fps, duration), indices, frames)
 
 
+def _input_unless(stop: threading.Event, channel: Channel, deadline: float) -> bool:
+    """Waits until the child's answer starts (True) or ``stop`` is set (False); TimeoutError past
+    ``deadline``. Only whole answers are read, after this: a read is never cut in the middle."""
+    poller = select.poll()
+    poller.register(channel.sock, select.POLLIN)
+    while True:
+        if stop.is_set():
+            return False
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        if poller.poll(max(1, int(min(left, _CANCEL_POLL_S) * 1000))):
+            return True
+
+
 class _Child:
     def __init__(self, ctx, nvdec_gpu: int | None = None, memory_bytes: int | None = None,
                  preload: tuple[str, ...] = ()) -> None:
@@ -287,15 +302,22 @@ class _Child:
         self.stopped = False
         self.exitcode: int | None = None
 
-    def wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float, stop: threading.Event | None = None) -> bool:
+        """Until the child says it is ready (its imports done): True; TimeoutError past ``timeout``. False
+        as soon as ``stop`` is set: a cancelled call waits for no child's start (the child goes on
+        starting, and says it is ready to the next call)."""
         if self.ready:
-            return
-        answer, fd = receive_json(self.channel, time.monotonic() + timeout)  # TimeoutError: not started
+            return True
+        deadline = time.monotonic() + timeout
+        if stop is not None and not _input_unless(stop, self.channel, deadline):
+            return False
+        answer, fd = receive_json(self.channel, deadline)  # TimeoutError: not started
         if fd is not None:
             os.close(fd)
         if answer != {"status": "ready"}:
             raise BadAnswer(f"a first answer that is not 'ready': {str(answer)[:200]}")
         self.ready = True
+        return True
 
     def stop(self, kill: bool) -> int | None:
         """Ends the child (kill: at once; else asked to leave, killed after a second) and returns its exit
@@ -385,15 +407,17 @@ class VideoDecodePool:
         except Exception as e:
             raise EncoderError(f"could not start a video decode process ({type(e).__name__}: {e})") from None
 
-    def _ready_child(self, child: _Child) -> tuple[_Child, str]:
+    def _ready_child(self, child: _Child, stop: threading.Event) -> tuple[_Child, str | None]:
         """``(child, "")``: ``child`` started and ready for a call, or another in its place: a child
         that died or hung starting, or went away while idle, is replaced and the next one tried, up to
-        START_ATTEMPTS children. ``(the last one, why)`` when none came up."""
+        START_ATTEMPTS children. ``(the last one, why)`` when none came up; ``(child, None)`` as soon as
+        ``stop`` is set (the child, perhaps still starting, goes back to the pool)."""
         why = ""
         for _attempt in range(START_ATTEMPTS):
             try:
                 child = self._started(child)
-                child.wait_ready(self.start_timeout_s)
+                if not child.wait_ready(self.start_timeout_s, stop):
+                    return child, None
                 # A ready child that is gone, or holds bytes nobody asked for (an answer queued ahead),
                 # is replaced before this call, which is not failed for it.
                 if not child.channel.has_input():
@@ -416,7 +440,9 @@ class VideoDecodePool:
         try:
             if stop.is_set():
                 raise Cancelled("the clip's request was cancelled before its decode started")
-            child, why = self._ready_child(child)
+            child, why = self._ready_child(child, stop)
+            if why is None:
+                raise Cancelled("the clip's request was cancelled while its decode process started")
             if why:
                 raise Unavailable(f"no video decode process could be started ({START_ATTEMPTS} tried; the last: "
                                   f"{why}); retry later")
@@ -424,7 +450,7 @@ class VideoDecodePool:
             deadline = time.monotonic() + bound
             try:
                 child.channel.send(job_message((*job, limits)), deadline)
-                if not self._answered_unless(stop, child, deadline):
+                if not _input_unless(stop, child.channel, deadline):
                     child.channel.send(CANCEL, time.monotonic() + self.cancel_grace_s)
                     answer, fd = receive_json(child.channel, time.monotonic() + self.cancel_grace_s)
                     if fd is not None:
@@ -458,21 +484,6 @@ class VideoDecodePool:
                 child.stop(kill=False)
             else:
                 self._idle.put(child)
-
-    @staticmethod
-    def _answered_unless(stop: threading.Event, child: _Child, deadline: float) -> bool:
-        """Waits until the child's answer starts (True) or ``stop`` is set (False); TimeoutError past
-        ``deadline``. Only whole answers are read, after this: a read is never cut in the middle."""
-        poller = select.poll()
-        poller.register(child.channel.sock, select.POLLIN)
-        while True:
-            if stop.is_set():
-                return False
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError
-            if poller.poll(max(1, int(min(left, _CANCEL_POLL_S) * 1000))):
-                return True
 
     async def _run(self, job: tuple, limits: VideoLimits) -> SampledFrames:
         if self._closed:

@@ -606,6 +606,27 @@ def test_a_child_that_dies_starting_costs_its_caller_nothing():
         assert single.replaced == 1
 
 
+def test_a_clip_cancelled_while_its_decoder_starts_waits_for_no_start():
+    """A cold decoder still importing when its clip's caller goes away: the call ends at once (its thread
+    goes back to the pool), and the decoder, not killed, starts and decodes the next clip."""
+    async def cancel_while_starting(pool):
+        task = asyncio.ensure_future(pool.decode(clip(), vi.first_frame, LIMITS))
+        await asyncio.sleep(0.5)
+        assert not task.done()  # its decoder sleeps 4 s in its imports
+        started = time.monotonic()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return time.monotonic() - started
+
+    with VideoDecodePool(1, preload=("slow_decoder_start",)) as single:
+        (child,) = single._children
+        assert run(cancel_while_starting(single)) < 1.5
+        assert single._children == {child} and single.replaced == 0
+        assert run(single.decode(clip(), vi.first_frame, LIMITS)).frames.shape == (1, 48, 64, 3)
+        assert single._children == {child}
+
+
 def test_a_cancelled_decode_stops_at_its_next_frame_and_frees_its_child():
     """The caller goes away mid-decode: the child is told, stops between two frames, and answers;
     it is not killed, and the next clip decodes on it at once. (A clip of 200 noisy 800x800 PNG
