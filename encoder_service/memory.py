@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 
@@ -95,3 +96,19 @@ def release_free_memory() -> bool:
     if _image_blocks_ours:
         Image.core.clear_cache(IMAGE_BLOCKS_KEPT_IDLE)
     return _LIBC is not None and _LIBC.malloc_trim(0) == 1
+
+
+@functools.cache
+def host_has_swap() -> bool:
+    """Whether this host can swap (``SwapTotal`` in /proc/meminfo above 0; True where it cannot be read):
+    where it can, a page of shared memory that a caller alone has mapped may be out on disk when the
+    server writes it."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("SwapTotal:"):
+                    return int(line.split()[1]) > 0
+    except (OSError, ValueError, IndexError):
+        pass
+    return True
+

@@ -21,6 +21,7 @@ from ..config import RequestLimits, SecurityConfig
 from ..engine import Engine, ImageResult
 from ..engine.fair_slots import Caller
 from ..errors import InvalidInput, ResourceExhausted
+from ..memory import host_has_swap
 from ..metrics import ServiceMetrics
 from .caller_regions import CallerRegions
 from .engine_gate import EngineGate
@@ -30,7 +31,8 @@ from .service_interceptor import CallBook
 from .shared_memory import DescriptorWriter, RegionTable, RegionUnusable, RegionWriter
 from .sink_push import PUSH_MAX_CHUNK_BYTES, SinkChannels, SinkFailed, SinkPush, fail_uniformly, header_chunk
 from .streaming import (
-    ALONE_RESPONSE_BYTES,
+    ALONE_REGION_BYTES,
+    ALONE_STREAM_BYTES,
     OFF_LOOP_MIN_BYTES,
     built_off_loop,
     embedding_chunks,
@@ -128,8 +130,8 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
                 chunks = _response_chunks(result, data, request_id, plan, model_dtype, region)
                 if isinstance(region, DescriptorWriter):
                     built = built_off_loop(chunks, self.object_io)
-                elif len(data) >= OFF_LOOP_MIN_BYTES and not self._alone(engine, len(data), region is not None
-                                                                         or len(data) <= plan.max_chunk_bytes):
+                elif len(data) >= OFF_LOOP_MIN_BYTES and not self._alone(engine, plan, model_dtype, region,
+                                                                         len(data)):
                     built = built_off_loop(chunks, self.response_copies)
                 else:
                     built = _inline(chunks)
@@ -140,15 +142,21 @@ class VisionEncoderServicer(encoder_pb2_grpc.VisionEncoderServicer):
                             first_chunk = False
                             self.metrics.first_chunk_seconds.observe(time.perf_counter() - started)
 
-    def _alone(self, engine: Engine, nbytes: int, one_chunk: bool) -> bool:
-        """Whether an image's response of ``nbytes`` is built right on the event loop
-        (streaming.ALONE_RESPONSE_BYTES): one chunk (into a region, or within the chunk budget: several
-        chunks are built in a thread one ahead of their writes), this the only call in flight on either
-        front end (a cache hit streaming beside it is a call too) and no image in the engine (being
-        prepared, queued or on a device)."""
+    def _alone(self, engine: Engine, plan: EncodePlan, model_dtype: str, region: RegionWriter | None,
+               nbytes: int) -> bool:
+        """Whether an image's response of ``nbytes`` is built right on the event loop (api/streaming.py,
+        ALONE_REGION_BYTES): this call the only one in flight on either front end (a cache hit streaming
+        beside it is a call too), no image in the engine (being prepared, queued or on a device), one image
+        in the request, its rows in the model's dtype (no conversion), and one chunk within its bound:
+        into a registered region (not on a host with swap, where a caller can have the region's pages
+        written out, for the copy to read back) or on the stream."""
         calls = self.gate.calls
-        return (one_chunk and nbytes <= ALONE_RESPONSE_BYTES and calls.in_flight == 1 and not calls.draining
-                and not engine.busy)
+        if (calls.in_flight != 1 or calls.draining or engine.busy or len(plan.images) != 1
+                or (plan.output_dtype or model_dtype) != model_dtype):
+            return False
+        if region is not None and region.fits(nbytes):
+            return nbytes <= ALONE_REGION_BYTES and not host_has_swap()
+        return nbytes <= min(ALONE_STREAM_BYTES, plan.max_chunk_bytes)
 
     def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
         """This call as the engine's fair shares count it: its client (as --max-requests-per-client

@@ -132,12 +132,16 @@ class RegionWriter:
         self._memory = memory
         self._next = 0
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit (``place`` then writes them into the region)."""
+        return self._next + nbytes <= len(self._memory)
+
     def place(self, data: memoryview | bytes) -> tuple[int, int] | None:
         """Copies ``data`` into the region; (offset, length), or None when it does not fit (the
         image then goes on the stream)."""
         src = np.frombuffer(data, np.uint8)
         offset = self._next
-        if offset + len(src) > len(self._memory):
+        if not self.fits(len(src)):
             return None
         # numpy releases the GIL for a copy this size: the decode threads and the device worker
         # go on meanwhile. Several megabytes go in pieces at once (one thread copies at a fraction

@@ -29,17 +29,22 @@ if TYPE_CHECKING:  # the relay processes (api/relay/process.py) use this module 
 # the copy. A real model's embedding is far above it (8.8 MB for a 7B at 1008x1008, 0.46 MB at
 # 224x224); the tiny test models' larger images are above it too, so the server tests go this way.
 OFF_LOOP_MIN_BYTES = 32 * 1024
-# ... except a lone call's one-chunk response (the only call in flight, and no image in the engine:
-# api/servicer.py), up to this size: built right on the event loop, which has nothing else to do. The
-# thread hops cost more than they save there: built off the loop, a one-chunk response goes to a thread,
-# back, to the thread again (for the end of its chunks) and back, and a thread idle for a while wakes
-# slowly (a loop-to-thread round trip took 59 us back to back and 379 us after 50 ms of quiet on an H200
-# host). On the CPU host, lone images 50 ms apart, from the engine's answer to the client's results:
+# ... except a lone call's one-image, one-chunk response in the model's dtype (the only call in flight,
+# and no image in the engine: api/servicer.py): built right on the event loop, which has nothing else to
+# do. The thread hops cost more than they save there: built off the loop, a one-chunk response goes to
+# a thread, back, to the thread again (for the end of its chunks) and back, and a thread idle for a while
+# wakes slowly (a loop-to-thread round trip took 59 us back to back and 379 us after 50 ms of quiet on an
+# H200 host). On the CPU host, lone images 50 ms apart, from the engine's answer to the client's results:
 # 3.0 -> 1.8 ms at 448x448, 6.5 -> 4.1 ms at 1008x1008 (bench/RESULTS.md). Several chunks stay in a
-# thread, built one ahead of their writes. The bound is the loop stall a lone call may cause a call that
-# arrives meanwhile, once: 16 MiB copy in 2-5 ms on the CPU host (the region copy still goes in pieces
-# beside the loop's thread: copy_in_slices).
-ALONE_RESPONSE_BYTES = 16 << 20
+# thread, built one ahead of their writes; so does a conversion to another dtype (a pass over the rows).
+# The bounds are the loop stall a lone call may cause a call that arrives meanwhile, once: a copy into a
+# registered region, whose pages the server mapped when it was registered (api/caller_regions.py), of
+# at most ALONE_REGION_BYTES (16 MiB: 1.4-5 ms on the CPU host, still in pieces beside the loop's own:
+# copy_in_slices); a stream chunk of at most ALONE_STREAM_BYTES, a new bytes object whose pages may all
+# fault after the server's idle trim (16 MiB took 9.5 ms median, 46 ms at worst, that way; 2 MiB holds
+# a 448x448 image's 1.8 MB).
+ALONE_REGION_BYTES = 16 << 20
+ALONE_STREAM_BYTES = 2 << 20
 
 
 def _template(result: ImageResult, name: str, request_id: str) -> encoder_pb2.EmbeddingChunk:
