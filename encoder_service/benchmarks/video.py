@@ -59,6 +59,10 @@ def add_arguments(p) -> None:
     g.add_argument("--clip-noise", type=float, default=NOISE,
                    help=f"sensor noise of the clips' frames (std of 255; default {NOISE:g}: x264 then makes P-frames, "
                         "all references; 0: calm footage, mostly B-frames, whose unsampled ones the server skips)")
+    g.add_argument("--clip-slices", choices=("host", "one"), default="host",
+                   help="slices per frame: 'host' (x264 with PyAV's slice threads: one per core of the host "
+                        "that encodes, decoded on as many threads) or 'one' (x264's default frame threads, as "
+                        "the ffmpeg command line writes)")
     g.add_argument("--clips", type=int, default=100000,
                    help="most clips per length, size and level (a level also ends after --seconds)")
     g.add_argument("--distinct-clips", type=int, default=8,
@@ -68,10 +72,14 @@ def add_arguments(p) -> None:
 # --- inputs --------------------------------------------------------------------------------------
 
 
-def photo_clip(seed: int, seconds: float, width: int, height: int, fps: int, noise: float = NOISE) -> bytes:
+def photo_clip(seed: int, seconds: float, width: int, height: int, fps: int, noise: float = NOISE,
+               one_slice: bool = False) -> bytes:
     """An MP4 (H.264, yuv420p) of photo-like frames: a slow pan over a photo_pixels image, with
     sensor noise that changes every frame (``noise``, default ``NOISE``: x264 then makes almost every
-    frame a P-frame; without noise it puts B-frames between them); every seed a different clip."""
+    frame a P-frame; without noise it puts B-frames between them); every seed a different clip.
+    ``one_slice``: one slice a frame, as x264 writes with its default frame threads (the ffmpeg command
+    line's output); otherwise x264 runs PyAV's default slice threads and cuts each frame into as many
+    slices as the encoding host has cores, which a decoder then decodes on as many threads."""
     import av
 
     pan, jitter = max(16, width // 8), 32
@@ -81,6 +89,8 @@ def photo_clip(seed: int, seconds: float, width: int, height: int, fps: int, noi
     with av.open(buf, "w", format="mp4") as out:
         stream = out.add_stream("libx264", rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        if one_slice:
+            stream.thread_type = "FRAME"
         stream.options = {"preset": "veryfast", "x264-params": "log-level=error"}
         for i in range(max(1, round(seconds * fps))):
             x = int(pan * (0.5 + 0.5 * np.sin(0.7 * i / fps)))
@@ -104,13 +114,14 @@ def photo_jpeg_sized(seed: int, width: int, height: int, quality: int = 90) -> b
 
 
 def _clip_task(task: tuple) -> tuple:
-    key, seed, seconds, width, height, fps, noise = task
-    return key, photo_clip(seed, seconds, width, height, fps, noise)
+    key, seed, seconds, width, height, fps, noise, one_slice = task
+    return key, photo_clip(seed, seconds, width, height, fps, noise, one_slice)
 
 
 def make_clips(groups: list[tuple[float, int, int]], args) -> dict[tuple, list[bytes]]:
     """``--distinct-clips`` clips per (seconds, width, height), in spawned processes."""
-    tasks = [((s, w, h), 7000 + 100 * g + i, s, w, h, args.source_fps, getattr(args, "clip_noise", NOISE))
+    one_slice = getattr(args, "clip_slices", "host") == "one"
+    tasks = [((s, w, h), 7000 + 100 * g + i, s, w, h, args.source_fps, getattr(args, "clip_noise", NOISE), one_slice)
              for g, (s, w, h) in enumerate(groups) for i in range(args.distinct_clips)]
     with mp.get_context("spawn").Pool(max(1, min(len(tasks), os.cpu_count() or 2))) as pool:
         done = pool.map(_clip_task, tasks, chunksize=1)
@@ -262,6 +273,7 @@ def run_video(args, result: dict, levels: list[int], transports: list[str], star
     bases = make_clips(groups, args)
     result["video"] = {"sample_fps": args.sample_fps, "source_fps": args.source_fps, "codec": "h264",
                        "clip_noise": getattr(args, "clip_noise", NOISE), "distinct_clips": args.distinct_clips,
+                       "clip_slices": getattr(args, "clip_slices", "host"),
                        "groups": []}
     print(f"generated {sum(len(v) for v in bases.values())} clips in {time.perf_counter() - t0:.0f} s", flush=True)
     if "--metrics-port" in args.serve_args:  # the frames and items per window come from /metrics

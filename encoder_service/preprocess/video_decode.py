@@ -67,6 +67,9 @@ class VideoLimits:
     # --max-video-pixels-per-sample: the pixels a decode may put through the decoder for each frame it
     # samples (the decode's cost, in proportion to what it yields; see DecodeCost)
     max_pixels_per_sample: int = 1 << 62
+    # The decoder's threads: 1 decodes on one, as a reference decode of a stream without slices does; more
+    # are FFmpeg's frame threads, which a clip decoding alone gets (video_pool.LONE_CLIP_MAX_THREADS).
+    decode_threads: int = 1
 
 
 class DecodeCost:
@@ -252,6 +255,11 @@ class _Clip:
         if self.fps and stream.frames:
             _check_seconds(stream.frames / self.fps, limits, "header claims")
         stream.codec_context.options = {"max_pixels": str(limits.max_frame_pixels)}
+        if limits.decode_threads > 1:
+            # Frames decode in parallel, each still bit for bit what one thread decodes (FFmpeg's frame
+            # threads wait for the rows of the references they read); slices too, where a stream has them.
+            stream.codec_context.thread_type = "AUTO"
+            stream.codec_context.thread_count = limits.decode_threads
 
     def count_frames(self) -> int:
         """The stream's packets (one a frame, what torchcodec's exact mode counts), read without
@@ -273,6 +281,12 @@ class _Clip:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.limits.decode_threads > 1:
+            # Frame threads stopped first, without the GIL: PyAV's log callback takes the GIL in the thread
+            # that logs, and frees the decoder (which waits for its threads) while holding it, so a thread
+            # logging an error then (a frame over max_pixels, corrupt data) would wait for the GIL for ever.
+            # The flush waits for every thread to finish its frame, the GIL released.
+            self.stream.codec_context.flush_buffers()
         self.container.close()
 
 

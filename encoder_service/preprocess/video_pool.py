@@ -30,6 +30,7 @@ to ``START_ATTEMPTS`` children: it costs the caller nothing.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import logging
 import math
@@ -78,6 +79,23 @@ _CANCEL_POLL_S = 0.05
 START_ATTEMPTS = 3
 # The children's nice value: decoding yields the CPU to the server's own threads.
 DECODER_NICENESS = 10
+# A clip that finds no other clip decoding in the pool decodes on FFmpeg's frame threads, up to this many
+# (and at most the cores this process may run on): one core's decode was most of a lone clip's time
+# (a 10 s 448x448 H.264 clip through the server on an H100: 126 of 174 ms, bench/RESULTS.md), and a
+# lightly loaded server's other cores are idle then. Clips that start beside another decode on one
+# thread, as before: under load, more threads than cores only add switching (more decode processes
+# than that made a loaded node slower). The children run at DECODER_NICENESS whatever their threads, so
+# the server's own threads come first.
+LONE_CLIP_MAX_THREADS = 8
+
+
+def lone_clip_threads() -> int:
+    """The frame threads a clip decoding alone gets here (LONE_CLIP_MAX_THREADS, at most this process's cores)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(LONE_CLIP_MAX_THREADS, cores))
 
 
 @dataclass(frozen=True)
@@ -95,9 +113,13 @@ def child_memory_bytes(limits: VideoLimits) -> int:
     with room. The interpreter and its libraries (about 0.3 GiB measured after a 1080p clip; 1 GiB
     given), the clip's bytes three times (the job, its unpickled copy, the demuxer's reads), the sampled
     frames twice, and 24 decoder frames of the largest frame allowed at 6 bytes a pixel (16-bit 4:4:4;
-    H.264 and H.265 keep at most 16 reference frames). A decoder bug that allocates beyond fails there,
-    in the child, instead of taking the host's memory."""
-    return (1 << 30) + 3 * limits.max_bytes + 2 * limits.max_decoded_bytes + 24 * 6 * limits.max_frame_pixels
+    H.264 and H.265 keep at most 16 reference frames); for each of a lone clip's frame threads
+    (LONE_CLIP_MAX_THREADS), two frames more (the one it decodes, the one it hands on) and 16 MiB (its
+    stack and its copy of the decoder's state). A decoder bug that allocates beyond fails there, in the
+    child, instead of taking the host's memory."""
+    frame = 6 * limits.max_frame_pixels
+    threads = LONE_CLIP_MAX_THREADS * (2 * frame + (16 << 20))
+    return (1 << 30) + 3 * limits.max_bytes + 2 * limits.max_decoded_bytes + 24 * frame + threads
 
 
 def _limit_memory(memory_bytes: int | None, nvdec_gpu: int | None) -> None:
@@ -373,6 +395,8 @@ class VideoDecodePool:
         # One thread per child: a running call holds one child, so a thread never waits for one.
         self._threads = ThreadPoolExecutor(processes, thread_name_prefix="video-decode")
         self.replaced = 0  # children killed and replaced (crash or hang), for tests and metrics
+        self.lone_clip_threads = lone_clip_threads()  # a clip's decoder threads when no other clip decodes
+        self._decoding = 0  # calls between their job's send and their answer (under _lock)
         self._stops: set[threading.Event] = set()  # the calls in flight's: close() stops them
 
     def _start_child(self, nvdec_gpu: int | None = None) -> _Child:
@@ -448,6 +472,11 @@ class VideoDecodePool:
                                   f"{why}); retry later")
             bound = limits.max_decode_seconds + self.grace_s
             deadline = time.monotonic() + bound
+            with self._lock:
+                alone = self._decoding == 0
+                self._decoding += 1
+            if alone and job[0] == "container" and child.nvdec_gpu is None and self.lone_clip_threads > 1:
+                limits = dataclasses.replace(limits, decode_threads=self.lone_clip_threads)
             try:
                 child.channel.send(job_message((*job, limits)), deadline)
                 if not _input_unless(stop, child.channel, deadline):
@@ -479,6 +508,9 @@ class VideoDecodePool:
                 log.warning("video decode process broke the protocol (%s); replaced", e)
                 raise InvalidInput(f"the video decoder failed on this clip and was replaced ({e}); "
                                    "the clip is corrupt or hostile") from None
+            finally:
+                with self._lock:
+                    self._decoding -= 1
         finally:
             if self._closed:
                 child.stop(kill=False)

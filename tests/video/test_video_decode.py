@@ -8,6 +8,7 @@ Clips are generated here with PyAV (``benchmarks/reliability/video_inputs.py``):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -71,6 +72,20 @@ def test_frames_equal_read_video_pyav(container, codec, decoder):
         assert np.array_equal(ours, theirs), (container, codec, indices)
     # Matroska and WebM state no frame count: read_video_pyav reports 0, we count them.
     assert header_frames == (0 if container in ("matroska", "webm") else 14)
+
+
+@pytest.mark.parametrize("container,codec,decoder", vi.CLIP_KINDS, ids=[f"{c}-{d}" for c, _, d in vi.CLIP_KINDS])
+def test_frames_decoded_on_frame_threads_equal_read_video_pyav(container, codec, decoder):
+    """What a clip decoding alone gets (video_pool.LONE_CLIP_MAX_THREADS): FFmpeg's frame threads, each frame
+    still the reference's bit for bit; with B-frames too, where the sampled decode skips the unsampled ones."""
+    threaded = dataclasses.replace(LIMITS, decode_threads=4)
+    options = {"bf": "3"} if decoder in ("h264", "hevc") else None
+    data = vi.make_clip(container, codec, frames=40, width=96, height=64, options=options,
+                        pattern=vi.moving_gradient)
+    for indices in ([0], [0, 3, 5, 39], list(range(40)), [17, 18], [8, 23, 38]):
+        ours = decode_frames(data, indices, threaded)
+        theirs, _ = reference(data, indices)
+        assert np.array_equal(ours, theirs), (container, codec, indices)
 
 
 def test_frames_follow_the_indices_order_with_repeats():
@@ -604,6 +619,74 @@ def test_a_child_that_dies_starting_costs_its_caller_nothing():
         child.process.join(5)
         assert run(single.decode(clip(), vi.first_frame, LIMITS)).frames.shape == (1, 48, 64, 3)
         assert single.replaced == 1
+
+
+def test_a_lone_clip_decodes_on_frame_threads_and_a_clip_beside_another_on_one():
+    """A clip that finds no other clip decoding gets the pool's lone_clip_threads (FFmpeg's frame threads: seen
+    in /proc as several of its decoder process's threads doing the work); a clip that starts while it decodes
+    gets one, as every clip did before (its decoder's work on one thread); both get the frames a one-thread
+    decode gives."""
+    import threading
+
+    from encoder_service.benchmarks.video import photo_clip
+
+    data = photo_clip(3, 10.0, 448, 448, 30, one_slice=True)  # 20 frames sampled of 300: ~0.12 s of decode here
+    limits = dataclasses.replace(LIMITS, max_frames=300)
+    every_15th = functools.partial(vi.every_nth_frame, n=15)
+
+    def cpu_ticks(pid: int) -> dict[int, int]:
+        """Each thread's CPU time so far (clock ticks), by thread id."""
+        ticks = {}
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                ticks[int(tid)] = int(fields[11]) + int(fields[12])
+        return ticks
+
+    with VideoDecodePool(2) as pool:
+        pool.lone_clip_threads = 4
+        for _ in range(2):  # both children started and warm
+            run(pool.decode(data, every_15th, limits))
+        pids = [child.process.pid for child in pool._children]
+        seen = {pid: cpu_ticks(pid) for pid in pids}  # each thread's most, threads gone at the end included
+        before = {pid: dict(ticks) for pid, ticks in seen.items()}
+        done = threading.Event()
+
+        def watch():
+            while not done.is_set():
+                for pid in pids:
+                    for tid, ticks in cpu_ticks(pid).items():
+                        seen[pid][tid] = max(seen[pid].get(tid, 0), ticks)
+                time.sleep(0.002)
+
+        def working(pid: int) -> int:
+            """Threads ``pid`` started since ``before`` (a decode's) that took at least 2 ticks (20 ms at 100 Hz) of
+            CPU. Every decode starts some: FFmpeg's slice threads, idle on this stream of one slice a frame."""
+            return sum(1 for tid, ticks in seen[pid].items() if tid not in before[pid] and ticks >= 2)
+
+        async def lone_then_beside():
+            first = asyncio.ensure_future(pool.decode(data, every_15th, limits))
+            deadline = time.monotonic() + 10
+            while not any(working(pid) for pid in pids) and time.monotonic() < deadline:
+                await asyncio.sleep(0.001)
+            assert not first.done()
+            second = await pool.decode(data, every_15th, limits)
+            return await first, second
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            lone_clip, beside_clip = run(lone_then_beside())
+        finally:
+            done.set()
+            watcher.join()
+        # One child's decode on frame threads (4, sharing this host's cores), the other's on its own thread.
+        beside, lone = sorted(working(pid) for pid in pids)
+        assert beside == 0 and lone >= 3, seen
+    one_thread = decode_frames(data, lone_clip.indices, limits)
+    np.testing.assert_array_equal(lone_clip.frames, one_thread)
+    np.testing.assert_array_equal(beside_clip.frames, one_thread)
 
 
 def test_a_clip_cancelled_while_its_decoder_starts_waits_for_no_start():
