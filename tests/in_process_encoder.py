@@ -42,7 +42,12 @@ class InProcessEncoder:
         self.servicer = VisionEncoderServicer(self.config.requests, self.config.security, self.metrics, calls,
                                               shared_memory=shared_memory, caller_regions=self.caller_regions)
         self.engine = Engine(self.config, self.model, metrics=self.metrics)
-        await self.engine.start()
+        try:
+            await self.engine.start()
+        except BaseException:
+            if self.caller_regions is not None:
+                self.caller_regions.close()
+            raise
         self.servicer.engine = self.engine
         self.server = grpc.aio.server(options=_grpc_options(self.config),
                                       interceptors=[ServiceInterceptor(self.metrics, calls)])
