@@ -29,6 +29,7 @@ child process with a wall-clock bound.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import time
 from collections.abc import Iterator, Sequence
@@ -54,6 +55,11 @@ _EBML_MAGIC = b"\x1a\x45\xdf\xa3"
 _RIFF_MAGIC, _AVI_FORM = b"RIFF", b"AVI "
 # FFmpeg's message for a frame over the codec's max_pixels option (libavutil/imgutils.c).
 _MAX_PIXELS_LOG = "exceeds specified max pixel count"
+# The codecs a lone clip decodes on frame threads (VideoLimits.decode_threads): the common camera and
+# upload codecs. VP9's frame threads refused a crafted stream (one key frame, thousands of empty frames) as
+# invalid data that one thread decodes, and VP8, AV1 (dav1d's own threads), MPEG-4 and MJPEG keep the one
+# decode path they had.
+FRAME_THREAD_CODECS = frozenset({"h264", "hevc"})
 
 
 @dataclass(frozen=True)
@@ -177,22 +183,25 @@ _PARSE_ERRORS = (OSError, EOFError, ValueError, IndexError, ArithmeticError)
 @contextlib.contextmanager
 def _parse_errors(limits: VideoLimits) -> Iterator[None]:
     """PyAV's errors inside the block as the service's (InvalidInput; ResourceExhausted for a frame
-    over FFmpeg's max_pixels), FFmpeg's log lines captured instead of logged."""
+    over FFmpeg's max_pixels), FFmpeg's log lines captured instead of logged. With frame threads, the
+    lines of every thread: PyAV captures per thread, and a frame thread's lines would otherwise go to
+    the process's log (one decode runs in a decoder process at a time: nothing else's are caught)."""
     import av.error
     import av.logging
 
-    with av.logging.Capture():
+    with av.logging.Capture(local=limits.decode_threads <= 1) as lines:
         try:
             yield
         except EncoderError:
             raise
         except (av.error.FFmpegError, *_PARSE_ERRORS) as e:  # FFmpeg's ENOMEM too: a size from corrupt data
-            raise _av_error(e, limits) from None
+            raise _av_error(e, limits, lines) from None
 
 
-def _av_error(e: Exception, limits: VideoLimits) -> EncoderError:
-    """The service's error for an exception PyAV raised on this clip."""
-    if _MAX_PIXELS_LOG in str(e):
+def _av_error(e: Exception, limits: VideoLimits, lines: Sequence = ()) -> EncoderError:
+    """The service's error for an exception PyAV raised on this clip (``lines``: FFmpeg's log lines
+    captured meanwhile, (level, name, message) each; the exception carries only the process's last)."""
+    if _MAX_PIXELS_LOG in str(e) or any(_MAX_PIXELS_LOG in str(line[-1]) for line in lines):
         return ResourceExhausted(
             f"a video frame is over the limit of --max-image-pixels {limits.max_frame_pixels} pixels "
             f"(FFmpeg: {str(e).rsplit('last error log: ', 1)[-1].strip()})")
@@ -255,9 +264,9 @@ class _Clip:
         if self.fps and stream.frames:
             _check_seconds(stream.frames / self.fps, limits, "header claims")
         stream.codec_context.options = {"max_pixels": str(limits.max_frame_pixels)}
-        if limits.decode_threads > 1:
+        if limits.decode_threads > 1 and codec in FRAME_THREAD_CODECS:
             # Frames decode in parallel, each still bit for bit what one thread decodes (FFmpeg's frame
-            # threads wait for the rows of the references they read); slices too, where a stream has them.
+            # threads wait for the rows of the references they read); each frame's slices one after another.
             stream.codec_context.thread_type = "AUTO"
             stream.codec_context.thread_count = limits.decode_threads
 
@@ -281,12 +290,12 @@ class _Clip:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.limits.decode_threads > 1:
-            # Frame threads stopped first, without the GIL: PyAV's log callback takes the GIL in the thread
-            # that logs, and frees the decoder (which waits for its threads) while holding it, so a thread
-            # logging an error then (a frame over max_pixels, corrupt data) would wait for the GIL for ever.
-            # The flush waits for every thread to finish its frame, the GIL released.
-            self.stream.codec_context.flush_buffers()
+        # The decoder's threads stopped first, without the GIL: PyAV's log callback takes the GIL in the
+        # thread that logs, and frees the decoder (which waits for its threads) while holding it, so a
+        # thread logging an error then (a frame over max_pixels, corrupt data) would wait for the GIL for
+        # ever. Frame threads (a lone clip's) and dav1d's own workers run on after a call returns; the
+        # flush waits for each to finish its frame, the GIL released (nothing when the decoder never opened).
+        self.stream.codec_context.flush_buffers()
         self.container.close()
 
 
@@ -363,8 +372,19 @@ def check_decoded_frame(frame, number: int, limits: VideoLimits, deadline: float
 
 def _decode(data: bytes, indices: Sequence[int], limits: VideoLimits, deadline: float) -> np.ndarray:
     wanted = _check_indices(indices, limits)
-    cost = DecodeCost(len(set(wanted)), limits)  # one budget for both tries below
+    cost = DecodeCost(len(set(wanted)), limits)  # one budget for every try below
+    if limits.decode_threads > 1:
+        try:
+            return _decode_once(data, wanted, limits, deadline, cost)
+        except InvalidInput:
+            # What FFmpeg refuses on frame threads (a crafted stream can decode on one and not the other):
+            # decoded again on one thread, as the reference decodes it, within what is left of the same
+            # budget and time bound; a clip broken for both is refused by this second try.
+            limits = dataclasses.replace(limits, decode_threads=1)
+    return _decode_once(data, wanted, limits, deadline, cost)
 
+
+def _decode_once(data: bytes, wanted: list[int], limits: VideoLimits, deadline: float, cost: DecodeCost) -> np.ndarray:
     def check(frame, number: int) -> None:
         check_decoded_frame(frame, number, limits, deadline, cost)
 

@@ -90,12 +90,26 @@ LONE_CLIP_MAX_THREADS = 8
 
 
 def lone_clip_threads() -> int:
-    """The frame threads a clip decoding alone gets here (LONE_CLIP_MAX_THREADS, at most this process's cores)."""
+    """The frame threads a clip decoding alone gets here: LONE_CLIP_MAX_THREADS, at most the cores this
+    process may run on and its cgroup's CPU quota (a container's CPU limit: cpu.max)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
+    with contextlib.suppress(OSError, ValueError, ZeroDivisionError):
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, math.ceil(int(quota) / int(period)))
     return max(1, min(LONE_CLIP_MAX_THREADS, cores))
+
+
+def _thread_stack_bytes() -> int:
+    """A new thread's stack, as glibc sizes it: RLIMIT_STACK's soft limit, 8 MiB where that is unlimited."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_STACK)[0]
+    return 8 << 20 if soft == resource.RLIM_INFINITY or soft <= 0 else soft
 
 
 @dataclass(frozen=True)
@@ -114,11 +128,11 @@ def child_memory_bytes(limits: VideoLimits) -> int:
     given), the clip's bytes three times (the job, its unpickled copy, the demuxer's reads), the sampled
     frames twice, and 24 decoder frames of the largest frame allowed at 6 bytes a pixel (16-bit 4:4:4;
     H.264 and H.265 keep at most 16 reference frames); for each of a lone clip's frame threads
-    (LONE_CLIP_MAX_THREADS), two frames more (the one it decodes, the one it hands on) and 16 MiB (its
-    stack and its copy of the decoder's state). A decoder bug that allocates beyond fails there, in the
-    child, instead of taking the host's memory."""
+    (LONE_CLIP_MAX_THREADS), two frames more (the one it decodes, the one it hands on), its stack (private
+    memory too: RLIMIT_STACK's size) and 8 MiB for its copy of the decoder's state. A decoder bug that
+    allocates beyond fails there, in the child, instead of taking the host's memory."""
     frame = 6 * limits.max_frame_pixels
-    threads = LONE_CLIP_MAX_THREADS * (2 * frame + (16 << 20))
+    threads = LONE_CLIP_MAX_THREADS * (2 * frame + _thread_stack_bytes() + (8 << 20))
     return (1 << 30) + 3 * limits.max_bytes + 2 * limits.max_decoded_bytes + 24 * frame + threads
 
 
@@ -476,7 +490,8 @@ class VideoDecodePool:
                 alone = self._decoding == 0
                 self._decoding += 1
             if alone and job[0] == "container" and child.nvdec_gpu is None and self.lone_clip_threads > 1:
-                limits = dataclasses.replace(limits, decode_threads=self.lone_clip_threads)
+                # At most what the decoder process's memory bound counts (child_memory_bytes).
+                limits = dataclasses.replace(limits, decode_threads=min(self.lone_clip_threads, LONE_CLIP_MAX_THREADS))
             try:
                 child.channel.send(job_message((*job, limits)), deadline)
                 if not _input_unless(stop, child.channel, deadline):

@@ -8,7 +8,6 @@ Clips are generated here with PyAV (``benchmarks/reliability/video_inputs.py``):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import gc
@@ -75,17 +74,52 @@ def test_frames_equal_read_video_pyav(container, codec, decoder):
 
 
 @pytest.mark.parametrize("container,codec,decoder", vi.CLIP_KINDS, ids=[f"{c}-{d}" for c, _, d in vi.CLIP_KINDS])
-def test_frames_decoded_on_frame_threads_equal_read_video_pyav(container, codec, decoder):
+def test_frames_decoded_on_frame_threads_equal_read_video_pyav(container, codec, decoder, monkeypatch):
     """What a clip decoding alone gets (video_pool.LONE_CLIP_MAX_THREADS): FFmpeg's frame threads, each frame
     still the reference's bit for bit; with B-frames too, where the sampled decode skips the unsampled ones."""
+    from encoder_service.preprocess import video_decode
+
     threaded = dataclasses.replace(LIMITS, decode_threads=4)
+    settings = []  # each decoding pass's thread settings, as its decoder had them
+    close = video_decode._Clip.__exit__
+
+    def noted_close(clip, *exc):
+        settings.append((str(clip.stream.codec_context.thread_type), clip.stream.codec_context.thread_count))
+        return close(clip, *exc)
+
+    monkeypatch.setattr(video_decode._Clip, "__exit__", noted_close)
     options = {"bf": "3"} if decoder in ("h264", "hevc") else None
     data = vi.make_clip(container, codec, frames=40, width=96, height=64, options=options,
                         pattern=vi.moving_gradient)
     for indices in ([0], [0, 3, 5, 39], list(range(40)), [17, 18], [8, 23, 38]):
+        settings.clear()
         ours = decode_frames(data, indices, threaded)
         theirs, _ = reference(data, indices)
         assert np.array_equal(ours, theirs), (container, codec, indices)
+        if decoder in video_decode.FRAME_THREAD_CODECS:
+            assert settings and all(count == 4 and "AUTO" in kind.upper() for kind, count in settings), settings
+        else:  # the one decode path these had
+            assert settings and all("AUTO" not in kind.upper() for kind, _ in settings), settings
+
+
+def test_a_stream_frame_threads_refuse_is_decoded_again_on_one_thread_within_the_same_budget(monkeypatch):
+    """VP9's frame threads refuse the audit's decode bomb (one key frame, thousands of empty frames) as
+    invalid data; one thread decodes it until the pixel budget stops it. A lone clip refused on frame threads
+    is decoded again on one thread (so it gets the answer it would have got beside another clip), under the
+    budget and time bound the first try used."""
+    from encoder_service.preprocess import video_decode
+
+    data = vi.decode_bomb(width=512, height=512, frames=3000)
+    limits = VideoLimits(max_bytes=1 << 24, max_frames=20000, max_seconds=1e6, max_frame_pixels=1 << 22,
+                         max_decode_seconds=30.0, max_pixels_per_sample=200 * 512 * 512)
+    monkeypatch.setattr(video_decode, "FRAME_THREAD_CODECS", frozenset({"vp9"}))
+    threaded = dataclasses.replace(limits, decode_threads=4)
+    with pytest.raises(InvalidInput, match="Invalid data"):  # what frame threads alone say
+        budget = video_decode.DecodeCost(2, threaded)
+        video_decode._decode_once(data, [0, 2999], threaded, time.monotonic() + 30, budget)
+    for each in (limits, threaded):
+        with pytest.raises(ResourceExhausted, match="--max-video-pixels-per-sample"):
+            decode_frames(data, [0, 2999], each)
 
 
 def test_frames_follow_the_indices_order_with_repeats():
@@ -623,67 +657,50 @@ def test_a_child_that_dies_starting_costs_its_caller_nothing():
 
 def test_a_lone_clip_decodes_on_frame_threads_and_a_clip_beside_another_on_one():
     """A clip that finds no other clip decoding gets the pool's lone_clip_threads (FFmpeg's frame threads: seen
-    in /proc as several of its decoder process's threads doing the work); a clip that starts while it decodes
-    gets one, as every clip did before (its decoder's work on one thread); both get the frames a one-thread
-    decode gives."""
-    import threading
-
+    in /proc as CPU time of its decoder process's other threads, most of the decode's); a clip that starts
+    while it decodes gets one, as every clip did before (all of its decode on the process's own thread, on this
+    stream of one slice a frame); both get the frames a one-thread decode gives."""
     from encoder_service.benchmarks.video import photo_clip
 
-    data = photo_clip(3, 10.0, 448, 448, 30, one_slice=True)  # 20 frames sampled of 300: ~0.12 s of decode here
-    limits = dataclasses.replace(LIMITS, max_frames=300)
+    data = photo_clip(3, 6.0, 960, 540, 30, one_slice=True)  # 12 frames sampled of 180: ~0.2 s of decode here
+    limits = dataclasses.replace(LIMITS, max_frames=180, max_frame_pixels=1 << 20)
     every_15th = functools.partial(vi.every_nth_frame, n=15)
 
-    def cpu_ticks(pid: int) -> dict[int, int]:
-        """Each thread's CPU time so far (clock ticks), by thread id."""
-        ticks = {}
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError):
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                ticks[int(tid)] = int(fields[11]) + int(fields[12])
-        return ticks
+    def ticks(path: str) -> int:
+        with open(path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime + stime, clock ticks
+
+    def cpu(pid: int) -> tuple[int, int]:
+        """(the process's CPU, its ended threads' included; its own first thread's)."""
+        return ticks(f"/proc/{pid}/stat"), ticks(f"/proc/{pid}/task/{pid}/stat")
 
     with VideoDecodePool(2) as pool:
         pool.lone_clip_threads = 4
-        for _ in range(2):  # both children started and warm
-            run(pool.decode(data, every_15th, limits))
+
+        async def warm():  # both children started and warm (two at once: each takes one)
+            await asyncio.gather(*(pool.decode(data, every_15th, limits) for _ in range(2)))
+
+        run(warm())
         pids = [child.process.pid for child in pool._children]
-        seen = {pid: cpu_ticks(pid) for pid in pids}  # each thread's most, threads gone at the end included
-        before = {pid: dict(ticks) for pid, ticks in seen.items()}
-        done = threading.Event()
-
-        def watch():
-            while not done.is_set():
-                for pid in pids:
-                    for tid, ticks in cpu_ticks(pid).items():
-                        seen[pid][tid] = max(seen[pid].get(tid, 0), ticks)
-                time.sleep(0.002)
-
-        def working(pid: int) -> int:
-            """Threads ``pid`` started since ``before`` (a decode's) that took at least 2 ticks (20 ms at 100 Hz) of
-            CPU. Every decode starts some: FFmpeg's slice threads, idle on this stream of one slice a frame."""
-            return sum(1 for tid, ticks in seen[pid].items() if tid not in before[pid] and ticks >= 2)
+        before = {pid: cpu(pid) for pid in pids}
 
         async def lone_then_beside():
             first = asyncio.ensure_future(pool.decode(data, every_15th, limits))
             deadline = time.monotonic() + 10
-            while not any(working(pid) for pid in pids) and time.monotonic() < deadline:
-                await asyncio.sleep(0.001)
-            assert not first.done()
+            while pool._decoding == 0 and time.monotonic() < deadline:  # its job is sent: it decodes alone
+                await asyncio.sleep(0.0005)
             second = await pool.decode(data, every_15th, limits)
             return await first, second
 
-        watcher = threading.Thread(target=watch)
-        watcher.start()
-        try:
-            lone_clip, beside_clip = run(lone_then_beside())
-        finally:
-            done.set()
-            watcher.join()
-        # One child's decode on frame threads (4, sharing this host's cores), the other's on its own thread.
-        beside, lone = sorted(working(pid) for pid in pids)
-        assert beside == 0 and lone >= 3, seen
+        lone_clip, beside_clip = run(lone_then_beside())
+        others = []  # per child: (CPU of its other threads, its whole CPU) over the two decodes
+        for pid in pids:
+            total, own = (after - start for after, start in zip(cpu(pid), before[pid]))
+            others.append((total - own, total))
+        (beside_others, beside_total), (lone_others, lone_total) = sorted(others)
+        assert lone_others >= lone_total / 3, others  # frame threads did most of it
+        assert beside_others <= beside_total / 10, others  # its own thread did all of it
     one_thread = decode_frames(data, lone_clip.indices, limits)
     np.testing.assert_array_equal(lone_clip.frames, one_thread)
     np.testing.assert_array_equal(beside_clip.frames, one_thread)
