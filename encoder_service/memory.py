@@ -111,4 +111,3 @@ def host_has_swap() -> bool:
     except (OSError, ValueError, IndexError):
         pass
     return True
-

@@ -80,9 +80,10 @@ START_ATTEMPTS = 3
 # The children's nice value: decoding yields the CPU to the server's own threads.
 DECODER_NICENESS = 10
 # A clip that finds no other clip decoding in the pool decodes on FFmpeg's frame threads, up to this many
-# (and at most the cores this process may run on): one core's decode was most of a lone clip's time
-# (a 10 s 448x448 H.264 clip through the server on an H100: 126 of 174 ms, bench/RESULTS.md), and a
-# lightly loaded server's other cores are idle then. Clips that start beside another decode on one
+# (and at most the cores this process may run on; the codecs that take them:
+# video_decode.FRAME_THREAD_CODECS): one core's decode was most of a lone clip's time (a 10 s 448x448
+# H.264 clip through the server on an H100: 126 of 174 ms, bench/RESULTS.md), and a lightly loaded
+# server's other cores are idle then. Clips that start beside another decode on one
 # thread, as before: under load, more threads than cores only add switching (more decode processes
 # than that made a loaded node slower). The children run at DECODER_NICENESS whatever their threads, so
 # the server's own threads come first.
