@@ -374,19 +374,24 @@ def test_a_lone_request_never_decodes_an_expensive_jpeg_on_the_event_loop(stub, 
     no other call until it is done. A hostile caller's lone JPEG past those bounds (allowed but expensive:
     ~0.15-0.25 s of decode here, within the inline bytes bound) must still go to the threads: calls made
     during its decode are answered meanwhile. Compared with its own decode time in this process, no
-    absolute timing; on the loop, every call during it would wait for all of it."""
+    absolute timing. On the loop, a call made during the decode waits for all of it, every time; in a
+    thread, a busy 2-core host (a CI run: one call in ~40 waited 138 ms of a 166 ms decode, the rest
+    1-35 ms) can hold a call up once in a while, so three such images (distinct bytes: no cache hit)
+    are sent and the test fails only if every one held a call for half its decode."""
     from encoder_service.engine.preparation import ALONE_INLINE_BYTES
     from encoder_service.preprocess.decode import jpeg_scans
 
     if case.startswith("96 scans"):
-        hostile = jpeg_scan_bomb(1760, 90)
-        assert jpeg_scans(hostile) == 96
+        hostiles = [jpeg_scan_bomb(1760 - 16 * i, 90) for i in range(3)]
+        assert {jpeg_scans(hostile) for hostile in hostiles} == {96}
     else:
-        hostile = _behind_fill_bytes(save(photo(64, 64, seed=11), quality=90), 500_000)
-    assert len(hostile) <= ALONE_INLINE_BYTES
-    started = time.perf_counter()
-    decode_image(hostile, None).load()
-    decode_s = time.perf_counter() - started
+        hostiles = [_behind_fill_bytes(save(photo(64, 64, seed=11 + i), quality=90), 500_000) for i in range(3)]
+    assert len(set(hostiles)) == 3 and max(map(len, hostiles)) <= ALONE_INLINE_BYTES
+    decode_s = []
+    for hostile in hostiles:
+        started = time.perf_counter()
+        decode_image(hostile, None).load()
+        decode_s.append(time.perf_counter() - started)
 
     waits: list[float] = []
     stop = threading.Event()
@@ -399,17 +404,20 @@ def test_a_lone_request_never_decodes_an_expensive_jpeg_on_the_event_loop(stub, 
 
     thread = threading.Thread(target=probe)
     thread.start()
+    held = []
     try:
-        time.sleep(0.2)
-        before = len(waits)
-        assert encode(stub, hostile)[-1].num_tokens > 0
-        during = waits[before:]
+        for hostile, seconds in zip(hostiles, decode_s):
+            time.sleep(0.2)
+            before = len(waits)
+            assert encode(stub, hostile)[-1].num_tokens > 0
+            during = waits[before:]
+            assert len(during) >= 3, f"{len(during)} calls answered during a {seconds:.2f} s decode"
+            held.append((max(during), seconds))
     finally:
         stop.set()
         thread.join()
-    assert len(during) >= 3, f"{len(during)} calls answered during a {decode_s:.2f} s decode"
-    assert max(during) < decode_s / 2, f"a call waited {max(during) * 1000:.0f} ms; the decode takes " \
-                                       f"{decode_s * 1000:.0f} ms"
+    assert not all(wait >= seconds / 2 for wait, seconds in held), "; ".join(
+        f"a call waited {wait * 1000:.0f} ms of a {seconds * 1000:.0f} ms decode" for wait, seconds in held)
 
 
 # --- what the counting and the routing rest on ----------------------------------------------------------

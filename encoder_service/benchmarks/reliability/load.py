@@ -95,21 +95,27 @@ async def timed(recorder: Recorder, kind: str, images: int, call: Awaitable) -> 
 
 async def closed_loop(target: str, *, streams: int, stop: threading.Event, recorder: Recorder,
                       make_request: Callable[[random.Random], tuple[str, list[bytes]]], timeout_s: float = 30.0,
-                      channels: int = 4, seed: int = 0, unavailable_backoff_s: float = 0.0) -> None:
+                      channels: int = 4, seed: int = 0, unavailable_backoff_s: float = 0.0,
+                      leave_after_unavailable: int = 0) -> None:
     """``streams`` tasks, each sending its next request as soon as the last one ended, until stop.
 
     ``unavailable_backoff_s``: after UNAVAILABLE a stream waits that long, doubling with each one in
     a row up to 16 times it, as EncoderClient's retries do (0: at once, a client with nowhere else to go).
+    ``leave_after_unavailable``: a stream refused UNAVAILABLE that many times in a row stops, as a
+    client of a fleet goes to another replica once its retries are spent (0: it never leaves).
     """
     clients = [AsyncEncoderClient(target, timeout_s=timeout_s, retries=0) for _ in range(channels)]
 
     async def stream(i: int) -> None:
         rng = random.Random(seed * 100003 + i)
         client = clients[i % channels]
-        backoff = unavailable_backoff_s
+        backoff, refused = unavailable_backoff_s, 0
         while not stop.is_set():
             kind, images = make_request(rng)
             code = await timed(recorder, kind, len(images), client.encode(images))
+            refused = refused + 1 if code == "UNAVAILABLE" else 0
+            if leave_after_unavailable and refused >= leave_after_unavailable:
+                return
             if code == "RESOURCE_EXHAUSTED":
                 await asyncio.sleep(0.005)  # what a polite client does before trying again
             if code == "UNAVAILABLE" and unavailable_backoff_s > 0:

@@ -26,6 +26,7 @@ from ..server import ServerSpec, start_server
 # is correct too.
 IN_FLIGHT_MARGIN_S = 0.5  # a loaded 2-core CI machine: the stamp is taken on a busy client thread
 TEARDOWN_S = 5.0
+UNAVAILABLE_BEFORE_LEAVING = 5  # EncoderClient's most attempts (4 retries: gRPC's limit of 5)
 BIG_GRID = (1, 128, 128)  # 16384 patches: a forward of a second or more on a CPU
 
 
@@ -76,13 +77,15 @@ def run(*, streams: int = 16, load_s: float = 3.0, grace_s: float = 45.0, spec: 
     try:
         source = ImageSource(seed=6)
         recorder, stop = Recorder(), threading.Event()
-        # Streams back off on UNAVAILABLE as EncoderClient's retries do. Hammering a draining server
-        # at once, they would keep its port from ever going quiet, and a call that arrives just as
-        # the port closes is one gRPC cancels (grpc/grpc#41785): the race the drain narrows but, with
-        # clients that never let up, cannot close.
+        # Streams back off on UNAVAILABLE as EncoderClient's retries do, and leave once its retries
+        # would be spent, as a client of a fleet goes to another replica. Clients that never let up
+        # keep the port from going quiet: the drain then closes it after DRAIN_MAX_QUIET_S, and a
+        # call that arrives just as it closes is one gRPC cancels (grpc/grpc#41785), a race the
+        # drain narrows but cannot close (a CI run of bfb3a14 met it: 1 of 211 calls after SIGTERM).
         load = Background(lambda: closed_loop(server.target, streams=streams, stop=stop, recorder=recorder,
                                               make_request=partial(mixed_request, source, hit_ratio=0.3),
-                                              timeout_s=60.0, unavailable_backoff_s=0.05))
+                                              timeout_s=60.0, unavailable_backoff_s=0.05,
+                                              leave_after_unavailable=UNAVAILABLE_BEFORE_LEAVING))
         time.sleep(load_s)
         big_load = Background(lambda: _big_requests(server.target, big, recorder))
         # Building and sending 19 MB takes the client a while: wait until the server has them all.
