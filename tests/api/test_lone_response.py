@@ -3,8 +3,9 @@ one-chunk response built right on the event loop, not in the response-copy threa
 ALONE_REGION_BYTES): the hops to a thread that has been idle cost more than the copy. Checked here, through
 the real client against the real servicer and engine (in this process, so the response threads' work can be
 watched): where each response was built, lone and not (another call in flight, an engine still busy with a
-cancelled call's decode, several images, a conversion, several chunks, past each size bound, a host with
-swap), in a caller's region and on the stream, and that the rows do not depend on where they were built.
+cancelled call's decode, several images, a conversion, several chunks, past each size bound, a region too
+small, a host with swap), in a caller's region and on the stream, and that the rows do not depend on where
+they were built.
 """
 
 from __future__ import annotations
@@ -76,8 +77,10 @@ def grid_of(x: np.ndarray) -> tuple[int, int, int]:
     return GRID if len(x) == np.prod(GRID) else LARGE_GRID
 
 
-def encode(encoder, *xs: np.ndarray, shared_memory: bool, **kwargs) -> list[np.ndarray]:
-    with EncoderClient(encoder.target, timeout_s=60, retries=0, shared_memory=shared_memory) as client:
+def encode(encoder, *xs: np.ndarray, shared_memory: bool, region_bytes: int | None = None,
+           **kwargs) -> list[np.ndarray]:
+    sizing = {} if region_bytes is None else {"shared_memory_bytes": region_bytes}
+    with EncoderClient(encoder.target, timeout_s=60, retries=0, shared_memory=shared_memory, **sizing) as client:
         results = client.encode([(x, grid_of(x)) for x in xs], **kwargs)
         # In a region registered by descriptor (what a client on the host lends by default), not a /dev/shm
         # object (whose writes have threads of their own) nor the stream.
@@ -85,11 +88,12 @@ def encode(encoder, *xs: np.ndarray, shared_memory: bool, **kwargs) -> list[np.n
     return [r.embedding for r in results]
 
 
-def built_where(encoder, model, *xs: np.ndarray, shared_memory: bool, **kwargs) -> str:
+def built_where(encoder, model, *xs: np.ndarray, shared_memory: bool, region_bytes: int | None = None,
+                **kwargs) -> str:
     """"loop" or "threads": where the call's responses were built; its rows checked against the model's."""
     copies = encoder.servicer.response_copies
     before = copies.submitted
-    got = encode(encoder, *xs, shared_memory=shared_memory, **kwargs)
+    got = encode(encoder, *xs, shared_memory=shared_memory, region_bytes=region_bytes, **kwargs)
     where = "threads" if copies.submitted > before else "loop"
     for x, rows in zip(xs, got, strict=True):
         (want,) = model.encode(x, [grid_of(x)])
@@ -206,6 +210,16 @@ def test_a_lone_response_past_its_size_bound_is_built_in_the_threads(encoder, mo
     assert built_where(encoder, model, patches(), shared_memory=False) == "loop"  # the stream's own bound
     monkeypatch.setattr(servicer_module, "ALONE_STREAM_BYTES", RESPONSE_BYTES - 1)
     assert built_where(encoder, model, patches(), shared_memory=False) == "threads"
+
+
+def test_a_lone_response_too_large_for_the_callers_region_goes_by_the_streams_bound(encoder, model, monkeypatch):
+    """Rows that do not fit the caller's region go on the stream, so the stream's bound decides, not the region's."""
+    small = 4096  # the client's first region, too small for RESPONSE_BYTES
+    monkeypatch.setattr(servicer_module, "ALONE_STREAM_BYTES", RESPONSE_BYTES - 1)
+    assert built_where(encoder, model, patches(), shared_memory=True, region_bytes=small) == "threads"
+    monkeypatch.setattr(servicer_module, "ALONE_STREAM_BYTES", RESPONSE_BYTES)
+    monkeypatch.setattr(servicer_module, "ALONE_REGION_BYTES", RESPONSE_BYTES - 1)
+    assert built_where(encoder, model, patches(), shared_memory=True, region_bytes=small) == "loop"
 
 
 def test_on_a_host_with_swap_a_lone_copy_into_a_region_is_made_in_the_threads(encoder, model, monkeypatch):
