@@ -29,6 +29,7 @@ to ``START_ATTEMPTS`` children: it costs the caller nothing.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import importlib
@@ -377,6 +378,28 @@ class _Child:
         return self.exitcode
 
 
+class _IdleChildren:
+    """The idle children, a stack whose top is the one that finished last, except that a child not yet
+    ready (a replacement, or one whose call was cancelled while it started) goes to the bottom: the next
+    clip takes a warm child, not one still importing, while any is idle."""
+
+    def __init__(self) -> None:
+        self.queue: collections.deque[_Child] = collections.deque()  # the top is the right end
+        self._ready = threading.Condition()
+
+    def put(self, child: _Child) -> None:
+        with self._ready:
+            (self.queue.append if child.ready else self.queue.appendleft)(child)
+            self._ready.notify()
+
+    def get(self, timeout: float) -> _Child:
+        """The top child; queue.Empty when none is idle within ``timeout``."""
+        with self._ready:
+            if not self._ready.wait_for(lambda: self.queue, timeout):
+                raise queue.Empty
+            return self.queue.pop()
+
+
 class VideoDecodePool:
     """``processes`` child processes that probe and decode clips; ``await pool.decode(...)``.
 
@@ -390,7 +413,9 @@ class VideoDecodePool:
 
     A call takes the child that finished last (the idle ones are a stack): under light load the same
     few children take every clip, warm, instead of each of the pool's children in turn paying its first
-    clip's costs (first touches of the decoder's code and memory; with NVDEC, opening its session).
+    clip's costs (first touches of the decoder's code and memory; with NVDEC, opening its session). A
+    child not yet ready waits below the ready ones (a hostile clip's crash must not make the next
+    caller wait for its replacement's start while a warm child is idle).
     """
 
     def __init__(self, processes: int = 2, *, grace_s: float = 2.0, start_timeout_s: float = 60.0,
@@ -403,7 +428,7 @@ class VideoDecodePool:
         self.cancel_grace_s, self.preload = cancel_grace_s, preload
         self._lock = threading.Lock()
         self._closed = False
-        self._idle: queue.LifoQueue[_Child] = queue.LifoQueue()
+        self._idle = _IdleChildren()
         self._children: set[_Child] = set()
         for n in range(processes):  # with NVDEC, the children spread over the GPUs
             self._idle.put(self._start_child(nvdec_gpus[n % len(nvdec_gpus)] if nvdec_gpus else None))

@@ -614,6 +614,23 @@ def test_clips_one_at_a_time_go_to_the_same_warm_child_and_find_its_modules_impo
         run(cold.decode(clip(), needs, LIMITS))
 
 
+def test_a_crashed_childs_replacement_waits_below_the_warm_children():
+    """A hostile clip's crash must not make the next caller wait for the replacement's start (its imports)
+    while a warm child is idle: the next clip goes to the warm one."""
+    with VideoDecodePool(2) as two:
+        async def both():
+            return await asyncio.gather(two.decode(clip(), vi.first_frame, LIMITS),
+                                        two.decode(clip(), vi.first_frame, LIMITS))
+        run(both())
+        assert [child.ready for child in two._idle.queue] == [True, True]
+        with pytest.raises(InvalidInput, match="crashed"):
+            run(two.decode(clip(), vi.abort_process, LIMITS))
+        assert [child.ready for child in two._idle.queue] == [False, True]
+        warm = two._idle.queue[-1]
+        assert run(two.decode(clip(), vi.first_frame, LIMITS)).indices == [0]
+        assert two._idle.queue[-1] is warm and two.replaced == 1
+
+
 def test_an_idle_child_killed_from_outside_is_replaced_without_failing_the_next_clip():
     with VideoDecodePool(1) as single:
         run(single.decode(clip(), vi.first_frame, LIMITS))
