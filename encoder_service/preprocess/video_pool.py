@@ -89,6 +89,8 @@ DECODER_NICENESS = 10
 # than that made a loaded node slower). The children run at DECODER_NICENESS whatever their threads, so
 # the server's own threads come first.
 LONE_CLIP_MAX_THREADS = 8
+# FFmpeg's automatic thread count (thread_count 0, PyAV's default) is at most this (MAX_AUTO_THREADS).
+FFMPEG_AUTO_THREADS = 16
 
 
 def lone_clip_threads() -> int:
@@ -131,10 +133,12 @@ def child_memory_bytes(limits: VideoLimits) -> int:
     frames twice, and 24 decoder frames of the largest frame allowed at 6 bytes a pixel (16-bit 4:4:4;
     H.264 and H.265 keep at most 16 reference frames); for each of a lone clip's frame threads
     (LONE_CLIP_MAX_THREADS), two frames more (the one it decodes, the one it hands on), its stack (private
-    memory too: RLIMIT_STACK's size) and 8 MiB for its copy of the decoder's state. A decoder bug that
-    allocates beyond fails there, in the child, instead of taking the host's memory."""
-    frame = 6 * limits.max_frame_pixels
-    threads = LONE_CLIP_MAX_THREADS * (2 * frame + _thread_stack_bytes() + (8 << 20))
+    memory too: RLIMIT_STACK's size) and 8 MiB for its copy of the decoder's state; or, where more, the
+    stacks of the slice threads every other decode runs on (PyAV's default: FFmpeg's automatic count, at
+    most FFMPEG_AUTO_THREADS, with no frames of their own; a decoder uses one kind or the other). A
+    decoder bug that allocates beyond fails there, in the child, instead of taking the host's memory."""
+    frame, stack = 6 * limits.max_frame_pixels, _thread_stack_bytes()
+    threads = max(LONE_CLIP_MAX_THREADS * (2 * frame + stack + (8 << 20)), FFMPEG_AUTO_THREADS * stack)
     return (1 << 30) + 3 * limits.max_bytes + 2 * limits.max_decoded_bytes + 24 * frame + threads
 
 

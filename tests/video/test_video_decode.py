@@ -614,6 +614,22 @@ def test_clips_one_at_a_time_go_to_the_same_warm_child_and_find_its_modules_impo
         run(cold.decode(clip(), needs, LIMITS))
 
 
+def test_a_decoders_memory_bound_counts_the_stacks_of_ffmpegs_automatic_slice_threads(monkeypatch):
+    """A clip decoding beside another runs on PyAV's default threads: slices on FFmpeg's automatic count (up to
+    16 threads, each a stack of RLIMIT_STACK's size, private memory as RLIMIT_DATA counts it). With a large
+    stack limit and small frames, those stacks outweigh a lone clip's 8 frame threads and must fit the bound."""
+    import av
+
+    from encoder_service.preprocess import video_pool
+
+    stack = 256 << 20
+    small = dataclasses.replace(LIMITS, max_frame_pixels=64 * 64, max_decoded_bytes=1 << 20)
+    monkeypatch.setattr(video_pool, "_thread_stack_bytes", lambda: stack)
+    frames = (1 << 30) + 3 * small.max_bytes + 2 * small.max_decoded_bytes + 24 * 6 * small.max_frame_pixels
+    assert video_pool.child_memory_bytes(small) >= frames + 16 * stack
+    assert av.CodecContext.create("h264", "r").thread_count == 0  # the automatic count: what the bound assumes
+
+
 def test_a_crashed_childs_replacement_waits_below_the_warm_children():
     """A hostile clip's crash must not make the next caller wait for the replacement's start (its imports)
     while a warm child is idle: the next clip goes to the warm one."""
