@@ -488,7 +488,8 @@ def test_a_registration_whose_mapping_blocks_holds_a_thread_not_the_event_loop(m
             while loop.time() - started < 0.5:  # the loop runs while the mapping is held
                 await asyncio.sleep(0.01)
                 ticks += 1
-            assert ticks >= 20 and len(regions) == 0
+            # ~50 ticks on an idle host; a loop held by the mapping makes one. A busy 2-core host wakes late.
+            assert ticks >= 5 and len(regions) == 0
             release.set()
             sock.setblocking(False)
             reply = await loop.sock_recv(sock, 128)

@@ -186,7 +186,9 @@ def test_a_worker_that_misses_its_wake_up_while_images_wait_is_stalled_by_the_en
     the engine's watch loop, can tell the watchdog; the notify given at last serves it again."""
 
     async def main():
-        async with running_engine(fake_model, watchdog_timeout_s=0.3) as engine:
+        # 1.5 s: a busy host that pauses this process between the image's queueing and the check that
+        # the engine still serves must not let the watchdog call the stall first.
+        async with running_engine(fake_model, watchdog_timeout_s=1.5) as engine:
             queue = engine._queue
             changes = []
             engine.on_serving_change = changes.append

@@ -335,9 +335,12 @@ def test_a_scan_bomb_is_refused_and_an_ordinary_image_is_not_held_up_by_bombs(st
     bomb in this process, with a wide margin: no absolute timing."""
     bombs = [jpeg_scan_bomb(1024, 12_000 + i) for i in range(2)]  # not the same bytes: no in-flight join
     tenth = jpeg_scan_bomb(1024, 1_200)
-    started = time.perf_counter()
-    Image.open(io.BytesIO(tenth)).load()
-    bomb_decode_s = 10 * (time.perf_counter() - started)
+    tenth_s = []
+    for _ in range(3):  # the median: one timing on a busy 2-core host can be far off either way
+        started = time.perf_counter()
+        Image.open(io.BytesIO(tenth)).load()
+        tenth_s.append(time.perf_counter() - started)
+    bomb_decode_s = 10 * sorted(tenth_s)[1]
 
     ordinary = save(photo(448, 448, seed=3), "PNG")
     with ThreadPoolExecutor(2) as pool:
@@ -411,13 +414,14 @@ def test_a_lone_request_never_decodes_an_expensive_jpeg_on_the_event_loop(stub, 
             before = len(waits)
             assert encode(stub, hostile)[-1].num_tokens > 0
             during = waits[before:]
-            assert len(during) >= 3, f"{len(during)} calls answered during a {seconds:.2f} s decode"
-            held.append((max(during), seconds))
+            held.append((len(during), max(during, default=0.0), seconds))
     finally:
         stop.set()
         thread.join()
-    assert not all(wait >= seconds / 2 for wait, seconds in held), "; ".join(
-        f"a call waited {wait * 1000:.0f} ms of a {seconds * 1000:.0f} ms decode" for wait, seconds in held)
+    # Held: fewer than 3 calls answered during the image's call, or one of them waiting half its decode.
+    assert not all(answered < 3 or wait >= seconds / 2 for answered, wait, seconds in held), "; ".join(
+        f"{answered} calls answered, one waiting {wait * 1000:.0f} ms, during a {seconds * 1000:.0f} ms decode"
+        for answered, wait, seconds in held)
 
 
 # --- what the counting and the routing rest on ----------------------------------------------------------
