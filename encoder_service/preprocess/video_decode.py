@@ -255,7 +255,7 @@ class _Clip:
             raise InvalidInput(f"unsupported video codec {codec!r} (supported: {', '.join(sorted(SUPPORTED_CODECS))})")
         width, height = stream.codec_context.width, stream.codec_context.height
         _check_frame_size(width, height, limits, "header claims")
-        self.size = (height, width)
+        self.size, self.codec = (height, width), codec
         self.color = (int(stream.codec_context.colorspace), int(stream.codec_context.color_range))
         if stream.frames:
             _check_frames(stream.frames, limits, "header claims")
@@ -300,14 +300,14 @@ class _Clip:
 
 
 def _probe(data: bytes, limits: VideoLimits, deadline: float, header: dict | None = None) -> ClipFacts:
-    """``header``, where given, receives the stream's frame size (H, W) and its color tags (for NVDEC)."""
+    """``header``, where given, receives the stream's frame size (H, W), its color tags and its codec (for NVDEC)."""
     with _Clip(data, limits, deadline) as clip:
         total = clip.stream.frames or clip.count_frames()
         if total == 0:
             raise InvalidInput("not a decodable video: the video stream has no frames")
         duration = total / clip.fps if clip.fps else (_header_seconds(clip.container, clip.stream) or None)
         if header is not None:
-            header.update(size=clip.size, color=clip.color)
+            header.update(size=clip.size, color=clip.color, codec=clip.codec)
         return ClipFacts(total_frames=int(total), fps=clip.fps, duration_s=duration)
 
 
@@ -458,8 +458,8 @@ def nvdec_frames(data: bytes, indices: list[int], facts: ClipFacts, header: dict
     if max(wanted) >= facts.total_frames:
         raise InvalidInput(f"video has {facts.total_frames} frames; frame index {max(wanted)} is past the end")
     height, width = header["size"]
-    return video_nvdec.decode_frames(data, wanted, facts.total_frames, height, width, header["color"], gpu,
-                                     deadline, limits.max_decode_seconds)
+    return video_nvdec.decode_frames(data, wanted, facts.total_frames, height, width, header["color"],
+                                     header["codec"], gpu, deadline, limits.max_decode_seconds)
 
 
 def decode_frame_list(frames: Sequence[bytes], limits: VideoLimits) -> np.ndarray:

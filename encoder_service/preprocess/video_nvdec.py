@@ -3,9 +3,18 @@ NVIDIA's PyNvVideoCodec) instead of FFmpeg on the CPU, in the same decoder proce
 
 Everything before the decode is the CPU path's: the container is opened and checked by PyAV from its
 header (``video_decode.probe``: the two demuxers, the codecs, every limit), the frames are counted and
-sampled there. NVDEC then decodes the sampled frames (``SimpleDecoder.get_batch_frames_by_index``, one
-decoder session a clip) into NV12 on the GPU, and this module copies each to the host and converts it to
-RGB there, uint8 [T, H, W, 3]: from there a clip is the CPU path's.
+sampled there. NVDEC then decodes the sampled frames (``SimpleDecoder.get_batch_frames_by_index``) into
+NV12 on the GPU, and this module copies each to the host and converts it to RGB there, uint8 [T, H, W, 3]:
+from there a clip is the CPU path's.
+
+Sessions: opening a decoder (its parser, the hardware session, its surfaces) took ~0.25 s a clip, as long as
+decoding a 10 s 448x448 clip's samples. So each decoder process keeps its decoder from clip to clip and
+points it at the next clip (``reconfigure_decoder``) where that clip is of the same codec, on the same GPU,
+and its frames fit the surfaces the decoder was built for; any other clip gets a new decoder (the kept one
+closed first: one session a process, its GPU memory that of the largest frames the limits allow). After
+any failure (a hostile clip, a cancel) the kept decoder is closed, so no state of a failed clip reaches
+the next. The decoder reads each clip from an anonymous memory file of this process (``/proc/self/fd``),
+closed when the decoder moves on.
 
 Pixels: an H.264/H.265/VP9/AV1 decoder's YUV output is defined by the standard, so NVDEC's planes are
 FFmpeg's; the YUV -> RGB step is not (NVDEC's own RGB output picks BT.709 for HD frames where FFmpeg
@@ -27,8 +36,11 @@ process, which holds a CUDA context of its own on the GPU: a crash there costs t
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -83,12 +95,85 @@ def _planes(frame, height: int, width: int):
     return plane[:height, :width], plane[luma_rows:, :2 * cols].reshape(rows, cols, 2)
 
 
+@dataclass
+class _Session:
+    """A decoder kept from clip to clip: what it was built for, and the memory file it reads."""
+
+    decoder: object
+    gpu: int
+    codec: str
+    width: int
+    height: int
+    source: int  # the descriptor of the clip it reads (its /proc/self/fd path)
+
+    def takes(self, gpu: int, codec: str, width: int, height: int) -> bool:
+        return (gpu, codec) == (self.gpu, self.codec) and width <= self.width and height <= self.height
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):  # a decoder a failure left broken may fail to stop too
+            stop = getattr(self.decoder, "stop", None)
+            if stop is not None:
+                stop()
+        self.decoder = None
+        os.close(self.source)
+
+
+_kept: _Session | None = None  # this process's decoder (a decoder process decodes one clip at a time)
+
+
+def drop_session() -> None:
+    """Closes the kept decoder, if any (after a failure: the next clip gets a new one)."""
+    global _kept
+    kept, _kept = _kept, None
+    if kept is not None:
+        kept.close()
+
+
+def _memory_file(data: bytes) -> int:
+    fd = os.memfd_create("nvdec-clip", os.MFD_CLOEXEC)
+    try:
+        with open(fd, "wb", closefd=False) as out:
+            out.write(data)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _session(nvc, data: bytes, gpu: int, codec: str, width: int, height: int) -> _Session:
+    """The kept decoder pointed at ``data`` where it takes this clip, else a new one (built for these frames)."""
+    global _kept
+    source = _memory_file(data)
+    path = f"/proc/self/fd/{source}"
+    try:
+        if _kept is not None and _kept.takes(gpu, codec, width, height):
+            try:
+                _kept.decoder.reconfigure_decoder(path)
+            except Exception:  # refused: a new decoder below, as for a clip it does not take
+                drop_session()
+            else:
+                os.close(_kept.source)
+                _kept.source = source
+                return _kept
+        drop_session()
+        # max_width / max_height: the decoder is sized for the header's frames, never larger ones.
+        decoder = nvc.SimpleDecoder(path, gpu_id=gpu, use_device_memory=True, decoder_cache_size=1,
+                                    max_width=width, max_height=height, output_color_type=nvc.OutputColorType.NATIVE)
+    except BaseException:
+        os.close(source)
+        raise
+    _kept = _Session(decoder, gpu, codec, width, height, source)
+    return _kept
+
+
 def decode_frames(data: bytes, indices: Sequence[int], total_frames: int, height: int, width: int,
-                  color: tuple[int, int], gpu: int, deadline: float, max_decode_seconds: float) -> np.ndarray:
+                  color: tuple[int, int], codec: str, gpu: int, deadline: float,
+                  max_decode_seconds: float) -> np.ndarray:
     """The frames at ``indices`` (checked by the caller: in the clip, limits applied), uint8
     [len(indices), H, W, 3], one row per entry in its order, decoded by NVDEC on GPU ``gpu``, a few
     frames at a time. ``total_frames``: PyAV's count, which NVDEC's must equal (else its frame ``i``
-    might not be PyAV's). ``color``: the stream's (AVColorSpace, AVColorRange), what FFmpeg converts with."""
+    might not be PyAV's). ``color``: the stream's (AVColorSpace, AVColorRange), what FFmpeg converts with.
+    ``codec``: FFmpeg's name of the stream's codec (a kept decoder takes only clips of its own)."""
     import PyNvVideoCodec as nvc
     import torch
 
@@ -96,27 +181,14 @@ def decode_frames(data: bytes, indices: Sequence[int], total_frames: int, height
     decoded = np.empty((len(distinct), height, width, 3), np.uint8)
     try:
         with torch.cuda.device(gpu):
-            # max_width / max_height: the decoder is sized for the header's frames, never larger ones.
-            decoder = nvc.SimpleDecoder(data, gpu_id=gpu, use_device_memory=True, decoder_cache_size=1,
-                                        max_width=width, max_height=height,
-                                        output_color_type=nvc.OutputColorType.NATIVE)
-            if len(decoder) != total_frames:
-                raise InvalidInput(f"nvdec counts {len(decoder)} frames where the container holds {total_frames}; "
-                                   "serve this clip with --video-decode pyav")
-            for start in range(0, len(distinct), _GROUP):
-                interrupt.check()  # a cancelled clip stops between groups
-                group = distinct[start:start + _GROUP]
-                frames = decoder.get_batch_frames_by_index(group)
-                if len(frames) != len(group):
-                    raise InvalidInput(f"nvdec decoded {len(frames)} of the {len(group)} frames asked for")
-                kind = getattr(frames[0], "format", None)
-                if kind is not None and kind != nvc.Pixel_Format.NV12:
-                    raise InvalidInput(f"nvdec: {kind} frames are not converted (8-bit 4:2:0 only); "
-                                       "serve this clip with --video-decode pyav")
-                for n, frame in enumerate(frames):
-                    luma, chroma = (plane.cpu().numpy() for plane in _planes(frame, height, width))
-                    decoded[start + n] = yuv420p_to_rgb(luma, chroma[..., 0], chroma[..., 1], *color)
-                del frames
+            decoder = _session(nvc, data, gpu, codec, width, height).decoder
+            try:
+                _decode_into(nvc, decoder, distinct, decoded, total_frames, height, width, color)
+            except BaseException:
+                drop_session()
+                raise
+            finally:
+                del decoder
             position = {index: n for n, index in enumerate(distinct)}
             host = decoded[[position[int(i)] for i in indices]]
     except EncoderError:
@@ -125,5 +197,26 @@ def decode_frames(data: bytes, indices: Sequence[int], total_frames: int, height
         raise InvalidInput(f"not decodable by nvdec: {type(e).__name__}: {e}") from None
     if time.monotonic() > deadline:
         raise DecodeTimeout(f"decoding the clip took more than {max_decode_seconds:g} s, over the limit of "
-                                f"--max-video-decode-seconds {max_decode_seconds:g}")
+                            f"--max-video-decode-seconds {max_decode_seconds:g}")
     return host
+
+
+def _decode_into(nvc, decoder, distinct: list[int], decoded: np.ndarray, total_frames: int, height: int,
+                 width: int, color: tuple[int, int]) -> None:
+    if len(decoder) != total_frames:
+        raise InvalidInput(f"nvdec counts {len(decoder)} frames where the container holds {total_frames}; "
+                           "serve this clip with --video-decode pyav")
+    for start in range(0, len(distinct), _GROUP):
+        interrupt.check()  # a cancelled clip stops between groups
+        group = distinct[start:start + _GROUP]
+        frames = decoder.get_batch_frames_by_index(group)
+        if len(frames) != len(group):
+            raise InvalidInput(f"nvdec decoded {len(frames)} of the {len(group)} frames asked for")
+        kind = getattr(frames[0], "format", None)
+        if kind is not None and kind != nvc.Pixel_Format.NV12:
+            raise InvalidInput(f"nvdec: {kind} frames are not converted (8-bit 4:2:0 only); "
+                               "serve this clip with --video-decode pyav")
+        for n, frame in enumerate(frames):
+            luma, chroma = (plane.cpu().numpy() for plane in _planes(frame, height, width))
+            decoded[start + n] = yuv420p_to_rgb(luma, chroma[..., 0], chroma[..., 1], *color)
+        del frames

@@ -146,6 +146,40 @@ def test_nvdec_frames_equal_ffmpegs(width, height):
     assert np.array_equal(got, want)  # NVDEC's planes are the standard's; swscale converts them as for FFmpeg's
 
 
+def test_nvdec_clips_in_turn_reuse_one_decoder_where_they_fit_and_equal_ffmpegs_frames():
+    """A decoder process keeps its NVDEC decoder from clip to clip (video_nvdec.py): clips that fit it are
+    decoded after ``reconfigure_decoder``, others by a new decoder (tests/video/test_nvdec_sessions.py checks
+    which, and the recovery after a failure, with a stand-in). Every clip's frames equal FFmpeg's; the time
+    of a new decoder's clip against a reused one's is printed (the reason for keeping it)."""
+    import time
+
+    from encoder_service.benchmarks.reliability.video_inputs import make_clip
+    from encoder_service.benchmarks.video import photo_clip
+    from encoder_service.preprocess import video_decode, video_nvdec
+
+    if not video_nvdec.available():
+        pytest.skip("needs PyNvVideoCodec")
+    limits = video_decode.VideoLimits(1 << 30, 100_000, 1000, 1 << 30, 60)
+    def indices(facts):
+        return [int(i) for i in np.linspace(0, facts.total_frames - 1, 8).round()]
+    clips = [("448 h264", photo_clip(1, 4, 448, 448, 30)), ("448 h264 again", photo_clip(2, 4, 448, 448, 30)),
+             ("320x240 h264", photo_clip(3, 2, 320, 240, 30)),
+             ("448 hevc", make_clip("mp4", "libx265", frames=40, width=448, height=448, fps=30)),
+             ("720p h264", photo_clip(5, 4, 1280, 720, 30)), ("448 h264 last", photo_clip(6, 4, 448, 448, 30))]
+    video_nvdec.drop_session()
+    try:
+        for name, clip in clips:
+            started = time.perf_counter()
+            _, got_indices, got = video_decode.probe_and_decode(clip, indices, limits, nvdec_gpu=0)
+            seconds = time.perf_counter() - started
+            kept = video_nvdec._kept
+            print(f"{name}: {seconds * 1000:.0f} ms, decoder for {kept.codec} {kept.width}x{kept.height}")
+            _, want_indices, want = video_decode.probe_and_decode(clip, indices, limits)
+            assert got_indices == want_indices and np.array_equal(got, want), name
+    finally:
+        video_nvdec.drop_session()
+
+
 def test_a_clip_through_an_nvdec_server_equals_the_cpu_decode(start_encoder_server):
     from encoder_client import EncoderClient, Video
 
