@@ -37,7 +37,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorRole,
     ECConnectorWorkerMetadata,
 )
-from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorStats
+from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics, ECConnectorStats
 from vllm.logger import init_logger
 
 from encoder_client.integrations.stager import ENCODER_MODE_OF_BACKEND, ConnectorSettings, EmbeddingStager
@@ -95,6 +95,36 @@ class EncoderServiceECStats(ECConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+_COUNTER_HELP = {
+    "items_fetched": "Images the connector fetched from encoder-service (by content hash)",
+    "items_staged": "Fetched images staged in node-local shared memory for the workers",
+    "items_failed": "Images the connector could not have from encoder-service (their requests failed)",
+    "bytes_staged": "Bytes of embeddings staged in node-local shared memory",
+    "items_loaded": "Staged images the workers loaded into vLLM's encoder cache",
+    "bytes_loaded": "Bytes of embeddings the workers loaded into vLLM's encoder cache",
+    "requests_failed": "Requests failed because an image's embeddings could not be had",
+}
+
+
+class EncoderServicePromMetrics(ECConnectorPromMetrics):
+    """The connector's counters on vLLM's /metrics, ``vllm:encoder_service_ec_<counter>_total`` with
+    vLLM's engine labels: unlike the "EC Transfer metrics" log line (which vLLM writes at DEBUG level,
+    and so drops, for an interval it judges idle), a counter keeps every increment."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {name: self._counter_cls(name=f"vllm:encoder_service_ec_{name}",
+                                                  documentation=_COUNTER_HELP[name], labelnames=labelnames)
+                          for name in _COUNTERS}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for name, value in (transfer_stats_data or {}).items():
+            if name in self._counters and value:
+                self._counters[name].labels(*labels).inc(value)
 
 
 def engine_preprocess(vllm_config: VllmConfig) -> str:
@@ -252,6 +282,11 @@ class EncoderServiceECConnector(ECConnectorBase):
     @classmethod
     def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> EncoderServiceECStats | None:
         return EncoderServiceECStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> EncoderServicePromMetrics:
+        return EncoderServicePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.stager is not None:

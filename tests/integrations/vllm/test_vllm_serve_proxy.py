@@ -23,7 +23,6 @@ import base64
 import http.client
 import io
 import json
-import re
 import socket
 import subprocess
 import sys
@@ -99,7 +98,7 @@ class Process:
 def vllm_server(vllm_env, model_path, encoder, tmp_path_factory):
     if not (SERVE_DIR / "uvicorn").is_dir():
         pytest.fail(f"vLLM's API server packages are not installed in {SERVE_DIR}: run scripts/ci_tools.sh")
-    env = {**vllm_env, "PYTHONPATH": vllm_env["PYTHONPATH"] + ":" + str(SERVE_DIR), "VLLM_LOG_STATS_INTERVAL": "1"}
+    env = {**vllm_env, "PYTHONPATH": vllm_env["PYTHONPATH"] + ":" + str(SERVE_DIR)}
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
@@ -160,6 +159,7 @@ def assert_same_as_monolithic(token_ids: list[int], logprobs: list[float], finis
 def test_chat_with_an_image_through_the_proxy_equals_monolithic_vllm(encoder, model_path, vllm_server, monolithic,
                                                                      proxy):
     image = png(1)
+    fetched = ec_transfer_stats(vllm_server)["items_fetched"]
     with EncoderClient(encoder.target, timeout_s=60) as client:
         uuid = content_hash(image, client.cache_namespace())
         assert client.lookup([uuid]) == [False]  # nothing cached it before the proxy
@@ -184,21 +184,34 @@ def test_chat_with_an_image_through_the_proxy_equals_monolithic_vllm(encoder, mo
         logprobs = [step["logprob"] for chunk in chunks for step in (chunk.get("logprobs") or {}).get("content") or []]
         assert_same_as_monolithic(token_ids, logprobs, chunks[-1]["finish_reason"], want)
     assert vllm_chat_requests(vllm_server) == before + 2, vllm_server.log()[-4000:]
-    # vLLM's connector fetched the embeddings from the encoder: its "EC Transfer metrics" log lines
-    # (every VLLM_LOG_STATS_INTERVAL s, counts since the last line) sum up to both requests' images.
+    # vLLM's connector fetched the embeddings from the encoder, for both requests: its counters on vLLM's
+    # /metrics (the stats reach vLLM's front end with the engine's outputs).
     deadline = time.monotonic() + 30
-    while (stats := ec_transfer_stats(vllm_server))["items_fetched"] < 2:
+    while (stats := ec_transfer_stats(vllm_server))["items_fetched"] < fetched + 2:
         assert time.monotonic() < deadline, (stats, vllm_server.log()[-4000:])
         time.sleep(0.5)
     assert stats["items_failed"] == 0 and stats["requests_failed"] == 0, stats
 
 
 def ec_transfer_stats(vllm_server: Process) -> dict[str, int]:
+    """The connector's counters on vLLM's /metrics (``vllm:encoder_service_ec_<name>_total``), over its
+    engines. Not vLLM's "EC Transfer metrics" log line: vLLM logs it at DEBUG, and so drops it, for an
+    interval it judges idle, which a fetch slower than that interval (a loaded CI host) lands in."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    conn = http.client.HTTPConnection("127.0.0.1", vllm_server.port, timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
     total: dict[str, int] = {"items_fetched": 0, "items_failed": 0, "requests_failed": 0}
-    for line in re.findall(r"EC Transfer metrics: (.*)", vllm_server.log()):
-        for item in line.split(", "):
-            name, value = item.split("=")
-            total[name] = total.get(name, 0) + int(value)
+    prefix = "vllm:encoder_service_ec_"
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith(prefix) and sample.name.endswith("_total"):
+                name = sample.name[len(prefix):-len("_total")]
+                total[name] = total.get(name, 0) + int(sample.value)
     return total
 
 
