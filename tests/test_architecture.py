@@ -3,6 +3,7 @@ that crosses one fails here rather than in review."""
 
 import ast
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -319,7 +320,12 @@ def test_no_code_outside_a_family_branches_on_its_model_type(family):
 
 
 def _python_files() -> list[Path]:
-    """Every Python file of the repository: the server, the client, tests, benches, scripts, examples."""
+    """Every Python file of the repository: the server, the client, tests, benches, scripts, examples.
+    In a git checkout, what git tracks or would (not what it ignores: a local export of an older tree)."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=ROOT,
+                            capture_output=True, text=True)
+    if listed.returncode == 0:
+        return sorted(ROOT / line for line in listed.stdout.splitlines() if (ROOT / line).is_file())
     skip = {".venv", ".git", "node_modules", "build", "dist"}
     return sorted(p for p in ROOT.rglob("*.py") if not skip.intersection(p.relative_to(ROOT).parts))
 
