@@ -458,8 +458,15 @@ def nvdec_frames(data: bytes, indices: list[int], facts: ClipFacts, header: dict
     if max(wanted) >= facts.total_frames:
         raise InvalidInput(f"video has {facts.total_frames} frames; frame index {max(wanted)} is past the end")
     height, width = header["size"]
-    return video_nvdec.decode_frames(data, wanted, facts.total_frames, height, width, header["color"],
-                                     header["codec"], gpu, deadline, limits.max_decode_seconds)
+    try:
+        return video_nvdec.decode_frames(data, wanted, facts.total_frames, height, width, header["color"],
+                                         header["codec"], gpu, deadline, limits.max_decode_seconds)
+    except InvalidInput:
+        # What NVDEC does not take (10-bit or 4:4:4 surfaces, a frame count of its own, a bitstream its
+        # parser refuses) FFmpeg decodes here, as the pyav path does, within what is left of the clip's
+        # time bound: the nvdec path's frames equal FFmpeg's, so the cache namespace holds the same
+        # embeddings either way. A clip FFmpeg refuses too is refused with FFmpeg's reason.
+        return _decode(data, indices, limits, deadline)
 
 
 def decode_frame_list(frames: Sequence[bytes], limits: VideoLimits) -> np.ndarray:

@@ -26,7 +26,8 @@ path's bit for bit (tests/video/test_video_nvdec.py checks the conversion on the
 the same planes, for untagged, BT.709, BT.2020 and full-range streams; tests/gpu/test_gpu_video.py the
 whole decode). The tags are the stream header's: FFmpeg converts each frame with its own, so a stream
 whose bitstream changes its tags midway, or contradicts its header, converts differently. Only 8-bit
-4:2:0 (NV12) surfaces are taken; other formats are refused with a clear error. The choice stays part of
+4:2:0 (NV12) surfaces are taken; a clip of another format, or one NVDEC refuses otherwise, is decoded by
+FFmpeg in the same process instead (video_decode.nvdec_frames). The choice stays part of
 the cache namespace.
 
 Attack surface: NVDEC's bitstream parser (in the NVIDIA driver) reads caller bytes, in the decoder
@@ -82,6 +83,8 @@ def _planes(frame, height: int, width: int):
     import torch
 
     plane = torch.from_dlpack(frame)
+    if plane.dtype != torch.uint8:  # a 10- or 16-bit surface (P016): not NV12
+        raise InvalidInput(f"nvdec returned a {plane.dtype} surface; only 8-bit NV12 is converted")
     if plane.dim() == 3:
         plane = plane[..., 0]
     rows, cols = (height + 1) // 2, (width + 1) // 2

@@ -149,7 +149,8 @@ def test_nvdec_frames_equal_ffmpegs(width, height):
 def test_nvdec_clips_in_turn_reuse_one_decoder_where_they_fit_and_equal_ffmpegs_frames():
     """A decoder process keeps its NVDEC decoder from clip to clip (video_nvdec.py): clips that fit it are
     decoded after ``reconfigure_decoder``, others by a new decoder (tests/video/test_nvdec_sessions.py checks
-    which, and the recovery after a failure, with a stand-in). Every clip's frames equal FFmpeg's; the time
+    which, and the recovery after a failure, with a stand-in); a 10-bit clip NVDEC does not take goes to
+    FFmpeg. Every clip's frames equal FFmpeg's; the time
     of a new decoder's clip against a reused one's is printed (the reason for keeping it)."""
     import time
 
@@ -165,6 +166,9 @@ def test_nvdec_clips_in_turn_reuse_one_decoder_where_they_fit_and_equal_ffmpegs_
     clips = [("448 h264", photo_clip(1, 4, 448, 448, 30)), ("448 h264 again", photo_clip(2, 4, 448, 448, 30)),
              ("320x240 h264", photo_clip(3, 2, 320, 240, 30)),
              ("448 hevc", make_clip("mp4", "libx265", frames=40, width=448, height=448, fps=30)),
+             # 10-bit: not an NV12 surface, decoded by FFmpeg instead (video_decode.nvdec_frames)
+             ("448 hevc 10-bit", make_clip("mp4", "libx265", frames=40, width=448, height=448, fps=30,
+                                           pix_fmt="yuv420p10le")),
              ("720p h264", photo_clip(5, 4, 1280, 720, 30)), ("448 h264 last", photo_clip(6, 4, 448, 448, 30))]
     video_nvdec.drop_session()
     try:
@@ -173,7 +177,8 @@ def test_nvdec_clips_in_turn_reuse_one_decoder_where_they_fit_and_equal_ffmpegs_
             _, got_indices, got = video_decode.probe_and_decode(clip, indices, limits, nvdec_gpu=0)
             seconds = time.perf_counter() - started
             kept = video_nvdec._kept
-            print(f"{name}: {seconds * 1000:.0f} ms, decoder for {kept.codec} {kept.width}x{kept.height}")
+            print(f"{name}: {seconds * 1000:.0f} ms, " + (f"decoder for {kept.codec} {kept.width}x{kept.height}"
+                                                          if kept is not None else "decoded by FFmpeg"))
             _, want_indices, want = video_decode.probe_and_decode(clip, indices, limits)
             assert got_indices == want_indices and np.array_equal(got, want), name
     finally:

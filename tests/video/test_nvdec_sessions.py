@@ -118,15 +118,26 @@ def test_clips_that_fit_the_kept_decoder_reuse_it_and_others_get_a_new_one(nvdec
     assert open_descriptors() == before and nvdec[-1] == ("stop",)
 
 
-def test_after_a_failed_clip_the_next_one_gets_a_new_decoder(nvdec):
+def test_a_clip_nvdec_refuses_is_decoded_by_ffmpeg_and_the_next_one_gets_a_new_decoder(nvdec):
+    """What NVDEC does not take (here: its stand-in refuses the clip's frames) FFmpeg decodes, the same
+    frames the pyav path gives; nothing of the failed decoder is kept for the next clip."""
     decoded_equal_to_the_cpus(clip())
     before = open_descriptors()
-    with pytest.raises(InvalidInput, match="not decodable by nvdec: RuntimeError: stand-in: corrupt bitstream"):
-        video_decode.probe_and_decode(clip(seed=1) + BROKEN, every_third, LIMITS, nvdec_gpu=0)
+    decoded_equal_to_the_cpus(clip(seed=1) + BROKEN)
     assert nvdec[-2:] == [("reconfigure",), ("stop",)]  # nothing of the failed clip's decoder is kept
     assert open_descriptors() == before - 1
     decoded_equal_to_the_cpus(clip(seed=2))
     assert nvdec[-1] == ("new", 0, 64, 48)
+
+
+def test_a_clip_both_decoders_refuse_is_refused_with_ffmpegs_reason(nvdec, monkeypatch):
+    def ffmpeg_refuses(*args):
+        raise InvalidInput("not a decodable video: FFmpeg's reason")
+
+    monkeypatch.setattr(video_decode, "_decode", ffmpeg_refuses)
+    with pytest.raises(InvalidInput, match="FFmpeg's reason"):
+        video_decode.probe_and_decode(clip() + BROKEN, every_third, LIMITS, nvdec_gpu=0)
+    assert nvdec == [("new", 0, 64, 48), ("stop",)]
 
 
 def test_a_reconfigure_the_decoder_refuses_falls_back_to_a_new_decoder(nvdec):

@@ -98,3 +98,9 @@ def test_an_nv12_surface_splits_into_the_frames_luma_and_chroma(width, height, s
 def test_a_surface_of_another_size_is_refused(surface):
     with pytest.raises(InvalidInput, match="NV12 surface for the header's"):
         video_nvdec._planes(torch.zeros(surface, dtype=torch.uint8), 48, 65 if surface[1] == 65 else 64)
+
+
+def test_a_surface_of_more_than_8_bits_is_refused_not_read_as_bytes():
+    # A 10-bit stream's P016 surface handed over as 16-bit words has NV12's shape: its dtype tells it apart.
+    with pytest.raises(InvalidInput, match=r"torch\.int16 surface; only 8-bit NV12"):
+        video_nvdec._planes(torch.zeros((72, 64), dtype=torch.int16), 48, 64)
