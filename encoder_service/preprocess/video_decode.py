@@ -256,6 +256,7 @@ class _Clip:
         width, height = stream.codec_context.width, stream.codec_context.height
         _check_frame_size(width, height, limits, "header claims")
         self.size, self.codec = (height, width), codec
+        self.pix_fmt = stream.codec_context.pix_fmt  # the decoder's output format by the header (None: unknown)
         self.color = (int(stream.codec_context.colorspace), int(stream.codec_context.color_range))
         if stream.frames:
             _check_frames(stream.frames, limits, "header claims")
@@ -300,14 +301,15 @@ class _Clip:
 
 
 def _probe(data: bytes, limits: VideoLimits, deadline: float, header: dict | None = None) -> ClipFacts:
-    """``header``, where given, receives the stream's frame size (H, W), its color tags and its codec (for NVDEC)."""
+    """``header``, where given, receives the stream's frame size (H, W), its color tags, its codec and its
+    pixel format (for NVDEC)."""
     with _Clip(data, limits, deadline) as clip:
         total = clip.stream.frames or clip.count_frames()
         if total == 0:
             raise InvalidInput("not a decodable video: the video stream has no frames")
         duration = total / clip.fps if clip.fps else (_header_seconds(clip.container, clip.stream) or None)
         if header is not None:
-            header.update(size=clip.size, color=clip.color, codec=clip.codec)
+            header.update(size=clip.size, color=clip.color, codec=clip.codec, pix_fmt=clip.pix_fmt)
         return ClipFacts(total_frames=int(total), fps=clip.fps, duration_s=duration)
 
 
@@ -457,16 +459,14 @@ def nvdec_frames(data: bytes, indices: list[int], facts: ClipFacts, header: dict
     wanted = _check_indices(indices, limits)
     if max(wanted) >= facts.total_frames:
         raise InvalidInput(f"video has {facts.total_frames} frames; frame index {max(wanted)} is past the end")
-    height, width = header["size"]
-    try:
-        return video_nvdec.decode_frames(data, wanted, facts.total_frames, height, width, header["color"],
-                                         header["codec"], gpu, deadline, limits.max_decode_seconds)
-    except InvalidInput:
-        # What NVDEC does not take (10-bit or 4:4:4 surfaces, a frame count of its own, a bitstream its
-        # parser refuses) FFmpeg decodes here, as the pyav path does, within what is left of the clip's
-        # time bound: the nvdec path's frames equal FFmpeg's, so the cache namespace holds the same
-        # embeddings either way. A clip FFmpeg refuses too is refused with FFmpeg's reason.
+    if header["pix_fmt"] not in video_nvdec.NV12_SOURCES:
+        # A format NVDEC's surfaces are not converted from (10-bit HDR from a phone, 4:2:2, 4:4:4), by the
+        # header: FFmpeg decodes it here, as the pyav path does, the same frames, without touching the
+        # process's NVDEC decoder. What NVDEC then refuses of a clip in its format is refused, as before.
         return _decode(data, indices, limits, deadline)
+    height, width = header["size"]
+    return video_nvdec.decode_frames(data, wanted, facts.total_frames, height, width, header["color"],
+                                     header["codec"], gpu, deadline, limits.max_decode_seconds)
 
 
 def decode_frame_list(frames: Sequence[bytes], limits: VideoLimits) -> np.ndarray:

@@ -26,8 +26,9 @@ path's bit for bit (tests/video/test_video_nvdec.py checks the conversion on the
 the same planes, for untagged, BT.709, BT.2020 and full-range streams; tests/gpu/test_gpu_video.py the
 whole decode). The tags are the stream header's: FFmpeg converts each frame with its own, so a stream
 whose bitstream changes its tags midway, or contradicts its header, converts differently. Only 8-bit
-4:2:0 (NV12) surfaces are taken; a clip of another format, or one NVDEC refuses otherwise, is decoded by
-FFmpeg in the same process instead (video_decode.nvdec_frames). The choice stays part of
+4:2:0 (NV12) surfaces are taken: a clip whose header says another pixel format (``NV12_SOURCES``) is
+decoded by FFmpeg in the same process instead (video_decode.nvdec_frames), and a surface of another
+format from a clip whose header lied is refused with a clear error. The choice stays part of
 the cache namespace.
 
 Attack surface: NVDEC's bitstream parser (in the NVIDIA driver) reads caller bytes, in the decoder
@@ -48,6 +49,8 @@ import numpy as np
 from ..errors import DecodeTimeout, EncoderError, InvalidInput
 from . import interrupt
 
+# The pixel formats (FFmpeg's names, from the stream's header) whose frames NVDEC hands over as NV12.
+NV12_SOURCES = frozenset({"yuv420p", "yuvj420p"})
 # Sampled frames copied to the host at a time: bounds the GPU memory a clip's decode takes in a decoder
 # process (its NV12 surfaces), which shares the GPU, and the work between two cancel checks.
 _GROUP = 8
@@ -186,7 +189,8 @@ def decode_frames(data: bytes, indices: Sequence[int], total_frames: int, height
         with torch.cuda.device(gpu):
             decoder = _session(nvc, data, gpu, codec, width, height).decoder
             try:
-                _decode_into(nvc, decoder, distinct, decoded, total_frames, height, width, color)
+                _decode_into(nvc, decoder, distinct, decoded, total_frames, height, width, color, deadline,
+                             max_decode_seconds)
             except BaseException:
                 drop_session()
                 raise
@@ -199,18 +203,22 @@ def decode_frames(data: bytes, indices: Sequence[int], total_frames: int, height
     except Exception as e:  # PyNvVideoCodec's errors: PyNvVCException, RuntimeError, a bare Exception
         raise InvalidInput(f"not decodable by nvdec: {type(e).__name__}: {e}") from None
     if time.monotonic() > deadline:
+        drop_session()
         raise DecodeTimeout(f"decoding the clip took more than {max_decode_seconds:g} s, over the limit of "
                             f"--max-video-decode-seconds {max_decode_seconds:g}")
     return host
 
 
 def _decode_into(nvc, decoder, distinct: list[int], decoded: np.ndarray, total_frames: int, height: int,
-                 width: int, color: tuple[int, int]) -> None:
+                 width: int, color: tuple[int, int], deadline: float, max_decode_seconds: float) -> None:
     if len(decoder) != total_frames:
         raise InvalidInput(f"nvdec counts {len(decoder)} frames where the container holds {total_frames}; "
                            "serve this clip with --video-decode pyav")
     for start in range(0, len(distinct), _GROUP):
         interrupt.check()  # a cancelled clip stops between groups
+        if time.monotonic() > deadline:
+            raise DecodeTimeout(f"decoding the clip took more than {max_decode_seconds:g} s, over the limit of "
+                                f"--max-video-decode-seconds {max_decode_seconds:g}")
         group = distinct[start:start + _GROUP]
         frames = decoder.get_batch_frames_by_index(group)
         if len(frames) != len(group):

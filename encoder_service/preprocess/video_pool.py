@@ -42,6 +42,7 @@ import queue
 import select
 import signal
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -170,6 +171,16 @@ def _child_main(conn, nvdec_gpu: int | None = None, memory_bytes: int | None = N
         importlib.import_module(module)
     channel = Channel(conn.fileno())
     send_json(channel, {"status": "ready"})
+    try:
+        _serve_jobs(channel, memory_bytes, nvdec_gpu)
+    finally:
+        # An NVDEC decoder kept from the last clip closed here, before the interpreter's teardown frees
+        # objects in no order the CUDA driver expects.
+        if nvdec_gpu is not None and "encoder_service.preprocess.video_nvdec" in sys.modules:
+            sys.modules["encoder_service.preprocess.video_nvdec"].drop_session()
+
+
+def _serve_jobs(channel: Channel, memory_bytes: int | None, nvdec_gpu: int | None) -> None:
     while True:
         try:
             body, stray = channel.receive(1 << 40)  # the server's job: it alone writes these
@@ -393,7 +404,7 @@ class _IdleChildren:
 
     def put(self, child: _Child) -> None:
         with self._ready:
-            (self.queue.append if child.ready else self.queue.appendleft)(child)
+            (self.queue.append if child.ready and not child.stopped else self.queue.appendleft)(child)
             self._ready.notify()
 
     def get(self, timeout: float) -> _Child:

@@ -146,12 +146,13 @@ def test_nvdec_frames_equal_ffmpegs(width, height):
     assert np.array_equal(got, want)  # NVDEC's planes are the standard's; swscale converts them as for FFmpeg's
 
 
-def test_nvdec_clips_in_turn_reuse_one_decoder_where_they_fit_and_equal_ffmpegs_frames():
+def test_nvdec_clips_in_turn_reuse_one_decoder_where_they_fit_and_equal_ffmpegs_frames(monkeypatch):
     """A decoder process keeps its NVDEC decoder from clip to clip (video_nvdec.py): clips that fit it are
-    decoded after ``reconfigure_decoder``, others by a new decoder (tests/video/test_nvdec_sessions.py checks
-    which, and the recovery after a failure, with a stand-in); a 10-bit clip NVDEC does not take goes to
-    FFmpeg. Every clip's frames equal FFmpeg's; the time
-    of a new decoder's clip against a reused one's is printed (the reason for keeping it)."""
+    decoded after ``reconfigure_decoder`` (the same decoder object), others by a new decoder
+    (tests/video/test_nvdec_sessions.py checks which, and the recovery after a failure, with a stand-in);
+    a 10-bit clip goes to FFmpeg by its header and leaves the decoder alone. Every clip's frames equal
+    FFmpeg's; FFmpeg is barred from the 8-bit clips' decodes, so none passes on the CPU path. Each clip's
+    time is printed (the reason for keeping the decoder)."""
     import time
 
     from encoder_service.benchmarks.reliability.video_inputs import make_clip
@@ -163,24 +164,36 @@ def test_nvdec_clips_in_turn_reuse_one_decoder_where_they_fit_and_equal_ffmpegs_
     limits = video_decode.VideoLimits(1 << 30, 100_000, 1000, 1 << 30, 60)
     def indices(facts):
         return [int(i) for i in np.linspace(0, facts.total_frames - 1, 8).round()]
-    clips = [("448 h264", photo_clip(1, 4, 448, 448, 30)), ("448 h264 again", photo_clip(2, 4, 448, 448, 30)),
-             ("320x240 h264", photo_clip(3, 2, 320, 240, 30)),
-             ("448 hevc", make_clip("mp4", "libx265", frames=40, width=448, height=448, fps=30)),
-             # 10-bit: not an NV12 surface, decoded by FFmpeg instead (video_decode.nvdec_frames)
+    # (name, clip, the decoder after it: (codec, width, height), and whether it is the one before)
+    clips = [("448 h264", photo_clip(1, 4, 448, 448, 30), ("h264", 448, 448), False),
+             ("448 h264 again", photo_clip(2, 4, 448, 448, 30), ("h264", 448, 448), True),
+             ("320x240 h264", photo_clip(3, 2, 320, 240, 30), ("h264", 448, 448), True),
+             ("448 hevc", make_clip("mp4", "libx265", frames=40, width=448, height=448, fps=30),
+              ("hevc", 448, 448), False),
              ("448 hevc 10-bit", make_clip("mp4", "libx265", frames=40, width=448, height=448, fps=30,
-                                           pix_fmt="yuv420p10le")),
-             ("720p h264", photo_clip(5, 4, 1280, 720, 30)), ("448 h264 last", photo_clip(6, 4, 448, 448, 30))]
+                                           pix_fmt="yuv420p10le"), ("hevc", 448, 448), True),
+             ("720p h264", photo_clip(5, 4, 1280, 720, 30), ("h264", 1280, 720), False),
+             ("448 h264 last", photo_clip(6, 4, 448, 448, 30), ("h264", 1280, 720), True)]
+    wants = {name: video_decode.probe_and_decode(clip, indices, limits)[1:] for name, clip, _, _ in clips}
+    cpu_decode = video_decode._decode
     video_nvdec.drop_session()
     try:
-        for name, clip in clips:
+        before = None
+        for name, clip, (codec, width, height), same in clips:
+            ten_bit = name.endswith("10-bit")
+            def barred(*args):
+                raise AssertionError("an 8-bit clip decoded by FFmpeg")
+            monkeypatch.setattr(video_decode, "_decode", cpu_decode if ten_bit else barred)
             started = time.perf_counter()
             _, got_indices, got = video_decode.probe_and_decode(clip, indices, limits, nvdec_gpu=0)
             seconds = time.perf_counter() - started
             kept = video_nvdec._kept
-            print(f"{name}: {seconds * 1000:.0f} ms, " + (f"decoder for {kept.codec} {kept.width}x{kept.height}"
-                                                          if kept is not None else "decoded by FFmpeg"))
-            _, want_indices, want = video_decode.probe_and_decode(clip, indices, limits)
+            print(f"{name}: {seconds * 1000:.0f} ms, decoder for {kept.codec} {kept.width}x{kept.height}")
+            want_indices, want = wants[name]
             assert got_indices == want_indices and np.array_equal(got, want), name
+            assert (kept.codec, kept.width, kept.height) == (codec, width, height), name
+            assert (kept.decoder is before) is same, name
+            before = kept.decoder
     finally:
         video_nvdec.drop_session()
 

@@ -118,26 +118,27 @@ def test_clips_that_fit_the_kept_decoder_reuse_it_and_others_get_a_new_one(nvdec
     assert open_descriptors() == before and nvdec[-1] == ("stop",)
 
 
-def test_a_clip_nvdec_refuses_is_decoded_by_ffmpeg_and_the_next_one_gets_a_new_decoder(nvdec):
-    """What NVDEC does not take (here: its stand-in refuses the clip's frames) FFmpeg decodes, the same
-    frames the pyav path gives; nothing of the failed decoder is kept for the next clip."""
+def test_after_a_failed_clip_the_next_one_gets_a_new_decoder(nvdec):
     decoded_equal_to_the_cpus(clip())
     before = open_descriptors()
-    decoded_equal_to_the_cpus(clip(seed=1) + BROKEN)
+    with pytest.raises(InvalidInput, match="not decodable by nvdec: RuntimeError: stand-in: corrupt bitstream"):
+        video_decode.probe_and_decode(clip(seed=1) + BROKEN, every_third, LIMITS, nvdec_gpu=0)
     assert nvdec[-2:] == [("reconfigure",), ("stop",)]  # nothing of the failed clip's decoder is kept
     assert open_descriptors() == before - 1
     decoded_equal_to_the_cpus(clip(seed=2))
     assert nvdec[-1] == ("new", 0, 64, 48)
 
 
-def test_a_clip_both_decoders_refuse_is_refused_with_ffmpegs_reason(nvdec, monkeypatch):
-    def ffmpeg_refuses(*args):
-        raise InvalidInput("not a decodable video: FFmpeg's reason")
-
-    monkeypatch.setattr(video_decode, "_decode", ffmpeg_refuses)
-    with pytest.raises(InvalidInput, match="FFmpeg's reason"):
-        video_decode.probe_and_decode(clip() + BROKEN, every_third, LIMITS, nvdec_gpu=0)
-    assert nvdec == [("new", 0, 64, 48), ("stop",)]
+@pytest.mark.parametrize("pix_fmt", ["yuv420p10le", "yuv444p"])
+def test_a_clip_whose_header_says_a_format_nvdec_does_not_hand_over_as_nv12_is_decoded_by_ffmpeg(nvdec, pix_fmt):
+    """A phone's 10-bit HDR clip, a 4:4:4 one: FFmpeg decodes it in the decoder process, the frames the pyav path
+    gives, and the process's NVDEC decoder is neither used nor dropped."""
+    decoded_equal_to_the_cpus(clip())
+    codec = "libx265" if pix_fmt.endswith("10le") else "libx264"
+    decoded_equal_to_the_cpus(make_clip("mp4", codec, frames=9, width=64, height=48, fps=12, pix_fmt=pix_fmt))
+    assert nvdec == [("new", 0, 64, 48)]
+    decoded_equal_to_the_cpus(clip(seed=1))
+    assert nvdec == [("new", 0, 64, 48), ("reconfigure",)]
 
 
 def test_a_reconfigure_the_decoder_refuses_falls_back_to_a_new_decoder(nvdec):
