@@ -204,9 +204,13 @@ def decode_frames(data: bytes, indices: Sequence[int], total_frames: int, height
         raise InvalidInput(f"not decodable by nvdec: {type(e).__name__}: {e}") from None
     if time.monotonic() > deadline:
         drop_session()
-        raise DecodeTimeout(f"decoding the clip took more than {max_decode_seconds:g} s, over the limit of "
-                            f"--max-video-decode-seconds {max_decode_seconds:g}")
+        raise _timeout(max_decode_seconds)
     return host
+
+
+def _timeout(max_decode_seconds: float) -> DecodeTimeout:
+    return DecodeTimeout(f"decoding the clip took more than {max_decode_seconds:g} s, over the limit of "
+                         f"--max-video-decode-seconds {max_decode_seconds:g}")
 
 
 def _decode_into(nvc, decoder, distinct: list[int], decoded: np.ndarray, total_frames: int, height: int,
@@ -217,8 +221,7 @@ def _decode_into(nvc, decoder, distinct: list[int], decoded: np.ndarray, total_f
     for start in range(0, len(distinct), _GROUP):
         interrupt.check()  # a cancelled clip stops between groups
         if time.monotonic() > deadline:
-            raise DecodeTimeout(f"decoding the clip took more than {max_decode_seconds:g} s, over the limit of "
-                                f"--max-video-decode-seconds {max_decode_seconds:g}")
+            raise _timeout(max_decode_seconds)
         group = distinct[start:start + _GROUP]
         frames = decoder.get_batch_frames_by_index(group)
         if len(frames) != len(group):
