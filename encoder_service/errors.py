@@ -62,6 +62,12 @@ class InvalidInput(EncoderError, ValueError):
     code = "INVALID_ARGUMENT"
 
 
+class DecoderUnusable(InvalidInput):
+    """A clip's decode failed and left its decoder process unable to decode another (NVDEC: the process's
+    CUDA context no longer runs work, after a sticky CUDA error or an Xid). The caller gets the clip's
+    error; the process leaves and the pool starts a fresh one, instead of one that refuses every clip."""
+
+
 class NotFound(EncoderError, KeyError):
     """A referenced content hash is not cached."""
 

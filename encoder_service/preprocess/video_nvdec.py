@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import DecodeTimeout, EncoderError, InvalidInput
+from ..errors import DecoderUnusable, DecodeTimeout, EncoderError, InvalidInput
 from . import interrupt
 
 # The pixel formats (FFmpeg's names, from the stream's header) whose frames NVDEC hands over as NV12.
@@ -201,11 +201,29 @@ def decode_frames(data: bytes, indices: Sequence[int], total_frames: int, height
     except EncoderError:
         raise
     except Exception as e:  # PyNvVideoCodec's errors: PyNvVCException, RuntimeError, a bare Exception
-        raise InvalidInput(f"not decodable by nvdec: {type(e).__name__}: {e}") from None
+        reason = f"not decodable by nvdec: {type(e).__name__}: {e}"
+        if not _device_works(gpu):
+            raise DecoderUnusable(f"{reason}; the decode left its process's GPU context unusable, and the "
+                                  "process is replaced") from None
+        raise InvalidInput(reason) from None
     if time.monotonic() > deadline:
         drop_session()
         raise _timeout(max_decode_seconds)
     return host
+
+
+def _device_works(gpu: int) -> bool:
+    """Whether this process's CUDA context on ``gpu`` still runs work, asked after an NVDEC failure. After a
+    sticky CUDA error (an illegal address, an Xid) every later call on the context fails: a process that
+    went on would refuse every clip it is given, as if each were corrupt, and never be replaced."""
+    import torch
+
+    try:
+        with torch.cuda.device(gpu):
+            torch.cuda.synchronize()
+            return torch.ones(1, device="cuda").add_(1).item() == 2.0
+    except Exception:  # the context's error, whichever it is
+        return False
 
 
 def _timeout(max_decode_seconds: float) -> DecodeTimeout:

@@ -51,7 +51,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from encoder_service.errors import Cancelled, DecodeTimeout, EncoderError, InvalidInput, ResourceExhausted, Unavailable
+from encoder_service.errors import (
+    Cancelled,
+    DecoderUnusable,
+    DecodeTimeout,
+    EncoderError,
+    InvalidInput,
+    ResourceExhausted,
+    Unavailable,
+)
 from encoder_service.offload import run_to_the_end
 from encoder_service.preprocess import decoders, interrupt
 from encoder_service.preprocess.decoder_channel import (
@@ -70,7 +78,8 @@ log = logging.getLogger(__name__)
 
 # The errors a child reports by name; anything else it raised is a bug, reported as INTERNAL.
 _ERRORS: dict[str, type[EncoderError]] = {"InvalidInput": InvalidInput, "ResourceExhausted": ResourceExhausted,
-                                          "DecodeTimeout": DecodeTimeout, "Cancelled": Cancelled}
+                                          "DecodeTimeout": DecodeTimeout, "Cancelled": Cancelled,
+                                          "DecoderUnusable": DecoderUnusable}
 # What the server sends a child to stop the call it runs; a child that is idle when it comes ignores it.
 CANCEL = b"cancel"
 # How long a child has to answer a cancel (it checks between frames) before it is killed and replaced.
@@ -197,7 +206,7 @@ def _serve_jobs(channel: Channel, memory_bytes: int | None, nvdec_gpu: int | Non
         # The bytes as bytes (they arrive as views of the message), the message then let go.
         data = ([bytes(frame) for frame in data[0]], data[1]) if kind == "frames" else bytes(data)
         del body, job
-        fd = None
+        fd, leave = None, False
         try:
             with interrupt.interrupt_when(lambda: _stop_if_cancelled(channel)):
                 if kind == "frames":
@@ -213,6 +222,7 @@ def _serve_jobs(channel: Channel, memory_bytes: int | None, nvdec_gpu: int | Non
             del frames
         except EncoderError as e:
             answer = {"status": type(e).__name__, "message": e.message}
+            leave = isinstance(e, DecoderUnusable)
         except MemoryError:
             answer = {"status": "ResourceExhausted", "message": "decoding the clip needed more memory than its "
                       f"decode process may hold ({memory_bytes} bytes, from the --max-video-* limits)"}
@@ -226,6 +236,8 @@ def _serve_jobs(channel: Channel, memory_bytes: int | None, nvdec_gpu: int | Non
         finally:
             if fd is not None:
                 os.close(fd)
+        if leave:  # the server replaces this process as it reads the answer
+            return
 
 
 _JOB_HEAD = struct.Struct("!QQ")  # the pickle's length, the number of out-of-band buffers
@@ -543,6 +555,10 @@ class VideoDecodePool:
                     raise Cancelled("the clip's request was cancelled; its decode stopped")
                 answer, fd = receive_json(child.channel, deadline)
                 return clip_from_answer(answer, fd, limits)
+            except DecoderUnusable:  # the child leaves after this answer: its replacement starts now
+                child, code = self._renew(child)
+                log.warning("video decode process replaced: its GPU context no longer works (exit code %s)", code)
+                raise
             except TimeoutError:
                 child, _ = self._renew(child)
                 if stop.is_set():

@@ -9,76 +9,34 @@ the decoder reads are closed when it moves on.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import io
 import os
 import sys
-import types
-from typing import ClassVar
 
 import numpy as np
+import nvdec_stand_in
 import pytest
 import torch
+from nvdec_stand_in import BREAKS_CONTEXT, BROKEN, CONTEXT_ERROR, StandInDecoder
 
 from encoder_service.benchmarks.reliability.video_inputs import make_clip
-from encoder_service.errors import InvalidInput
+from encoder_service.errors import DecoderUnusable, InvalidInput
 from encoder_service.preprocess import video_decode, video_nvdec
+from encoder_service.preprocess.video_pool import VideoDecodePool
 
 LIMITS = video_decode.VideoLimits(max_bytes=1 << 24, max_frames=1000, max_seconds=100.0,
                                   max_frame_pixels=1 << 20, max_decode_seconds=60.0)
-BROKEN = b"stand-in: refuse this clip's frames"
-
-
-class StandInDecoder:
-    """PyNvVideoCodec's SimpleDecoder as this module uses it: frames decoded by PyAV, as NV12 tensors."""
-
-    events: ClassVar[list[tuple]] = []
-    refuse_reconfigure = False
-
-    def __init__(self, path: str, *, gpu_id: int, max_width: int, max_height: int, **_options) -> None:
-        self.events.append(("new", gpu_id, max_width, max_height))
-        self.max_size = (max_width, max_height)
-        self._read(path)
-
-    def _read(self, path: str) -> None:
-        import av
-
-        assert path.startswith("/proc/self/fd/")
-        with open(path, "rb") as source:
-            data = source.read()
-        self.broken = data.endswith(BROKEN)
-        with av.open(io.BytesIO(data)) as container:
-            frames = [frame.to_ndarray(format="nv12") for frame in container.decode(video=0)]
-        height, width = frames[0].shape[0] * 2 // 3, frames[0].shape[1]
-        assert width <= self.max_size[0] and height <= self.max_size[1], "a clip larger than the decoder"
-        self.frames = [torch.from_numpy(f) for f in frames]
-
-    def reconfigure_decoder(self, path: str) -> None:
-        self.events.append(("reconfigure",))
-        if self.refuse_reconfigure:
-            raise RuntimeError("stand-in: reconfigure refused")
-        self._read(path)
-
-    def __len__(self) -> int:
-        return len(self.frames)
-
-    def get_batch_frames_by_index(self, indices: list[int]) -> list[torch.Tensor]:
-        if self.broken:
-            raise RuntimeError("stand-in: corrupt bitstream")
-        return [self.frames[i] for i in indices]
-
-    def stop(self) -> None:
-        self.events.append(("stop",))
 
 
 @pytest.fixture
 def nvdec(monkeypatch):
-    stand_in = types.SimpleNamespace(SimpleDecoder=StandInDecoder, OutputColorType=types.SimpleNamespace(NATIVE=0),
-                                     Pixel_Format=types.SimpleNamespace(NV12=0))
-    monkeypatch.setitem(sys.modules, "PyNvVideoCodec", stand_in)
+    monkeypatch.setitem(sys.modules, "PyNvVideoCodec", nvdec_stand_in.MODULE)
     monkeypatch.setattr(torch.cuda, "device", lambda gpu: contextlib.nullcontext())
+    monkeypatch.setattr(video_nvdec, "_device_works", nvdec_stand_in.device_works)
     monkeypatch.setattr(StandInDecoder, "events", [])
     monkeypatch.setattr(StandInDecoder, "refuse_reconfigure", False)
+    monkeypatch.setattr(StandInDecoder, "context_broken", False)
     video_nvdec.drop_session()
     yield StandInDecoder.events
     video_nvdec.drop_session()
@@ -127,6 +85,37 @@ def test_after_a_failed_clip_the_next_one_gets_a_new_decoder(nvdec):
     assert open_descriptors() == before - 1
     decoded_equal_to_the_cpus(clip(seed=2))
     assert nvdec[-1] == ("new", 0, 64, 48)
+
+
+def test_a_failure_that_leaves_the_gpu_context_unusable_says_the_process_must_go(nvdec):
+    """A corrupt clip is refused as such (InvalidInput, and the process decodes on); a failure after which the
+    process's CUDA context runs nothing (a sticky CUDA error) is DecoderUnusable, which ends the process."""
+    with pytest.raises(InvalidInput) as refused:
+        video_decode.probe_and_decode(clip() + BROKEN, every_third, LIMITS, nvdec_gpu=0)
+    assert not isinstance(refused.value, DecoderUnusable)
+    with pytest.raises(DecoderUnusable, match=f"{CONTEXT_ERROR}.*GPU context unusable.*replaced"):
+        video_decode.probe_and_decode(clip(seed=1) + BREAKS_CONTEXT, every_third, LIMITS, nvdec_gpu=0)
+
+
+def test_a_decoder_process_whose_gpu_context_broke_is_replaced_and_the_next_clip_decodes():
+    """Through real decoder processes: the clip that broke its process's GPU context gets its error, the process
+    is replaced at once, and the next clips decode, on the new process, the CPU decode's frames. Kept, the broken
+    process would refuse every clip it was given, each as if corrupt."""
+    data = clip()
+    _, _, want = video_decode.probe_and_decode(data, every_third, LIMITS)
+    with VideoDecodePool(1, nvdec_gpus=(0,), preload=("nvdec_stand_in_child",)) as pool:
+        assert run(pool.decode(data, every_third, LIMITS)).frames.tolist() == want.tolist()
+        (first,) = pool._children
+        with pytest.raises(DecoderUnusable, match="GPU context unusable"):
+            run(pool.decode(clip(seed=1) + BREAKS_CONTEXT, every_third, LIMITS))
+        assert pool.replaced == 1 and first.stopped
+        for _ in range(2):
+            assert run(pool.decode(data, every_third, LIMITS)).frames.tolist() == want.tolist()
+        assert pool.replaced == 1 and first not in pool._children
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
 
 
 @pytest.mark.parametrize("pix_fmt", ["yuv420p10le", "yuv444p"])
