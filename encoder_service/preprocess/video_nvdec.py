@@ -82,7 +82,7 @@ def yuv420p_to_rgb(luma: np.ndarray, u: np.ndarray, v: np.ndarray, colorspace: i
 
 
 def _planes(frame, height: int, width: int):
-    """An NV12 frame of PyNvVideoCodec (DLPack, [H * 3 / 2, W] bytes) -> (luma, chroma [.., .., 2])."""
+    """An NV12 frame of PyNvVideoCodec (DLPack, [H * 3 / 2, W] bytes) -> (luma, chroma [.., .., 2]) on the host."""
     import torch
 
     plane = torch.from_dlpack(frame)
@@ -98,6 +98,9 @@ def _planes(frame, height: int, width: int):
     if luma_rows not in (height, 2 * rows) or plane.shape[1] not in (width, 2 * cols) or plane.shape[1] < 2 * cols:
         raise InvalidInput(f"nvdec returned a {list(plane.shape)} NV12 surface for the header's {width}x{height} "
                            "frames (a stream whose frame size changes?)")
+    # One copy of the whole surface to the host, sliced there: each copy from this process's CUDA context
+    # is work the GPU switches to from the tower's forward (two a frame before, one for each plane).
+    plane = plane.cpu()
     return plane[:height, :width], plane[luma_rows:, :2 * cols].reshape(rows, cols, 2)
 
 
@@ -251,6 +254,6 @@ def _decode_into(nvc, decoder, distinct: list[int], decoded: np.ndarray, total_f
             raise InvalidInput(f"nvdec: {kind} frames are not converted (8-bit 4:2:0 only); "
                                "serve this clip with --video-decode pyav")
         for n, frame in enumerate(frames):
-            luma, chroma = (plane.cpu().numpy() for plane in _planes(frame, height, width))
+            luma, chroma = (plane.numpy() for plane in _planes(frame, height, width))
             decoded[start + n] = yuv420p_to_rgb(luma, chroma[..., 0], chroma[..., 1], *color)
         del frames
