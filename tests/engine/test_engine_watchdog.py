@@ -198,6 +198,9 @@ def test_a_worker_that_misses_its_wake_up_while_images_wait_is_stalled_by_the_en
                     queue._items.append(item)
 
             queue.put = put_without_waking_the_worker
+            # The worker asleep in take_batch, where only a notify wakes it: a worker not yet there (its
+            # thread just started, on a busy host) would find the image as it arrives, wake-up or not.
+            await until(lambda: len(queue._cond._waiters) == 1)
             request = asyncio.create_task(encode_all(engine, [patches(0, seed=7)]))
             await until(lambda: len(queue) == 1)
             assert engine.serving and queue.oldest_enqueued_at() is not None
