@@ -14,7 +14,7 @@ and its frames fit the surfaces the decoder was built for; any other clip gets a
 closed first: one session a process, its GPU memory that of the largest frames the limits allow). After
 any failure (a hostile clip, a cancel) the kept decoder is closed, so no state of a failed clip reaches
 the next. The decoder reads each clip from an anonymous memory file of this process (``/proc/self/fd``),
-emptied once the clip's frames are decoded and closed when the decoder moves on.
+closed when the decoder moves on.
 
 Pixels: an H.264/H.265/VP9/AV1 decoder's YUV output is defined by the standard, so NVDEC's planes are
 FFmpeg's; the YUV -> RGB step is not (NVDEC's own RGB output picks BT.709 for HD frames where FFmpeg
@@ -190,17 +190,15 @@ def decode_frames(data: bytes, indices: Sequence[int], total_frames: int, height
     decoded = np.empty((len(distinct), height, width, 3), np.uint8)
     try:
         with torch.cuda.device(gpu):
-            session = _session(nvc, data, gpu, codec, width, height)
+            decoder = _session(nvc, data, gpu, codec, width, height).decoder
             try:
-                _decode_into(nvc, session.decoder, distinct, decoded, total_frames, height, width, color,
-                             deadline, max_decode_seconds)
+                _decode_into(nvc, decoder, distinct, decoded, total_frames, height, width, color, deadline,
+                             max_decode_seconds)
             except BaseException:
                 drop_session()
                 raise
-            # The clip's bytes, read: an idle process would otherwise hold its last caller's clip (up to
-            # --max-video-bytes) until its next clip. The kept decoder reads the next clip's own file.
-            os.ftruncate(session.source, 0)
-            del session
+            finally:
+                del decoder
             position = {index: n for n, index in enumerate(distinct)}
             host = decoded[[position[int(i)] for i in indices]]
     except EncoderError:

@@ -76,17 +76,6 @@ def test_clips_that_fit_the_kept_decoder_reuse_it_and_others_get_a_new_one(nvdec
     assert open_descriptors() == before and nvdec[-1] == ("stop",)
 
 
-def test_an_idle_decoder_process_holds_no_bytes_of_its_last_clip(nvdec):
-    """The kept decoder's memory file is emptied once the clip's frames are decoded: an idle process does not hold
-    its last caller's clip (up to --max-video-bytes a process) until the next one, and the next clip still goes
-    to the kept decoder."""
-    decoded_equal_to_the_cpus(clip())
-    assert os.fstat(video_nvdec._kept.source).st_size == 0
-    decoded_equal_to_the_cpus(clip(seed=1))
-    assert nvdec == [("new", 0, 64, 48), ("reconfigure",)]
-    assert os.fstat(video_nvdec._kept.source).st_size == 0
-
-
 def test_after_a_failed_clip_the_next_one_gets_a_new_decoder(nvdec):
     decoded_equal_to_the_cpus(clip())
     before = open_descriptors()
