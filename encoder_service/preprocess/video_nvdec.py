@@ -225,6 +225,8 @@ def _device_works(gpu: int) -> bool:
         with torch.cuda.device(gpu):
             torch.cuda.synchronize()
             return torch.ones(1, device="cuda").add_(1).item() == 2.0
+    except torch.cuda.OutOfMemoryError:  # a full GPU, not a broken context: a new process would not help
+        return True
     except Exception:  # the context's error, whichever it is
         return False
 

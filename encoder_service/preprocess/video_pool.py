@@ -552,6 +552,8 @@ class VideoDecodePool:
                     answer, fd = receive_json(child.channel, time.monotonic() + self.cancel_grace_s)
                     if fd is not None:
                         os.close(fd)
+                    if answer.get("status") == "DecoderUnusable":  # it leaves: not back to the idle ones
+                        child, _ = self._renew(child)
                     raise Cancelled("the clip's request was cancelled; its decode stopped")
                 answer, fd = receive_json(child.channel, deadline)
                 return clip_from_answer(answer, fd, limits)

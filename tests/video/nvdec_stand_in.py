@@ -7,6 +7,7 @@ process fails and ``device_works`` says no, until the process ends."""
 from __future__ import annotations
 
 import io
+import time
 import types
 from typing import ClassVar
 
@@ -21,6 +22,8 @@ class StandInDecoder:
     events: ClassVar[list[tuple]] = []
     refuse_reconfigure = False
     context_broken = False  # the process's, as a sticky CUDA error is
+    break_after_s = 0.0  # how long the clip that breaks the context decodes first
+    broken_stop_s = 0.0  # how long closing a decoder takes once the context is broken (a slow teardown)
 
     def __init__(self, path: str, *, gpu_id: int, max_width: int, max_height: int, **_options) -> None:
         if StandInDecoder.context_broken:
@@ -53,6 +56,7 @@ class StandInDecoder:
 
     def get_batch_frames_by_index(self, indices: list[int]) -> list[torch.Tensor]:
         if self.breaks_context:
+            time.sleep(self.break_after_s)
             StandInDecoder.context_broken = True
         if StandInDecoder.context_broken:
             raise RuntimeError(CONTEXT_ERROR)
@@ -62,6 +66,8 @@ class StandInDecoder:
 
     def stop(self) -> None:
         self.events.append(("stop",))
+        if StandInDecoder.context_broken:
+            time.sleep(self.broken_stop_s)
 
 
 def device_works(gpu: int) -> bool:

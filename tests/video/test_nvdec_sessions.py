@@ -87,6 +87,25 @@ def test_after_a_failed_clip_the_next_one_gets_a_new_decoder(nvdec):
     assert nvdec[-1] == ("new", 0, 64, 48)
 
 
+def test_the_context_check_tells_a_broken_context_from_a_full_gpu(monkeypatch):
+    """video_nvdec._device_works itself: a sticky CUDA error (here raised by synchronize) is a broken context; a
+    full GPU (an allocation's OutOfMemoryError) is not, since a new process would find the GPU as full."""
+    monkeypatch.setattr(torch.cuda, "device", lambda gpu: contextlib.nullcontext())
+
+    def sticky_error():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", sticky_error)
+    assert not video_nvdec._device_works(0)
+
+    def full(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch, "ones", full)
+    assert video_nvdec._device_works(0)
+
+
 def test_a_failure_that_leaves_the_gpu_context_unusable_says_the_process_must_go(nvdec):
     """A corrupt clip is refused as such (InvalidInput, and the process decodes on); a failure after which the
     process's CUDA context runs nothing (a sticky CUDA error) is DecoderUnusable, which ends the process."""
@@ -112,6 +131,31 @@ def test_a_decoder_process_whose_gpu_context_broke_is_replaced_and_the_next_clip
         for _ in range(2):
             assert run(pool.decode(data, every_third, LIMITS)).frames.tolist() == want.tolist()
         assert pool.replaced == 1 and first not in pool._children
+
+
+def test_a_cancelled_clip_that_broke_its_decoders_gpu_context_does_not_leave_the_process_to_the_next_clip(
+        monkeypatch):
+    """The caller goes away while its clip breaks the process's GPU context: the answer the cancel waits for says
+    the process is leaving, so it is replaced then, not put back for the next clip, which would otherwise find a
+    process still closing its decoder (slow here, as a broken context's teardown can be) and be told its clip
+    crashed the decoder."""
+    monkeypatch.setenv("NVDEC_STAND_IN_BREAK_AFTER_S", "0.5")
+    monkeypatch.setenv("NVDEC_STAND_IN_BROKEN_STOP_S", "3")
+    data = clip()
+    _, _, want = video_decode.probe_and_decode(data, every_third, LIMITS)
+
+    async def cancel_while_it_breaks(pool):
+        task = asyncio.ensure_future(pool.decode(clip(seed=1) + BREAKS_CONTEXT, every_third, LIMITS))
+        await asyncio.sleep(0.25)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    with VideoDecodePool(1, nvdec_gpus=(0,), preload=("nvdec_stand_in_child",), cancel_grace_s=5.0) as pool:
+        assert run(pool.decode(data, every_third, LIMITS)).frames.tolist() == want.tolist()
+        run(cancel_while_it_breaks(pool))
+        assert run(pool.decode(data, every_third, LIMITS)).frames.tolist() == want.tolist()
+        assert pool.replaced == 1
 
 
 def run(coroutine):
