@@ -65,7 +65,9 @@ class InvalidInput(EncoderError, ValueError):
 class DecoderUnusable(InvalidInput):
     """A clip's decode failed and left its decoder process unable to decode another (NVDEC: the process's
     CUDA context no longer runs work, after a sticky CUDA error or an Xid). The caller gets the clip's
-    error; the process leaves and the pool starts a fresh one, instead of one that refuses every clip."""
+    error; the process leaves and the pool starts a fresh one, instead of one that refuses every clip.
+    INVALID_ARGUMENT, which clients do not retry: the clip most likely broke the context (a retry would
+    break another process), and a fault of the whole GPU fails the server's own forward too."""
 
 
 class NotFound(EncoderError, KeyError):
