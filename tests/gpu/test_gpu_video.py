@@ -173,7 +173,15 @@ def test_nvdec_clips_in_turn_reuse_one_decoder_where_they_fit_and_equal_ffmpegs_
              ("448 hevc 10-bit", make_clip("mp4", "libx265", frames=40, width=448, height=448, fps=30,
                                            pix_fmt="yuv420p10le"), ("hevc", 448, 448), True),
              ("720p h264", photo_clip(5, 4, 1280, 720, 30), ("h264", 1280, 720), False),
-             ("448 h264 last", photo_clip(6, 4, 448, 448, 30), ("h264", 1280, 720), True)]
+             ("448 h264 last", photo_clip(6, 4, 448, 448, 30), ("h264", 1280, 720), True),
+             # Matroska gives no frame count in its header: PyNvVideoCodec scans the file on a thread of its
+             # own, and a decoder that has seen such a clip scans every later one; then an MP4 on the same
+             # decoder, then a clip that closes it (its demuxer seeks its last file as it is destroyed).
+             ("448 h264 in matroska", make_clip("matroska", "libx264", frames=40, width=448, height=448, fps=30),
+              ("h264", 1280, 720), True),
+             ("448 h264 after matroska", photo_clip(7, 4, 448, 448, 30), ("h264", 1280, 720), True),
+             ("448 hevc after matroska", make_clip("mp4", "libx265", frames=40, width=448, height=448, fps=30),
+              ("hevc", 448, 448), False)]
     wants = {name: video_decode.probe_and_decode(clip, indices, limits)[1:] for name, clip, _, _ in clips}
     cpu_decode = video_decode._decode
     video_nvdec.drop_session()
